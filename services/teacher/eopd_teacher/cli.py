@@ -1,0 +1,140 @@
+"""`eopd-teacher`: serve | info | score.
+
+    eopd-teacher serve --model smollm2-135m --host 127.0.0.1 --grpc-port 50051 --http-port 8000
+    eopd-teacher info --target 127.0.0.1:50051
+    eopd-teacher score --target 127.0.0.1:50051 --input FILE.jsonl [--output OUT.jsonl]
+
+`score` input lines are either token ids, {"id": ..., "token_ids": [...], "score_from": N}, or
+text, {"id": ..., "prompt": "...", "response": "..."} (the response's tokens are scored; add
+"chat": true to wrap the prompt in the tokenizer's chat template as a user turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eopd_common.settings import SettingsError, add_arguments, settings_from_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .settings import TeacherSettings
+
+    p = argparse.ArgumentParser(prog="eopd-teacher", description="eopd teacher scoring service")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over gRPC (and HTTP probes/metrics)")
+    add_arguments(serve, TeacherSettings)
+    info = sub.add_parser("info", help="print what a teacher serves")
+    _client_arguments(info)
+    info.add_argument("--timeout", type=float, default=30.0)
+    score = sub.add_parser("score", help="score a JSONL file, write scores as JSONL")
+    _client_arguments(score)
+    score.add_argument("--input", required=True, type=Path)
+    score.add_argument("--output", default="-", help="output JSONL path, - for stdout")
+    score.add_argument("--top-k", type=int, default=0)
+    score.add_argument("--temperature", type=float, default=0.0)
+    score.add_argument("--tokenizer", default=None, help="model spec whose tokenizer encodes text input (default: the served model)")
+    score.add_argument("--batch-size", type=int, default=16, help="sequences per request")
+    score.add_argument("--timeout", type=float, default=300.0)
+    return p
+
+
+def _client_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="host:port or dns:///name:port")
+    p.add_argument("--auth-token-file", type=Path, default=None, help="file with the bearer token (or env EOPD_TEACHER_AUTH_TOKEN)")
+    p.add_argument("--tls-ca-file", default=None, help="CA bundle of the server's certificate (turns on TLS)")
+    p.add_argument("--tls-cert-file", default=None, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key-file", default=None, help="client key (mutual TLS)")
+
+
+def _client(args, timeout: float):
+    import os
+
+    from .client import TeacherClient
+
+    token = args.auth_token_file.read_text().strip() if args.auth_token_file else os.environ.get("EOPD_TEACHER_AUTH_TOKEN")
+    return TeacherClient(args.target, timeout=timeout, auth_token=token, tls_ca_file=args.tls_ca_file,
+                         tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
+
+
+def _encode(rows: list[dict], tokenizer_spec: str | None, served_model: str, cache_dir) -> tuple[list, object]:
+    """(id, token_ids, score_from) per row; the tokenizer (or None when all rows are token ids)."""
+    tok = None
+    seqs = []
+    for i, row in enumerate(rows):
+        sid = str(row.get("id", i))
+        if "token_ids" in row:
+            seqs.append((sid, [int(t) for t in row["token_ids"]], int(row.get("score_from", 1))))
+            continue
+        if "prompt" not in row or "response" not in row:
+            raise SystemExit(f"line {i + 1}: needs token_ids (+score_from) or prompt and response")
+        if tok is None:
+            from eopd_common.models import load_tokenizer
+
+            tok = load_tokenizer(tokenizer_spec or served_model, cache_dir)
+        if row.get("chat"):
+            prompt_ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True)
+            if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+                prompt_ids = prompt_ids["input_ids"]
+        else:
+            prompt_ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        response_ids = tok(row["response"], add_special_tokens=False)["input_ids"]
+        if not prompt_ids:
+            raise SystemExit(f"line {i + 1}: the prompt encodes to no tokens")
+        seqs.append((sid, list(prompt_ids) + list(response_ids), len(prompt_ids)))
+    return seqs, tok
+
+
+def _cmd_score(args) -> int:
+    from eopd_common.models import default_cache_dir
+
+    rows = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]
+    out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
+    with _client(args, args.timeout) as client:
+        info = client.wait_ready(args.timeout)
+        seqs, tok = _encode(rows, args.tokenizer, info.model_name, default_cache_dir())
+        for start in range(0, len(seqs), args.batch_size):
+            chunk = seqs[start : start + args.batch_size]
+            for (sid, ids, score_from), s in zip(chunk, client.score(chunk, top_k=args.top_k, temperature=args.temperature), strict=True):
+                record = {
+                    "id": sid,
+                    "score_from": score_from,
+                    "token_ids": ids[score_from:],
+                    "token_logprobs": s.token_logprobs.tolist(),
+                    "entropies": s.entropies.tolist(),
+                    "topk_ids": s.topk_ids.tolist(),
+                    "topk_logprobs": s.topk_logprobs.tolist(),
+                    "mean_logprob": float(s.token_logprobs.mean()),
+                    "mean_entropy": float(s.entropies.mean()),
+                }
+                if tok is not None:
+                    record["tokens"] = [tok.decode([t]) for t in ids[score_from:]]
+                out.write(json.dumps(record) + "\n")
+    if out is not sys.stdout:
+        out.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from .server import serve
+        from .settings import TeacherSettings
+
+        try:
+            settings = settings_from_args(TeacherSettings, args)
+        except SettingsError as exc:
+            print(f"eopd-teacher: {exc}", file=sys.stderr)
+            return 2
+        return serve(settings)
+    if args.command == "info":
+        with _client(args, args.timeout) as client:
+            print(json.dumps(client.wait_ready(args.timeout).__dict__, indent=2))
+        return 0
+    return _cmd_score(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The service boundary: protobuf <-> core types, with the validation of every request field.
+
+Validation errors name the field (`sequences[3].score_from`) and the sequence id, so a client
+can find the culprit; a request is validated whole before any of it is queued.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from eopd.v1 import teacher_pb2 as pb
+
+from .types import ModelInfo, ScoreItem, SequenceScores
+
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+MAX_ID_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    """A request field is wrong: INVALID_ARGUMENT."""
+
+
+class RequestTooLarge(ValueError):
+    """A request exceeds a size limit: RESOURCE_EXHAUSTED."""
+
+
+def items_from_request(req: pb.ScoreRequest, info: ModelInfo, *, require_request_id: bool = False) -> list[ScoreItem]:
+    """Validates `req` against the served model and the limits; returns one item per sequence."""
+    rid = req.request_id
+    where = f" (request_id {rid!r})" if rid else ""
+    if require_request_id and not rid:
+        raise InvalidRequest("request_id: must be non-empty on ScoreStream (responses are matched by it)")
+    if len(rid) > MAX_ID_CHARS:
+        raise InvalidRequest(f"request_id: longer than {MAX_ID_CHARS} characters")
+    if not req.sequences:
+        raise InvalidRequest(f"sequences: at least one sequence is required{where}")
+    if len(req.sequences) > info.max_sequences_per_request:
+        raise RequestTooLarge(
+            f"sequences: {len(req.sequences)} sequences exceed the limit of {info.max_sequences_per_request} per request{where}"
+        )
+    top_k = req.top_k or info.default_top_k
+    if top_k > info.max_top_k:
+        raise InvalidRequest(f"top_k: {req.top_k} exceeds the maximum {info.max_top_k}{where}")
+    temperature = req.temperature or 1.0
+    if not math.isfinite(temperature) or not (MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise InvalidRequest(
+            f"temperature: {req.temperature} must be 0 (meaning 1.0) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]{where}"
+        )
+    total = sum(len(s.token_ids) for s in req.sequences)
+    if total > info.max_tokens_per_request:
+        raise RequestTooLarge(f"sequences: {total} tokens exceed the limit of {info.max_tokens_per_request} per request{where}")
+    seen: set[str] = set()
+    items = []
+    for i, seq in enumerate(req.sequences):
+        field = f"sequences[{i}]"
+        sid = seq.id
+        if not sid:
+            raise InvalidRequest(f"{field}.id: must be non-empty{where}")
+        if len(sid) > MAX_ID_CHARS:
+            raise InvalidRequest(f"{field}.id: longer than {MAX_ID_CHARS} characters{where}")
+        if sid in seen:
+            raise InvalidRequest(f"{field}.id: duplicate sequence id {sid!r}{where}")
+        seen.add(sid)
+        n = len(seq.token_ids)
+        label = f"{field} (id {sid!r}){where}"
+        if n == 0:
+            raise InvalidRequest(f"{field}.token_ids: empty sequence, id {sid!r}{where}")
+        if n > info.max_context_length:
+            raise InvalidRequest(f"{field}.token_ids: {n} tokens exceed the model's context of {info.max_context_length}, id {sid!r}{where}")
+        ids = np.asarray(seq.token_ids, dtype=np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= info.vocab_size))
+        if bad.size:
+            j = int(bad[0])
+            raise InvalidRequest(
+                f"{field}.token_ids[{j}]: token id {int(ids[j])} is outside the vocabulary [0, {info.vocab_size}) of {label}"
+            )
+        if n < 2:
+            raise InvalidRequest(f"{field}.token_ids: {n} token; a sequence needs at least 2 (context and a scored token), {label}")
+        if not 1 <= seq.score_from < n:
+            raise InvalidRequest(f"{field}.score_from: {seq.score_from} must be in [1, {n - 1}] for {n} tokens, {label}")
+        items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature)))
+    return items
+
+
+def scores_to_pb(s: SequenceScores) -> pb.SequenceScores:
+    return pb.SequenceScores(
+        id=s.seq_id,
+        top_k=s.top_k,
+        token_logprobs=s.token_logprobs.tolist(),
+        entropies=s.entropies.tolist(),
+        topk_ids=s.topk_ids.ravel().tolist(),
+        topk_logprobs=s.topk_logprobs.ravel().tolist(),
+    )
+
+
+def scores_from_pb(r: pb.SequenceScores) -> SequenceScores:
+    """Decodes one result into numpy arrays (`[n]`, `[n, k]`)."""
+    k = max(int(r.top_k), 1)
+    lp = np.asarray(r.token_logprobs, dtype=np.float32)
+    return SequenceScores(
+        seq_id=r.id,
+        token_logprobs=lp,
+        entropies=np.asarray(r.entropies, dtype=np.float32),
+        topk_ids=np.asarray(r.topk_ids, dtype=np.int32).reshape(-1, k),
+        topk_logprobs=np.asarray(r.topk_logprobs, dtype=np.float32).reshape(-1, k),
+    )
+
+
+def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(**info.__dict__)
+
+
+def info_from_pb(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(**{f: getattr(m, f) for f in ModelInfo.__dataclass_fields__})

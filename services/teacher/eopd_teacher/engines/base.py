@@ -1,0 +1,78 @@
+"""The scoring engine interface: load, score a batch, health, shutdown.
+
+An engine is synchronous and single-threaded from the caller's point of view: the server's
+batcher calls `score` from one worker thread, one batch at a time. Batching across requests is
+the batcher's job; an engine scores whatever list it is given, and must return the same numbers
+for a sequence whether it is scored alone or with others.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+import torch
+
+from ..settings import TeacherSettings
+from ..stats import StatsFn, token_statistics
+from ..types import ModelInfo, ScoreItem, SequenceScores
+
+
+class ScoringEngine(abc.ABC):
+    @abc.abstractmethod
+    def load(self) -> ModelInfo:
+        """Loads the model (slow); returns what it serves."""
+
+    @abc.abstractmethod
+    def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        """Scores validated items (in order). Items may mix lengths, top_k and temperatures."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True while the engine can score."""
+
+    def shutdown(self) -> None:
+        """Releases the model. Idempotent."""
+
+
+def scores_from_hidden(
+    items: list[ScoreItem],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    settings: TeacherSettings,
+    stats_fn: StatsFn,
+) -> list[SequenceScores]:
+    """The engines' shared tail: exact statistics from the final hidden states at the scored
+    positions of `items` (`hidden [sum(num_scored), d]`, in item order; the row for position t is
+    the hidden state at t - 1) and the output projection, split back per sequence."""
+    targets = torch.cat([torch.from_numpy(it.token_ids[it.score_from :]) for it in items])
+    inv_t = torch.cat([torch.full((it.num_scored,), 1.0 / it.temperature) for it in items])
+    stats = token_statistics(
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        max(it.top_k for it in items),
+        bias=bias,
+        chunk_size=settings.chunk_size,
+        projection_dtype=torch.float32 if settings.fp32_projection else None,
+        stats_fn=stats_fn,
+    )
+    lp, ent = stats.token_logprobs.numpy(), stats.entropies.numpy()
+    tids, tlp = stats.topk_ids.numpy().astype(np.int32), stats.topk_logprobs.numpy()
+    out: list[SequenceScores] = []
+    offset = 0
+    for it in items:
+        sl = slice(offset, offset + it.num_scored)
+        out.append(
+            SequenceScores(
+                seq_id=it.seq_id,
+                token_logprobs=lp[sl],
+                entropies=ent[sl],
+                topk_ids=np.ascontiguousarray(tids[sl, : it.top_k]),
+                topk_logprobs=np.ascontiguousarray(tlp[sl, : it.top_k]),
+            )
+        )
+        offset += it.num_scored
+    return out

@@ -1,0 +1,106 @@
+"""The transformers engine: a Hugging Face causal LM on CPU or GPU.
+
+The decoder runs over right-padded sequences; only the hidden states at scored positions go
+through the output projection, in chunks (`stats.token_statistics`), so no `[batch, seq, vocab]`
+tensor is ever built.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from eopd_common.models import LoadedModel, load_causal_lm, tokenizer_fingerprint
+
+from .. import __version__
+from ..settings import TeacherSettings
+from ..stats import compiled_chunk_stats, eager_chunk_stats
+from ..types import ModelInfo, ScoreItem, SequenceScores
+from .base import ScoringEngine, scores_from_hidden
+
+log = logging.getLogger(__name__)
+
+
+class TransformersEngine(ScoringEngine):
+    def __init__(self, settings: TeacherSettings):
+        self.settings = settings
+        self._lm: LoadedModel | None = None
+        self._device = "cpu"
+        self._lock = threading.Lock()
+        self._stats_fn = eager_chunk_stats()
+        self._healthy = False
+
+    def load(self) -> ModelInfo:
+        s = self.settings
+        if s.threads:
+            torch.set_num_threads(s.threads)
+        self._device = s.resolved_device()
+        self._lm = load_causal_lm(s.model, dtype=s.dtype, device=self._device, cache_dir=s.cache_dir)
+        cfg = self._lm.model.config
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(cfg, attr, None):
+                raise ValueError(f"model {s.model}: {attr} is not supported (logits must be lm_head(hidden))")
+        if s.compile_statistics:
+            self._stats_fn = compiled_chunk_stats()
+        vocab = self._lm.model.get_output_embeddings().weight.shape[0]
+        self._healthy = True
+        self.info = ModelInfo(
+            model_name=self._lm.name,
+            model_revision=self._lm.revision,
+            vocab_size=int(vocab),
+            max_context_length=int(self._lm.max_context_length),
+            dtype=s.dtype,
+            engine="transformers",
+            default_top_k=s.default_top_k,
+            max_top_k=min(s.max_top_k, int(vocab)),
+            tokenizer_fingerprint=tokenizer_fingerprint(self._lm.tokenizer),
+            max_sequences_per_request=s.max_sequences_per_request,
+            max_tokens_per_request=s.max_tokens_per_request,
+            server_version=__version__,
+        )
+        if s.compile_statistics:  # compile now, not on the first request
+            self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.default_top_k, 1.0)])
+        return self.info
+
+    @property
+    def tokenizer(self):
+        assert self._lm is not None, "engine not loaded"
+        return self._lm.tokenizer
+
+    def health(self) -> bool:
+        return self._healthy and self._lm is not None
+
+    def shutdown(self) -> None:
+        self._healthy = False
+        self._lm = None
+
+    @torch.inference_mode()
+    def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        if not items:
+            return []
+        assert self._lm is not None, "engine not loaded"
+        with self._lock:
+            return self._score(items)
+
+    def _score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        model = self._lm.model
+        dev = self._device
+        lengths = [it.num_tokens for it in items]
+        width = max(lengths)
+        pad_id = 0
+        ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(items), width), dtype=torch.long)
+        for row, it in enumerate(items):
+            ids[row, : it.num_tokens] = torch.from_numpy(it.token_ids)
+            attn[row, : it.num_tokens] = 1
+        hidden = model.get_decoder()(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+        # The hidden state at t-1 predicts token t: gather positions [score_from - 1, len - 1).
+        rows = torch.cat([torch.full((it.num_scored,), r, dtype=torch.long) for r, it in enumerate(items)])
+        cols = torch.cat([torch.arange(it.score_from - 1, it.num_tokens - 1) for it in items])
+        h = hidden[rows.to(dev), cols.to(dev)]
+        del hidden
+        head = model.get_output_embeddings()
+        return scores_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn)

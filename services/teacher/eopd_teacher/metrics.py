@@ -1,0 +1,46 @@
+"""Prometheus metrics of the teacher (one registry per server instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class TeacherMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("eopd_teacher_requests", "RPCs answered, by method and status code", ["method", "code"], registry=r)
+        self.errors = Counter("eopd_teacher_errors", "RPCs that ended with an error, by status code", ["code"], registry=r)
+        self.latency = Histogram(
+            "eopd_teacher_request_latency_seconds", "RPC latency (streams: per ScoreRequest)", ["method"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.sequences = Counter("eopd_teacher_sequences_scored", "sequences scored", registry=r)
+        self.tokens_scored = Counter("eopd_teacher_tokens_scored", "positions scored (response tokens)", registry=r)
+        self.tokens_forward = Counter("eopd_teacher_tokens_forward", "tokens run through the model (prompt + response)", registry=r)
+        self.batch_sequences = Histogram(
+            "eopd_teacher_batch_sequences", "sequences per forward batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r
+        )
+        self.batch_tokens = Histogram(
+            "eopd_teacher_batch_tokens", "padded tokens per forward batch", buckets=tuple(2**i for i in range(6, 19)), registry=r
+        )
+        self.batch_padding = Histogram(
+            "eopd_teacher_batch_padding_ratio", "padding share of a forward batch", buckets=(0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1), registry=r
+        )
+        self.batch_latency = Histogram("eopd_teacher_batch_latency_seconds", "engine time per batch", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_sequences = Gauge("eopd_teacher_queue_sequences", "sequences waiting for a batch", registry=r)
+        self.queue_tokens = Gauge("eopd_teacher_queue_tokens", "tokens waiting for a batch", registry=r)
+        self.inflight = Gauge("eopd_teacher_inflight_requests", "ScoreRequests being served", registry=r)
+        self.ready = Gauge("eopd_teacher_ready", "1 when the model is loaded and requests are accepted", registry=r)
+
+    def on_batch(self, sequences: int, tokens: int, padded: int, seconds: float) -> None:
+        self.batch_sequences.observe(sequences)
+        self.batch_tokens.observe(padded)
+        self.batch_padding.observe(1 - tokens / padded if padded else 0)
+        self.batch_latency.observe(seconds)
+        self.tokens_forward.inc(tokens)
+
+    def on_queue(self, sequences: int, tokens: int) -> None:
+        self.queue_sequences.set(sequences)
+        self.queue_tokens.set(tokens)

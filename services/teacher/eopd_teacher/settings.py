@@ -1,0 +1,114 @@
+"""The teacher service's settings: CLI flags > `EOPD_TEACHER_*` env vars > YAML file > defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from eopd_common.models import default_cache_dir
+from eopd_common.settings import ServiceSettings
+
+MiB = 1024 * 1024
+
+
+class TeacherSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="EOPD_TEACHER_", frozen=True, extra="forbid", validate_default=True)
+
+    # What to serve
+    model: str = Field("smollm2-135m", description="preset (smollm2-135m, tiny-random[@SEED]), HF model directory or .gguf file")
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="scoring engine")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights' dtype; statistics are always float32")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="where presets are materialised")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default)")
+
+    # Network
+    host: str = Field("127.0.0.1", description="address both servers bind to (0.0.0.0 in containers)")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: pick a free one)")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port for /healthz, /readyz, /metrics (0: pick a free one)")
+    max_message_bytes: int = Field(64 * MiB, ge=MiB, description="gRPC max send/receive message size")
+    max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
+    grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight work gets to finish")
+
+    # Security (see docs/reliability.md). Tokens and keys are read from files or env vars and never logged.
+    auth_token: SecretStr | None = Field(None, description="bearer token every TeacherService call must carry (health is exempt)")
+    auth_token_file: Path | None = Field(None, description="file holding the bearer token (alternative to auth_token)")
+    tls_cert_file: Path | None = Field(None, description="PEM server certificate chain: serve gRPC over TLS")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
+    tls_client_ca_file: Path | None = Field(None, description="PEM CA bundle: require and verify client certificates (mutual TLS)")
+
+    # Scoring
+    default_top_k: int = Field(16, ge=1, description="top_k when a request says 0")
+    max_top_k: int = Field(64, ge=1, description="largest top_k a request may ask for")
+    chunk_size: int = Field(1024, ge=1, description="positions per output-projection chunk")
+    compile_statistics: bool = Field(True, description="fuse the per-chunk statistics with torch.compile")
+    fp32_projection: bool = Field(False, description="run the output projection in float32 for low-precision weights")
+
+    # Batching and admission
+    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
+    max_batch_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
+    max_queue_tokens: int = Field(1 << 20, ge=1, description="queued tokens beyond which requests get RESOURCE_EXHAUSTED")
+    max_sequences_per_request: int = Field(4096, ge=1, description="sequences per request")
+    max_tokens_per_request: int = Field(1 << 19, ge=1, description="tokens per request (all sequences)")
+    max_streams: int = Field(1024, ge=1, description="concurrent ScoreStream calls (RESOURCE_EXHAUSTED beyond)")
+    max_inflight_tokens_per_client: int = Field(
+        1 << 19, ge=1, description="tokens one client (x-eopd-client metadata, else peer address) may have in flight"
+    )
+
+    # vLLM engine (engine=vllm; `dtype` and `threads` above apply too). See docs/vllm.md.
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs the teacher is sharded over (tensor parallelism)")
+    vllm_gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1,
+        description="vLLM on GPU: fraction of GPU memory vLLM may take for weights, activations and KV cache "
+        "(leave room for the output projection the engine keeps beside it)",
+    )
+    vllm_kv_cache_gib: float | None = Field(
+        None, gt=0,
+        description="vLLM: KV cache size in GiB; overrides vllm_gpu_memory_utilization on GPU. "
+        "None: sized from the memory utilisation on GPU, 1 GiB on CPU",
+    )
+    vllm_max_model_len: int | None = Field(None, ge=2, description="vLLM: longest sequence (None: the model's context length)")
+    vllm_max_num_batched_tokens: int | None = Field(
+        None, ge=1,
+        description="vLLM: tokens per forward step (None: vLLM's default; at least the max model length, "
+        "since a sequence is never split across steps)",
+    )
+    vllm_enforce_eager: bool = Field(True, description="vLLM: no CUDA graphs / torch.compile (fast start; scoring is prefill only)")
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TeacherSettings":
+        if self.default_top_k > self.max_top_k:
+            raise ValueError(f"default_top_k ({self.default_top_k}) must be <= max_top_k ({self.max_top_k})")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("give auth_token or auth_token_file, not both")
+        for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
+        return self
+
+    def bearer_token(self) -> str | None:
+        """The configured token (from auth_token or auth_token_file), or None."""
+        if self.auth_token is not None:
+            return self.auth_token.get_secret_value()
+        if self.auth_token_file is not None:
+            return Path(self.auth_token_file).read_text().strip()
+        return None
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,57 @@
+"""Plain data types of the teacher core (no protobuf here: conversion lives in `convert.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ScoreItem:
+    """One sequence to score: positions t in [score_from, len(token_ids)) given token_ids[:t]."""
+
+    seq_id: str
+    token_ids: np.ndarray  # [L] int64
+    score_from: int
+    top_k: int
+    temperature: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_scored(self) -> int:
+        return self.num_tokens - self.score_from
+
+
+@dataclass(frozen=True)
+class SequenceScores:
+    """Scores of one sequence, n = number of scored positions, k = top_k."""
+
+    seq_id: str
+    token_logprobs: np.ndarray  # [n] float32
+    entropies: np.ndarray  # [n] float32
+    topk_ids: np.ndarray  # [n, k] int32
+    topk_logprobs: np.ndarray  # [n, k] float32
+
+    @property
+    def top_k(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    model_revision: str
+    vocab_size: int
+    max_context_length: int
+    dtype: str
+    engine: str
+    default_top_k: int
+    max_top_k: int
+    tokenizer_fingerprint: str
+    max_sequences_per_request: int = 0
+    max_tokens_per_request: int = 0
+    server_version: str = ""

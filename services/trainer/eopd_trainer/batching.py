@@ -1,0 +1,129 @@
+"""Packing rollouts into tensors, and splitting an iteration into mini- and micro-batches (pure).
+
+A batch of b sequences (prompt_b + response_b, right-padded to length L) is fed to the student;
+the hidden state at position t-1 predicts token t, so response token i of sequence b (at position
+P_b + i) is predicted at flat position `b * L + P_b + i - 1`. `positions` lists those flat
+positions, in order, for every response token: N = sum of response lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .messages import Rollout
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    input_ids: torch.Tensor  # [b, L] long
+    attention_mask: torch.Tensor  # [b, L] long
+    positions: torch.Tensor  # [N] long, flat index into [b * L]
+    sampled_ids: torch.Tensor  # [N] long
+    seq_index: torch.Tensor  # [N] long
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class PackedBatch(PackedSequences):
+    old_logprobs: torch.Tensor = None  # [N] float32
+    teacher_logprobs: torch.Tensor = None  # [N]
+    teacher_entropy: torch.Tensor = None  # [N]
+    topk_ids: torch.Tensor = None  # [N, k] long
+    topk_logprobs: torch.Tensor = None  # [N, k]
+
+
+def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PackedSequences:
+    """Right-padded prompt + response token ids and the positions predicting each response token."""
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError("pack_sequences needs as many prompts as responses, at least one")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    b, L = len(prompts), max(lengths)
+    ids = np.full((b, L), pad_id, dtype=np.int64)
+    mask = np.zeros((b, L), dtype=np.int64)
+    positions, sampled, seq_index = [], [], []
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if len(p) < 1:
+            raise ValueError(f"sequence {i}: empty prompt (the first response token needs a context)")
+        seq = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)])
+        ids[i, : len(seq)] = seq
+        mask[i, : len(seq)] = 1
+        start = i * L + len(p) - 1
+        positions.append(np.arange(start, start + len(r), dtype=np.int64))
+        sampled.append(np.asarray(r, dtype=np.int64))
+        seq_index.append(np.full(len(r), i, dtype=np.int64))
+    return PackedSequences(
+        input_ids=torch.from_numpy(ids),
+        attention_mask=torch.from_numpy(mask),
+        positions=torch.from_numpy(np.concatenate(positions)),
+        sampled_ids=torch.from_numpy(np.concatenate(sampled)),
+        seq_index=torch.from_numpy(np.concatenate(seq_index)),
+    )
+
+
+def _pad_topk(arr: np.ndarray, k: int, fill) -> np.ndarray:
+    if arr.shape[1] == k:
+        return arr
+    out = np.full((arr.shape[0], k), fill, dtype=arr.dtype)
+    out[:, : arr.shape[1]] = arr
+    return out
+
+
+def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> PackedBatch:
+    """Everything the loss needs for a micro-batch of rollouts. Differing top-k sizes are padded
+    with id 0 at log-prob -inf (zero teacher mass, ignored by the forward KL)."""
+    seqs = pack_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
+    k = max(r.top_k for r in rollouts)
+
+    def cat(name: str, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.asarray(getattr(r, name)) for r in rollouts]).astype(dtype))
+
+    topk_ids = np.concatenate([_pad_topk(r.teacher_topk_ids, k, 0) for r in rollouts]).astype(np.int64)
+    topk_lp = np.concatenate([_pad_topk(r.teacher_topk_logprobs, k, -np.inf) for r in rollouts]).astype(np.float32)
+    return PackedBatch(
+        input_ids=seqs.input_ids,
+        attention_mask=seqs.attention_mask,
+        positions=seqs.positions,
+        sampled_ids=seqs.sampled_ids,
+        seq_index=seqs.seq_index,
+        old_logprobs=cat("old_logprobs", np.float32),
+        teacher_logprobs=cat("teacher_logprobs", np.float32),
+        teacher_entropy=cat("teacher_entropies", np.float32),
+        topk_ids=torch.from_numpy(topk_ids),
+        topk_logprobs=torch.from_numpy(topk_lp),
+    )
+
+
+def shuffle_for_iteration(rollouts: Sequence[Rollout], seed: int, iteration: int) -> list[Rollout]:
+    """A deterministic order of an iteration's rollouts (sorted by id, then permuted by seed and
+    iteration): a restarted learner replays the same mini-batches."""
+    ordered = sorted(rollouts, key=lambda r: r.rollout_id)
+    perm = np.random.default_rng([seed, iteration]).permutation(len(ordered))
+    return [ordered[i] for i in perm]
+
+
+def split(items: Sequence, size: int) -> list[list]:
+    """Consecutive chunks of `size` (the last one may be shorter)."""
+    if size < 1:
+        raise ValueError("size must be >= 1")
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def shard(items: Sequence, rank: int, world: int) -> list:
+    """This rank's share of a mini-batch (strided, so shares differ by at most one item)."""
+    return list(items[rank::world])
+
+
+def gradient_accumulation_steps(mini_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    if mini_batch_size % (micro_batch_size * world_size):
+        raise ValueError(
+            f"train.mini_batch_size ({mini_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({micro_batch_size}) x the number of processes ({world_size})"
+        )
+    return mini_batch_size // (micro_batch_size * world_size)

@@ -1,0 +1,156 @@
+"""Learner checkpoints: DeepSpeed state + a Hugging Face export + the trainer state (ledger).
+
+Layout under `<run_dir>/checkpoints/`:
+
+    iter000004/                      one DeepSpeed tag per committed iteration
+        mp_rank_00_model_states.pt   (DeepSpeed's own files: module, optimizer, scheduler)
+        ...
+        hf/                          save_pretrained export of the student (+ tokenizer)
+        trainer_state.json           iteration, policy version, ledger of trained rollout ids,
+                                     stream entry ids of the iteration, counters
+    COMMITTED                        the tag of the newest *complete* checkpoint
+
+Commit protocol: every rank writes its DeepSpeed shard (`save_latest=False`), a barrier, then
+rank 0 writes the HF export and `trainer_state.json`, fsyncs them and atomically replaces
+`COMMITTED`. A crash at any point before that rename leaves the previous checkpoint committed;
+resume always loads the tag named by `COMMITTED` (never DeepSpeed's own `latest`). Only after the
+commit does the learner acknowledge the iteration's stream entries.
+
+Our own state is JSON; DeepSpeed's files are torch.save archives written and read only by this
+learner on its own disk (they never cross a trust boundary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+POINTER = "COMMITTED"
+
+
+def tag_for(iteration: int) -> str:
+    return f"iter{iteration:06d}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def committed_tag(ckpt_dir: Path) -> str | None:
+    p = Path(ckpt_dir) / POINTER
+    if not p.is_file():
+        return None
+    tag = p.read_text().strip()
+    return tag or None
+
+
+def read_state(ckpt_dir: Path, tag: str | None = None) -> dict[str, Any] | None:
+    """The trainer state of the committed (or given) checkpoint, or None if there is none."""
+    tag = tag or committed_tag(ckpt_dir)
+    if tag is None:
+        return None
+    return json.loads((Path(ckpt_dir) / tag / STATE_FILE).read_text())
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (e.g. no space left); the previous one is still committed."""
+
+
+class CheckpointManager:
+    def __init__(self, ckpt_dir: Path, *, keep: int, export_hf: bool, rank: int, barrier):
+        self.dir = Path(ckpt_dir)
+        self.keep = keep
+        self.export_hf = export_hf
+        self.rank = rank
+        self.barrier = barrier
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def latest(self) -> str | None:
+        return committed_tag(self.dir)
+
+    def load(self, engine) -> dict[str, Any] | None:
+        """Loads the committed checkpoint into the engine; returns its trainer state (or None)."""
+        tag = self.latest()
+        if tag is None:
+            return None
+        path, _ = engine.load_checkpoint(str(self.dir), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.dir / tag}")
+        state = read_state(self.dir, tag)
+        log.info("resumed from %s (iteration %s)", self.dir / tag, state["iteration"])
+        return state
+
+    def save(self, engine, iteration: int, state: dict[str, Any], *, export_fn=None) -> Path:
+        """Saves and commits a checkpoint (every rank calls this). `export_fn(path)` writes the
+        HF export on rank 0 (after parameters are gathered where needed).
+
+        A failed write (a full disk, an I/O error) raises `CheckpointError` naming the cause; the
+        partial directory is removed and the previously committed checkpoint stays committed."""
+        tag = tag_for(iteration)
+        target = self.dir / tag
+        if self.rank == 0 and target.exists():  # a crashed, uncommitted attempt at this tag
+            shutil.rmtree(target)
+        self.barrier()
+        try:
+            engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
+            if export_fn is not None and self.export_hf:
+                export_fn(target / "hf")
+        except (OSError, RuntimeError) as exc:
+            self._failed(target, exc)
+        self.barrier()
+        if self.rank == 0:
+            try:
+                _atomic_write(target / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+                _atomic_write(self.dir / POINTER, tag + "\n")
+            except OSError as exc:
+                self._failed(target, exc)
+            self._prune(keep_tag=tag)
+        self.barrier()
+        return target
+
+    def _failed(self, target: Path, exc: BaseException) -> None:
+        previous = self.latest()
+        detail = str(exc)
+        try:  # torch.save reports a full disk as "unexpected pos ..."; say what it is
+            usage = shutil.disk_usage(self.dir)
+            full = getattr(exc, "errno", None) == errno.ENOSPC or usage.free < max(64 << 20, usage.total // 100)
+            if full:
+                detail += f" (No space left on device: {usage.free / 2**20:.1f} MiB free on {self.dir})"
+        except OSError:
+            pass
+        if self.rank == 0:
+            shutil.rmtree(target, ignore_errors=True)  # frees the space; never the committed tag
+            for tmp in self.dir.glob(POINTER + ".tmp*"):
+                tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"writing checkpoint {target} failed: {detail}; the last committed checkpoint "
+            f"({self.dir / previous if previous else 'none'}) is intact and is what a restart resumes from"
+        ) from exc
+
+    def _prune(self, keep_tag: str) -> None:
+        tags = sorted(p.name for p in self.dir.iterdir() if p.is_dir() and p.name.startswith("iter"))
+        for tag in tags[: -self.keep]:
+            if tag != keep_tag:
+                shutil.rmtree(self.dir / tag, ignore_errors=True)

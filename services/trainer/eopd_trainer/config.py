@@ -1,0 +1,334 @@
+"""The run configuration: one validated, frozen object per run, from one YAML file plus
+`key=value` overrides with dotted paths (`train.lr=1e-5 loss.variant=opd`).
+
+Defaults are the paper's (appendix A, Table 5): lr 3e-6, cosine schedule, AdamW, B = 128 rollouts
+per iteration, B_mini = 32 (4 optimizer steps per iteration), 1 sample per prompt, top-p 1.0,
+max response length 4096, top-k 16, temperature 1.0, tau 0.8, alpha 1.0, clip 0.2.
+
+Every process of a run (learner, rollout workers, and later `eopd run`) loads the same file, so
+they agree on the namespace of the queue, the data and the run directory. Relative paths in the
+file are resolved against the file's directory. Unknown keys anywhere are errors; errors name
+the dotted path of each offending field.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .objective import LossConfig
+
+
+class ConfigError(ValueError):
+    """Invalid run configuration; the message lists every offending field by dotted path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TeacherConfig(_Section):
+    target: str = Field("127.0.0.1:50051", description="gRPC target of the teacher service (host:port or dns:///name:port).")
+    top_k: int = Field(16, ge=1, le=1024, description="Teacher top-k returned per position (paper: 16).")
+    temperature: float = Field(1.0, gt=0, description="Teacher temperature applied before every statistic.")
+    sequences_per_request: int = Field(4, ge=1, description="Sequences per ScoreStream request.")
+    max_in_flight: int = Field(8, ge=1, description="Unanswered requests on the stream (pipelining depth).")
+    timeout_s: float = Field(300.0, gt=0, description="Deadline of one teacher call; on the worker's stream: requests outstanding "
+                             "and no answer for this long -> the stream is abandoned, the channel replaced, the requests re-sent.")
+    retry_timeout_s: float = Field(300.0, gt=0, description="How long UNAVAILABLE (teacher restarting) is retried before the worker gives up.")
+    ready_timeout_s: float = Field(300.0, gt=0, description="How long the worker waits for the teacher at start.")
+    token_remap: dict[int, int] = Field(
+        default_factory=dict,
+        description="Student token id -> teacher token id applied to sequences sent to the teacher (e.g. the "
+        "student's end-of-text id to the teacher's end-of-turn id); the teacher's top-k ids are mapped back.",
+    )
+    check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's.")
+    model: str = Field("", description="Model spec `eopd run` serves as the teacher (and `eopd eval` compares against); "
+                       "ignored by the learner and the workers, which use `target`.")
+
+
+class StudentConfig(_Section):
+    model: str = Field("smollm2-135m", description="Student model spec: a preset, tiny-random@SEED, an HF directory or a .gguf file.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype of the rollout workers.")
+    device: str = Field("cpu", description="Rollout worker device (cpu, cuda, cuda:1, ...).")
+
+
+class TasksConfig(_Section):
+    """Prompts from the arithmetic/word-problem generator (`eopd_trainer.tasks`), written by `eopd run`."""
+
+    train: int = Field(512, ge=1, description="Training prompts.")
+    heldout: int = Field(64, ge=1, description="Held-out prompts (never shared with the training split).")
+    seed: int = Field(0, ge=0, description="Generator seed.")
+
+
+class DataConfig(_Section):
+    train_files: list[Path] = Field(default_factory=list, description="JSONL (or parquet, with pyarrow) files of training prompts.")
+    eval_files: list[Path] = Field(default_factory=list, description="Held-out prompt files (same format).")
+    field: str = Field("prompt", description="Name of the prompt field of each record.")
+    suffix: str = Field("", description='Appended to every prompt, e.g. " Please reason step by step, and put your final answer within \\boxed{}."')
+    chat_template: bool | str = Field(
+        True, description="true: the student tokenizer's chat template (user turn, generation prompt); a string: a "
+        "template with {query}; false: the raw prompt."
+    )
+    max_prompt_length: int = Field(1024, ge=1, description="Longer prompts are truncated from the left.")
+    shuffle: bool = Field(True, description="Shuffle prompts every epoch (deterministically from `seed`).")
+    generate: TasksConfig | None = Field(None, description="`eopd run` generates the tasks' train/held-out splits into "
+                                         "<run_dir>/data and uses them as train_files/eval_files.")
+
+
+class RolloutConfig(_Section):
+    n_samples: int = Field(1, ge=1, description="Responses sampled per prompt (paper: 1).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0); old log-probs use it too.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling (paper: 1.0 for Qwen).")
+    max_response_length: int = Field(4096, ge=1, description="Maximum response tokens (paper: 4096).")
+    generation_batch_size: int = Field(8, ge=1, description="Sequences generated together by one worker.")
+    weights_poll_s: float = Field(0.2, gt=0, description="How often a worker polls for a newer policy version while it waits.")
+    claim_idle_ms: int = Field(30_000, ge=1, description="Tasks pending this long on another (dead) worker are reclaimed (XAUTOCLAIM).")
+    max_task_deliveries: int = Field(5, ge=1, description="A task delivered more often than this goes to the dead-letter stream.")
+
+
+class QueueConfig(_Section):
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// for TLS; password in the URL or REDIS_PASSWORD).")
+    namespace: str = Field("eopd", description="Prefix of every Redis key of the run: <ns>:tasks, <ns>:rollouts, <ns>:dead, <ns>:policy.")
+    max_backlog: int = Field(1024, ge=1, description="Producers wait while the rollout stream holds this many entries (backpressure).")
+    block_ms: int = Field(1000, ge=1, description="XREADGROUP blocking time.")
+    dead_letter_maxlen: int = Field(10_000, ge=1, description="The dead-letter stream is trimmed (approximately) to this length.")
+
+
+class TrainConfig(_Section):
+    batch_size: int = Field(128, ge=1, description="B: rollouts per iteration (paper: 128).")
+    mini_batch_size: int = Field(32, ge=1, description="B_mini: rollouts per optimizer step (paper: 32 -> 4 steps per iteration).")
+    micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward per process (gradient accumulation makes up B_mini).")
+    iterations: int | None = Field(None, ge=1, description="Training iterations; default: from `epochs`.")
+    epochs: float = Field(3.0, gt=0, description="Passes over the training prompts when `iterations` is not given (paper: 3 on MATH).")
+    lr: float = Field(3e-6, gt=0, description="Peak learning rate (paper: 3e-6).")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps of the cosine schedule.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clipping (0 disables).")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision (bf16 keeps fp32 master weights).")
+    loss_from_hidden: bool = Field(True, description="Use the fused hidden-state loss (no [N, V] logits); ZeRO-3 always uses logits.")
+    deepspeed: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config merged over the generated one.")
+    dist_backend: str = Field("", description="torch.distributed backend; default gloo on CPU, nccl on GPU.")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(1, ge=1, description="Checkpoint every this many iterations (rollouts are acknowledged at checkpoints).")
+    keep: int = Field(2, ge=1, description="Checkpoints kept (older ones deleted after a newer one is committed).")
+    export_hf: bool = Field(True, description="Also write a Hugging Face save_pretrained export of the student.")
+    keep_weights: int = Field(3, ge=1, description="Published weight versions kept in weights/.")
+
+
+class EvalConfig(_Section):
+    """`eopd eval` / the evaluation at the end of `eopd run` (paper: temperature 1.0, top-p 0.8)."""
+
+    enabled: bool = Field(True, description="`eopd run` evaluates the final student on data.eval_files at the end.")
+    n_samples: int = Field(4, ge=1, description="Samples per held-out prompt (the k of Avg@k; Pass@k for k <= n).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0).")
+    top_p: float = Field(0.8, gt=0, le=1.0, description="Nucleus sampling (paper: 0.8).")
+    max_new_tokens: int = Field(256, ge=1, description="Maximum response tokens.")
+    max_prompts: int = Field(0, ge=0, description="Use at most this many held-out prompts (0: all).")
+    batch_size: int = Field(8, ge=1, description="Sequences generated / scored together.")
+    high_entropy: float = Field(0.8, ge=0, description="Teacher-entropy threshold of the high-entropy KL (paper tau).")
+    models: list[str] = Field(default_factory=lambda: ["initial", "final"],
+                              description="What `eopd run` evaluates: initial (student before training), final, teacher.")
+
+
+class LoggingConfig(_Section):
+    progress: bool = Field(True, description="Console progress bar (tqdm).")
+    tensorboard: bool = Field(True, description="TensorBoard event files under <run_dir>/tb.")
+    prometheus_port: int = Field(0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
+    level: str = Field("INFO")
+
+
+class FaultConfig(_Section):
+    """A fault to inject (tests and the chaos tier): at `point`, when the context matches, do `action`."""
+
+    point: str = Field(description="e.g. learner.after_step, learner.after_commit, rollout.after_publish")
+    action: Literal["kill", "hang", "raise"] = "kill"
+    iteration: int | None = None
+    step: int | None = None
+    count: int | None = Field(None, description="rollout points: after this many published rollouts")
+
+
+class RunConfig(_Section):
+    run_dir: Path = Field(Path("runs/default"), description="Checkpoints, published weights, logs and TensorBoard events.")
+    seed: int = 0
+    mode: Literal["sync", "async"] = Field("sync", description="sync: Algorithm 1 (rollouts of iteration i from the weights after i-1); async: bounded staleness.")
+    max_staleness: int = Field(1, ge=0, description="async: rollouts sampled more than this many versions ago are dropped and counted.")
+    teacher: TeacherConfig = TeacherConfig()
+    student: StudentConfig = StudentConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    queue: QueueConfig = QueueConfig()
+    loss: LossConfig = LossConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
+    faults: list[FaultConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if not self.data.train_files and self.data.generate is None:
+            raise ValueError("data.train_files: at least one prompt file is required (or data.generate)")
+        t = self.train
+        if t.batch_size % t.mini_batch_size:
+            raise ValueError(f"train.batch_size ({t.batch_size}) must be a multiple of train.mini_batch_size ({t.mini_batch_size})")
+        if t.batch_size % self.rollout.n_samples:
+            raise ValueError(f"train.batch_size ({t.batch_size}) must be a multiple of rollout.n_samples ({self.rollout.n_samples})")
+        held = t.batch_size * self.checkpoint.every
+        if self.queue.max_backlog < held:
+            raise ValueError(
+                f"queue.max_backlog ({self.queue.max_backlog}) must be at least train.batch_size x checkpoint.every "
+                f"({held}): rollouts stay in the stream until the checkpoint that trained on them is committed, so "
+                "a smaller bound stops the workers before the learner has a batch (deadlock)"
+            )
+        if abs(self.rollout.temperature - self.loss.temperature) > 1e-9:
+            raise ValueError(
+                f"rollout.temperature ({self.rollout.temperature}) must equal loss.temperature ({self.loss.temperature}): "
+                "the old log-probs and the ratio must be taken at the same temperature"
+            )
+        return self
+
+    # Derived quantities -------------------------------------------------------------------
+    @property
+    def steps_per_iteration(self) -> int:
+        return self.train.batch_size // self.train.mini_batch_size
+
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.train.batch_size // self.rollout.n_samples
+
+    def total_iterations(self, num_prompts: int) -> int:
+        if self.train.iterations is not None:
+            return self.train.iterations
+        return max(1, math.ceil(self.train.epochs * num_prompts / self.prompts_per_iteration))
+
+    @property
+    def effective_max_staleness(self) -> int:
+        return 0 if self.mode == "sync" else self.max_staleness
+
+
+# Loading ----------------------------------------------------------------------------------
+
+_PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"))
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML: numbers, booleans, lists...)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (dotted keys, e.g. train.lr=1e-5)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Returns a copy of `data` with each `key=value` applied (intermediate mappings created)."""
+    out = _deep_copy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+    def fix(p: Any) -> Any:
+        if isinstance(p, str) and p and not os.path.isabs(os.path.expanduser(p)):
+            return os.path.normpath(str(base / p))
+        return p
+
+    for path in _PATH_FIELDS:
+        node = data
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or path[-1] not in node:
+            continue
+        value = node[path[-1]]
+        node[path[-1]] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            lines.append(f"  {loc}: {msg}")
+        raise ConfigError("invalid run config:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Loads a run config: YAML file (optional), then `key=value` overrides, then validation.
+
+    Relative paths (run_dir, data files) in the file are relative to the file's directory; in
+    overrides they are relative to the current directory.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+        _resolve_paths(loaded, p.resolve().parent)
+        data = loaded
+    data = apply_overrides(data, list(overrides))
+    return config_from_dict(data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The effective config as YAML (written into the run directory for provenance)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_for_process(prog: str, config_file: str | None, overrides: list[str], role: str) -> RunConfig | None:
+    """The config of a pipeline process started from the command line, with logging set up; None
+    (after printing the error) when the config is invalid, for an exit status of 2."""
+    import logging
+    import sys
+
+    try:
+        cfg = load_config(config_file, overrides)
+    except (ConfigError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(levelname)s {role} %(message)s", stream=sys.stderr)
+    return cfg

@@ -1,0 +1,70 @@
+"""Distance of a student to its teacher on held-out prompts (full vocabulary, both models local).
+
+At every response position of a set of contexts (prompt + sampled response), the exact reverse
+KL(student || teacher) and forward KL(teacher || student) of the next-token distributions,
+averaged over positions:
+
+- `kl_to_teacher`: on the student's own samples (on-policy, as in the paper's analyses);
+- `sample_contexts` + `kl_on_samples`: on fixed contexts, e.g. sampled once from the initial
+  student, so that two checkpoints are compared on the very same positions (a paired measure,
+  much less noisy on small evaluation sets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .batching import pack_sequences
+from .sampling import Sample, generate
+
+
+def _pad(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+@torch.no_grad()
+def sample_contexts(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int = 1234,
+                    temperature: float = 1.0, batch_size: int = 8) -> list[Sample]:
+    out: list[Sample] = []
+    for start in range(0, len(prompts), batch_size):
+        out.extend(generate(model, tokenizer, list(prompts[start : start + batch_size]), temperature=temperature,
+                            top_p=1.0, max_new_tokens=max_new_tokens, seed=seed + start))
+    return out
+
+
+@torch.no_grad()
+def position_log_probs(student, teacher, samples: Sequence[Sample], pad_id: int, *, temperature: float = 1.0,
+                       batch_size: int = 8) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per chunk of samples: the student's and the teacher's full next-token log-distributions at
+    every response position, `(ls, lt)`, each [positions, V] float64 (response order kept)."""
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        packed = pack_sequences([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
+        out = []
+        for model in (student, teacher):
+            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+            flat = logits.reshape(-1, logits.shape[-1])[packed.positions].double() / temperature
+            out.append(torch.log_softmax(flat, dim=-1))
+        yield out[0], out[1]
+
+
+@torch.no_grad()
+def kl_on_samples(student, teacher, samples: Sequence[Sample], pad_id: int, *, temperature: float = 1.0,
+                  batch_size: int = 8) -> dict[str, float]:
+    rkl_sum = fkl_sum = 0.0
+    n = 0
+    for ls, lt in position_log_probs(student, teacher, samples, pad_id, temperature=temperature, batch_size=batch_size):
+        rkl_sum += float((ls.exp() * (ls - lt)).sum())
+        fkl_sum += float((lt.exp() * (lt - ls)).sum())
+        n += ls.shape[0]
+    return {"reverse_kl": rkl_sum / max(n, 1), "forward_kl": fkl_sum / max(n, 1), "tokens": float(n)}
+
+
+@torch.no_grad()
+def kl_to_teacher(student, teacher, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16,
+                  seed: int = 1234, temperature: float = 1.0, batch_size: int = 8) -> dict[str, float]:
+    samples = sample_contexts(student, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
+                              temperature=temperature, batch_size=batch_size)
+    return kl_on_samples(student, teacher, samples, _pad(tokenizer), temperature=temperature, batch_size=batch_size)

@@ -1,0 +1,52 @@
+"""Fault injection at named points (tests; later the chaos tier of issue 8).
+
+Configured in the run config (`faults: [{point: learner.after_step, iteration: 2, step: 1}]`,
+or as an override `faults=[{point: learner.after_commit, iteration: 1}]`). A fault fires when
+its point matches and every field it sets (iteration, step, count) equals the context's.
+
+Points: `learner.after_step` (an optimizer step of an iteration done, nothing committed),
+`learner.after_commit` (checkpoint committed, entries not yet acknowledged),
+`learner.before_commit`, `rollout.after_publish` (a rollout published, its task not yet
+acknowledged; `count` = rollouts published by this process), `rollout.after_sample`.
+
+Actions: `kill` (SIGKILL to itself: no cleanup, exactly like an OOM kill or a lost node),
+`hang` (sleep forever: a stalled process), `raise` (an exception).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class Faults:
+    def __init__(self, faults: Sequence = ()):
+        self.faults = list(faults)
+
+    def hit(self, point: str, **ctx: int) -> None:
+        for f in self.faults:
+            if f.point != point:
+                continue
+            wanted = {k: getattr(f, k) for k in ("iteration", "step", "count") if getattr(f, k) is not None}
+            if any(ctx.get(k) != v for k, v in wanted.items()):
+                continue
+            msg = f"injected fault {f.action} at {point} {ctx}"
+            log.warning(msg)
+            print(msg, file=sys.stderr, flush=True)
+            if f.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.action == "hang":
+                while True:
+                    time.sleep(3600)
+            else:
+                raise InjectedFault(msg)

@@ -1,0 +1,433 @@
+"""The learner (`eopd-train`): scored rollouts in, DeepSpeed optimizer steps, checkpoints and
+published weights out.
+
+One iteration i (Algorithm 1), starting from policy version v = i - 1:
+
+1. rank 0 publishes the PromptTasks the iteration needs (sync: exactly B rollouts' worth asking
+   for version v; async: up to `max_staleness` iterations ahead) with the task counter in one
+   MULTI/EXEC, so a restart never publishes them twice;
+2. rank 0 collects B admissible rollouts from the consumer group (its own pending entries first,
+   after a restart): undecodable or inconsistent ones go to the dead-letter stream, duplicates
+   (already trained or already in the batch) are acknowledged, staler than allowed are dropped,
+   counted and replaced by new tasks;
+3. the rollouts' bytes are broadcast to every rank; the B rollouts are shuffled deterministically
+   and split into B / B_mini mini-batches; each is one optimizer step made of micro-batches
+   (gradient accumulation, data parallel over ranks), the loss from `compute_loss` with the
+   token-mean over the whole mini-batch;
+4. checkpoint commit (DeepSpeed state + HF export + trainer_state.json with the ledger of trained
+   rollout ids), then the new weights are published as version i, then the iteration's stream
+   entries are acknowledged and deleted.
+
+    eopd-train --config configs/tiny.yaml [key=value ...]
+    torchrun --nproc-per-node 2 -m eopd_trainer.learner --config ... train.zero_stage=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .batching import (
+    PackedBatch,
+    gradient_accumulation_steps,
+    pack_rollouts,
+    shard,
+    shuffle_for_iteration,
+    split,
+)
+from .config import RunConfig, config_for_process, dump_config
+from .faults import Faults
+from .ledger import Admit, Ledger, admit, replacement_tasks_needed, tasks_to_publish
+from .messages import PoisonMessage, PromptTask, Rollout, decode_rollout, encode_task
+from .metrics import MetricsSink, token_weighted_mean
+
+log = logging.getLogger("eopd.learner")
+
+LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss")
+
+
+def _quiet_libraries() -> None:
+    """No per-file progress bars from transformers / huggingface_hub in the learner's log."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def fresh_state() -> dict[str, Any]:
+    return {"iteration": 0, "policy_version": 0, "optimizer_steps": 0, "ledger": {},
+            "counters": {"stale_dropped": 0, "duplicates": 0, "dead_letters": 0, "replacement_tasks": 0},
+            "last_entry_ids": []}
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.faults = Faults(cfg.faults)
+        self.stop_requested = False
+
+    def request_stop(self, *_args) -> None:
+        """SIGTERM/SIGINT: stop at the next point where nothing is half done (while waiting for
+        rollouts). Whatever is not committed is redone after a restart: exactly-once holds."""
+        self.stop_requested = True
+
+    # Set-up ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        import deepspeed
+        from eopd_common.models import load_causal_lm
+
+        from .checkpoint import CheckpointManager
+        from .data import load_prompts
+        from .distributed import barrier, build_ds_config, init_process_group
+
+        cfg = self.cfg
+        _quiet_libraries()
+        self.rank, self.world = init_process_group(cfg.train.dist_backend)
+        torch.manual_seed(cfg.seed)
+        self.run_dir = Path(cfg.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self.num_prompts = len(load_prompts(cfg.data.train_files, cfg.data.field))
+        self.total_iterations = cfg.total_iterations(self.num_prompts)
+        self.gas = gradient_accumulation_steps(cfg.train.mini_batch_size, cfg.train.micro_batch_size, self.world)
+        on_cpu = not torch.cuda.is_available()
+        self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        loaded = load_causal_lm(cfg.student.model, dtype="float32", device=str(self.device))
+        self.tokenizer = loaded.tokenizer
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        model = loaded.model
+        model.train()
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        ds_config = build_ds_config(cfg, self.world, self.total_iterations * cfg.steps_per_iteration, on_cpu=on_cpu)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                      export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier)
+        self.state = self.ckpt.load(self.engine) or fresh_state()
+        self.ledger = Ledger.from_json(self.state["ledger"])
+        self.metrics = MetricsSink(self.run_dir, "train", tensorboard=cfg.logging.tensorboard,
+                                   prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0)
+        if self.rank == 0:
+            self._setup_queues()
+
+    def _setup_queues(self) -> None:
+        from .queue import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect
+
+        cfg = self.cfg
+        self.keys = Keys(cfg.queue.namespace)
+        self.redis = connect(cfg.queue.redis_url)
+        consumer = "learner"
+        self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, consumer, self.keys.dead,
+                                    cfg.queue.dead_letter_maxlen)
+        self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, consumer, self.keys.dead,
+                                 cfg.queue.dead_letter_maxlen)
+        self.rollouts.ensure_group()
+        self.tasks.ensure_group()
+        self.redis.delete(self.keys.done)
+        # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
+        self.rollouts.claim_idle(0, 1_000_000)
+        self._pending = collections.deque(self.rollouts.read_pending(1_000_000))
+        if self._pending:
+            log.info("found %d unacknowledged rollouts from before a restart", len(self._pending))
+
+    # Weight sync ------------------------------------------------------------------------------
+    def publish_weights(self, version: int) -> None:
+        from .distributed import full_parameters
+        from .weights import announce, prune_weights, save_weights
+
+        with full_parameters(self.engine, self.cfg.train.zero_stage):
+            if self.rank == 0:
+                t0 = time.monotonic()
+                pv = save_weights(self.engine.module, self.run_dir / "weights", version, self.state["iteration"])
+                announce(self.redis, self.keys.policy, pv)
+                prune_weights(self.run_dir / "weights", self.cfg.checkpoint.keep_weights, protect=version)
+                log.info("published policy version %d (%.1f MB, %.2fs)", version, pv.num_bytes / 1e6, time.monotonic() - t0)
+
+    def _announced_version(self) -> int:
+        from .weights import current_announcement
+
+        pv = current_announcement(self.redis, self.keys.policy)
+        return -1 if pv is None or not Path(pv.uri).is_file() else pv.version
+
+    # Tasks and rollouts (rank 0) ------------------------------------------------------------------
+    def publish_tasks(self, iteration: int, replacements: int = 0) -> int:
+        """Publishes the tasks `iteration` needs (and `replacements` more), atomically with the
+        task counter: a restarted learner never publishes the same task twice."""
+        from .data import prompt_index
+
+        cfg = self.cfg
+        published = int(self.redis.get(self.keys.tasks_next) or 0)
+        counters = self.state["counters"]
+        counters["replacement_tasks"] += replacements
+        n_new = tasks_to_publish(iteration=iteration, batch_size=cfg.train.batch_size, n_samples=cfg.rollout.n_samples,
+                                 max_staleness=cfg.effective_max_staleness, published_tasks=published,
+                                 replacement_tasks=counters["replacement_tasks"])
+        if n_new <= 0:
+            return 0
+        pipe = self.redis.pipeline(transaction=True)
+        for seq in range(published, published + n_new):
+            task = PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
+                              cfg.rollout.n_samples, self.state["policy_version"])
+            pipe.xadd(self.keys.tasks, {b"data": encode_task(task)})
+        pipe.set(self.keys.tasks_next, published + n_new)
+        pipe.execute()
+        return n_new
+
+    def collect(self, iteration: int) -> tuple[list[bytes], list[str], dict[str, float]] | None:
+        """B admissible rollouts (raw bytes), their entry ids, and collection statistics; None
+        when a stop was requested (SIGTERM/SIGINT) while waiting."""
+        cfg = self.cfg
+        need = cfg.train.batch_size
+        version = self.state["policy_version"]
+        counters = self.state["counters"]
+        batch: dict[str, tuple[str, bytes, Rollout]] = {}
+        staleness: list[int] = []
+        self.publish_tasks(iteration)
+        last_note = time.monotonic()
+        while len(batch) < need:
+            if self.stop_requested:
+                return None
+            entries = []
+            while self._pending and len(entries) < need - len(batch):
+                entries.append(self._pending.popleft())
+            if not entries:
+                entries = self.rollouts.read_new(need - len(batch), cfg.queue.block_ms)
+            if not entries:
+                extra = replacement_tasks_needed(
+                    missing_rollouts=need - len(batch), n_samples=cfg.rollout.n_samples,
+                    tasks_outstanding=self.tasks.length(), rollouts_waiting=self.rollouts.length() - len(batch))
+                if extra:
+                    log.info("iteration %d short of %d rollouts with every task done: %d replacement tasks",
+                             iteration, need - len(batch), extra)
+                    self.publish_tasks(iteration, replacements=extra)
+                if time.monotonic() - last_note > 30:
+                    log.info("iteration %d waiting for rollouts: %d/%d (stream backlog %d)", iteration, len(batch), need,
+                             self.rollouts.length())
+                    last_note = time.monotonic()
+                continue
+            for e in entries:
+                try:
+                    r = decode_rollout(e.data or b"", vocab_size=self.vocab_size)
+                except PoisonMessage as exc:
+                    self.rollouts.dead_letter(e, exc.reason)
+                    counters["dead_letters"] += 1
+                    continue
+                d = admit(r.rollout_id, r.policy_version, current_version=version,
+                          max_staleness=cfg.effective_max_staleness, trained=self.ledger, in_batch=set(batch))
+                if d.kind is Admit.TRAIN:
+                    batch[r.rollout_id] = (e.entry_id, e.data, r)
+                    staleness.append(d.staleness)
+                elif d.kind is Admit.DUPLICATE:
+                    self.rollouts.ack([e.entry_id])  # its training effect is committed or in this batch
+                    counters["duplicates"] += 1
+                elif d.kind is Admit.STALE:
+                    self.rollouts.ack([e.entry_id])  # replaced once every task is done (below)
+                    counters["stale_dropped"] += 1
+                else:  # sampled by weights of an uncommitted future this learner rolled back from
+                    self.rollouts.ack([e.entry_id])
+                    counters["stale_dropped"] += 1
+        rollouts = [v[2] for v in batch.values()]
+        stats = {
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "queue_backlog": float(max(0, self.rollouts.length() - len(batch))),
+            "stale_dropped_total": float(counters["stale_dropped"]),
+            "duplicates_total": float(counters["duplicates"]),
+            "dead_letters_total": float(counters["dead_letters"]),
+            "response_length_mean": sum(r.num_response_tokens for r in rollouts) / len(rollouts),
+            "truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
+            "sample_to_train_s": (time.time_ns() - min(r.sampled_unix_ns for r in rollouts)) / 1e9,
+        }
+        return [v[1] for v in batch.values()], [v[0] for v in batch.values()], stats
+
+    # Training ----------------------------------------------------------------------------------
+    def micro_loss(self, packed: PackedBatch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+        from .objective import compute_loss, compute_loss_from_hidden
+
+        dev = self.device
+        ids, am = packed.input_ids.to(dev), packed.attention_mask.to(dev)
+        pos = packed.positions.to(dev)
+        args = dict(
+            sampled_ids=packed.sampled_ids.to(dev), old_logprobs=packed.old_logprobs.to(dev),
+            teacher_logprobs=packed.teacher_logprobs.to(dev), teacher_entropy=packed.teacher_entropy.to(dev),
+            teacher_topk_ids=packed.topk_ids.to(dev), teacher_topk_logprobs=packed.topk_logprobs.to(dev),
+            config=self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
+        )
+        module = self.engine.module
+        if self.cfg.train.loss_from_hidden and self.cfg.train.zero_stage < 3:
+            hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
+            head = module.get_output_embeddings()
+            return compute_loss_from_hidden(hidden, head.weight, bias=head.bias, **args)
+        logits = self.engine(input_ids=ids, attention_mask=am).logits
+        return compute_loss(logits.reshape(-1, logits.shape[-1])[pos], **args)
+
+    def train_iteration(self, iteration: int, rollouts: list[Rollout]) -> list[dict[str, float]]:
+        cfg = self.cfg
+        seq_mean = cfg.loss.aggregation == "seq-mean-token-mean"
+        ordered = shuffle_for_iteration(rollouts, cfg.seed, iteration)
+        steps = []
+        for step, mini in enumerate(split(ordered, cfg.train.mini_batch_size), 1):
+            local = shard(mini, self.rank, self.world)
+            units = len(mini) if seq_mean else sum(r.num_response_tokens for r in mini)
+            # engine.backward divides by gas and the all-reduce averages over ranks: this makes the
+            # sum over every micro-batch of every rank the loss over the whole mini-batch.
+            denominator = units / (self.gas * self.world)
+            rows = []
+            loss_sum = {k: 0.0 for k in LOSS_TERMS}
+            for micro in split(local, cfg.train.micro_batch_size):
+                packed = pack_rollouts(micro, self.pad_id)
+                loss, m = self.micro_loss(packed, denominator)
+                self.engine.backward(loss)
+                self.engine.step()
+                rows.append(({k: v for k, v in m.items() if k not in LOSS_TERMS}, packed.num_tokens))
+                for k in LOSS_TERMS:
+                    loss_sum[k] += m.get(k, 0.0) / self.gas  # rank 0 share x world, see denominator
+            self.state["optimizer_steps"] += 1
+            metrics = {**token_weighted_mean(rows), **loss_sum, "lr": float(self.scheduler.get_last_lr()[0])}
+            grad_norm = self.engine.get_global_grad_norm()
+            if grad_norm is not None:
+                metrics["grad_norm"] = float(grad_norm)
+            steps.append(metrics)
+            self.faults.hit("learner.after_step", iteration=iteration, step=step)
+        return steps
+
+    # Main loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        from .distributed import broadcast_blobs, broadcast_int
+
+        cfg = self.cfg
+        start_iteration = self.state["iteration"]
+        version = self.state["policy_version"]
+        need_publish = 1 if self.rank == 0 and self._announced_version() != version else 0
+        if broadcast_int(need_publish):
+            self.publish_weights(version)
+        progress = None
+        if self.rank == 0 and cfg.logging.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=self.total_iterations, initial=start_iteration, desc="eopd train", unit="it",
+                            dynamic_ncols=True, file=sys.stderr)
+        unacked: list[str] = []  # entries of iterations trained since the last commit
+        stopped = False
+        for iteration in range(start_iteration + 1, self.total_iterations + 1):
+            t0 = time.monotonic()
+            collected = self.collect(iteration) if self.rank == 0 else None
+            if not broadcast_int(1 if collected is not None else 0):
+                stopped = True
+                break
+            blobs, entry_ids, stats = collected if collected is not None else (None, [], {})
+            t_collect = time.monotonic() - t0
+            blobs = broadcast_blobs(blobs)
+            rollouts = [decode_rollout(b) for b in blobs]
+            steps = self.train_iteration(iteration, rollouts)
+            self.ledger.record(iteration, [r.rollout_id for r in rollouts])
+            self.state.update(iteration=iteration, policy_version=iteration, ledger=self.ledger.to_json(),
+                              global_steps=int(self.engine.global_steps))
+            unacked.extend(entry_ids)
+            if iteration % cfg.checkpoint.every == 0 or iteration == self.total_iterations:
+                # Commit: the ledger, the weights and the optimizer state describe the same instant.
+                self.state["last_entry_ids"] = list(unacked)
+                self.faults.hit("learner.before_commit", iteration=iteration)
+                self.ckpt.save(self.engine, iteration, self.state, export_fn=self._export_hf)
+                self.faults.hit("learner.after_commit", iteration=iteration)
+                self.publish_weights(iteration)
+                if self.rank == 0:
+                    self.rollouts.ack(unacked)  # only now: their training effect is durable
+                unacked = []
+            else:
+                self.publish_weights(iteration)
+            if self.rank == 0:
+                self._log_iteration(iteration, steps, stats, t_collect, time.monotonic() - t0, progress)
+        if self.rank == 0:
+            if progress is not None:
+                progress.close()
+            self.metrics.close()
+            if stopped:
+                log.info("stopped by a signal before iteration %d; the last committed checkpoint is iteration %s; "
+                         "restart to resume (unacknowledged rollouts are trained then)", iteration,
+                         self.ckpt.latest())
+            else:
+                self.redis.set(self.keys.done, b"1")
+                log.info("training finished: %d iterations, %d rollouts trained", self.state["iteration"], len(self.ledger))
+        return 0
+
+    def _export_hf(self, path: Path) -> None:
+        from .distributed import full_parameters
+
+        with full_parameters(self.engine, self.cfg.train.zero_stage):
+            if self.rank == 0:
+                from .weights import export_state_dict
+
+                self.engine.module.save_pretrained(str(path), state_dict=export_state_dict(self.engine.module),
+                                                   safe_serialization=True)
+                self.tokenizer.save_pretrained(str(path))
+
+    def _log_iteration(self, iteration: int, steps: list[dict[str, float]], stats: dict[str, float],
+                       t_collect: float, t_total: float, progress) -> None:
+        base = self.state["optimizer_steps"] - len(steps)
+        per_step = {k: stats[k] for k in ("queue_backlog", "staleness_mean", "staleness_max")}
+        for i, m in enumerate(steps, 1):
+            self.metrics.log(base + i, {**m, **per_step}, iteration=iteration, kind="step")
+        summary = {k: sum(s[k] for s in steps if k in s) / len(steps) for k in steps[0]}
+        summary.update(stats, collect_s=t_collect, iteration_s=t_total)
+        self.metrics.log(self.state["optimizer_steps"], {f"iter/{k}": v for k, v in summary.items()},
+                         iteration=iteration, kind="iteration")
+        msg = (f"iter {iteration}/{self.total_iterations} loss {summary['loss']:.4f} pg {summary['pg_loss']:.4f} "
+               f"fkl {summary['fkl_loss']:.4f} gate {summary.get('gate_ratio', 0):.3f} "
+               f"stale {stats['staleness_mean']:.2f} backlog {int(stats['queue_backlog'])}")
+        log.info(msg)
+        if progress is not None:
+            progress.set_postfix(loss=f"{summary['loss']:.4f}", gate=f"{summary.get('gate_ratio', 0):.2f}",
+                                 stale=f"{stats['staleness_mean']:.1f}", backlog=int(stats["queue_backlog"]))
+            progress.update(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eopd-train", description="EOPD learner: DeepSpeed training on scored rollouts from Redis.")
+    p.add_argument("--config", type=str, default=None, help="run config YAML")
+    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted paths (e.g. train.lr=1e-5)")
+    # The `deepspeed` launcher passes --local_rank; torchrun sets LOCAL_RANK. Both are read from env.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_for_process("eopd-train", args.config, args.overrides, "learner")
+    if cfg is None:
+        return 2
+    learner = Learner(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, learner.request_stop)
+    try:
+        learner.setup()
+    except ValueError as exc:
+        print(f"eopd-train: {exc}", file=sys.stderr)
+        return 2
+    from .checkpoint import CheckpointError
+
+    try:
+        return learner.run()
+    except CheckpointError as exc:
+        log.error("%s", exc)
+        print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
+        return 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Metrics of the learner and the rollout workers: TensorBoard, Prometheus, a JSONL log, progress.
+
+`MetricsSink.log(step, values)` writes one record to `<run_dir>/<name>_metrics.jsonl` (the data
+of `eopd report`), TensorBoard scalars under `<run_dir>/tb/<name>` and Prometheus gauges named
+`eopd_<name>_<key>` (served on `logging.prometheus_port` when set).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _prom_name(prefix: str, key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", f"eopd_{prefix}_{key}")
+
+
+class MetricsSink:
+    def __init__(self, run_dir: Path, name: str, *, tensorboard: bool = True, prometheus_port: int = 0,
+                 enabled: bool = True):
+        self.name = name
+        self.enabled = enabled
+        self._gauges: dict[str, object] = {}
+        self._tb = None
+        self._fh = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._fh = open(run_dir / f"{name}_metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tb" / name))
+            except ImportError:  # pragma: no cover - tensorboard is a trainer dependency
+                log.warning("tensorboard is not installed: no TensorBoard events")
+        if prometheus_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(prometheus_port)
+            log.info("Prometheus metrics on :%d/metrics", prometheus_port)
+
+    def _gauge(self, key: str):
+        g = self._gauges.get(key)
+        if g is None:
+            from prometheus_client import Gauge
+
+            g = self._gauges[key] = Gauge(_prom_name(self.name, key), f"{self.name} {key}")
+        return g
+
+    def log(self, step: int, values: dict[str, float], **extra) -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in values.items() if v is not None and isinstance(v, (int, float))}
+        record = {"step": step, "time": time.time(), **extra, **clean}
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        for k, v in clean.items():
+            if math.isfinite(v):
+                if self._tb is not None:
+                    self._tb.add_scalar(k, v, step)
+                self._gauge(k).set(v)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+        if self._fh is not None:
+            self._fh.close()
+
+
+def token_weighted_mean(rows: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Averages metric dicts weighted by their token counts (keys missing in a row are skipped)."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, n in rows:
+        for k, v in metrics.items():
+            if v is None or not math.isfinite(float(v)):
+                continue
+            sums[k] = sums.get(k, 0.0) + float(v) * n
+            weights[k] = weights.get(k, 0.0) + n
+    return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}

@@ -1,0 +1,69 @@
+r"""The EOPD objective and its baselines as pure tensor functions (paper sec. 2.3, 4, 5.3-5.6, app. A).
+
+    from eopd_trainer.objective import LossConfig, compute_loss
+    loss, metrics = compute_loss(student_logits, sampled_ids, old_logprobs, teacher_logprobs,
+                                 teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
+                                 config=LossConfig(variant="eopd"))
+
+Shapes (flat form; a batched [B, T, ...] form with a [B, T] mask is accepted too):
+
+    student_logits          [N, V]  student logits at the N response positions of a mini-batch
+    sampled_ids             [N]     token x_t sampled by the behaviour policy pi_old
+    old_logprobs            [N]     log pi_old(x_t)
+    teacher_logprobs        [N]     log pi_te(x_t)
+    teacher_entropy         [N]     H_te,t = -sum_v pi_te(v) log pi_te(v)   (full vocabulary)
+    teacher_topk_ids        [N, k]  S_t^k, the teacher's top-k ids
+    teacher_topk_logprobs   [N, k]  log pi_te(v), v in S_t^k (full-vocabulary normalisation)
+    mask                    [N]     valid (response, non-padding) tokens
+
+Maths, per valid token t (log pi_theta is the student's full-vocabulary log-softmax of logits / T):
+
+    A_t    = log pi_te(x_t) - log pi_old(x_t)                              (detached)
+    r_t    = exp(log pi_theta(x_t) - log pi_old(x_t))
+    OPD_t  = max(-r_t A_t, -clip(r_t, 1 - clip_low, 1 + clip_high) A_t)   (eq. 7)
+    p~_t   = softmax over S_t^k of the teacher's top-k log-probs           (renormalised)
+    FKL_t  = sum_{v in S_t^k} p~_t(v) (log p~_t(v) - log pi_theta(v))       (eq. 11; not renormalised
+                                                                             on the student side)
+    EOPD_t = OPD_t + alpha * 1[H_te,t >= tau] * FKL_t                       (eq. 9; gate="gt": >)
+
+Aggregation ("token-mean", Algorithm 1): `L = sum_t w_t EOPD_t` with `w_t = 1 / #valid tokens`,
+the same weight for both terms (the FKL is *not* averaged over the gated tokens only).
+"seq-mean-token-mean" averages within each sequence, then over sequences. The baselines (opd,
+opd_fkl, full_fkl, random_fkl, entropy_bonus, advantage_shaping) are registered by name in
+`variants`; see its table.
+
+Memory: all vocabulary-sized work is done chunk by chunk over tokens (`config.chunk_size`), with
+an analytic backward that recomputes each chunk (`vocab`), so nothing of size [N, V] is created
+beyond the gradient of the logits themselves; `compute_loss_from_hidden` takes final hidden states
+[N, D] and the output projection [V, D] and never builds [N, V] logits at all. The student's
+log-probs at the teacher's top-k are gathered only at the tokens where the FKL is applied (and at
+gated tokens for the `fkl_gated_mean` metric): [G, k] values, G the number of those tokens.
+
+Edge cases: masked inputs are never read; no valid token gives an exact 0 loss that still has a
+gradient (of zeros); -inf teacher top-k log-probs get zero mass (a row of only -inf has FKL 0);
+k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
+"""
+
+from .config import LossConfig
+from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
+from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl
+from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
+from .vocab import VocabPlan, vocab_stats
+
+__all__ = [
+    "LossConfig",
+    "compute_loss",
+    "compute_loss_from_hidden",
+    "METRIC_KEYS",
+    "VARIANTS",
+    "Variant",
+    "PositionContext",
+    "register_variant",
+    "get_variant",
+    "clipped_pg_loss",
+    "topk_forward_kl",
+    "shaped_advantages",
+    "aggregation_weights",
+    "VocabPlan",
+    "vocab_stats",
+]

@@ -1,0 +1,79 @@
+"""`LossConfig`: the one validated, frozen object that selects and parameterises the loss."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Gate = Literal["ge", "gt"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+
+
+class LossConfig(BaseModel):
+    """Hyper-parameters of the distillation loss (defaults are the paper's, sec. 4 and app. A).
+
+    Frozen after construction, unknown keys rejected, bounds checked. Derive a changed copy with
+    the constructor, which validates: `LossConfig(**{**cfg.model_dump(), "tau": 1.0})`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    variant: str = Field(
+        "eopd",
+        description="Loss variant, by registered name: opd, eopd, opd_fkl, full_fkl, random_fkl, "
+        "entropy_bonus, advantage_shaping (see eopd_trainer.objective.variants).",
+    )
+    tau: float = Field(0.8, ge=0.0, description="Teacher-entropy threshold (nats) of the FKL gate.")
+    alpha: float = Field(
+        1.0, ge=0.0, description="Weight of the forward-KL term (eopd, full_fkl, random_fkl)."
+    )
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip: ratio lower bound 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0.0, description="PPO clip: ratio upper bound 1 + clip_high.")
+    temperature: float = Field(
+        1.0, gt=0.0, description="Student logits are divided by it before the log-softmax."
+    )
+    gate: Gate = Field("ge", description='FKL gate: "ge" is H >= tau, "gt" is H > tau.')
+    aggregation: Aggregation = Field(
+        "token-mean",
+        description='"token-mean": sum over all valid tokens / their number (Algorithm 1); '
+        '"seq-mean-token-mean": mean over each sequence\'s valid tokens, then over sequences.',
+    )
+    random_fraction: float = Field(
+        0.2, ge=0.0, le=1.0, description="random_fkl: share of valid tokens that receive the FKL."
+    )
+    random_seed: int = Field(
+        0, description="random_fkl: seed of the position draw when no torch.Generator is passed."
+    )
+    entropy_coef: float = Field(
+        1e-3,
+        ge=0.0,
+        description="entropy_bonus: loss = opd - entropy_coef * student entropy. The paper does not "
+        "give it; 1e-3 is the customary PPO/verl value.",
+    )
+    shaping_alpha: float = Field(
+        0.1, ge=0.0, description="advantage_shaping: alpha of psi(H) = min(alpha * H, |A| / kappa)."
+    )
+    shaping_kappa: float = Field(
+        2.0, gt=1.0, description="advantage_shaping: kappa (> 1) of psi(H) = min(alpha * H, |A| / kappa)."
+    )
+    chunk_size: int = Field(
+        1024,
+        gt=0,
+        description="Tokens per chunk of the vocabulary reductions: at most a few [chunk_size, V] "
+        "fp32 buffers are alive at once.",
+    )
+    vocab_metrics: bool = Field(
+        True,
+        description="Also compute the vocabulary-wide diagnostics (student entropy, student/teacher "
+        "top-k overlap); they cost about two extra passes over each chunk.",
+    )
+
+    @field_validator("variant")
+    @classmethod
+    def _known_variant(cls, v: str) -> str:
+        from .variants import VARIANTS  # late import: the registry may grow after this module loads
+
+        if v not in VARIANTS:
+            raise ValueError(f"unknown loss variant {v!r}; registered: {sorted(VARIANTS)}")
+        return v

@@ -1,0 +1,296 @@
+"""`compute_loss` and `compute_loss_from_hidden`: the loss of every variant, with its metrics.
+
+The flow is the same for both entry points:
+
+1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there;
+2. choose the FKL positions of the variant (entropy gate, all, random, none) *before* touching the
+   vocabulary, so the student's log-probs at the teacher's top-k are gathered only where needed;
+3. one chunked vocabulary pass (`vocab.vocab_stats`): log-prob of the sampled token, student
+   entropy, log-probs at the teacher's top-k of the gathered tokens;
+4. per-token terms (`terms`) on these small tensors, aggregated with explicit weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import LossConfig
+from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl
+from .variants import PositionContext, get_variant
+from .vocab import VocabPlan, vocab_stats
+
+DEFAULT_CONFIG = LossConfig()
+
+#: Keys of the metrics dict, always present (student_entropy and topk_overlap need vocab_metrics,
+#: or for student_entropy a variant that uses it; they are absent otherwise).
+METRIC_KEYS = (
+    "loss",
+    "pg_loss",
+    "fkl_loss",
+    "entropy_loss",
+    "clip_frac",
+    "ratio_mean",
+    "approx_kl",
+    "approx_kl_k3",
+    "advantage_mean",
+    "advantage_shaped_mean",
+    "gate_ratio",
+    "fkl_ratio",
+    "fkl_gated_mean",
+    "teacher_entropy",
+    "teacher_topk_mass",
+    "n_tokens",
+)
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """Per-token inputs, flattened to N tokens."""
+
+    sampled_ids: Tensor  # [N] long
+    old_logprobs: Tensor  # [N]
+    teacher_logprobs: Tensor  # [N]
+    teacher_entropy: Tensor  # [N]
+    topk_ids: Tensor  # [N, k] long
+    topk_logprobs: Tensor  # [N, k]
+    mask: Tensor  # [N] bool
+    seq_index: Tensor | None  # [N] long
+
+
+def _flatten_tokens(lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
+                    topk_ids, topk_logprobs, mask, seq_index) -> _Tokens:
+    """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N]."""
+    if len(lead) not in (1, 2):
+        raise ValueError(f"expected [N, ...] or [B, T, ...] inputs, got leading shape {lead}")
+    device = sampled_ids.device
+    if mask is None:
+        mask = torch.ones(lead, dtype=torch.bool, device=device)
+    for name, t in (("sampled_ids", sampled_ids), ("old_logprobs", old_logprobs),
+                    ("teacher_logprobs", teacher_logprobs), ("teacher_entropy", teacher_entropy),
+                    ("mask", mask)):
+        if tuple(t.shape) != lead:
+            raise ValueError(f"{name} must have shape {lead}, got {tuple(t.shape)}")
+    for name, t in (("teacher_topk_ids", topk_ids), ("teacher_topk_logprobs", topk_logprobs)):
+        if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead or t.shape[-1] < 1:
+            raise ValueError(f"{name} must have shape {lead + ('k',)} with k >= 1, got {tuple(t.shape)}")
+    if topk_ids.shape != topk_logprobs.shape:
+        raise ValueError("teacher_topk_ids and teacher_topk_logprobs must have the same shape")
+    if len(lead) == 2:
+        if seq_index is not None:
+            raise ValueError("seq_index is implied by batched [B, T] inputs; pass it only with flat [N] inputs")
+        b, t = lead
+        seq_index = torch.arange(b, device=device).repeat_interleave(t)
+    elif seq_index is not None and tuple(seq_index.shape) != lead:
+        raise ValueError(f"seq_index must have shape {lead}, got {tuple(seq_index.shape)}")
+    k = topk_ids.shape[-1]
+    return _Tokens(
+        sampled_ids=sampled_ids.reshape(-1),
+        old_logprobs=old_logprobs.reshape(-1),
+        teacher_logprobs=teacher_logprobs.reshape(-1),
+        teacher_entropy=teacher_entropy.reshape(-1),
+        topk_ids=topk_ids.reshape(-1, k),
+        topk_logprobs=topk_logprobs.reshape(-1, k),
+        mask=mask.reshape(-1) != 0,
+        seq_index=None if seq_index is None else seq_index.reshape(-1),
+    )
+
+
+def _mean(x: Tensor) -> Tensor:
+    return x.mean() if x.numel() else x.new_zeros(())
+
+
+def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
+               denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
+    variant = get_variant(cfg.variant)
+    valid = tokens.mask.nonzero().squeeze(1)  # [M]
+    m = valid.numel()
+    sampled = tokens.sampled_ids[valid].long()
+    old = tokens.old_logprobs[valid].detach().to(dtype)
+    t_lp = tokens.teacher_logprobs[valid].detach().to(dtype)
+    t_ent = tokens.teacher_entropy[valid].detach().to(dtype)
+    t_ids = tokens.topk_ids[valid].long()
+    t_tlp = tokens.topk_logprobs[valid].detach().to(dtype)
+    k = t_ids.shape[1]
+    t_finite = torch.isfinite(t_tlp)  # [M, k]; -inf entries carry no teacher mass
+
+    bad = (sampled < 0) | (sampled >= vocab)
+    bad_topk = t_finite & ((t_ids < 0) | (t_ids >= vocab))
+    if bool(bad.any() | bad_topk.any()):
+        raise ValueError(f"sampled or teacher top-k ids out of range [0, {vocab}) at valid positions")
+    t_ids = torch.where(t_finite, t_ids, 0)  # ids of -inf entries are never used: make them safe
+
+    # 2. positions of the FKL, before the vocabulary pass.
+    gate = t_ent >= cfg.tau if cfg.gate == "ge" else t_ent > cfg.tau
+    if generator is None:
+        generator = torch.Generator().manual_seed(cfg.random_seed)
+    fkl_pos = variant.fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
+    fkl_coef = variant.fkl_coef(cfg) if fkl_pos is not None else 0.0
+    apply_fkl = fkl_pos is not None and fkl_coef != 0.0
+    gathered = (gate | fkl_pos) if apply_fkl else gate  # gated rows are gathered for the metric
+    gather_pos = gathered.nonzero().squeeze(1)  # [G]
+
+    # 3. one chunked pass over the vocabulary.
+    entropy_coef = variant.entropy_coef(cfg)
+    need_entropy = entropy_coef != 0.0 or variant.shape_advantage or cfg.vocab_metrics
+    plan = VocabPlan(
+        rows=valid,
+        sampled=sampled,
+        gather_pos=gather_pos,
+        gather_ids=t_ids[gather_pos],
+        temperature=cfg.temperature,
+        chunk_size=cfg.chunk_size,
+        entropy=need_entropy,
+        student_topk=min(k, vocab) if cfg.vocab_metrics else 0,
+    )
+    logp, s_ent, logp_topk, s_topk = vocab_stats(plan, **source)
+
+    # 4. per-token terms, aggregated.
+    w = aggregation_weights(
+        cfg.aggregation, m, None if tokens.seq_index is None else tokens.seq_index[valid],
+        denominator, device=valid.device, dtype=dtype,
+    )
+    adv = t_lp - old
+    adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa) if variant.shape_advantage else adv
+    pg_t, ratio, clipped = clipped_pg_loss(
+        logp if variant.pg else logp.detach(), old, adv_used, cfg.clip_low, cfg.clip_high
+    )
+    fkl_g = topk_forward_kl(logp_topk, t_tlp[gather_pos])  # [G]
+
+    zero = w.new_zeros(())
+    terms = []
+    pg_loss = fkl_loss = entropy_loss = zero
+    if variant.pg:
+        pg_loss = (w * pg_t).sum()
+        terms.append(pg_loss)
+    if apply_fkl:
+        w_fkl = w[gather_pos] * fkl_pos[gather_pos].to(dtype)
+        fkl_loss = fkl_coef * (w_fkl * fkl_g).sum()
+        terms.append(fkl_loss)
+    if entropy_coef != 0.0:
+        entropy_loss = -entropy_coef * (w * s_ent).sum()
+        terms.append(entropy_loss)
+    loss = terms[0]
+    for t in terms[1:]:
+        loss = loss + t
+
+    with torch.no_grad():
+        gated_in_gather = gate[gather_pos]
+        values = {
+            "loss": loss,
+            "pg_loss": pg_loss,
+            "fkl_loss": fkl_loss,
+            "entropy_loss": entropy_loss,
+            "clip_frac": _mean(clipped.to(dtype)),
+            "ratio_mean": _mean(ratio),
+            "approx_kl": _mean(old - logp),
+            "approx_kl_k3": _mean(ratio - 1.0 - (logp - old)),
+            "advantage_mean": _mean(adv),
+            "advantage_shaped_mean": _mean(adv_used),
+            "gate_ratio": _mean(gate.to(dtype)),
+            "fkl_ratio": _mean(fkl_pos.to(dtype)) if apply_fkl else zero,
+            "fkl_gated_mean": _mean(fkl_g[gated_in_gather]),
+            "teacher_entropy": _mean(t_ent),
+            "teacher_topk_mass": _mean(torch.where(t_finite, t_tlp.exp(), 0.0).sum(dim=1)),
+            "n_tokens": torch.tensor(float(m), dtype=dtype, device=w.device),
+        }
+        if need_entropy:
+            values["student_entropy"] = _mean(s_ent)
+        if cfg.vocab_metrics:
+            hit = (s_topk[:, :, None] == t_ids[:, None, :]) & t_finite[:, None, :]  # [M, s, k]
+            values["topk_overlap"] = _mean(hit.any(dim=1).sum(dim=1).to(dtype) / k)
+        floats = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
+    return loss, dict(zip(values.keys(), floats))
+
+
+def compute_loss(
+    student_logits: Tensor,
+    sampled_ids: Tensor,
+    old_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    teacher_entropy: Tensor,
+    teacher_topk_ids: Tensor,
+    teacher_topk_logprobs: Tensor,
+    mask: Tensor | None = None,
+    config: LossConfig = DEFAULT_CONFIG,
+    *,
+    seq_index: Tensor | None = None,
+    denominator: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The distillation loss from student logits, chunked over tokens.
+
+    Flat form (tokens of a mini-batch at response positions) or batched form:
+
+    Args:
+        student_logits: [N, V] or [B, T, V], any float dtype (computed in fp32, fp64 kept).
+        sampled_ids: [N] / [B, T] long, the token sampled by the behaviour policy.
+        old_logprobs: [N] / [B, T], its log-prob under the behaviour policy (at the temperature).
+        teacher_logprobs: [N] / [B, T], its log-prob under the teacher.
+        teacher_entropy: [N] / [B, T], the teacher's full-vocabulary entropy (nats).
+        teacher_topk_ids: [N, k] / [B, T, k] long, the teacher's top-k ids.
+        teacher_topk_logprobs: [N, k] / [B, T, k], their teacher log-probs (-inf allowed).
+        mask: [N] / [B, T], bool or 0/1; None means every token is valid. Inputs at masked
+            positions are never read (they may hold padding ids, NaN, -inf...).
+        config: a `LossConfig`.
+        seq_index: [N] long, the sequence of each token; needed by "seq-mean-token-mean" in the
+            flat form (implied by the batched form).
+        denominator: overrides the normaliser of the aggregation (tokens for "token-mean",
+            sequences for "seq-mean-token-mean"), e.g. the whole mini-batch's count when the loss
+            is computed per micro-batch and the gradients accumulated.
+        generator: a CPU torch.Generator for random_fkl's draw (default: seeded by config.random_seed).
+
+    Returns:
+        `(loss, metrics)`: a 0-dim tensor (an exact, differentiable 0 when no token is valid) and
+        a dict of Python floats (keys `METRIC_KEYS`, plus `student_entropy` / `topk_overlap`).
+    """
+    if student_logits.dim() not in (2, 3):
+        raise ValueError(f"student_logits must be [N, V] or [B, T, V], got {tuple(student_logits.shape)}")
+    vocab = student_logits.shape[-1]
+    tokens = _flatten_tokens(tuple(student_logits.shape[:-1]), sampled_ids, old_logprobs, teacher_logprobs,
+                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index)
+    logits = student_logits.reshape(-1, vocab)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return _objective(tokens, config, {"logits": logits}, vocab, dtype, denominator, generator)
+
+
+def compute_loss_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    sampled_ids: Tensor,
+    old_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    teacher_entropy: Tensor,
+    teacher_topk_ids: Tensor,
+    teacher_topk_logprobs: Tensor,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    config: LossConfig = DEFAULT_CONFIG,
+    *,
+    seq_index: Tensor | None = None,
+    denominator: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The same loss from final hidden states and the output projection; logits never materialised.
+
+    Logits are `hidden @ weight.T + bias`, computed one chunk of `config.chunk_size` valid tokens
+    at a time in forward and recomputed in backward, so peak memory is a few `[chunk_size, V]`
+    buffers plus the `[V, D]` weight gradient. Gradients flow to `hidden`, `weight` and `bias`.
+
+    Args:
+        hidden: [N, D] or [B, T, D] final hidden states at the positions that predict each token.
+        weight: [V, D] output projection (lm_head) weight.
+        bias: [V] or None.
+        (the rest as in `compute_loss`.)
+    """
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, D] or [B, T, D], got {tuple(hidden.shape)}")
+    vocab = weight.shape[0]
+    tokens = _flatten_tokens(tuple(hidden.shape[:-1]), sampled_ids, old_logprobs, teacher_logprobs,
+                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    dtype = torch.float64 if torch.promote_types(h.dtype, weight.dtype) == torch.float64 else torch.float32
+    return _objective(tokens, config, {"hidden": h, "weight": weight, "bias": bias}, vocab, dtype,
+                      denominator, generator)

@@ -1,0 +1,144 @@
+"""Loss variants, registered by name (the paper's method and its baselines, sec. 5.3-5.6, app. A).
+
+A variant is declarative: which terms it adds up and where the forward KL applies. The positions
+must be known before the vocabulary pass, so that the FKL's student log-probs are gathered only
+where they are used (for `eopd`, only at gated tokens):
+
+    loss_t = [pg]  max(-r A', -clip(r) A')          A' = A, or A + psi(H_student) if shaped
+           + fkl_coef * 1[t in fkl_positions] * FKL_t
+           - entropy_coef * H_student,t
+
+| name              | pg  | FKL at                          | fkl_coef | entropy_coef | shaped A |
+|-------------------|-----|---------------------------------|----------|--------------|----------|
+| opd               | yes | nowhere                         | -        | 0            | no       |
+| eopd              | yes | teacher entropy >= tau (or >)   | alpha    | 0            | no       |
+| opd_fkl           | no  | every valid token               | 1        | 0            | no       |
+| full_fkl          | yes | every valid token               | alpha    | 0            | no       |
+| random_fkl        | yes | random `random_fraction` share  | alpha    | 0            | no       |
+| entropy_bonus     | yes | nowhere                         | -        | entropy_coef | no       |
+| advantage_shaping | yes | nowhere                         | -        | 0            | yes      |
+
+Add one with `register_variant(Variant(name=..., ...))`; `LossConfig(variant=name)` then accepts it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .config import LossConfig
+
+
+@dataclass(frozen=True)
+class PositionContext:
+    """What a variant may look at to choose its FKL positions.
+
+    gate: [M] bool, teacher entropy >= tau (or > tau with gate="gt"), per valid token.
+    config: the loss configuration.
+    generator: a torch.Generator (CPU) for random choices, seeded from the config if not given.
+    """
+
+    gate: Tensor
+    config: "LossConfig"
+    generator: torch.Generator
+
+
+def nowhere(ctx: PositionContext) -> Tensor | None:
+    """No FKL term."""
+    return None
+
+
+def gated(ctx: PositionContext) -> Tensor:
+    """FKL where the teacher is uncertain: the entropy gate (paper eq. 9)."""
+    return ctx.gate
+
+
+def everywhere(ctx: PositionContext) -> Tensor:
+    """FKL at every valid token."""
+    return torch.ones_like(ctx.gate)
+
+
+def random_share(ctx: PositionContext) -> Tensor:
+    """FKL at `round(random_fraction * M)` valid tokens drawn uniformly without replacement."""
+    m = ctx.gate.numel()
+    n = int(math.floor(ctx.config.random_fraction * m + 0.5))
+    picked = torch.randperm(m, generator=ctx.generator)[:n].to(ctx.gate.device)
+    out = torch.zeros_like(ctx.gate)
+    out[picked] = True
+    return out
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named loss variant; see the module docstring for the formula."""
+
+    name: str
+    description: str
+    pg: bool = True
+    fkl_positions: Callable[[PositionContext], Tensor | None] = nowhere
+    fkl_coef: Callable[["LossConfig"], float] = lambda cfg: cfg.alpha
+    entropy_coef: Callable[["LossConfig"], float] = lambda cfg: 0.0
+    shape_advantage: bool = False
+
+    def needs_student_entropy_grad(self, cfg: "LossConfig") -> bool:
+        return self.entropy_coef(cfg) != 0.0
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
+    """Adds `variant` to the registry under `variant.name` (refuses to overwrite unless `replace`)."""
+    if variant.name in VARIANTS and not replace:
+        raise ValueError(f"loss variant {variant.name!r} is already registered")
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+def get_variant(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown loss variant {name!r}; registered: {sorted(VARIANTS)}") from None
+
+
+register_variant(Variant("opd", "On-policy distillation: clipped reverse-KL surrogate only (eq. 7)."))
+register_variant(
+    Variant("eopd", "EOPD: opd + alpha * FKL at tokens with teacher entropy >= tau (eq. 9).", fkl_positions=gated)
+)
+register_variant(
+    Variant(
+        "opd_fkl",
+        "On-policy forward KL only (sec. 5.5): FKL at every token, no reverse-KL term.",
+        pg=False,
+        fkl_positions=everywhere,
+        fkl_coef=lambda cfg: 1.0,
+    )
+)
+register_variant(Variant("full_fkl", "opd + alpha * FKL at every token (sec. 5.6).", fkl_positions=everywhere))
+register_variant(
+    Variant(
+        "random_fkl",
+        "opd + alpha * FKL at a random random_fraction of tokens (sec. 5.6).",
+        fkl_positions=random_share,
+    )
+)
+register_variant(
+    Variant(
+        "entropy_bonus",
+        "opd - entropy_coef * student entropy (sec. 5.3, app. A).",
+        entropy_coef=lambda cfg: cfg.entropy_coef,
+    )
+)
+register_variant(
+    Variant(
+        "advantage_shaping",
+        "opd with A + min(shaping_alpha * H_student, |A| / shaping_kappa) (Cheng et al.; app. A).",
+        shape_advantage=True,
+    )
+)

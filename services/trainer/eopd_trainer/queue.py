@@ -1,0 +1,219 @@
+"""Redis Streams with consumer groups: the tasks and rollouts queues, dead letters, backpressure.
+
+Keys of a run (namespace `ns`, from `queue.namespace`):
+
+    <ns>:tasks        stream of PromptTask (group "rollout": the rollout workers)
+    <ns>:rollouts     stream of ScoredRollout (group "learner")
+    <ns>:dead         dead-letter stream: fields source, entry_id, consumer, reason, data
+    <ns>:policy       the latest PolicyVersion announcement (a string key)
+    <ns>:tasks:next   how many tasks the learner has published (a counter, set atomically with them)
+    <ns>:done         set by the learner when training is finished (workers exit)
+
+Every entry has one field `data` with the serialized protobuf. An entry is XACKed *and* XDELed
+when its effect is durable (a task: its rollouts are in the rollouts stream; a rollout: the
+learner checkpoint that trained on it is committed), so XLEN is the backlog and the producers'
+wait on `max_backlog` bounds the stream. Dead letters are added and the original acked in one
+MULTI/EXEC transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ResponseError
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+GROUP_ROLLOUT = "rollout"
+GROUP_LEARNER = "learner"
+
+
+@dataclass(frozen=True)
+class Keys:
+    ns: str
+
+    @property
+    def tasks(self) -> str:
+        return f"{self.ns}:tasks"
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.ns}:rollouts"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.ns}:dead"
+
+    @property
+    def policy(self) -> str:
+        return f"{self.ns}:policy"
+
+    @property
+    def tasks_next(self) -> str:
+        return f"{self.ns}:tasks:next"
+
+    @property
+    def done(self) -> str:
+        return f"{self.ns}:done"
+
+
+def connect(url: str) -> redis.Redis:
+    """A Redis client that retries connection errors with backoff (survives a Redis restart).
+
+    The password may come from the URL or from REDIS_PASSWORD; `rediss://` selects TLS."""
+    kwargs = {}
+    if os.environ.get("REDIS_PASSWORD"):
+        kwargs["password"] = os.environ["REDIS_PASSWORD"]
+    return redis.Redis.from_url(
+        url,
+        decode_responses=False,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
+        retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        health_check_interval=30,
+        socket_connect_timeout=5,
+        **kwargs,
+    )
+
+
+@dataclass(frozen=True)
+class Entry:
+    entry_id: str
+    data: bytes | None  # None: the entry had no `data` field
+
+
+def _entries(raw: Iterable) -> list[Entry]:
+    out = []
+    for entry_id, fields in raw:
+        if fields is None:  # deleted while pending
+            continue
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        out.append(Entry(eid, fields.get(b"data")))
+    return out
+
+
+class StreamQueue:
+    """One stream read through one consumer group by one named consumer."""
+
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, dead_stream: str,
+                 dead_maxlen: int = 10_000):
+        self.r = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.dead_stream = dead_stream
+        self.dead_maxlen = dead_maxlen
+
+    def ensure_group(self) -> None:
+        """Creates the stream and the group (reading from the beginning) if they do not exist."""
+        try:
+            self.r.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def add(self, data: bytes) -> str:
+        return self.r.xadd(self.stream, {b"data": data}).decode()
+
+    def read_pending(self, count: int) -> list[Entry]:
+        """Entries delivered to this consumer and not yet acknowledged (after a restart)."""
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
+        return _entries(resp[0][1]) if resp else []
+
+    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        return _entries(resp[0][1]) if resp else []
+
+    def claim_idle(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """XAUTOCLAIM: takes over entries pending on any consumer for at least `min_idle_ms`."""
+        out: list[Entry] = []
+        start = "0-0"
+        while len(out) < count:
+            resp = self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms, start_id=start,
+                                     count=count - len(out))
+            nxt, claimed = resp[0], resp[1]
+            out.extend(_entries(claimed))
+            nxt = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
+            if nxt == "0-0":
+                break
+            start = nxt
+        return out
+
+    def deliveries(self, entry_id: str) -> int:
+        """How many times an entry has been delivered (0 if it is not pending)."""
+        rows = self.r.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        return int(rows[0]["times_delivered"]) if rows else 0
+
+    def ack(self, entry_ids: Iterable[str]) -> None:
+        """Acknowledges and deletes entries (one transaction)."""
+        ids = list(entry_ids)
+        if not ids:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        for i in range(0, len(ids), 1000):
+            chunk = ids[i : i + 1000]
+            pipe.xack(self.stream, self.group, *chunk)
+            pipe.xdel(self.stream, *chunk)
+        pipe.execute()
+
+    def dead_letter(self, entry: Entry, reason: str) -> None:
+        """Moves an entry to the dead-letter stream with the reason (add + ack + delete atomically)."""
+        log.warning("dead letter %s %s: %s", self.stream, entry.entry_id, reason)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(
+            self.dead_stream,
+            {
+                b"source": self.stream.encode(),
+                b"entry_id": entry.entry_id.encode(),
+                b"consumer": self.consumer.encode(),
+                b"reason": reason.encode(),
+                b"data": entry.data if entry.data is not None else b"",
+                b"unix_ns": str(time.time_ns()).encode(),
+            },
+            maxlen=self.dead_maxlen,
+            approximate=True,
+        )
+        pipe.xack(self.stream, self.group, entry.entry_id)
+        pipe.xdel(self.stream, entry.entry_id)
+        pipe.execute()
+
+    def length(self) -> int:
+        return int(self.r.xlen(self.stream))
+
+    def pending_count(self) -> int:
+        info = self.r.xpending(self.stream, self.group)
+        return int(info["pending"]) if info else 0
+
+
+def wait_for_room(client: redis.Redis, stream: str, max_backlog: int, *, poll_s: float = 0.05,
+                  should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[int], None] | None = None) -> bool:
+    """Backpressure: blocks while the stream holds >= max_backlog entries. False if told to stop."""
+    delay = poll_s
+    while True:
+        n = int(client.xlen(stream))
+        if n < max_backlog:
+            return True
+        if on_wait is not None:
+            on_wait(n)
+        if should_stop():
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+def read_dead_letters(client: redis.Redis, dead_stream: str) -> list[dict[str, str | bytes]]:
+    """Every dead letter, oldest first (for tests and operators)."""
+    out = []
+    for eid, fields in client.xrange(dead_stream):
+        row: dict[str, str | bytes] = {"id": eid.decode()}
+        for k, v in fields.items():
+            key = k.decode()
+            row[key] = v if key == "data" else v.decode(errors="replace")
+        out.append(row)
+    return out

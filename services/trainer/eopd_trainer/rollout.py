@@ -1,0 +1,510 @@
+"""The rollout worker (`eopd-rollout`): tasks in, scored rollouts out.
+
+Loop: take PromptTasks from `<ns>:tasks` (group "rollout": first its own pending entries after a
+restart, then entries idle on dead workers via XAUTOCLAIM, then new ones); make sure it holds the
+policy version the task asks for (reloading announced weights); sample `num_samples` responses
+per prompt with transformers; compute the old log-probs with a forward pass; send the sequences
+to the teacher on one pipelined `ScoreStream` (re-sent after a teacher restart by the client);
+publish each ScoredRollout on `<ns>:rollouts` (waiting while the stream is over `max_backlog`);
+acknowledge the task once all its rollouts are published. A task re-done after a crash yields
+the same rollout ids, which the learner recognises as duplicates.
+
+    eopd-rollout --config configs/tiny.yaml [--worker-id w0] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import RunConfig, config_for_process
+from .faults import Faults
+from .messages import (
+    PoisonMessage,
+    PromptTask,
+    Rollout,
+    decode_task,
+    encode_rollout,
+    now_ns,
+    rollout_id,
+)
+from .queue import (
+    GROUP_LEARNER,
+    GROUP_ROLLOUT,
+    Entry,
+    Keys,
+    StreamQueue,
+    connect,
+    wait_for_room,
+)
+
+log = logging.getLogger("eopd.rollout")
+
+EXIT_TOKENIZER_MISMATCH = 3
+
+
+class TokenizerMismatch(RuntimeError):
+    pass
+
+
+def check_tokenizer(info, tokenizer, student_spec: str) -> None:
+    """Refuses a teacher whose tokenizer differs from the student's, saying what differs."""
+    from eopd_common.models import (
+        describe_tokenizer_difference,
+        load_tokenizer,
+        tokenizer_fingerprint,
+    )
+
+    fp = tokenizer_fingerprint(tokenizer)
+    if fp == info.tokenizer_fingerprint:
+        return
+    details = []
+    try:  # the teacher's model spec is often loadable here too: then name the differences exactly
+        details.append(describe_tokenizer_difference(load_tokenizer(info.model_name), tokenizer))
+    except Exception:  # noqa: BLE001 - best effort: the spec may only exist on the teacher's host
+        if info.vocab_size != len(tokenizer):
+            details.append(f"vocabulary sizes differ (teacher model {info.vocab_size} vs student tokenizer {len(tokenizer)})")
+    raise TokenizerMismatch(
+        f"tokenizer mismatch: teacher {info.model_name!r} has tokenizer fingerprint {info.tokenizer_fingerprint[:16]}..., "
+        f"student {student_spec!r} has {fp[:16]}...: {'; '.join(details) or 'the vocabularies or special tokens differ'}. "
+        "Token ids would mean different strings to the teacher; use a student with the teacher's tokenizer "
+        "(or set teacher.check_tokenizer=false only if you know the ids agree)."
+    )
+
+
+def remap_ids(ids: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
+    if not mapping:
+        return ids
+    out = ids.copy()
+    for src, dst in mapping.items():
+        out[ids == src] = dst
+    return out
+
+
+@dataclass
+class Pending:
+    """A sampled response waiting for the teacher's scores."""
+
+    entry_id: str
+    task: PromptTask
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    truncated: bool
+    old_logprobs: np.ndarray
+    policy_version: int
+    sampled_unix_ns: int
+
+    @property
+    def rollout_id(self) -> str:
+        return rollout_id(self.task.task_seq, self.sample_index)
+
+
+class WorkerMetrics:
+    """Prometheus metrics of a rollout worker (served with --prometheus-port)."""
+
+    def __init__(self, port: int = 0):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.published = Counter("eopd_rollout_published_total", "Scored rollouts published")
+        self.tokens = Counter("eopd_rollout_response_tokens_total", "Response tokens sampled and scored")
+        self.reclaimed = Counter("eopd_rollout_tasks_reclaimed_total", "Tasks taken over from idle workers")
+        self.dead = Counter("eopd_rollout_dead_letters_total", "Tasks sent to the dead-letter stream")
+        self.version = Gauge("eopd_rollout_policy_version", "Policy version the worker samples with")
+        self.sample_seconds = Histogram("eopd_rollout_sample_seconds", "Sampling + old log-probs per task batch")
+        self.backpressure_waits = Counter("eopd_rollout_backpressure_waits_total", "Publishes delayed by a full stream")
+        self.stream_restarts = Counter("eopd_rollout_teacher_stream_restarts_total",
+                                       "Teacher streams abandoned after teacher.timeout_s without an answer")
+        if port:
+            from prometheus_client import start_http_server
+
+            start_http_server(port)
+
+
+class QueueSource:
+    """The request source of `score_stream`: an async iterator over a queue (None ends it).
+
+    Not an async generator on purpose: the client cancels its writer while it awaits the next
+    request when a stream breaks; cancelling `Queue.get()` loses nothing, whereas a cancelled
+    async generator is closed and would end the stream early."""
+
+    def __init__(self, queue: asyncio.Queue, sent: dict | None = None, resend: list | None = None, done: bool = False):
+        self.queue = queue
+        self.done = done
+        self.sent = sent if sent is not None else {}  # request_id -> (batch, monotonic time handed out)
+        self.resend = list(resend or [])  # requests of an abandoned stream, handed out first
+
+    def __aiter__(self) -> QueueSource:
+        return self
+
+    async def __anext__(self):
+        if self.resend:
+            item = self.resend.pop(0)
+        else:
+            if self.done:
+                raise StopAsyncIteration
+            item = await self.queue.get()
+            if item is None:
+                self.done = True
+                raise StopAsyncIteration
+        self.sent[item.request_id] = (item, time.monotonic())
+        return item
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RunConfig, worker_id: str, prometheus_port: int = 0):
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.metrics = WorkerMetrics(prometheus_port)
+        self.faults = Faults(cfg.faults)
+        self.keys = Keys(cfg.queue.namespace)
+        self.stop = asyncio.Event()
+        self.published = 0
+        self.version = -1  # -1: the spec's weights, not loaded from an announcement
+        self._sha = ""
+        self._prompt_cache: dict[int, list[int]] = {}
+        self._in_progress: set[str] = set()
+        self._local: collections.deque[Entry] = collections.deque()
+        self._request_seq = 0
+
+    # Set-up --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from eopd_common.models import load_causal_lm
+
+        from .data import load_prompts
+
+        cfg = self.cfg
+        self.redis = connect(cfg.queue.redis_url)
+        self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, self.worker_id, self.keys.dead,
+                                 cfg.queue.dead_letter_maxlen)
+        self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, self.worker_id, self.keys.dead,
+                                    cfg.queue.dead_letter_maxlen)
+        self.tasks.ensure_group()
+        self.rollouts.ensure_group()
+        self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
+        loaded = load_causal_lm(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device)
+        self.model, self.tokenizer = loaded.model.eval(), loaded.tokenizer
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.inverse_remap = {v: k for k, v in cfg.teacher.token_remap.items()}
+        self._local.extend(self.tasks.read_pending(100_000))  # ours, from before a restart
+        if self._local:
+            log.info("resuming %d pending tasks of %s", len(self._local), self.worker_id)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        from .data import render_prompt
+
+        ids = self._prompt_cache.get(index)
+        if ids is None:
+            d = self.cfg.data
+            ids = self._prompt_cache[index] = render_prompt(
+                self.tokenizer, self.prompts[index], suffix=d.suffix, chat_template=d.chat_template,
+                max_length=d.max_prompt_length)
+        return ids
+
+    # Policy versions -------------------------------------------------------------------------
+    def _maybe_reload(self) -> None:
+        from .weights import current_announcement, load_weights
+
+        pv = current_announcement(self.redis, self.keys.policy)
+        # (version, sha256): after a learner rolls back to its last checkpoint, a version number
+        # may be announced again with other weights.
+        if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
+            t0 = time.monotonic()
+            load_weights(self.model, pv)
+            self.version, self._sha = pv.version, pv.sha256
+            self.metrics.version.set(pv.version)
+            log.info("loaded policy version %d in %.2fs", pv.version, time.monotonic() - t0)
+
+    async def ensure_version(self, min_version: int) -> bool:
+        while not self.stop.is_set():
+            await asyncio.to_thread(self._maybe_reload)
+            if max(self.version, 0) >= min_version:
+                self.version = max(self.version, 0)  # nothing announced yet: the spec's weights are version 0
+                return True
+            if await asyncio.to_thread(self.redis.exists, self.keys.done):
+                return False
+            await asyncio.sleep(self.cfg.rollout.weights_poll_s)
+        return False
+
+    # Tasks -----------------------------------------------------------------------------------
+    def _next_entries(self, count: int) -> list[Entry]:
+        out: list[Entry] = []
+        while self._local and len(out) < count:
+            out.append(self._local.popleft())
+        if not out:
+            claimed = self.tasks.claim_idle(self.cfg.rollout.claim_idle_ms, count)
+            out = [e for e in claimed if e.entry_id not in self._in_progress]
+            for e in out:
+                if self.tasks.deliveries(e.entry_id) > self.cfg.rollout.max_task_deliveries:
+                    self.tasks.dead_letter(e, f"task delivered more than {self.cfg.rollout.max_task_deliveries} times")
+            out = [e for e in out if self.redis.xrange(self.tasks.stream, e.entry_id, e.entry_id)]
+            if out:
+                log.info("reclaimed %d idle tasks", len(out))
+                self.metrics.reclaimed.inc(len(out))
+        if not out:
+            out = self.tasks.read_new(count, self.cfg.queue.block_ms)
+        return out
+
+    def _sample(self, work: list[tuple[str, PromptTask]]) -> list[Pending]:
+        from .sampling import generate, sequence_logprobs
+
+        ro = self.cfg.rollout
+        flat = [(eid, task, j) for eid, task in work for j in range(task.num_samples)]
+        out: list[Pending] = []
+        for start in range(0, len(flat), ro.generation_batch_size):
+            chunk = flat[start : start + ro.generation_batch_size]
+            prompts = [self.prompt_ids(task.prompt_index) for _, task, _ in chunk]
+            seed = (self.cfg.seed * 1_000_003 + chunk[0][1].task_seq * 101 + chunk[0][2]) % (2**31)
+            samples = generate(self.model, self.tokenizer, prompts, temperature=ro.temperature, top_p=ro.top_p,
+                               max_new_tokens=ro.max_response_length, seed=seed)
+            old = sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                    temperature=ro.temperature, pad_id=self.pad_id)
+            t = now_ns()
+            for (eid, task, j), s, lp in zip(chunk, samples, old, strict=True):
+                out.append(Pending(eid, task, j, s.prompt_ids, s.response_ids, s.truncated, lp, self.version, t))
+        return out
+
+    # Publishing ------------------------------------------------------------------------------
+    def _to_rollout(self, p: Pending, scores, teacher_model: str) -> Rollout:
+        n = len(p.response_ids)
+        if scores.token_logprobs.shape[0] != n:
+            raise RuntimeError(f"teacher returned {scores.token_logprobs.shape[0]} positions for {n} response tokens")
+        topk_ids = remap_ids(np.asarray(scores.topk_ids, dtype=np.int32), self.inverse_remap)
+        ro = self.cfg.rollout
+        return Rollout(
+            rollout_id=p.rollout_id, task_id=p.task.task_id, prompt_index=p.task.prompt_index,
+            sample_index=p.sample_index, prompt_ids=np.asarray(p.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(p.response_ids, dtype=np.int32), old_logprobs=p.old_logprobs,
+            teacher_logprobs=scores.token_logprobs, teacher_entropies=scores.entropies, teacher_topk_ids=topk_ids,
+            teacher_topk_logprobs=scores.topk_logprobs, policy_version=p.policy_version, truncated=p.truncated,
+            sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
+            sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), teacher_model=teacher_model,
+        )
+
+    def _publish(self, rollout: Rollout) -> bool:
+        ok = wait_for_room(self.redis, self.keys.rollouts, self.cfg.queue.max_backlog,
+                           should_stop=lambda: self.stop.is_set() or bool(self.redis.exists(self.keys.done)),
+                           on_wait=lambda _n: self.metrics.backpressure_waits.inc())
+        if ok:
+            self.rollouts.add(encode_rollout(rollout))
+        return ok
+
+    # Main loop -------------------------------------------------------------------------------
+    async def run(self) -> int:
+        from eopd_teacher.client import AsyncTeacherClient, ScoreBatch, SequenceInput
+
+        cfg = self.cfg
+        client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
+                                    retry_timeout=cfg.teacher.retry_timeout_s)
+        try:
+            info = await self._wait_teacher(client)
+            if cfg.teacher.check_tokenizer:
+                check_tokenizer(info, self.tokenizer, cfg.student.model)
+            teacher_model = f"{info.model_name}@{info.model_revision}"
+            log.info("teacher %s ready (%s, top-k max %d); worker %s", info.model_name, info.engine, info.max_top_k,
+                     self.worker_id)
+
+            batches: asyncio.Queue = asyncio.Queue(maxsize=max(2, cfg.teacher.max_in_flight))
+            contexts: dict[str, list[Pending]] = {}
+            remaining: dict[str, int] = {}
+
+            async def produce() -> None:
+                try:
+                    while not self.stop.is_set():
+                        per_round = max(1, cfg.rollout.generation_batch_size // cfg.rollout.n_samples)
+                        entries = await asyncio.to_thread(self._next_entries, per_round)
+                        if not entries:
+                            if await asyncio.to_thread(self.redis.exists, self.keys.done):
+                                log.info("the learner finished the run; stopping")
+                                break
+                            continue
+                        work: list[tuple[str, PromptTask]] = []
+                        for e in entries:
+                            try:
+                                task = decode_task(e.data or b"")
+                                if task.prompt_index >= len(self.prompts):
+                                    raise PoisonMessage(f"PromptTask {task.task_id}: prompt_index {task.prompt_index} "
+                                                        f"outside the {len(self.prompts)} prompts")
+                            except PoisonMessage as exc:
+                                await asyncio.to_thread(self.tasks.dead_letter, e, exc.reason)
+                                self.metrics.dead.inc()
+                                continue
+                            work.append((e.entry_id, task))
+                            self._in_progress.add(e.entry_id)
+                        if not work:
+                            continue
+                        if not await self.ensure_version(max(t.min_policy_version for _, t in work)):
+                            break
+                        with self.metrics.sample_seconds.time():
+                            pending = await asyncio.to_thread(self._sample, work)
+                        self.faults.hit("rollout.after_sample", count=self.published)
+                        for eid, task in work:
+                            remaining[eid] = task.num_samples
+                        step = cfg.teacher.sequences_per_request
+                        for i in range(0, len(pending), step):
+                            group = pending[i : i + step]
+                            self._request_seq += 1
+                            rid = f"{self.worker_id}-{self._request_seq}"
+                            contexts[rid] = group
+                            seqs = [SequenceInput(p.rollout_id,
+                                                  remap_ids(np.asarray(p.prompt_ids + p.response_ids, dtype=np.int64),
+                                                            cfg.teacher.token_remap),
+                                                  len(p.prompt_ids)) for p in group]
+                            await batches.put(ScoreBatch(rid, seqs, top_k=cfg.teacher.top_k,
+                                                         temperature=cfg.teacher.temperature))
+                finally:
+                    await batches.put(None)
+
+
+            sent: dict[str, tuple] = {}  # handed to the current stream, not yet answered
+            waiting_since: list[float | None] = [None]  # when the consumer started waiting for an answer
+
+            async def drain(source: QueueSource) -> None:
+                stream = client.score_stream(source, max_in_flight=cfg.teacher.max_in_flight)
+                while True:
+                    waiting_since[0] = time.monotonic()
+                    try:
+                        rid, scores = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        waiting_since[0] = None
+                    sent.pop(rid, None)
+                    await handle(rid, scores)
+
+            async def consume() -> None:
+                """Streams the batches to the teacher. Deadline: when requests are outstanding and
+                no answer came for `teacher.timeout_s` (a stalled network path, a hung teacher),
+                the stream is abandoned, the channel replaced and the unanswered requests re-sent;
+                after `teacher.retry_timeout_s` without any answer the worker gives up."""
+                nonlocal client
+                source = QueueSource(batches, sent)
+                last_answer = time.monotonic()
+                while True:
+                    answered_before = self.published
+                    task = asyncio.ensure_future(drain(source))
+                    stalled = False
+                    while not task.done():
+                        await asyncio.wait({task}, timeout=min(1.0, cfg.teacher.timeout_s / 4))
+                        if self.published != answered_before:
+                            last_answer, answered_before = time.monotonic(), self.published
+                        since = waiting_since[0]
+                        if task.done() or since is None or not sent:
+                            continue
+                        oldest = min(t for _, t in sent.values())
+                        if time.monotonic() - max(since, oldest) > cfg.teacher.timeout_s:
+                            stalled = True
+                            task.cancel()
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await task
+                    if not stalled:
+                        task.result()  # re-raises what ended the stream
+                        return
+                    if time.monotonic() - last_answer > cfg.teacher.retry_timeout_s:
+                        raise RuntimeError(f"no answer from the teacher at {cfg.teacher.target} for "
+                                           f"{cfg.teacher.retry_timeout_s:.0f}s with {len(sent)} requests outstanding")
+                    log.warning("no answer from the teacher for %.1fs with %d requests outstanding (teacher.timeout_s): "
+                                "abandoning the stream, reconnecting and re-sending them", cfg.teacher.timeout_s, len(sent))
+                    self.metrics.stream_restarts.inc()
+                    old, client = client, AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
+                                                             retry_timeout=cfg.teacher.retry_timeout_s)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(old.close(), 5)
+                    now = time.monotonic()
+                    resend = [b for b, _ in sent.values()]
+                    sent.clear()
+                    source = QueueSource(batches, sent, resend, done=source.done)
+                    for b in resend:
+                        sent[b.request_id] = (b, now)
+
+            async def handle(rid: str, scores) -> None:
+                group = contexts.pop(rid, None)
+                if group is None:  # answered before a stream was abandoned
+                    return
+                for p, s in zip(group, scores, strict=True):
+                    rollout = self._to_rollout(p, s, teacher_model)
+                    if not await asyncio.to_thread(self._publish, rollout):
+                        continue  # stopping: the task stays pending and is reclaimed later
+                    self.published += 1
+                    self.metrics.published.inc()
+                    self.metrics.tokens.inc(rollout.num_response_tokens)
+                    self.faults.hit("rollout.after_publish", count=self.published)
+                    remaining[p.entry_id] -= 1
+                    if remaining[p.entry_id] == 0:
+                        del remaining[p.entry_id]
+                        await asyncio.to_thread(self.tasks.ack, [p.entry_id])
+                        self._in_progress.discard(p.entry_id)
+                log.debug("published %d rollouts (policy v%d)", self.published, group[0].policy_version)
+
+            producer = asyncio.create_task(produce())
+            try:
+                await consume()
+            except BaseException:
+                producer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await producer
+                raise
+            await producer  # re-raises what stopped the producer, if anything did
+            log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
+            return 0
+        finally:
+            await client.close()
+
+    async def _wait_teacher(self, client):
+        deadline = time.monotonic() + self.cfg.teacher.ready_timeout_s
+        while True:
+            try:
+                return await client.info(timeout=10)
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"teacher at {self.cfg.teacher.target} not reachable: {exc}") from exc
+                await asyncio.sleep(0.5)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eopd-rollout", description="EOPD rollout worker: sample, score with the teacher, publish.")
+    p.add_argument("--config", type=str, default=None, help="run config YAML")
+    p.add_argument("--worker-id", default=None, help="consumer name (default: host-pid); reuse it to resume its pending tasks")
+    p.add_argument("--prometheus-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted paths (e.g. teacher.target=host:50051)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_for_process("eopd-rollout", args.config, args.overrides, "rollout")
+    if cfg is None:
+        return 2
+    worker = RolloutWorker(cfg, args.worker_id or default_worker_id(), args.prometheus_port)
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop.set)
+        return await worker.run()
+
+    try:
+        worker.setup()
+        return asyncio.run(run())
+    except TokenizerMismatch as exc:
+        print(f"eopd-rollout: {exc}", file=sys.stderr)
+        return EXIT_TOKENIZER_MISMATCH
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""`eopd run`: the whole job on one machine, from nothing pre-started.
+
+    eopd run --config configs/smollm2-cpu.yaml [key=value ...] [--validate-only] [--no-eval] [--overwrite]
+
+1. validates the config; materialises what it names (a layer-subset student into
+   `<run_dir>/student-init`, generated task splits into `<run_dir>/data`) and writes the effective
+   config the processes load to `<run_dir>/run.yaml`;
+2. picks the queue: the Redis at `$REDIS_URL` if it answers, else a `redis-server` started on a free
+   port (if the binary is installed); otherwise it stops with an error (there is no embedded
+   in-process queue: `queue.py` speaks Redis Streams directly);
+3. starts the teacher (`eopd-teacher serve --model teacher.model`, free ports, waits for /readyz),
+   one rollout worker and the learner as separate processes, logs in `<run_dir>/logs/`;
+4. supervises them: a progress bar from the learner's `train_metrics.jsonl`; Ctrl-C / SIGTERM stop
+   every process cleanly (the learner keeps its last committed checkpoint); a process that dies
+   makes the run exit 1 with the tail of its log;
+5. evaluates (`eopd eval`) the initial and the final student on the held-out prompts into
+   `<run_dir>/eval.json` unless `--no-eval` / `eval.enabled=false`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ConfigError, RunConfig, dump_config, load_config
+
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+
+class RunError(RuntimeError):
+    """A process of the run failed; the message names it and carries its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def failure(self, what: str) -> RunError:
+        return RunError(f"{self.name} {what} (exit code {self.popen.poll()}); last lines of {self.log_path}:\n"
+                        f"{log_tail(self.log_path)}")
+
+
+@dataclass
+class Supervisor:
+    """Starts child processes (own sessions, logs in `log_dir`) and stops them in reverse order."""
+
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / f"{name}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(path, "ab") as fh:
+            popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        child = Child(name, popen, path)
+        self.children.append(child)
+        return child
+
+    def check(self, *, allowed_done: tuple[str, ...] = ()) -> None:
+        """Raises RunError if a child has exited, unless it exited 0 and is in `allowed_done`."""
+        for c in self.children:
+            rc = c.popen.poll()
+            if rc is None or (rc == 0 and c.name in allowed_done):
+                continue
+            raise c.failure("exited unexpectedly" if rc == 0 else "failed")
+
+    def stop_all(self, timeout: float = 30.0) -> None:
+        """SIGTERM each child in reverse start order, waiting for it before the next: the learner
+        and the workers stop while the queue and the teacher they talk to are still up."""
+        for c in reversed(self.children):
+            if not c.alive():
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                c.popen.send_signal(signal.SIGTERM)
+            try:  # the learner stops after the optimizer step in progress: give it longer
+                c.popen.wait(timeout * 4 if c.name == "learner" else timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.popen.pid, signal.SIGKILL)
+                c.popen.wait(10)
+
+
+def redis_ping(url: str, timeout: float = 1.0) -> bool:
+    import redis
+
+    try:
+        password = {"password": os.environ["REDIS_PASSWORD"]} if os.environ.get("REDIS_PASSWORD") else {}
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **password).ping())
+    except Exception:  # noqa: BLE001 - unreachable, refused, auth...: not usable
+        return False
+
+
+def choose_queue(sup: Supervisor, run_dir: Path) -> tuple[str, str]:
+    """(redis_url, a sentence saying which queue was used)."""
+    env_url = os.environ.get("REDIS_URL", "")
+    if env_url and redis_ping(env_url):
+        return env_url, f"queue: the Redis at REDIS_URL ({env_url})"
+    why = f"REDIS_URL={env_url} does not answer" if env_url else "REDIS_URL is not set"
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RunError(f"no queue: {why} and redis-server is not installed (apt-get install redis-server, or set "
+                       "REDIS_URL); an embedded in-process queue is not implemented")
+    port = free_port()
+    data_dir = run_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    child = sup.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                "--dir", str(data_dir)])
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while not redis_ping(url):
+        if not child.alive():
+            raise child.failure("failed to start")
+        if time.monotonic() > deadline:
+            raise child.failure("did not answer PING within 20 s")
+        time.sleep(0.05)
+    return url, f"queue: {why}; started redis-server on 127.0.0.1:{port} (log {child.log_path})"
+
+
+def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise child.failure("failed to start")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.2)
+    raise child.failure(f"was not ready after {timeout:.0f} s")
+
+
+# Preparing the run directory ---------------------------------------------------------------------
+
+def prepare(cfg: RunConfig, *, overwrite: bool = False) -> tuple[RunConfig, dict]:
+    """Materialises the run directory; returns the config the processes load (concrete files and
+    student directory) and facts for the run's summary."""
+    from eopd_common.models import materialise_spec
+
+    from .tasks import write_splits
+
+    run_dir = Path(cfg.run_dir).resolve()
+    if (run_dir / "checkpoints" / "COMMITTED").exists():
+        if not overwrite:
+            raise ConfigError(f"{run_dir} already holds a trained run; pass --overwrite or another run_dir=")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = cfg.data
+    updates: dict = {"run_dir": run_dir}
+    if data.generate is not None:
+        train, held = write_splits(run_dir / "data", data.generate.train, data.generate.heldout, data.generate.seed)
+        data = data.model_copy(update={"train_files": [train], "eval_files": [held]})
+        updates["data"] = data
+    student = materialise_spec(cfg.student.model, run_dir / "student-init")
+    updates["student"] = cfg.student.model_copy(update={"model": student})
+    return cfg.model_copy(update=updates), {"student_init": student, "student_spec": cfg.student.model}
+
+
+def validate(cfg: RunConfig, *, local: bool = True) -> list[str]:
+    """Checks beyond the schema that `eopd run` needs (no model is loaded). Returns problems.
+
+    `local=False` (`--validate-only`, e.g. a GPU preset checked on another machine) checks the
+    spec syntax only, not that model directories and prompt files exist here."""
+    from eopd_common.models import parse_layer_subset, resolve_spec
+
+    problems = []
+    if not cfg.teacher.model:
+        problems.append("teacher.model: eopd run needs the model spec the teacher serves")
+    for key, spec in (("teacher.model", cfg.teacher.model), ("student.model", cfg.student.model)):
+        if not spec:
+            continue
+        try:
+            parsed = parse_layer_subset(spec)
+            if local:
+                resolve_spec(parsed[0] if parsed else spec)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+    for f in [*cfg.data.train_files, *cfg.data.eval_files]:
+        if local and not Path(f).is_file():
+            problems.append(f"data: prompt file not found: {f}")
+    if cfg.eval.enabled and not cfg.data.eval_files and cfg.data.generate is None:
+        problems.append("eval.enabled: no held-out prompts (data.eval_files or data.generate)")
+    return problems
+
+
+# The run ---------------------------------------------------------------------------------------
+
+class _Progress:
+    """Follows `<run_dir>/train_metrics.jsonl` into a tqdm bar."""
+
+    def __init__(self, path: Path, total: int):
+        from tqdm import tqdm
+
+        self.path, self.offset, self.done = path, 0, 0
+        self.last: dict = {}
+        self.bar = tqdm(total=total, desc="eopd run", unit="it", dynamic_ncols=True, file=sys.stderr)
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as fh:
+            fh.seek(self.offset)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") != "iteration":
+                continue
+            self.last = rec
+            self.bar.set_postfix(loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
+                                 fkl=f"{rec.get('iter/fkl_gated_mean', 0):.3f}")
+            self.bar.update(int(rec["iteration"]) - self.done)
+            self.done = int(rec["iteration"])
+
+    def close(self) -> None:
+        self.poll()
+        self.bar.close()
+
+
+def say(msg: str) -> None:
+    print(f"eopd run: {msg}", file=sys.stderr, flush=True)
+
+
+def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teacher_timeout: float = 600.0,
+        learner_timeout: float | None = None) -> int:
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError("cannot run:\n" + "\n".join(f"  {p}" for p in problems))
+    t_start = time.monotonic()
+    cfg, facts = prepare(cfg, overwrite=overwrite)
+    run_dir = Path(cfg.run_dir)
+    sup = Supervisor(run_dir / "logs")
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    summary: dict = {"config": str(run_dir / "run.yaml"), **facts}
+    progress = None
+    try:
+        redis_url, queue_msg = choose_queue(sup, run_dir)
+        say(queue_msg)
+        summary["queue"] = queue_msg
+        gp, hp = free_port(), free_port()
+        ns = f"{cfg.queue.namespace}:run:{run_dir.name}:{time.time_ns()}"
+        cfg = cfg.model_copy(update={
+            "teacher": cfg.teacher.model_copy(update={"target": f"127.0.0.1:{gp}"}),
+            "queue": cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": ns}),
+            "logging": cfg.logging.model_copy(update={"progress": False}),
+        })
+        config_path = run_dir / "run.yaml"
+        config_path.write_text(dump_config(cfg))
+        load_config(config_path)  # what the children will load must validate
+        py = sys.executable
+        teacher = sup.start("teacher", [py, "-m", "eopd_teacher.cli", "serve", "--model", cfg.teacher.model, "--host",
+                                        "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)])
+        say(f"teacher {cfg.teacher.model} starting on 127.0.0.1:{gp} (log {teacher.log_path})")
+        deadline = time.monotonic() + teacher_timeout
+        while True:  # interruptible wait for readiness
+            if stop["signal"] is not None:
+                raise KeyboardInterrupt
+            try:
+                wait_teacher(teacher, hp, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                break
+            except RunError:
+                if not teacher.alive():
+                    raise teacher.failure("failed to start") from None
+                if time.monotonic() > deadline:
+                    raise
+        say(f"teacher ready; run directory {run_dir}")
+        env: dict[str, str] = {}  # torch's default threads: in sync mode the processes mostly take turns
+        sup.start("rollout-w0", [py, "-m", "eopd_trainer.rollout", "--config", str(config_path), "--worker-id", "w0"], env)
+        learner = sup.start("learner", [py, "-m", "eopd_trainer.learner", "--config", str(config_path)], env)
+        from .data import load_prompts
+
+        total = cfg.total_iterations(len(load_prompts(cfg.data.train_files, cfg.data.field)))
+        progress = _Progress(run_dir / "train_metrics.jsonl", total)
+        t_learn = time.monotonic()
+        while learner.alive():
+            if stop["signal"] is not None:
+                raise KeyboardInterrupt
+            sup.check(allowed_done=("rollout-w0",))  # a worker exits 0 only once the learner set <ns>:done
+            progress.poll()
+            if learner_timeout and time.monotonic() - t_learn > learner_timeout:
+                raise learner.failure(f"did not finish within {learner_timeout:.0f} s")
+            time.sleep(0.5)
+        progress.close()
+        progress = None
+        if learner.popen.returncode != 0:
+            raise learner.failure("failed")
+        summary["train_s"] = time.monotonic() - t_learn
+        worker_deadline = time.monotonic() + 60
+        while any(c.alive() for c in sup.children if c.name.startswith("rollout")) and time.monotonic() < worker_deadline:
+            sup.check(allowed_done=("learner", "rollout-w0"))
+            time.sleep(0.2)
+        sup.check(allowed_done=("learner", "rollout-w0"))
+    except KeyboardInterrupt:
+        say(f"interrupted ({signal.Signals(stop['signal'] or signal.SIGINT).name}): stopping every process "
+            "(the learner keeps its last committed checkpoint)")
+        if progress is not None:
+            progress.bar.close()
+        sup.stop_all()
+        return EXIT_INTERRUPTED
+    except RunError as exc:
+        if progress is not None:
+            progress.bar.close()
+        say(str(exc))
+        sup.stop_all()
+        return EXIT_FAILED
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    sup.stop_all()
+    say(f"training done in {summary['train_s']:.0f} s")
+    if evaluate and cfg.eval.enabled and cfg.data.eval_files:
+        from .evaluation import evaluate_run
+
+        t0 = time.monotonic()
+        result = evaluate_run(run_dir, cfg.eval.models)
+        summary["eval_s"] = time.monotonic() - t0
+        for name, r in result["models"].items():
+            say(f"eval {name}: avg@{r['n_samples']} {r['avg_at_k']:.3f} pass@{r['n_samples']} "
+                f"{r['pass_at_k'][str(r['n_samples'])]:.3f} fkl(H_T>={cfg.eval.high_entropy}) "
+                f"{r['fkl_high_entropy']:.3f} reverse KL {r['reverse_kl']:.3f}")
+    summary["total_s"] = time.monotonic() - t_start
+    (run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    say(f"finished in {summary['total_s']:.0f} s; see {run_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eopd run", description="Run the whole job on one machine: queue, teacher, "
+                                "rollout worker, learner, then the evaluation.")
+    p.add_argument("--config", required=True, help="run config YAML (configs/<preset>.yaml)")
+    p.add_argument("--validate-only", action="store_true", help="validate the config and the specs it names, then exit")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing trained run in run_dir first")
+    p.add_argument("--learner-timeout", type=float, default=None, help="fail if training takes longer (seconds)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted paths (e.g. train.iterations=4)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.validate_only:
+            problems = validate(cfg, local=False)
+            if problems:
+                raise ConfigError("invalid for eopd run:\n" + "\n".join(f"  {p}" for p in problems))
+            print(f"eopd run: {args.config} is valid ({cfg.total_iterations(1) if cfg.train.iterations else 'epochs'} "
+                  f"iterations; teacher {cfg.teacher.model}, student {cfg.student.model}, loss {cfg.loss.variant})")
+            return 0
+        return run(cfg, overwrite=args.overwrite, evaluate=not args.no_eval, learner_timeout=args.learner_timeout)
+    except ConfigError as exc:
+        print(f"eopd run: {exc}", file=sys.stderr)
+        return EXIT_CONFIG

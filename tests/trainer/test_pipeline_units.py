@@ -1,0 +1,303 @@
+"""Unit tests of the pipeline's pure parts: config, message codec, ledger, batching, data, DS config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from eopd_trainer.batching import (
+    gradient_accumulation_steps,
+    pack_rollouts,
+    pack_sequences,
+    shard,
+    shuffle_for_iteration,
+    split,
+)
+from eopd_trainer.config import ConfigError, apply_overrides, load_config
+from eopd_trainer.data import DataError, load_prompts, prompt_index
+from eopd_trainer.distributed import build_ds_config
+from eopd_trainer.ledger import (
+    Admit,
+    Ledger,
+    admit,
+    replacement_tasks_needed,
+    tasks_to_publish,
+)
+from eopd_trainer.messages import (
+    PoisonMessage,
+    PolicyVersion,
+    PromptTask,
+    Rollout,
+    decode_policy,
+    decode_rollout,
+    decode_task,
+    encode_policy,
+    encode_rollout,
+    encode_task,
+)
+from eopd_trainer.sampling import cut_response
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def make_rollout(rid: str = "t0-s0", n: int = 3, k: int = 4, p: int = 2, version: int = 0, seed: int = 0) -> Rollout:
+    rng = np.random.default_rng(seed)
+    return Rollout(
+        rollout_id=rid, task_id=rid.split("-")[0], prompt_index=1, sample_index=0,
+        prompt_ids=rng.integers(0, 100, p).astype(np.int32), response_ids=rng.integers(0, 100, n).astype(np.int32),
+        old_logprobs=-rng.random(n).astype(np.float32), teacher_logprobs=-rng.random(n).astype(np.float32),
+        teacher_entropies=rng.random(n).astype(np.float32) * 2,
+        teacher_topk_ids=rng.integers(0, 100, (n, k)).astype(np.int32),
+        teacher_topk_logprobs=np.sort(-rng.random((n, k)).astype(np.float32) * 3, axis=1)[:, ::-1].copy(),
+        policy_version=version,
+    )
+
+
+# Config ----------------------------------------------------------------------------------------
+
+def test_paper_defaults():
+    cfg = load_config(None, ["data.train_files=[x.jsonl]"])
+    assert (cfg.train.lr, cfg.train.batch_size, cfg.train.mini_batch_size) == (3e-6, 128, 32)
+    assert cfg.steps_per_iteration == 4
+    assert (cfg.teacher.top_k, cfg.loss.tau, cfg.loss.alpha, cfg.loss.clip_low, cfg.loss.clip_high) == (16, 0.8, 1.0, 0.2, 0.2)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_response_length, cfg.rollout.n_samples) == (1.0, 1.0, 4096, 1)
+    assert cfg.mode == "sync" and cfg.effective_max_staleness == 0
+
+
+def test_tiny_config_and_overrides():
+    cfg = load_config(TINY, ["train.lr=1e-4", "loss.variant=opd", "mode=async", "teacher.token_remap={2: 3}",
+                             "faults=[{point: learner.after_step, iteration: 2}]"])
+    assert cfg.train.lr == 1e-4 and cfg.loss.variant == "opd" and cfg.effective_max_staleness == 1
+    assert cfg.teacher.token_remap == {2: 3}
+    assert cfg.faults[0].point == "learner.after_step" and cfg.faults[0].iteration == 2
+    assert all(p.is_file() for p in cfg.data.train_files)  # relative to the config file
+    assert cfg.total_iterations(32) == 12 and load_config(TINY, ["train.iterations=null", "train.epochs=1"]).total_iterations(32) == 8
+    with pytest.raises(Exception):
+        cfg.train.lr = 1.0  # frozen
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lrr=1"], "train.lrr: unknown key"),
+    (["loss.tau=-1"], "loss.tau"),
+    (["loss.variant=nope"], "unknown loss variant"),
+    (["train.batch_size=6"], "multiple of train.mini_batch_size"),
+    (["rollout.temperature=0.5"], "must equal loss.temperature"),
+    (["mode=sideways"], "mode"),
+    (["train"], "not of the form key=value"),
+    (["train.lr.x=1"], "train.lr is not a mapping"),
+])
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(TINY, overrides)
+    assert message in str(exc.value)
+
+
+def test_config_needs_data_and_file():
+    with pytest.raises(ConfigError, match="data.train_files"):
+        load_config(None, [])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent.yaml", [])
+
+
+def test_apply_overrides_creates_paths():
+    assert apply_overrides({"a": {"b": 1}}, ["a.c.d=[1, 2]", "e=x"]) == {"a": {"b": 1, "c": {"d": [1, 2]}}, "e": "x"}
+
+
+def test_ds_config():
+    cfg = load_config(TINY, ["train.zero_stage=2", "train.precision=bf16"])
+    ds = build_ds_config(cfg, world_size=2, total_steps=8, on_cpu=True)
+    assert ds["train_batch_size"] == 4 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 1 and ds["zero_optimization"]["stage"] == 2
+    assert ds["bf16"]["enabled"] and ds["optimizer"]["params"]["torch_adam"]
+    assert ds["scheduler"]["type"] == "WarmupCosineLR" and ds["scheduler"]["params"]["total_num_steps"] == 8
+    with pytest.raises(ValueError, match="multiple"):
+        gradient_accumulation_steps(4, 3, 1)
+
+
+# Messages --------------------------------------------------------------------------------------
+
+def test_rollout_roundtrip():
+    r = make_rollout(n=5, k=3)
+    back = decode_rollout(encode_rollout(r), vocab_size=100)
+    for name in ("prompt_ids", "response_ids", "old_logprobs", "teacher_logprobs", "teacher_entropies",
+                 "teacher_topk_ids", "teacher_topk_logprobs"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(r, name))
+    assert back.rollout_id == r.rollout_id and back.top_k == 3 and back.policy_version == 0
+
+
+def test_packed_wire_size():
+    r = make_rollout(n=100, k=16)
+    per_token = len(encode_rollout(r)) / 100
+    assert per_token < 16 * 8 + 40  # packed: ~5 bytes per top-k (id varint + float) + per-token scalars
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda b: b"\xff\xff\xff garbage", "undecodable"),
+    (lambda b: b"", "empty rollout_id"),
+])
+def test_poison_bytes(mutate, reason):
+    with pytest.raises(PoisonMessage, match=reason):
+        decode_rollout(mutate(encode_rollout(make_rollout())))
+
+
+def test_inconsistent_rollouts():
+    from eopd.v1 import rollout_pb2 as pb
+
+    msg = pb.ScoredRollout()
+    msg.ParseFromString(encode_rollout(make_rollout(n=3, k=4)))
+    del msg.old_logprobs[-1]
+    with pytest.raises(PoisonMessage, match="old_logprobs has 2 values, expected 3"):
+        decode_rollout(msg.SerializeToString())
+    with pytest.raises(PoisonMessage, match="outside the vocabulary"):
+        decode_rollout(encode_rollout(make_rollout()), vocab_size=10)
+    bad = make_rollout()
+    object.__setattr__(bad, "teacher_logprobs", np.full(3, np.nan, dtype=np.float32))
+    with pytest.raises(PoisonMessage, match="non-finite"):
+        decode_rollout(encode_rollout(bad))
+
+
+def test_task_and_policy_roundtrip():
+    t = PromptTask(7, 3, 2, 5)
+    back = decode_task(encode_task(t))
+    assert (back.task_id, back.prompt_index, back.num_samples, back.min_policy_version) == ("t7", 3, 2, 5)
+    with pytest.raises(PoisonMessage):
+        decode_task(b"\x08")
+    pv = PolicyVersion(3, "/x/v3.safetensors", "ab" * 32, 10, 3)
+    assert decode_policy(encode_policy(pv)).uri == pv.uri
+
+
+# Ledger ----------------------------------------------------------------------------------------
+
+def test_admit_rules():
+    led = Ledger()
+    led.record(1, ["a"])
+    kw = dict(current_version=3, max_staleness=1, trained=led, in_batch={"b"})
+    assert admit("a", 3, **kw).kind is Admit.DUPLICATE
+    assert admit("b", 3, **kw).kind is Admit.DUPLICATE
+    assert admit("c", 3, **kw) .kind is Admit.TRAIN
+    assert admit("c", 2, **kw).kind is Admit.TRAIN and admit("c", 2, **kw).staleness == 1
+    assert admit("c", 1, **kw).kind is Admit.STALE
+    assert admit("c", 4, **kw).kind is Admit.FUTURE
+    assert admit("c", 2, **{**kw, "max_staleness": 0}).kind is Admit.STALE  # sync mode
+
+
+def test_ledger_json_and_no_double_training():
+    led = Ledger()
+    led.record(1, ["x", "y"])
+    led.record(2, ["z"])
+    back = Ledger.from_json(json.loads(json.dumps(led.to_json())))
+    assert back.trained == {"x": 1, "y": 1, "z": 2}
+    with pytest.raises(ValueError, match="already trained"):
+        back.record(3, ["y"])
+
+
+def test_tasks_to_publish():
+    kw = dict(batch_size=8, n_samples=2)
+    assert tasks_to_publish(iteration=1, max_staleness=0, published_tasks=0, replacement_tasks=0, **kw) == 4
+    assert tasks_to_publish(iteration=1, max_staleness=0, published_tasks=4, replacement_tasks=0, **kw) == 0  # restart
+    assert tasks_to_publish(iteration=2, max_staleness=0, published_tasks=4, replacement_tasks=0, **kw) == 4
+    assert tasks_to_publish(iteration=1, max_staleness=2, published_tasks=0, replacement_tasks=0, **kw) == 12  # async
+    assert tasks_to_publish(iteration=1, max_staleness=0, published_tasks=4, replacement_tasks=2, **kw) == 2
+
+
+def test_replacement_tasks_only_when_nothing_can_arrive():
+    kw = dict(n_samples=2)
+    assert replacement_tasks_needed(missing_rollouts=3, tasks_outstanding=0, rollouts_waiting=0, **kw) == 2
+    assert replacement_tasks_needed(missing_rollouts=3, tasks_outstanding=1, rollouts_waiting=0, **kw) == 0
+    assert replacement_tasks_needed(missing_rollouts=3, tasks_outstanding=0, rollouts_waiting=1, **kw) == 0
+    assert replacement_tasks_needed(missing_rollouts=0, tasks_outstanding=0, rollouts_waiting=0, **kw) == 0
+
+
+# Batching --------------------------------------------------------------------------------------
+
+def test_pack_sequences_positions():
+    packed = pack_sequences([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 5, 6], [4, 7, 8, 9, 0]]
+    assert packed.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    flat = packed.input_ids.reshape(-1)
+    # the token at flat position pos + 1 is the sampled token predicted at pos
+    assert flat[packed.positions + 1].tolist() == packed.sampled_ids.tolist() == [5, 6, 7, 8, 9]
+    assert packed.seq_index.tolist() == [0, 0, 1, 1, 1]
+
+
+def test_pack_rollouts_pads_topk():
+    a, b = make_rollout("t0-s0", n=2, k=4), make_rollout("t1-s0", n=3, k=2, seed=1)
+    packed = pack_rollouts([a, b], pad_id=0)
+    assert packed.topk_ids.shape == (5, 4) and packed.num_tokens == 5
+    assert torch.isinf(packed.topk_logprobs[2:, 2:]).all()
+    np.testing.assert_array_equal(packed.old_logprobs.numpy(), np.concatenate([a.old_logprobs, b.old_logprobs]))
+
+
+def test_minibatch_split_and_shuffle_deterministic():
+    rs = [make_rollout(f"t{i}-s0", seed=i) for i in range(8)]
+    a = [r.rollout_id for r in shuffle_for_iteration(rs, 0, 3)]
+    b = [r.rollout_id for r in shuffle_for_iteration(list(reversed(rs)), 0, 3)]
+    assert a == b and sorted(a) == sorted(r.rollout_id for r in rs)
+    assert [len(m) for m in split(rs, 3)] == [3, 3, 2]
+    assert shard(list(range(5)), 1, 2) == [1, 3]
+
+
+def test_cut_response():
+    assert cut_response([5, 2, 7], {2}, 10) == ([5, 2], False)
+    assert cut_response([5, 6, 7], {2}, 2) == ([5, 6], True)
+
+
+# Data ------------------------------------------------------------------------------------------
+
+def test_prompts_and_order(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"q": "a"}\n\n{"q": "b"}\n{"q": "c"}\n')
+    assert load_prompts([f], "q") == ["a", "b", "c"]
+    with pytest.raises(DataError, match=r"p.jsonl:1: no field 'prompt'"):
+        load_prompts([f], "prompt")
+    order = [prompt_index(s, 3, seed=0) for s in range(6)]
+    assert sorted(order[:3]) == [0, 1, 2] and sorted(order[3:]) == [0, 1, 2]
+    assert [prompt_index(s, 3, seed=0, shuffle=False) for s in range(4)] == [0, 1, 2, 0]
+
+
+def test_parquet_prompts(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"problem": ["What is 1 + 1?", "What is 2 * 3?"], "answer": ["2", "6"]}), f)
+    assert load_prompts([f], "problem") == ["What is 1 + 1?", "What is 2 * 3?"]
+    with pytest.raises(DataError, match="no field 'prompt'"):
+        load_prompts([f], "prompt")
+
+
+# Weight sync -----------------------------------------------------------------------------------
+
+def test_weights_roundtrip_tied_and_verified(tmp_path):
+    from eopd_trainer.weights import load_weights, prune_weights, save_weights
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    a, b = AutoModelForCausalLM.from_config(cfg), AutoModelForCausalLM.from_config(cfg)
+    pv = save_weights(a, tmp_path, version=3, iteration=3)
+    assert pv.uri.endswith("v000003.safetensors") and len(pv.sha256) == 64
+    load_weights(b, pv)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert b.lm_head.weight is b.model.embed_tokens.weight  # still tied
+    with pytest.raises(ValueError, match="sha256"):
+        load_weights(b, PolicyVersion(3, pv.uri, "0" * 64, pv.num_bytes, 3))
+    for v in (4, 5, 6):
+        save_weights(a, tmp_path, version=v, iteration=v)
+    prune_weights(tmp_path, keep=2, protect=3)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["v000003.safetensors", "v000005.safetensors",
+                                                                        "v000006.safetensors"]
+
+
+def test_token_remap_both_ways():
+    from eopd_trainer.rollout import remap_ids
+
+    ids = np.array([1, 2, 3, 2])
+    assert remap_ids(ids, {2: 7}).tolist() == [1, 7, 3, 7]
+    assert remap_ids(np.array([[7, 5]]), {7: 2}).tolist() == [[2, 5]]  # the inverse map on top-k ids
+    assert remap_ids(ids, {}) is ids

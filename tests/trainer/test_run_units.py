@@ -1,0 +1,110 @@
+"""`eopd run / eval / report` without starting processes: config validation (the GPU preset
+included), the layer-subset student, the evaluation on tiny models, the report's figures."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+from eopd_trainer.config import load_config
+
+from tests.procs import ROOT
+
+CONFIGS = ROOT / "configs"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-cpu", "qwen3-paper"])
+def test_presets_validate(preset, capsys):
+    from eopd_trainer.cli import main
+
+    assert main(["run", "--config", str(CONFIGS / f"{preset}.yaml"), "--validate-only"]) == 0
+    assert "is valid" in capsys.readouterr().out
+
+
+def test_qwen3_paper_has_the_paper_hyperparameters():
+    cfg = load_config(CONFIGS / "qwen3-paper.yaml")
+    assert (cfg.train.batch_size, cfg.train.mini_batch_size, cfg.train.lr) == (128, 32, 3e-6)
+    assert (cfg.teacher.top_k, cfg.loss.tau, cfg.loss.alpha, cfg.rollout.max_response_length) == (16, 0.8, 1.0, 4096)
+    assert (cfg.eval.temperature, cfg.eval.top_p) == (1.0, 0.8)
+    assert "Qwen3-8B" in cfg.teacher.model and "Qwen3-1.7B-Base" in cfg.student.model
+
+
+def test_validate_only_rejects_bad_values(capsys):
+    from eopd_trainer.cli import main
+
+    assert main(["run", "--config", str(CONFIGS / "qwen3-paper.yaml"), "--validate-only", "train.lr=-1"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+    assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), "--validate-only", "teacher.model="]) == 2
+    assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), "--validate-only",
+                 "student.model=tiny-random[layers=a:b]"]) == 2
+
+
+def test_layer_subset_student(tmp_path):
+    import torch
+    from eopd_common.models import load_causal_lm, materialise_spec, parse_layer_subset
+
+    assert parse_layer_subset("smollm2-135m") is None
+    assert parse_layer_subset("smollm2-135m[layers=0:30:3]") == ("smollm2-135m", slice(0, 30, 3))
+    assert parse_layer_subset("x[layers=0,2]") == ("x", [0, 2])
+    path = materialise_spec("tiny-random@0[layers=1]", tmp_path / "s")
+    sub = load_causal_lm(path).model
+    full = load_causal_lm("tiny-random@0").model
+    assert sub.config.num_hidden_layers == 1
+    sd_sub, sd_full = sub.state_dict(), full.state_dict()
+    assert torch.equal(sd_sub["model.layers.0.mlp.up_proj.weight"], sd_full["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(sd_sub["lm_head.weight"], sd_full["lm_head.weight"])
+    assert materialise_spec("tiny-random@0[layers=1]", tmp_path / "s") == path  # reused, deterministic
+
+
+def test_evaluate_model_on_tiny_models():
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.config import EvalConfig
+    from eopd_trainer.data import render_prompt
+    from eopd_trainer.evaluation import evaluate_model, ks_for
+
+    assert ks_for(1) == [1] and ks_for(4) == [1, 2, 4] and ks_for(6) == [1, 2, 4, 6]
+    student, teacher = load_causal_lm("tiny-random@1"), load_causal_lm("tiny-random@0")
+    prompts = [render_prompt(student.tokenizer, q) for q in ("What is 2 + 2?", "What is 3 * 3?")]
+    ecfg = EvalConfig(n_samples=2, max_new_tokens=6, batch_size=4)
+    r = evaluate_model(student.model, student.tokenizer, teacher.model, prompts, ["4", "9"], ecfg)
+    assert r["avg_at_k"] == 0.0 and set(r["pass_at_k"]) == {"1", "2"}
+    assert r["tokens"] > 0 and sum(r["entropy_hist_student"]) == r["tokens"] == sum(r["entropy_hist_teacher"])
+    assert 0 <= r["high_entropy_share_student"] <= 1 and r["forward_kl"] > 0 and r["reverse_kl"] > 0
+    same = evaluate_model(teacher.model, teacher.tokenizer, teacher.model, prompts, ["4", "9"], ecfg)
+    assert abs(same["forward_kl"]) < 1e-6 and abs(same["reverse_kl"]) < 1e-6
+
+
+def _fake_run(run_dir, variant):
+    run_dir.mkdir()
+    (run_dir / "run.yaml").write_text(f"loss:\n  variant: {variant}\n")
+    with (run_dir / "train_metrics.jsonl").open("w") as fh:
+        for it in range(1, 4):
+            fh.write(json.dumps({"step": it, "kind": "step", "iteration": it, "loss": 1.0}) + "\n")
+            fh.write(json.dumps({"step": it, "kind": "iteration", "iteration": it, "iter/loss": 3.0 - it,
+                                 "iter/pg_loss": 1.0, "iter/fkl_loss": 2.0 - it, "iter/gate_ratio": 0.5,
+                                 "iter/fkl_gated_mean": 1.0 / it, "iter/student_entropy": 2.0,
+                                 "iter/teacher_entropy": 1.5}) + "\n")
+    bins = [0.0, 1.0, 2.0, 3.0]
+    model = {"n_samples": 4, "prompts": 8, "avg_at_k": 0.25, "pass_at_k": {"1": 0.25, "2": 0.4, "4": 0.6},
+             "entropy_bins": bins, "entropy_hist_student": [5, 3, 1], "entropy_hist_teacher": [6, 2, 1],
+             "high_entropy_share_student": 0.4, "high_entropy_share_teacher": 0.3, "fkl_high_entropy": 1.2,
+             "reverse_kl": 0.9}
+    (run_dir / "eval.json").write_text(json.dumps({"models": {"initial": model, "final": model}}))
+
+
+def test_report_embeds_every_figure(tmp_path):
+    from eopd_trainer.cli import main
+    from eopd_trainer.report import CURVES
+
+    _fake_run(tmp_path / "opd", "opd")
+    _fake_run(tmp_path / "eopd", "eopd")
+    out = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "opd"), str(tmp_path / "eopd"), "--out", str(out)]) == 0
+    text = out.read_text()
+    imgs = re.findall(r"<img alt='([^']+)' src='data:image/png;base64,([A-Za-z0-9+/=]+)'>", text)
+    titles = [t for t, _ in imgs]
+    assert [html.unescape(t) for t in titles] == [t for t, _ in CURVES] + ["Entropy histograms", "Pass@k"]
+    assert all(len(b) > 1000 for _, b in imgs)
+    assert "opd / final" in text and "eopd / initial" in text and "<td>25.0</td>" in text
