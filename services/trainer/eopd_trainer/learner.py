@@ -198,6 +198,7 @@ class Learner:
         staleness: list[int] = []
         self.publish_tasks(iteration)
         last_note = time.monotonic()
+        queue_wait = 0.0  # seconds blocked on the rollouts stream (the learner's idle time)
         while len(batch) < need:
             if self.stop_requested:
                 return None
@@ -205,7 +206,9 @@ class Learner:
             while self._pending and len(entries) < need - len(batch):
                 entries.append(self._pending.popleft())
             if not entries:
+                t_wait = time.monotonic()
                 entries = self.rollouts.read_new(need - len(batch), cfg.queue.block_ms)
+                queue_wait += time.monotonic() - t_wait
             if not entries:
                 extra = replacement_tasks_needed(
                     missing_rollouts=need - len(batch), n_samples=cfg.rollout.n_samples,
@@ -251,6 +254,7 @@ class Learner:
             "response_length_mean": sum(r.num_response_tokens for r in rollouts) / len(rollouts),
             "truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
             "sample_to_train_s": (time.time_ns() - min(r.sampled_unix_ns for r in rollouts)) / 1e9,
+            "queue_wait_s": queue_wait,
         }
         return [v[1] for v in batch.values()], [v[0] for v in batch.values()], stats
 
@@ -384,7 +388,8 @@ class Learner:
         for i, m in enumerate(steps, 1):
             self.metrics.log(base + i, {**m, **per_step}, iteration=iteration, kind="step")
         summary = {k: sum(s[k] for s in steps if k in s) / len(steps) for k in steps[0]}
-        summary.update(stats, collect_s=t_collect, iteration_s=t_total)
+        summary.update(stats, collect_s=t_collect, iteration_s=t_total,
+                       idle_frac=stats.get("queue_wait_s", 0.0) / t_total if t_total > 0 else 0.0)
         self.metrics.log(self.state["optimizer_steps"], {f"iter/{k}": v for k, v in summary.items()},
                          iteration=iteration, kind="iteration")
         msg = (f"iter {iteration}/{self.total_iterations} loss {summary['loss']:.4f} pg {summary['pg_loss']:.4f} "
