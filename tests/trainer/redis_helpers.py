@@ -1,4 +1,5 @@
-"""A private redis-server per test module: started on a free port in a temp dir, torn down after."""
+"""A private redis-server per test module: started on a free port in a temp dir, torn down after;
+or the embedded queue of `eopd run` on a free port."""
 
 from __future__ import annotations
 
@@ -71,3 +72,13 @@ def running_redis(*extra: str) -> Iterator[RedisProc]:
     finally:
         proc.stop()
         shutil.rmtree(proc.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_embedded_queue() -> Iterator:
+    """The embedded queue of `eopd run` (a Redis-protocol server in a thread of this process);
+    it has a `url` like RedisProc."""
+    from eopd_trainer.embedded_queue import EmbeddedQueue
+
+    with EmbeddedQueue() as server:
+        yield server

@@ -1,4 +1,6 @@
-"""The Redis Streams queue against a real redis-server on a private port."""
+"""The Redis Streams queue against a real redis-server on a private port and against the embedded
+queue of `eopd run` (fakeredis' TCP server in a thread of the test process): the same tests, real
+redis-py clients over TCP in both cases."""
 
 from __future__ import annotations
 
@@ -14,15 +16,15 @@ from eopd_trainer.queue import (
     wait_for_room,
 )
 
-from tests.trainer.redis_helpers import running_redis
+from tests.trainer.redis_helpers import running_embedded_queue, running_redis
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with running_redis() as proc:
-        yield proc
+@pytest.fixture(scope="module", params=["redis-server", "embedded"])
+def redis_server(request):
+    with (running_redis() if request.param == "redis-server" else running_embedded_queue()) as server:
+        yield server
 
 
 def queue(url: str, ns: str, consumer: str) -> StreamQueue:
@@ -60,6 +62,16 @@ def test_xautoclaim_takes_over_a_dead_consumers_entries(redis_server):
     assert alive.length() == 0 and alive.pending_count() == 0
 
 
+def test_xautoclaim_drops_entries_deleted_while_pending(redis_server):
+    dead = queue(redis_server.url, "q2b", "dead")
+    a, b = dead.add(b"a"), dead.add(b"b")
+    assert len(dead.read_new(2, block_ms=100)) == 2
+    dead.r.xdel(dead.stream, a)  # deleted, never acknowledged
+    alive = queue(redis_server.url, "q2b", "alive")
+    assert [e.entry_id for e in alive.claim_idle(min_idle_ms=0)] == [b]
+    assert alive.pending_count() == 1  # the deleted entry left the pending list
+
+
 def test_dead_letter_keeps_reason_and_payload(redis_server):
     q = queue(redis_server.url, "q3", "c")
     q.add(b"\xffpoison")
@@ -90,6 +102,74 @@ def test_backpressure_waits_until_the_consumer_drains(redis_server):
     t.join(5)
     assert released.is_set()
     assert not wait_for_room(q.r, q.stream, max_backlog=1, should_stop=lambda: True)
+
+
+def test_blocking_read_waits_for_new_entries_and_wakes_on_xadd(redis_server):
+    """XREADGROUP COUNT n BLOCK ms: waits when nothing is new (no busy loop), returns as soon as
+    another connection adds an entry; a read of the consumer's history never blocks."""
+    q = queue(redis_server.url, "q5", "c")
+    t0 = time.monotonic()
+    assert q.read_new(4, block_ms=300) == []
+    assert time.monotonic() - t0 >= 0.25
+    got: dict = {}
+
+    def reader():
+        t = time.monotonic()
+        got["entries"], got["s"] = q.read_new(4, block_ms=5000), time.monotonic() - t
+
+    th = threading.Thread(target=reader)
+    th.start()
+    time.sleep(0.3)
+    connect(redis_server.url).xadd(q.stream, {b"data": b"late"})
+    th.join(10)
+    assert [e.data for e in got["entries"]] == [b"late"]
+    assert 0.25 <= got["s"] < 2.0
+    t0 = time.monotonic()
+    assert [e.data for e in q.read_pending(10)] == [b"late"]
+    assert time.monotonic() - t0 < 0.2
+
+
+def test_two_consumers_share_a_stream_without_duplicates(redis_server):
+    """Concurrent consumers on separate connections: every entry delivered to exactly one."""
+    producer = queue(redis_server.url, "q6", "p")
+    seen: dict[str, list[bytes]] = {"a": [], "b": []}
+    stop = threading.Event()
+
+    def consume(name):
+        q = queue(redis_server.url, "q6", name)
+        while not stop.is_set():
+            entries = q.read_new(7, block_ms=50)
+            seen[name].extend(e.data for e in entries)
+            q.ack(e.entry_id for e in entries)
+
+    threads = [threading.Thread(target=consume, args=(n,)) for n in seen]
+    for t in threads:
+        t.start()
+    sent = [f"m{i}".encode() for i in range(300)]
+    for m in sent:
+        producer.add(m)
+    deadline = time.monotonic() + 20
+    while len(seen["a"]) + len(seen["b"]) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(5)
+    assert sorted(seen["a"] + seen["b"]) == sorted(sent)  # each exactly once
+    assert producer.length() == 0 and producer.pending_count() == 0
+
+
+def test_transaction_publishes_tasks_and_counter_together(redis_server):
+    """The learner's MULTI/EXEC: XADDs and the tasks counter are applied together."""
+    r = connect(redis_server.url)
+    keys = Keys("q7")
+    pipe = r.pipeline(transaction=True)
+    for i in range(3):
+        pipe.xadd(keys.tasks, {b"data": f"t{i}".encode()})
+    pipe.set(keys.tasks_next, 3)
+    pipe.execute()
+    assert r.xlen(keys.tasks) == 3 and int(r.get(keys.tasks_next)) == 3
+    r.set(keys.done, b"1")
+    assert r.exists(keys.done) == 1 and r.delete(keys.done) == 1 and r.exists(keys.done) == 0
 
 
 def test_connection_errors_are_retried(redis_server):

@@ -93,6 +93,11 @@ class RolloutConfig(_Section):
 
 
 class QueueConfig(_Section):
+    backend: Literal["auto", "redis", "redis-server", "embedded"] = Field(
+        "auto", description="The queue `eopd run` uses (the learner and workers ignore it and use redis_url): auto = the "
+        "Redis at $REDIS_URL if it answers, else a redis-server it starts, else the embedded in-memory queue; redis = "
+        "only $REDIS_URL (or redis_url); redis-server = only a redis-server it starts; embedded = only the in-memory queue "
+        "in the eopd run process (not persistent).")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// for TLS; password in the URL or REDIS_PASSWORD).")
     namespace: str = Field("eopd", description="Prefix of every Redis key of the run: <ns>:tasks, <ns>:rollouts, <ns>:dead, <ns>:policy.")
     max_backlog: int = Field(1024, ge=1, description="Producers wait while the rollout stream holds this many entries (backpressure).")

@@ -5,9 +5,10 @@
 1. validates the config; materialises what it names (a layer-subset student into
    `<run_dir>/student-init`, generated task splits into `<run_dir>/data`) and writes the effective
    config the processes load to `<run_dir>/run.yaml`;
-2. picks the queue: the Redis at `$REDIS_URL` if it answers, else a `redis-server` started on a free
-   port (if the binary is installed); otherwise it stops with an error (there is no embedded
-   in-process queue: `queue.py` speaks Redis Streams directly);
+2. picks the queue (`queue.backend`, default auto): the Redis at `$REDIS_URL` if it answers, else a
+   `redis-server` started on a free port (if the binary is installed), else the embedded in-memory
+   queue (`embedded_queue.py`: a Redis-protocol server in a thread of this process, lost if this
+   process dies); it says which one;
 3. starts the teacher (`eopd-teacher serve --model teacher.model`, free ports, waits for /readyz),
    one rollout worker and the learner as separate processes, logs in `<run_dir>/logs/`;
 4. supervises them: a progress bar from the learner's `train_metrics.jsonl`; Ctrl-C / SIGTERM stop
@@ -33,8 +34,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import ConfigError, RunConfig, dump_config, load_config
+from .config import ConfigError, QueueConfig, RunConfig, dump_config, load_config
+
+if TYPE_CHECKING:
+    from .embedded_queue import EmbeddedQueue
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -73,15 +78,19 @@ class Child:
 
 @dataclass
 class Supervisor:
-    """Starts child processes (own sessions, logs in `log_dir`) and stops them in reverse order."""
+    """Starts child processes (own sessions, logs in `log_dir`) and stops them in reverse order;
+    the embedded queue, when the run uses it, lives in this process and is stopped after them."""
 
     log_dir: Path
     children: list[Child] = field(default_factory=list)
+    embedded: EmbeddedQueue | None = None
+    drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with a queue started here)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{name}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**{k: v for k, v in os.environ.items() if k not in self.drop_env}, "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
         with open(path, "ab") as fh:
             popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         child = Child(name, popen, path)
@@ -95,6 +104,8 @@ class Supervisor:
             if rc is None or (rc == 0 and c.name in allowed_done):
                 continue
             raise c.failure("exited unexpectedly" if rc == 0 else "failed")
+        if self.embedded is not None and not self.embedded.alive():
+            raise RunError("the embedded queue's server thread stopped")
 
     def stop_all(self, timeout: float = 30.0) -> None:
         """SIGTERM each child in reverse start order, waiting for it before the next: the learner
@@ -110,28 +121,32 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.popen.pid, signal.SIGKILL)
                 c.popen.wait(10)
+        if self.embedded is not None:  # the queue last: nothing is left to talk to it
+            self.embedded.stop()
 
 
-def redis_ping(url: str, timeout: float = 1.0) -> bool:
+def redis_ping(url: str, timeout: float = 1.0, *, password: str | None = None) -> bool:
     import redis
 
     try:
-        password = {"password": os.environ["REDIS_PASSWORD"]} if os.environ.get("REDIS_PASSWORD") else {}
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **password).ping())
+        kwargs = {"password": password} if password else {}
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **kwargs).ping())
     except Exception:  # noqa: BLE001 - unreachable, refused, auth...: not usable
         return False
 
 
-def choose_queue(sup: Supervisor, run_dir: Path) -> tuple[str, str]:
-    """(redis_url, a sentence saying which queue was used)."""
-    env_url = os.environ.get("REDIS_URL", "")
-    if env_url and redis_ping(env_url):
-        return env_url, f"queue: the Redis at REDIS_URL ({env_url})"
-    why = f"REDIS_URL={env_url} does not answer" if env_url else "REDIS_URL is not set"
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RunError(f"no queue: {why} and redis-server is not installed (apt-get install redis-server, or set "
-                       "REDIS_URL); an embedded in-process queue is not implemented")
+QUEUE_BACKENDS = ("auto", "redis", "redis-server", "embedded")
+EMBEDDED_NOTE = ("in memory in this eopd run process: not persistent, lost if this process dies; local processes only")
+
+
+@dataclass(frozen=True)
+class QueueChoice:
+    url: str
+    backend: str  # "redis" (an existing Redis), "redis-server" (started here) or "embedded"
+    message: str  # the sentence `eopd run` prints and records in run_summary.json
+
+
+def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child]:
     port = free_port()
     data_dir = run_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +160,60 @@ def choose_queue(sup: Supervisor, run_dir: Path) -> tuple[str, str]:
         if time.monotonic() > deadline:
             raise child.failure("did not answer PING within 20 s")
         time.sleep(0.05)
-    return url, f"queue: {why}; started redis-server on 127.0.0.1:{port} (log {child.log_path})"
+    return url, child
+
+
+def _start_embedded(sup: Supervisor) -> str:
+    from .embedded_queue import EmbeddedQueue
+
+    try:
+        sup.embedded = EmbeddedQueue().start()
+    except (RuntimeError, OSError) as exc:
+        raise RunError(f"the embedded queue did not start: {exc}") from None
+    return sup.embedded.url
+
+
+def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None) -> QueueChoice:
+    """The queue of the run, by `queue.backend`:
+
+    auto          the Redis at $REDIS_URL if it answers PING, else a redis-server started here if the
+                  binary is on PATH, else the embedded queue;
+    redis         $REDIS_URL (or queue.redis_url when it is unset), which must answer;
+    redis-server  a redis-server started here (error if not installed);
+    embedded      the embedded in-memory queue (embedded_queue.py).
+
+    A queue started here has no password: REDIS_PASSWORD (meant for the Redis at $REDIS_URL) is then
+    not passed to the children."""
+    qcfg = qcfg or QueueConfig()
+    backend = qcfg.backend
+    env_url = os.environ.get("REDIS_URL", "")
+    password = os.environ.get("REDIS_PASSWORD") or None
+    if backend == "redis":
+        url = env_url or qcfg.redis_url
+        source = "REDIS_URL" if env_url else "queue.redis_url"
+        if not redis_ping(url, password=password):
+            raise RunError(f"no queue: queue.backend=redis and the Redis at {source} ({url}) does not answer PING")
+        return QueueChoice(url, "redis", f"queue: the Redis at {source} ({url}) (queue.backend=redis)")
+    if backend == "auto" and env_url and redis_ping(env_url, password=password):
+        return QueueChoice(env_url, "redis", f"queue: the Redis at REDIS_URL ({env_url})")
+    sup.drop_env = ("REDIS_PASSWORD",)
+    if backend == "auto":
+        why = f"REDIS_URL={env_url} does not answer" if env_url else "REDIS_URL is not set"
+    else:
+        why = f"queue.backend={backend}"
+    binary = shutil.which("redis-server")
+    if backend in ("auto", "redis-server") and binary is not None:
+        url, child = _start_redis_server(sup, run_dir, binary)
+        return QueueChoice(url, "redis-server",
+                           f"queue: {why}; started redis-server on {url.split('/')[2]} (log {child.log_path})")
+    if backend == "redis-server":
+        raise RunError("no queue: queue.backend=redis-server and redis-server is not on PATH (apt-get install "
+                       "redis-server, or queue.backend=auto|embedded)")
+    if backend == "auto":
+        why += "; redis-server is not installed"
+    url = _start_embedded(sup)
+    return QueueChoice(url, "embedded", f"queue: {why}; using the embedded queue (fakeredis) on "
+                       f"{url.split('/')[2]}, {EMBEDDED_NOTE}")
 
 
 def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
@@ -273,14 +341,16 @@ def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teach
     summary: dict = {"config": str(run_dir / "run.yaml"), **facts}
     progress = None
     try:
-        redis_url, queue_msg = choose_queue(sup, run_dir)
-        say(queue_msg)
-        summary["queue"] = queue_msg
+        cpu0 = time.process_time()
+        queue = choose_queue(sup, run_dir, cfg.queue)
+        redis_url = queue.url
+        say(queue.message)
+        summary["queue"], summary["queue_backend"] = queue.message, queue.backend
         gp, hp = free_port(), free_port()
         ns = f"{cfg.queue.namespace}:run:{run_dir.name}:{time.time_ns()}"
         cfg = cfg.model_copy(update={
             "teacher": cfg.teacher.model_copy(update={"target": f"127.0.0.1:{gp}"}),
-            "queue": cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": ns}),
+            "queue": cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": ns, "backend": queue.backend}),
             "logging": cfg.logging.model_copy(update={"progress": False}),
         })
         config_path = run_dir / "run.yaml"
@@ -324,6 +394,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teach
         if learner.popen.returncode != 0:
             raise learner.failure("failed")
         summary["train_s"] = time.monotonic() - t_learn
+        # CPU of this process so far: the progress bar and, with the embedded queue, the queue server
+        summary["supervisor_cpu_s"] = round(time.process_time() - cpu0, 2)
         worker_deadline = time.monotonic() + 60
         while any(c.alive() for c in sup.children if c.name.startswith("rollout")) and time.monotonic() < worker_deadline:
             sup.check(allowed_done=("learner", "rollout-w0"))
