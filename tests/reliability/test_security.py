@@ -102,3 +102,87 @@ def test_tls_settings_validated(tmp_path):
         load_settings(TeacherSettings, None, {"auth_token_file": str(tmp_path / "missing")})
     s = load_settings(TeacherSettings, None, {"auth_token": "abc"})
     assert "abc" not in repr(s) and s.bearer_token() == "abc"
+
+
+def test_rollout_worker_sends_token_over_mutual_tls(tmp_path, pki):
+    """The pipeline's worker reaches a teacher that requires a bearer token and a client
+    certificate, with the credentials from the run config (token file, CA, client pair, server
+    name override); with a wrong token it stops at once with exit 2 and names the settings."""
+    from tests.trainer.pipeline_helpers import (
+        committed_state,
+        describe,
+        overrides,
+        spawn_learner,
+        spawn_worker,
+        trained_ids,
+        wait_exit,
+    )
+    from tests.trainer.redis_helpers import running_redis
+
+    d = pki
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_text("not-the-token\n")
+    with running_teacher("tiny-random", "--auth-token-file", str(token_file), "--tls-cert-file", str(d / "server.pem"),
+                         "--tls-key-file", str(d / "server.key"), "--tls-client-ca-file", str(d / "ca.pem")) as teacher, \
+            running_redis() as redis_server:
+        tls = [f"teacher.tls_ca_file={d / 'ca.pem'}", f"teacher.tls_cert_file={d / 'client.pem'}",
+               f"teacher.tls_key_file={d / 'client.key'}", "teacher.tls_server_name=localhost"]
+        bad = spawn_worker(overrides(tmp_path / "bad", redis_server.url, teacher.target, "tls-bad",
+                                     f"teacher.auth_token_file={wrong_file}", "teacher.ready_timeout_s=120", *tls), "bad")
+        assert wait_exit(bad, 60) == 2, describe(bad)
+        assert "UNAUTHENTICATED" in bad.log() and "teacher.auth_token_file" in bad.log(), describe(bad)
+        assert "not-the-token" not in bad.log()
+
+        run_dir = tmp_path / "run"
+        ov = overrides(run_dir, redis_server.url, teacher.target, "tls", "train.iterations=2",
+                       f"teacher.auth_token_file={token_file}", *tls)
+        learner, worker = spawn_learner(ov), spawn_worker(ov, "w0")
+        try:
+            assert wait_exit(learner, 300, worker) == 0, describe(learner, worker)
+            assert wait_exit(worker, 60) == 0, describe(worker)
+        finally:
+            learner.stop()
+            worker.stop()
+        assert TOKEN not in worker.log() and TOKEN not in learner.log()
+    state = committed_state(run_dir)
+    assert state["iteration"] == 2 and len(trained_ids(state)) > 0
+
+
+def test_teacher_client_settings_are_validated(tmp_path, monkeypatch):
+    from eopd_trainer.config import ConfigError, load_config
+
+    monkeypatch.delenv("EOPD_TEACHER_AUTH_TOKEN", raising=False)
+
+    tiny = "configs/tiny.yaml"
+    with pytest.raises(ConfigError, match="teacher.tls_cert_file is set but teacher.tls_key_file is not"):
+        load_config(tiny, ["teacher.tls_cert_file=/x.pem"])
+    cfg = load_config(tiny, [f"teacher.tls_ca_file={tmp_path / 'missing.pem'}"])
+    with pytest.raises(ConfigError, match="teacher.tls_ca_file: cannot read"):
+        cfg.teacher.client_kwargs()
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="teacher.auth_token_file: .* is empty"):
+        load_config(tiny, [f"teacher.auth_token_file={tmp_path / 'empty'}"]).teacher.client_kwargs()
+    assert load_config(tiny).teacher.client_kwargs() == {}  # plaintext, no token
+    monkeypatch.setenv("EOPD_TEACHER_AUTH_TOKEN", "from-env")
+    assert load_config(tiny).teacher.client_kwargs() == {"auth_token": "from-env"}
+    kw = load_config(tiny, ["teacher.tls=true", "teacher.tls_server_name=teacher.example"]).teacher.client_kwargs()
+    assert kw["tls"] is True and kw["tls_ca_file"] is None and kw["tls_server_name"] == "teacher.example"
+
+
+def test_run_config_from_environment(monkeypatch):
+    """EOPD_RUN_<SECTION>__<KEY> variables sit between the file and command-line overrides (how
+    the deployments hand the workers their teacher credentials)."""
+    from eopd_trainer.config import ConfigError, env_overrides, load_config
+
+    monkeypatch.setenv("EOPD_RUN_TEACHER__TARGET", "dns:///teacher:50051")
+    monkeypatch.setenv("EOPD_RUN_TEACHER__AUTH_TOKEN_FILE", "/etc/eopd/auth/token")
+    monkeypatch.setenv("EOPD_RUN_SEED", "7")
+    assert env_overrides() == ["seed=7", "teacher.auth_token_file=/etc/eopd/auth/token", "teacher.target=dns:///teacher:50051"]
+    cfg = load_config("configs/tiny.yaml")
+    assert (cfg.teacher.target, cfg.teacher.auth_token_file, cfg.seed) == ("dns:///teacher:50051", "/etc/eopd/auth/token", 7)
+    assert load_config("configs/tiny.yaml", ["seed=3"]).seed == 3  # the command line wins
+    monkeypatch.setenv("EOPD_RUN_TEACHER__TARGT", "x")
+    with pytest.raises(ConfigError, match="teacher.targt: unknown key"):
+        load_config("configs/tiny.yaml")

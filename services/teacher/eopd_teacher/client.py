@@ -7,7 +7,8 @@ every replica behind a headless Kubernetes Service (`load_balancing="round_robin
 for `dns:///` targets).
 
 Security: `auth_token=` sends `authorization: Bearer <token>`; `tls_ca_file=` (server CA) turns on
-TLS, and `tls_cert_file=`/`tls_key_file=` add a client certificate for mutual TLS. Every call
+TLS (`tls=True` alone trusts the system's roots; `tls_server_name=` overrides the name checked against
+the server's certificate), and `tls_cert_file=`/`tls_key_file=` add a client certificate for mutual TLS. Every call
 carries `x-eopd-client` (`client_id=`, default host-pid), the key of the server's per-client limits.
 
 Retries: calls that fail with UNAVAILABLE (server restarting, draining or unreachable) or, when
@@ -92,6 +93,9 @@ def channel_options(target: str, max_message_bytes: int, load_balancing: str | N
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        # Each client owns its connections. With grpc's process-wide subchannel pool a replacement
+        # client (after a stalled stream was abandoned) could silently reuse the dead TCP connection.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     policy = load_balancing or ("round_robin" if target.startswith("dns:") else None)
     if policy:
@@ -131,6 +135,8 @@ class _Base:
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        tls: bool = False,
+        tls_server_name: str | None = None,
         client_id: str | None = None,
     ):
         self.target = target
@@ -142,7 +148,9 @@ class _Base:
             extra.append(("authorization", f"Bearer {auth_token}"))
         self.metadata = tuple(metadata) + tuple(extra)
         self._options = channel_options(target, max_message_bytes, load_balancing)
-        if credentials is None and (tls_ca_file or tls_cert_file):
+        if tls_server_name:
+            self._options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if credentials is None and (tls or tls_ca_file or tls_cert_file):
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(tls_ca_file), private_key=_read(tls_key_file), certificate_chain=_read(tls_cert_file)
             )

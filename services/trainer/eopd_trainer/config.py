@@ -1,5 +1,6 @@
-"""The run configuration: one validated, frozen object per run, from one YAML file plus
-`key=value` overrides with dotted paths (`train.lr=1e-5 loss.variant=opd`).
+"""The run configuration: one validated, frozen object per run, from one YAML file, then
+`EOPD_RUN_<SECTION>__<KEY>` environment variables, then `key=value` overrides with dotted paths
+(`train.lr=1e-5 loss.variant=opd`).
 
 Defaults are the paper's (appendix A, Table 5): lr 3e-6, cosine schedule, AdamW, B = 128 rollouts
 per iteration, B_mini = 32 (4 optimizer steps per iteration), 1 sample per prompt, top-p 1.0,
@@ -50,6 +51,53 @@ class TeacherConfig(_Section):
     check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's.")
     model: str = Field("", description="Model spec `eopd run` serves as the teacher (and `eopd eval` compares against); "
                        "ignored by the learner and the workers, which use `target`.")
+    auth_token_file: str = Field("", description="File holding the bearer token the workers send to the teacher (`authorization: "
+                                 "Bearer ...`); when empty, the env var EOPD_TEACHER_AUTH_TOKEN is used if set. The token "
+                                 "itself is never part of the config (which is written into the run directory).")
+    tls: bool = Field(False, description="Connect over TLS (implied by tls_ca_file or tls_cert_file); without tls_ca_file "
+                      "the system's root certificates are trusted.")
+    tls_ca_file: str = Field("", description="CA bundle that signed the teacher's certificate (turns TLS on).")
+    tls_cert_file: str = Field("", description="Client certificate for mutual TLS (with tls_key_file).")
+    tls_key_file: str = Field("", description="Client private key for mutual TLS (with tls_cert_file).")
+    tls_server_name: str = Field("", description="Name to verify the teacher's certificate against when it differs from "
+                                 "the target's host (e.g. the target is an IP address).")
+
+    @model_validator(mode="after")
+    def _mutual_tls_pair(self) -> TeacherConfig:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = ("tls_cert_file", "tls_key_file") if self.tls_cert_file else ("tls_key_file", "tls_cert_file")
+            raise ValueError(f"teacher.{given} is set but teacher.{missing} is not: mutual TLS needs both")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or bool(self.tls_ca_file or self.tls_cert_file)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of eopd_teacher's clients for these settings: reads the token and
+        certificate files now, so a missing or unreadable one fails at start with the field's name."""
+        out: dict[str, Any] = {}
+        token = os.environ.get("EOPD_TEACHER_AUTH_TOKEN", "").strip() or None
+        if self.auth_token_file:
+            token = _read_setting_file("teacher.auth_token_file", self.auth_token_file).decode().strip()
+            if not token:
+                raise ConfigError(f"teacher.auth_token_file: {self.auth_token_file} is empty")
+        if token:
+            out["auth_token"] = token
+        if self.uses_tls:
+            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+                if getattr(self, name):
+                    _read_setting_file(f"teacher.{name}", getattr(self, name))
+            out.update(tls=True, tls_ca_file=self.tls_ca_file or None, tls_cert_file=self.tls_cert_file or None,
+                       tls_key_file=self.tls_key_file or None, tls_server_name=self.tls_server_name or None)
+        return out
+
+
+def _read_setting_file(field: str, path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 class StudentConfig(_Section):
@@ -81,7 +129,34 @@ class DataConfig(_Section):
                                          "<run_dir>/data and uses them as train_files/eval_files.")
 
 
+class VllmRolloutConfig(_Section):
+    """vLLM's engine settings of a worker with `rollout.engine: vllm` (see docs/vllm.md)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vLLM's weights/compute dtype; auto: student.dtype. Old log-probs from transformers use student.dtype.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the student is sharded over (vLLM starts one worker process per GPU).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU: fraction of GPU memory vLLM takes (weights, activations, "
+                                          "KV cache); leave room for the transformers copy of the student that computes old log-probs.")
+    kv_cache_gib: float | None = Field(None, gt=0, description="KV cache size in GiB; overrides the utilisation on GPU. None: from the "
+                                       "utilisation on GPU, 1 GiB on CPU (VLLM_CPU_KVCACHE_SPACE still overrides it there).")
+    max_model_len: int | None = Field(None, ge=2, description="Longest prompt + response vLLM accepts (None: the model's context "
+                                      "length); must hold data.max_prompt_length + rollout.max_response_length.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences vLLM decodes together (None: vLLM's default).")
+    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile inside vLLM: fast start (CPU needs it); "
+                                "false on GPU hosts for faster decoding after a slower start.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (the n_samples of a prompt); "
+                                        "the cache is reset at every weight reload.")
+
+
 class RolloutConfig(_Section):
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Sampling engine of the workers: transformers `generate`, or vLLM (needs vllm installed; "
+        "weights reloaded in place at each policy version).")
+    old_logprobs: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Where old log-probs come from: a transformers forward pass over the sampled sequence "
+        "(what the learner's ratio is computed against), or, with engine=vllm, vLLM's log-prob of each sampled token "
+        "(no second forward pass; agrees to ~1e-5 in fp32, not in bf16; needs top_p=1).")
+    vllm: VllmRolloutConfig = Field(default_factory=VllmRolloutConfig, description="vLLM settings (engine=vllm).")
     n_samples: int = Field(1, ge=1, description="Responses sampled per prompt (paper: 1).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0); old log-probs use it too.")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling (paper: 1.0 for Qwen).")
@@ -90,6 +165,16 @@ class RolloutConfig(_Section):
     weights_poll_s: float = Field(0.2, gt=0, description="How often a worker polls for a newer policy version while it waits.")
     claim_idle_ms: int = Field(30_000, ge=1, description="Tasks pending this long on another (dead) worker are reclaimed (XAUTOCLAIM).")
     max_task_deliveries: int = Field(5, ge=1, description="A task delivered more often than this goes to the dead-letter stream.")
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> RolloutConfig:
+        if self.old_logprobs == "vllm" and self.engine != "vllm":
+            raise ValueError("rollout.old_logprobs=vllm needs rollout.engine=vllm (only vLLM returns its own log-probs)")
+        if self.old_logprobs == "vllm" and self.top_p < 1.0:
+            raise ValueError(
+                f"rollout.old_logprobs=vllm needs rollout.top_p=1.0 (got {self.top_p}): vLLM's log-probs are renormalised "
+                "over the top-p nucleus, the learner's are over the whole vocabulary; use old_logprobs=transformers")
+        return self
 
 
 class QueueConfig(_Section):
@@ -297,7 +382,8 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Loads a run config: YAML file (optional), then `key=value` overrides, then validation.
+    """Loads a run config: YAML file (optional), then `EOPD_RUN_*` environment variables, then
+    `key=value` overrides, then validation.
 
     Relative paths (run_dir, data files) in the file are relative to the file's directory; in
     overrides they are relative to the current directory.
@@ -315,8 +401,25 @@ def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{p}: the top level must be a mapping")
         _resolve_paths(loaded, p.resolve().parent)
         data = loaded
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, env_overrides() + list(overrides))
     return config_from_dict(data)
+
+
+ENV_PREFIX = "EOPD_RUN_"
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
+    """`EOPD_RUN_<SECTION>__<KEY>=value` environment variables as `section.key=value` overrides
+    (`__` separates levels; names are case-insensitive), e.g. `EOPD_RUN_TEACHER__TARGET=teacher:50051`,
+    `EOPD_RUN_SEED=3`. They apply after the file and before command-line overrides."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name in sorted(env):
+        if not name.upper().startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
+            continue
+        key = ".".join(part.lower() for part in name[len(ENV_PREFIX):].split("__"))
+        out.append(f"{key}={env[name]}")
+    return out
 
 
 def dump_config(cfg: RunConfig) -> str:

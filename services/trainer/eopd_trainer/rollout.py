@@ -3,7 +3,8 @@
 Loop: take PromptTasks from `<ns>:tasks` (group "rollout": first its own pending entries after a
 restart, then entries idle on dead workers via XAUTOCLAIM, then new ones); make sure it holds the
 policy version the task asks for (reloading announced weights); sample `num_samples` responses
-per prompt with transformers; compute the old log-probs with a forward pass; send the sequences
+per prompt (`rollout.engine`: transformers or vLLM, `sampling.make_sampler`); compute the old
+log-probs (by default with a transformers forward pass); send the sequences
 to the teacher on one pipelined `ScoreStream` (re-sent after a teacher restart by the client);
 publish each ScoredRollout on `<ns>:rollouts` (waiting while the stream is over `max_backlog`);
 acknowledge the task once all its rollouts are published. A task re-done after a crash yields
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import RunConfig, config_for_process
+from .config import ConfigError, RunConfig, config_for_process
 from .faults import Faults
+from .sampling import SamplerUnavailable
 from .messages import (
     PoisonMessage,
     PromptTask,
@@ -56,6 +58,10 @@ EXIT_TOKENIZER_MISMATCH = 3
 
 class TokenizerMismatch(RuntimeError):
     pass
+
+
+class TeacherRefused(RuntimeError):
+    """The teacher rejected the worker's credentials: retrying cannot help."""
 
 
 def check_tokenizer(info, tokenizer, student_spec: str) -> None:
@@ -180,9 +186,8 @@ class RolloutWorker:
 
     # Set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
-        from eopd_common.models import load_causal_lm
-
         from .data import load_prompts
+        from .sampling import make_sampler
 
         cfg = self.cfg
         self.redis = connect(cfg.queue.redis_url)
@@ -193,8 +198,8 @@ class RolloutWorker:
         self.tasks.ensure_group()
         self.rollouts.ensure_group()
         self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
-        loaded = load_causal_lm(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device)
-        self.model, self.tokenizer = loaded.model.eval(), loaded.tokenizer
+        self.sampler = make_sampler(cfg)  # transformers or vLLM (rollout.engine)
+        self.tokenizer = self.sampler.tokenizer
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.inverse_remap = {v: k for k, v in cfg.teacher.token_remap.items()}
         self._local.extend(self.tasks.read_pending(100_000))  # ours, from before a restart
@@ -214,17 +219,17 @@ class RolloutWorker:
 
     # Policy versions -------------------------------------------------------------------------
     def _maybe_reload(self) -> None:
-        from .weights import current_announcement, load_weights
+        from .weights import current_announcement
 
         pv = current_announcement(self.redis, self.keys.policy)
         # (version, sha256): after a learner rolls back to its last checkpoint, a version number
         # may be announced again with other weights.
         if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
             t0 = time.monotonic()
-            load_weights(self.model, pv)
+            self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
             self.version, self._sha = pv.version, pv.sha256
             self.metrics.version.set(pv.version)
-            log.info("loaded policy version %d in %.2fs", pv.version, time.monotonic() - t0)
+            log.info("loaded policy version %d into %s in %.2fs", pv.version, self.sampler.engine, time.monotonic() - t0)
 
     async def ensure_version(self, min_version: int) -> bool:
         while not self.stop.is_set():
@@ -257,19 +262,17 @@ class RolloutWorker:
         return out
 
     def _sample(self, work: list[tuple[str, PromptTask]]) -> list[Pending]:
-        from .sampling import generate, sequence_logprobs
-
         ro = self.cfg.rollout
         flat = [(eid, task, j) for eid, task in work for j in range(task.num_samples)]
         out: list[Pending] = []
         for start in range(0, len(flat), ro.generation_batch_size):
             chunk = flat[start : start + ro.generation_batch_size]
             prompts = [self.prompt_ids(task.prompt_index) for _, task, _ in chunk]
-            seed = (self.cfg.seed * 1_000_003 + chunk[0][1].task_seq * 101 + chunk[0][2]) % (2**31)
-            samples = generate(self.model, self.tokenizer, prompts, temperature=ro.temperature, top_p=ro.top_p,
-                               max_new_tokens=ro.max_response_length, seed=seed)
-            old = sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                    temperature=ro.temperature, pad_id=self.pad_id)
+            # One seed per sample (vLLM seeds each sequence; transformers seeds the batch with the first).
+            seeds = [(self.cfg.seed * 1_000_003 + task.task_seq * 101 + j) % (2**31) for _, task, j in chunk]
+            samples = self.sampler.sample(prompts, seeds, temperature=ro.temperature, top_p=ro.top_p,
+                                          max_new_tokens=ro.max_response_length)
+            old = self.sampler.old_logprobs(samples, temperature=ro.temperature)
             t = now_ns()
             for (eid, task, j), s, lp in zip(chunk, samples, old, strict=True):
                 out.append(Pending(eid, task, j, s.prompt_ids, s.response_ids, s.truncated, lp, self.version, t))
@@ -305,8 +308,9 @@ class RolloutWorker:
         from eopd_teacher.client import AsyncTeacherClient, ScoreBatch, SequenceInput
 
         cfg = self.cfg
+        security = cfg.teacher.client_kwargs()  # token / TLS files: read now, fail at start if unreadable
         client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
-                                    retry_timeout=cfg.teacher.retry_timeout_s)
+                                    retry_timeout=cfg.teacher.retry_timeout_s, **security)
         try:
             info = await self._wait_teacher(client)
             if cfg.teacher.check_tokenizer:
@@ -418,7 +422,7 @@ class RolloutWorker:
                                 "abandoning the stream, reconnecting and re-sending them", cfg.teacher.timeout_s, len(sent))
                     self.metrics.stream_restarts.inc()
                     old, client = client, AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
-                                                             retry_timeout=cfg.teacher.retry_timeout_s)
+                                                             retry_timeout=cfg.teacher.retry_timeout_s, **security)
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(old.close(), 5)
                     now = time.monotonic()
@@ -467,6 +471,11 @@ class RolloutWorker:
             try:
                 return await client.info(timeout=10)
             except Exception as exc:
+                code = exc.code() if callable(getattr(exc, "code", None)) else None
+                if code is not None and code.name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                    raise TeacherRefused(
+                        f"the teacher at {self.cfg.teacher.target} refused this worker ({code.name}: {exc.details()}); "
+                        "check teacher.auth_token_file / EOPD_TEACHER_AUTH_TOKEN and the teacher.tls_* settings") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"teacher at {self.cfg.teacher.target} not reachable: {exc}") from exc
                 await asyncio.sleep(0.5)
@@ -504,6 +513,16 @@ def main(argv: list[str] | None = None) -> int:
     except TokenizerMismatch as exc:
         print(f"eopd-rollout: {exc}", file=sys.stderr)
         return EXIT_TOKENIZER_MISMATCH
+    except SamplerUnavailable as exc:  # e.g. rollout.engine=vllm without vLLM installed
+        print(f"eopd-rollout: {exc}", file=sys.stderr)
+        return 2
+    except (ConfigError, TeacherRefused) as exc:
+        print(f"eopd-rollout: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        sampler = getattr(worker, "sampler", None)
+        if sampler is not None:
+            sampler.close()
 
 
 if __name__ == "__main__":
