@@ -3,8 +3,8 @@ clearly labelled capacity projection of the paper's setting, written to docs/ben
 
 Each benchmark runs in its own process, one after the other (they would distort each other's
 timings if run together), and rewrites its own section of docs/benchmarks.md and its JSON under
-bench/results/. `--quick` runs small shapes in a few minutes; quick runs of the loss and vLLM
-benchmarks write no results (their full runs do).
+bench/results/. `--quick` runs small shapes in a few minutes; quick runs of the loss, vLLM, TRL-peer and pipeline
+benchmarks write no results (their full runs do; the quick pipeline uses the tiny preset).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ BENCHES = [
     ("loss", "bench.bench_loss", [], ["--quick"], None),
     ("vllm", "bench.bench_vllm", [], ["--quick"], ROOT / ".venv-vllm" / "bin" / "python"),
     ("load", "bench.load_test", [], ["--seconds", "20", "--overload-seconds", "10"], None),
+    ("trl_peer", "bench.bench_trl_peer", [], ["--quick"], None),
+    ("pipeline", "bench.bench_pipeline", [], ["--quick"], None),
 ]
 
 # Per-token FLOPs of the paper's models (2 x parameters for a forward pass, 6 x for training).

