@@ -1,5 +1,6 @@
 """`eopd run` end to end as real processes (tiny preset): its own redis-server (REDIS_URL unset),
-the teacher, a rollout worker, the learner, then the evaluation and `eopd report`; and the
+the teacher, a rollout worker, the learner, then the evaluation and `eopd report`; the same run on
+the embedded queue when neither REDIS_URL nor redis-server is there (the fallback chain); and the
 supervisor's failure path (a child that dies -> exit 1 with the tail of its log)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +16,8 @@ import time
 
 import pytest
 
-from tests.procs import ROOT
+from tests.procs import ROOT, free_port
+from tests.trainer.pipeline_helpers import committed_state, trained_ids
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +64,52 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     assert "run / teacher" in text
 
 
+def path_without_redis_server(tmp_path) -> str:
+    """$PATH with every directory replaced by a directory of links to its programs, less redis-server."""
+    dirs = []
+    for i, d in enumerate(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.isdir(p)):
+        link_dir = tmp_path / f"path{i}"
+        link_dir.mkdir()
+        for name in os.listdir(d):
+            if not name.startswith("redis-server"):
+                (link_dir / name).symlink_to(os.path.join(d, name))
+        dirs.append(str(link_dir))
+    return os.pathsep.join(dirs)
+
+
+def test_tiny_run_falls_back_to_the_embedded_queue(tmp_path):
+    """REDIS_URL does not answer and redis-server is not on PATH: `eopd run` serves the queue itself
+    (fakeredis in a thread of its process) and the learner and worker processes train through it,
+    every rollout exactly once."""
+    path = path_without_redis_server(tmp_path)
+    assert shutil.which("redis-server", path=path) is None
+    dead_url = f"redis://127.0.0.1:{free_port()}/0"
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "--no-eval",
+               env_extra={"REDIS_URL": dead_url, "PATH": path})
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr[-5000:]
+    assert (f"queue: REDIS_URL={dead_url} does not answer; redis-server is not installed; using the embedded queue "
+            "(fakeredis) on 127.0.0.1:") in res.stderr
+    assert "not persistent" in res.stderr
+    assert elapsed < 240
+    assert not (run_dir / "logs" / "redis.log").exists()
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert summary["queue_backend"] == "embedded" and "embedded queue" in summary["queue"]
+    run_yaml = (run_dir / "run.yaml").read_text()
+    assert "backend: embedded" in run_yaml and dead_url not in run_yaml
+    # Every rollout the worker published was trained, once: 4 iterations x 8 rollouts, no id twice.
+    ids = trained_ids(committed_state(run_dir))  # asserts that no id is in two iterations
+    assert len(ids) == 32 and sorted(set(ids.values())) == [1, 2, 3, 4]
+    assert all(list(ids.values()).count(i) == 8 for i in (1, 2, 3, 4))
+    worker_log = (run_dir / "logs" / "rollout-w0.log").read_text()
+    assert "done: 32 rollouts published" in worker_log
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "training finished: 4 iterations, 32 rollouts trained" in learner_log
+    assert "dead letter" not in learner_log + worker_log
+
+
 def test_run_fails_with_the_log_of_a_dead_child(tmp_path):
     bad = tmp_path / "broken-model"
     bad.mkdir()
@@ -72,12 +121,15 @@ def test_run_fails_with_the_log_of_a_dead_child(tmp_path):
     assert "Traceback" in res.stderr or "Error" in res.stderr  # the tail of the teacher's log
 
 
-def test_run_stops_every_process_on_sigterm(tmp_path):
+@pytest.mark.parametrize("backend", ["redis-server", "embedded"])
+def test_run_stops_every_process_on_sigterm(tmp_path, backend):
+    """The children stop before the queue (with the embedded queue: before this process ends)."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["OMP_NUM_THREADS"] = "1"
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
-                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval"], cwd=ROOT, env=env,
+                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval", f"queue.backend={backend}"],
+                            cwd=ROOT, env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -96,3 +148,5 @@ def test_run_stops_every_process_on_sigterm(tmp_path):
     assert "stopping every process" in err
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert "stopped by a signal" in learner_log
+    assert f"queue: queue.backend={backend}" in err
+    assert (run_dir / "checkpoints" / "COMMITTED").is_file()  # the last committed checkpoint is kept

@@ -108,3 +108,62 @@ def test_report_embeds_every_figure(tmp_path):
     assert [html.unescape(t) for t in titles] == [t for t, _ in CURVES] + ["Entropy histograms", "Pass@k"]
     assert all(len(b) > 1000 for _, b in imgs)
     assert "opd / final" in text and "eopd / initial" in text and "<td>25.0</td>" in text
+
+
+def test_queue_backend_is_validated():
+    from eopd_trainer.config import ConfigError
+
+    assert load_config(CONFIGS / "tiny.yaml").queue.backend == "auto"
+    assert load_config(CONFIGS / "tiny.yaml", ["queue.backend=embedded"]).queue.backend == "embedded"
+    with pytest.raises(ConfigError, match=r"queue\.backend"):
+        load_config(CONFIGS / "tiny.yaml", ["queue.backend=memory"])
+
+
+def test_choose_queue_fallback_chain(tmp_path, monkeypatch):
+    """Every branch of `queue.backend`, with real servers: an embedded queue stands in for "the
+    Redis at REDIS_URL" (it speaks RESP over TCP); redis-server is hidden by making `which` fail."""
+    import redis
+    from eopd_trainer.config import QueueConfig
+    from eopd_trainer.embedded_queue import EmbeddedQueue
+    from eopd_trainer.run import RunError, Supervisor, choose_queue
+
+    from tests.procs import free_port
+
+    dead_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    monkeypatch.setattr("eopd_trainer.run.shutil.which", lambda name: None)
+    monkeypatch.setenv("REDIS_PASSWORD", "for-the-external-redis")
+
+    def pick(backend):
+        sup = Supervisor(tmp_path / "logs")
+        return sup, choose_queue(sup, tmp_path, QueueConfig(backend=backend))
+
+    with EmbeddedQueue() as external:
+        monkeypatch.setenv("REDIS_URL", external.url)
+        monkeypatch.delenv("REDIS_PASSWORD")
+        sup, q = pick("auto")  # REDIS_URL answers: used as it is
+        assert (q.backend, q.url) == ("redis", external.url) and sup.embedded is None
+        sup, q = pick("embedded")  # forced: not the reachable REDIS_URL
+        assert q.backend == "embedded" and q.url != external.url
+        sup.stop_all()
+        monkeypatch.setenv("REDIS_PASSWORD", "for-the-external-redis")
+
+    monkeypatch.setenv("REDIS_URL", dead_url)
+    sup, q = pick("auto")  # unreachable REDIS_URL, no redis-server: the embedded queue
+    assert q.backend == "embedded" and sup.embedded is not None
+    assert f"REDIS_URL={dead_url} does not answer; redis-server is not installed; using the embedded queue" in q.message
+    assert "not persistent" in q.message
+    assert sup.drop_env == ("REDIS_PASSWORD",)  # the children must not AUTH to a password-less queue
+    client = redis.Redis.from_url(q.url)
+    assert client.ping() and client.set("k", "v") and client.get("k") == b"v"
+    sup.check()
+    sup.stop_all()  # stops the embedded queue (after the children)
+    assert not sup.embedded.alive()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        redis.Redis.from_url(q.url, socket_connect_timeout=1).ping()
+    with pytest.raises(RunError, match="the embedded queue's server thread stopped"):
+        sup.check()
+
+    with pytest.raises(RunError, match=r"queue.backend=redis and the Redis at REDIS_URL .* does not answer"):
+        pick("redis")
+    with pytest.raises(RunError, match="queue.backend=redis-server and redis-server is not on PATH"):
+        pick("redis-server")

@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value overrides before or after the flags
     try:
         cfg = load_config(args.config, args.overrides)
         if args.validate_only:
