@@ -145,7 +145,7 @@ def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher],
     """One configuration: fresh workers and learner on the shared Redis and teachers; returns its
     measurements (see the module docstring)."""
     from eopd_trainer.config import dump_config, load_config
-    from eopd_trainer.run import RunError, Supervisor
+    from eopd_trainer.run import Supervisor
 
     run_dir = work / tag
     cfg = base_cfg.model_copy(update={
@@ -154,8 +154,10 @@ def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher],
         "queue": base_cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": f"bench:{tag}:{time.time_ns()}"}),
         "teacher": base_cfg.teacher.model_copy(update={"target": teachers[0].target}),
         # Each worker takes half an iteration's tasks per round, so both have work in sync mode.
+        # claim_idle_ms: reclaiming is for dead workers; with the default 30 s a live worker whose
+        # batch takes longer on this loaded CPU has its tasks taken over and redone (duplicates).
         "rollout": base_cfg.rollout.model_copy(update={
-            "generation_batch_size": max(1, base_cfg.train.batch_size // WORKERS)}),
+            "generation_batch_size": max(1, base_cfg.train.batch_size // WORKERS), "claim_idle_ms": 600_000}),
         "train": base_cfg.train.model_copy(update={"iterations": iterations}),
         "logging": base_cfg.logging.model_copy(update={"progress": False}),
         "eval": base_cfg.eval.model_copy(update={"enabled": False}),
@@ -196,10 +198,8 @@ def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher],
         learner.popen.wait(120)
         if learner.popen.returncode != 0:
             raise learner.failure("failed")
-    except RunError:
+    finally:
         sup.stop_all()
-        raise
-    sup.stop_all()
     if start.records != 1:
         raise RuntimeError(f"{tag}: missed the end of iteration 1 (first seen {start.records} records); "
                            "the measurement window would be wrong")
@@ -353,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--iterations must be >= 2 (iteration 1 is not measured)")
     load_start = _loadavg()
     t0 = time.monotonic()
+    import signal
+
+    def _interrupt(_sig, _frame):
+        raise KeyboardInterrupt  # so that every started process is stopped (finally blocks)
+
+    signal.signal(signal.SIGTERM, _interrupt)
 
     from eopd_trainer.config import load_config
     from eopd_trainer.run import Supervisor, choose_queue, free_port, prepare, wait_teacher
