@@ -4,6 +4,7 @@
     eopd rollout --config FILE [--worker-id ID] [key=value ...]   a rollout worker (eopd-rollout)
     eopd config  --config FILE [key=value ...]     validate and print the effective config
     eopd run     --config FILE [key=value ...] [--validate-only] [--no-eval]   the whole job on one machine
+    eopd prepare --config FILE [key=value ...] [--overwrite]   materialise the run directory (student, data, run.yaml)
     eopd eval    --run-dir DIR [--model final|initial|teacher|SPEC ...]        Avg@k, Pass@k, entropies, KL
     eopd report  RUN_DIR [RUN_DIR ...] [--out FILE.html]                       HTML report with figures
     eopd bench   all|projection [--quick] [--only NAME ...]                     benchmarks (from a checkout)
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("train", "rollout", "config", "run", "eval", "report", "bench")
+COMMANDS = ("train", "rollout", "config", "run", "prepare", "eval", "report", "bench")
 
 
 def _config(argv: list[str]) -> int:
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from .run import main as run_main
 
         return run_main(rest)
+    if cmd == "prepare":
+        from .prepare import main as prepare_main
+
+        return prepare_main(rest)
     if cmd == "eval":
         from .evaluation import main as eval_main
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import ConfigError, QueueConfig, RunConfig, dump_config, load_config
+from .prepare import prepare, validate  # noqa: F401 - part of this module's interface (bench/ uses prepare)
 
 if TYPE_CHECKING:
     from .embedded_queue import EmbeddedQueue
@@ -231,58 +232,7 @@ def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
     raise child.failure(f"was not ready after {timeout:.0f} s")
 
 
-# Preparing the run directory ---------------------------------------------------------------------
-
-def prepare(cfg: RunConfig, *, overwrite: bool = False) -> tuple[RunConfig, dict]:
-    """Materialises the run directory; returns the config the processes load (concrete files and
-    student directory) and facts for the run's summary."""
-    from eopd_common.models import materialise_spec
-
-    from .tasks import write_splits
-
-    run_dir = Path(cfg.run_dir).resolve()
-    if (run_dir / "checkpoints" / "COMMITTED").exists():
-        if not overwrite:
-            raise ConfigError(f"{run_dir} already holds a trained run; pass --overwrite or another run_dir=")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data = cfg.data
-    updates: dict = {"run_dir": run_dir}
-    if data.generate is not None:
-        train, held = write_splits(run_dir / "data", data.generate.train, data.generate.heldout, data.generate.seed)
-        data = data.model_copy(update={"train_files": [train], "eval_files": [held]})
-        updates["data"] = data
-    student = materialise_spec(cfg.student.model, run_dir / "student-init")
-    updates["student"] = cfg.student.model_copy(update={"model": student})
-    return cfg.model_copy(update=updates), {"student_init": student, "student_spec": cfg.student.model}
-
-
-def validate(cfg: RunConfig, *, local: bool = True) -> list[str]:
-    """Checks beyond the schema that `eopd run` needs (no model is loaded). Returns problems.
-
-    `local=False` (`--validate-only`, e.g. a GPU preset checked on another machine) checks the
-    spec syntax only, not that model directories and prompt files exist here."""
-    from eopd_common.models import parse_layer_subset, resolve_spec
-
-    problems = []
-    if not cfg.teacher.model:
-        problems.append("teacher.model: eopd run needs the model spec the teacher serves")
-    for key, spec in (("teacher.model", cfg.teacher.model), ("student.model", cfg.student.model)):
-        if not spec:
-            continue
-        try:
-            parsed = parse_layer_subset(spec)
-            if local:
-                resolve_spec(parsed[0] if parsed else spec)
-        except ValueError as exc:
-            problems.append(f"{key}: {exc}")
-    for f in [*cfg.data.train_files, *cfg.data.eval_files]:
-        if local and not Path(f).is_file():
-            problems.append(f"data: prompt file not found: {f}")
-    if cfg.eval.enabled and not cfg.data.eval_files and cfg.data.generate is None:
-        problems.append("eval.enabled: no held-out prompts (data.eval_files or data.generate)")
-    return problems
-
+# Preparing the run directory: prepare.py (also `eopd prepare`) ------------------------------------
 
 # The run ---------------------------------------------------------------------------------------
 
