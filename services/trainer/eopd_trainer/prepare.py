@@ -12,7 +12,7 @@ turns them into files in the run directory and writes the config the processes l
     <run_dir>/data/heldout.jsonl
     <run_dir>/run.yaml               the effective config: absolute paths, the materialised student
 
-It prints the path of `run.yaml`. The learner and the rollout workers then start with
+It prints the path of `run.yaml` as the last line of its output. The learner and the rollout workers then start with
 `--config <run_dir>/run.yaml` (plus their own `key=value` overrides: teacher address, Redis URL).
 
 Safe to run again and concurrently (one init container per pod on a shared volume): the work is
