@@ -150,3 +150,61 @@ def test_run_stops_every_process_on_sigterm(tmp_path, backend):
     assert "stopped by a signal" in learner_log
     assert f"queue: queue.backend={backend}" in err
     assert (run_dir / "checkpoints" / "COMMITTED").is_file()  # the last committed checkpoint is kept
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: ppid
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
+    """`eopd run` SIGKILLed mid-run (the embedded queue dies with it): the kernel sends every child
+    SIGTERM (PR_SET_PDEATHSIG), nothing is left running, the last committed checkpoint stays."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["OMP_NUM_THREADS"] = "1"
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
+                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval", "queue.backend=embedded"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        metrics = run_dir / "train_metrics.jsonl"
+        while not (metrics.exists() and '"kind": "iteration"' in metrics.read_text()):
+            assert proc.poll() is None, "eopd run exited early"
+            assert time.monotonic() < deadline, "no iteration within 180 s"
+            time.sleep(0.5)
+        children = _children_of(proc.pid)
+        assert len(children) == 3  # teacher, rollout-w0, learner (the queue is a thread of eopd run)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 120
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [c for c in children if _alive(c)], "children outlived eopd run"
+    finally:
+        for c in children:
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+    # The learner got SIGTERM with its queue already gone: it stops or fails on the lost connection;
+    # either way its last committed checkpoint is on disk.
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "stopped by a signal" in learner_log or "ConnectionError" in learner_log
+    tag = (run_dir / "checkpoints" / "COMMITTED").read_text().strip()
+    assert (run_dir / "checkpoints" / tag).is_dir()

@@ -9,10 +9,10 @@ talk to Redis: nothing in `queue.py`, the learner or the workers knows the diffe
 What it is not:
 
 - **Not persistent.** Every stream, consumer group, pending list and key lives in the memory of
-  the `eopd run` process. If that process dies (SIGKILL, OOM, a crash), the queue is gone and the
-  learner and workers fail once their connection retries are exhausted; the learner's last
-  committed checkpoint stays on disk, but a restarted run starts from an empty queue. Ctrl-C /
-  SIGTERM are clean: the children are stopped first, the queue last.
+  the `eopd run` process. If that process dies (SIGKILL, OOM, a crash), the queue is gone; its
+  children get SIGTERM from the kernel (run.py: PR_SET_PDEATHSIG) and stop or fail on the lost
+  connection; the learner's last committed checkpoint stays on disk, but a restarted run starts
+  from an empty queue. Ctrl-C / SIGTERM are clean: the children are stopped first, the queue last.
 - **Not shared.** It listens on 127.0.0.1 only; processes on other machines cannot use it.
 - **Not fast for large entries.** fakeredis' TCP server reads a request line by line and its
   parser concatenates the pieces: median XADD 0.27 ms for 10 kB (the CPU presets' rollouts are

@@ -88,10 +88,16 @@ class Supervisor:
     drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with a queue started here)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        """Starts a child in its own session. When this process dies without stopping its children
+        (SIGKILL, OOM, a crash), the kernel sends each of them SIGTERM (PR_SET_PDEATHSIG, set by
+        util-linux's `setpriv` before it execs the child; without setpriv they would outlive it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{name}.log"
         full_env = {**{k: v for k, v in os.environ.items() if k not in self.drop_env}, "PYTHONUNBUFFERED": "1",
                     **(env or {})}
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            args = [setpriv, "--pdeathsig", "TERM", "--", *args]
         with open(path, "ab") as fh:
             popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         child = Child(name, popen, path)
