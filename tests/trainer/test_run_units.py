@@ -167,3 +167,7 @@ def test_choose_queue_fallback_chain(tmp_path, monkeypatch):
         pick("redis")
     with pytest.raises(RunError, match="queue.backend=redis-server and redis-server is not on PATH"):
         pick("redis-server")
+    monkeypatch.setenv("REDIS_URL", dead_url.replace("redis://", "redis://user:s3cret@"))
+    with pytest.raises(RunError) as err:
+        pick("redis")
+    assert "s3cret" not in str(err.value) and "user:***@127.0.0.1" in str(err.value)

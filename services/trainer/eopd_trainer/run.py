@@ -143,6 +143,17 @@ def redis_ping(url: str, timeout: float = 1.0, *, password: str | None = None) -
 
 
 QUEUE_BACKENDS = ("auto", "redis", "redis-server", "embedded")
+
+
+def shown_url(url: str) -> str:
+    """A Redis URL for messages: a password in it is replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 EMBEDDED_NOTE = ("in memory in this eopd run process: not persistent, lost if this process dies; local processes only")
 
 
@@ -199,13 +210,14 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
         url = env_url or qcfg.redis_url
         source = "REDIS_URL" if env_url else "queue.redis_url"
         if not redis_ping(url, password=password):
-            raise RunError(f"no queue: queue.backend=redis and the Redis at {source} ({url}) does not answer PING")
-        return QueueChoice(url, "redis", f"queue: the Redis at {source} ({url}) (queue.backend=redis)")
+            raise RunError(f"no queue: queue.backend=redis and the Redis at {source} ({shown_url(url)}) does not "
+                           "answer PING")
+        return QueueChoice(url, "redis", f"queue: the Redis at {source} ({shown_url(url)}) (queue.backend=redis)")
     if backend == "auto" and env_url and redis_ping(env_url, password=password):
-        return QueueChoice(env_url, "redis", f"queue: the Redis at REDIS_URL ({env_url})")
+        return QueueChoice(env_url, "redis", f"queue: the Redis at REDIS_URL ({shown_url(env_url)})")
     sup.drop_env = ("REDIS_PASSWORD",)
     if backend == "auto":
-        why = f"REDIS_URL={env_url} does not answer" if env_url else "REDIS_URL is not set"
+        why = f"REDIS_URL={shown_url(env_url)} does not answer" if env_url else "REDIS_URL is not set"
     else:
         why = f"queue.backend={backend}"
     binary = shutil.which("redis-server")
