@@ -32,7 +32,10 @@ import numpy as np
 from bench.report import ROOT, machine_description, markdown_table, write_results, write_section
 
 PATHS = ("eopd gRPC", "TRL shape, JSON", "TRL shape, binary")
+VLLM_PATH = "TRL 1.16: vLLM server /v1/completions"
 RETURNS = {
+    VLLM_PATH: ("top-k ids + log-probs (+ the sequence's token) per position as JSON objects keyed by token id, "
+                "for every position of the prompt, decoded token strings included", "no"),
     "eopd gRPC": ("token log-prob, exact entropy, top-k ids + log-probs (packed protobuf)", "yes"),
     "TRL shape, JSON": ("top-k ids + log-probs as nested JSON lists (+ the sequence's token when outside the top-k)", "no"),
     "TRL shape, binary": ("top-k ids + log-probs, token log-prob (base64 float32/int32 arrays in JSON, padded)", "no"),
@@ -44,8 +47,24 @@ def _loadavg() -> str:
 
 
 def _proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a process and all its descendants (vLLM's server runs its engine core in
+    a child process), from /proc."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d.name)] = (int(f[1]), int(f[11]) + int(f[12]))
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in stats.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
 def workload(n_seqs: int, length: int, prompt: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
@@ -132,6 +151,51 @@ class HttpPath:
                 self._post(s)
 
 
+class CompletionsPath(HttpPath):
+    """What TRL 1.16's `VLLMClient.get_sequence_logprobs` does against `trl vllm-serve` (= `vllm
+    serve`): POST /v1/completions with the token ids as prompts, `max_tokens` 1 and
+    `prompt_logprobs` k; then, per completion position, the entries sorted by rank, the top k
+    padded to k, and the sequence's own token looked up (the client-side work, done here too)."""
+
+    def __init__(self, base: str, model: str, seqs, top_k: int):
+        self.url, self.k = f"{base}/v1/completions", top_k
+        self.seqs = seqs
+        self.payload = {"model": model, "prompt": [s[1] for s in seqs], "max_tokens": 1, "temperature": 1.0,
+                        "prompt_logprobs": top_k}
+
+    def _post(self, session):
+        r = session.post(self.url, json=self.payload, timeout=600)
+        r.raise_for_status()
+        out = []
+        for choice, (_, ids, pl) in zip(r.json()["choices"], self.seqs, strict=True):
+            plp = choice["prompt_logprobs"]
+            lp = np.full((len(plp) - pl, self.k), -np.inf, dtype=np.float32)
+            tid = np.zeros((len(plp) - pl, self.k), dtype=np.int32)
+            tok = np.full(len(plp) - pl, -np.inf, dtype=np.float32)
+            for t in range(pl, len(plp)):
+                entries = sorted((plp[t] or {}).items(), key=lambda kv: kv[1]["rank"])[: self.k]
+                lp[t - pl, : len(entries)] = [e["logprob"] for _, e in entries]
+                tid[t - pl, : len(entries)] = [int(i) for i, _ in entries]
+                own = (plp[t] or {}).get(str(ids[t]))
+                if own is not None:
+                    tok[t - pl] = own["logprob"]
+            out.append({"logprobs": lp, "token_ids": tid, "actual_logprobs": tok})
+        return out, len(r.content)
+
+
+def start_vllm_server(sup, port: int, python: Path):
+    """`vllm serve` with the logprob flags `trl vllm-serve` 1.16 passes (`--max-logprobs -1`,
+    `--logprobs-mode processed_logprobs`); not its NCCL weight-transfer engine (CUDA only, and
+    scoring does not use it). CPU: eager, no prefix caching, 1 GiB KV cache."""
+    from eopd_common.models import smollm2_dir
+
+    args = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(smollm2_dir()), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--served-model-name", "teacher", "--max-logprobs", "-1",
+            "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--no-enable-prefix-caching",
+            "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2**30), "--uvicorn-log-level", "warning"]
+    return sup.start("vllm-serve", args, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
 def measure(path, server_pid: int, clients: int, per_client: int, scored_per_request: int) -> dict:
     errors: list[BaseException] = []
 
@@ -179,10 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--out", type=Path, default=None, help="also write the results JSON here")
     p.add_argument("--no-docs", action="store_true", help="do not write bench/results/trl_peer.json or the docs section")
+    p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                   help="also measure vLLM's OpenAI server the way TRL 1.16 uses it (needs .venv-vllm; auto: full runs "
+                   "of smollm2-135m only)")
     args = p.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 3)
-    n_seqs, length, prompt = (4, 128, 32) if args.quick else (8, 512, 128)
-    per_client = 1 if args.quick else 2
+    rounds = args.rounds or 2
+    n_seqs, length, prompt = (4, 128, 32) if args.quick else (8, 256, 64)
+    per_client = 1
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    with_vllm = args.vllm == "on" or (args.vllm == "auto" and not args.quick and args.model == "smollm2-135m"
+                                      and vllm_python.exists())
     seqs = workload(n_seqs, length, prompt)
     scored = sum(len(ids) - f for _, ids, f in seqs)
     load_start = _loadavg()
@@ -211,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                  "TRL shape, JSON": (HttpPath(url, seqs, args.top_k, "json"), peer.popen.pid),
                  "TRL shape, binary": (HttpPath(url, seqs, args.top_k, "binary"), peer.popen.pid)}
         sizes = {name: pth.sizes() for name, (pth, _) in paths.items()}  # also the warm-up of each server
-        agree = agreement(paths["eopd gRPC"][0].one(), paths["TRL shape, JSON"][0].one(), paths["TRL shape, binary"][0].one())
+        grpc_first = paths["eopd gRPC"][0].one()[0]
+        agree = agreement([grpc_first], paths["TRL shape, JSON"][0].one(), paths["TRL shape, binary"][0].one())
         print(json.dumps({"sizes": sizes, "agreement": agree}), flush=True)
         for rnd in range(rounds):
             order = list(PATHS) if rnd % 2 == 0 else list(PATHS)[::-1]
@@ -223,9 +294,30 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"path": name, **r}), flush=True)
     finally:
         sup.stop_all()
+    paths_run = list(PATHS)
+    if with_vllm:  # a phase of its own: an idle vLLM server would take CPU from the others
+        results[VLLM_PATH] = []
+        sup = Supervisor(work / "logs")
+        try:
+            vp = free_port()
+            child = start_vllm_server(sup, vp, vllm_python)
+            wait_http(f"http://127.0.0.1:{vp}/health", child, timeout=900)
+            pth = CompletionsPath(f"http://127.0.0.1:{vp}", "teacher", seqs, args.top_k)
+            sizes[VLLM_PATH] = pth.sizes()
+            first = pth.one()[0]
+            agree["token_logprob_max_diff_vllm"] = float(np.abs(first["actual_logprobs"] - grpc_first.token_logprobs).max())
+            agree["top_k_logprob_max_diff_vllm"] = float(np.abs(first["logprobs"] - grpc_first.topk_logprobs).max())
+            for rnd in range(rounds):
+                r = measure(pth, child.popen.pid, args.clients, per_client, scored)
+                r["round"] = rnd
+                results[VLLM_PATH].append(r)
+                print(json.dumps({"path": VLLM_PATH, **r}), flush=True)
+            paths_run.append(VLLM_PATH)
+        finally:
+            sup.stop_all()
     rows, summary = [], []
     base = statistics.median(r["tok_s"] for r in results["eopd gRPC"])
-    for name in PATHS:
+    for name in paths_run:
         rs = results[name]
         resp, req = sizes[name]
         s = {"path": name, "tok_s": statistics.median(r["tok_s"] for r in rs), "tok_s_all": [r["tok_s"] for r in rs],
@@ -242,6 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(headers, rows)
     elapsed = time.monotonic() - t_start
     grpc_b = summary[0]["response_bytes_per_token"]
+    if VLLM_PATH in paths_run:
+        vllm_note = (f" The last row is what TRL 1.16 itself does: `vllm serve` (vllm-cpu 0.32.0, float32, eager) started "
+                     "with the logprob flags `trl vllm-serve` passes (`--max-logprobs -1 --logprobs-mode processed_logprobs`; not "
+                     "its NCCL weight-transfer engine, CUDA only and unused by scoring), and the request and client-side parsing "
+                     "of `VLLMClient.get_sequence_logprobs` (re-written here from the facts); a different engine (vLLM's), "
+                     "measured in a phase of its own after the others (not interleaved: an idle vLLM server would share the "
+                     "CPU), server CPU summed over its process tree. Agreement with the eopd teacher: token log-prob max |diff| "
+                     f"{agree.get('token_logprob_max_diff_vllm', float('nan')):.1e}, top-k log-probs "
+                     f"{agree.get('top_k_logprob_max_diff_vllm', float('nan')):.1e}.")
+    else:
+        vllm_note = (" vLLM's own `prompt_logprobs` path (what TRL 1.16 uses) is measured in-process in the vLLM section "
+                     "above (run with `--vllm on` and .venv-vllm for the server row).")
     section = f"""## Teacher API: eopd gRPC vs TRL's `/get_sequence_logprobs/` shape (issue 9)
 
 `.venv/bin/python -m bench.bench_trl_peer{' --quick' if args.quick else ''}` on {machine_description()}.
@@ -259,8 +363,7 @@ python-dateutil, tzdata), but it **no longer has `/get_sequence_logprobs/`**: `t
 formats, is in TRL's own server in earlier releases (it is in 1.1.0's `trl/scripts/vllm_serve.py`), which is the shape
 distillation set-ups written against it call. So the TRL rows here are **`bench/trl_peer.py`, a re-implementation of that API
 shape** (request and response fields, array layout and padding as TRL defines them; not TRL's code) served by eopd's engine:
-the comparison isolates the API and the wire format. vLLM's own `prompt_logprobs` path (what TRL 1.16 uses, in-process) is
-measured in the vLLM section above.
+the comparison isolates the API and the wire format.{vllm_note}
 
 {table}
 
