@@ -42,6 +42,7 @@ import contextlib
 import math
 
 import numpy as np
+from pydantic import BaseModel
 
 LABEL = "re-implementation of TRL's /get_sequence_logprobs/ API shape (bench/trl_peer.py), eopd engine"
 
@@ -111,11 +112,20 @@ def decode_binary(body: dict) -> dict[str, np.ndarray]:
     }
 
 
+class SequenceLogprobsRequest(BaseModel):
+    """The request body (module level: FastAPI resolves the annotation by name)."""
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    top_logprobs: int = 100
+    temperature: float = 1.0
+    response_format: str = "json"
+
+
 def create_app(settings):
     """FastAPI app: the model loads at start-up; requests go through eopd's dynamic batcher."""
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import Response
-    from pydantic import BaseModel
 
     from eopd_teacher.batcher import DynamicBatcher
     from eopd_teacher.engines import create_engine
@@ -137,13 +147,6 @@ def create_app(settings):
 
     app = FastAPI(title="TRL /get_sequence_logprobs/ API shape (re-implementation)", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-
-    class SequenceLogprobsRequest(BaseModel):
-        sequences: list[list[int]]
-        prompt_lengths: list[int]
-        top_logprobs: int = 100
-        temperature: float = 1.0
-        response_format: str = "json"
 
     @app.get("/health/")
     async def health() -> dict:
