@@ -155,7 +155,7 @@ class RolloutConfig(_Section):
     old_logprobs: Literal["transformers", "vllm"] = Field(
         "transformers", description="Where old log-probs come from: a transformers forward pass over the sampled sequence "
         "(what the learner's ratio is computed against), or, with engine=vllm, vLLM's log-prob of each sampled token "
-        "(no second forward pass; agrees to ~1e-5 in fp32, not in bf16; needs top_p=1).")
+        "(no second forward pass; agrees to 1e-5..1e-4 in fp32, not in bf16; needs top_p=1).")
     vllm: VllmRolloutConfig = Field(default_factory=VllmRolloutConfig, description="vLLM settings (engine=vllm).")
     n_samples: int = Field(1, ge=1, description="Responses sampled per prompt (paper: 1).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0); old log-probs use it too.")
