@@ -132,6 +132,8 @@ class WorkerMetrics:
         self.backpressure_waits = Counter("eopd_rollout_backpressure_waits_total", "Publishes delayed by a full stream")
         self.stream_restarts = Counter("eopd_rollout_teacher_stream_restarts_total",
                                        "Teacher streams abandoned after teacher.timeout_s without an answer")
+        self.reload_seconds = Histogram("eopd_rollout_weight_reload_seconds",
+                                        "Loading an announced policy version into the sampler (in place)")
         if port:
             from prometheus_client import start_http_server
 
@@ -229,7 +231,9 @@ class RolloutWorker:
             self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
             self.version, self._sha = pv.version, pv.sha256
             self.metrics.version.set(pv.version)
-            log.info("loaded policy version %d into %s in %.2fs", pv.version, self.sampler.engine, time.monotonic() - t0)
+            took = time.monotonic() - t0
+            self.metrics.reload_seconds.observe(took)
+            log.info("loaded policy version %d into %s in %.2fs", pv.version, self.sampler.engine, took)
 
     async def ensure_version(self, min_version: int) -> bool:
         while not self.stop.is_set():
