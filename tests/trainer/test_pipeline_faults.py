@@ -158,3 +158,42 @@ def test_learner_sigterm_stops_cleanly_and_resumes_nothing_lost(tmp_path, redis_
     assert "stopped by a signal before iteration 1" in learner.log()
     assert not client.exists(Keys(ns).done)
     assert client.xlen(Keys(ns).tasks) == 4  # the published tasks stay for the restarted run
+
+
+def test_worker_sigterm_while_teacher_is_gone_exits_within_grace(tmp_path, redis_server):
+    """SIGTERM reaches a worker whose teacher has died (its client would retry for
+    teacher.retry_timeout_s = 300 s): it exits 0 within rollout.stop_grace_s, its unanswered tasks
+    stay pending, and another worker re-does them once the teacher is back: exactly once."""
+    import signal
+
+    ns, run_dir = "term-no-teacher", tmp_path / "run"
+    gp, hp = free_port(), free_port()
+    teacher = start_teacher("tiny-random@0", "--max-batch-wait-ms", "20", grpc_port=gp, http_port=hp)
+    ov = overrides(run_dir, redis_server.url, teacher.target, ns, "rollout.claim_idle_ms=2000",
+                   f"train.iterations={ITERATIONS}", "teacher.retry_timeout_s=300", "rollout.stop_grace_s=3")
+    client = redis_server.client()
+    procs = [teacher]
+    try:
+        w0, learner = spawn_worker(ov, "w0"), spawn_learner(ov)
+        procs += [w0, learner]
+        wait_for_iterations(run_dir, 1, 240, learner, w0)
+        teacher.popen.kill()
+        teacher.popen.wait(10)
+        time.sleep(2.0)  # the worker's stream breaks; it is now retrying a teacher that is gone
+        t0 = time.monotonic()
+        w0.popen.send_signal(signal.SIGTERM)
+        assert wait_exit(w0, 30) == 0, describe(w0)
+        stop_s = time.monotonic() - t0
+        assert client.xpending_range(Keys(ns).tasks, "rollout", "-", "+", 100, consumername="w0"), describe(w0)
+
+        teacher = start_teacher("tiny-random@0", "--max-batch-wait-ms", "20", grpc_port=gp, http_port=hp)
+        w1 = spawn_worker(ov, "w1")
+        procs += [teacher, w1]
+        assert wait_exit(learner, 300, w1) == 0, describe(learner, w1)
+        assert wait_exit(w1, 60) == 0, describe(w1)
+    finally:
+        for p in procs:
+            p.stop()
+    assert "will be re-done" in w0.log(), describe(w0)
+    assert stop_s < 25, f"the worker took {stop_s:.0f}s to stop (grace 3s; retry budget 300s)"
+    assert_exactly_once(run_dir)

@@ -164,6 +164,8 @@ class RolloutConfig(_Section):
     generation_batch_size: int = Field(8, ge=1, description="Sequences generated together by one worker.")
     weights_poll_s: float = Field(0.2, gt=0, description="How often a worker polls for a newer policy version while it waits.")
     claim_idle_ms: int = Field(30_000, ge=1, description="Tasks pending this long on another (dead) worker are reclaimed (XAUTOCLAIM).")
+    stop_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, how long a worker waits for answers already "
+                                "requested before it exits; unfinished tasks stay pending and are re-done by another worker.")
     max_task_deliveries: int = Field(5, ge=1, description="A task delivered more often than this goes to the dead-letter stream.")
 
     @model_validator(mode="after")

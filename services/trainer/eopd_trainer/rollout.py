@@ -60,6 +60,10 @@ class TokenizerMismatch(RuntimeError):
     pass
 
 
+class StopRequested(Exception):
+    """A signal arrived before the worker started working."""
+
+
 class TeacherRefused(RuntimeError):
     """The teacher rejected the worker's credentials: retrying cannot help."""
 
@@ -316,7 +320,11 @@ class RolloutWorker:
         client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
                                     retry_timeout=cfg.teacher.retry_timeout_s, **security)
         try:
-            info = await self._wait_teacher(client)
+            try:
+                info = await self._wait_teacher(client)
+            except StopRequested:
+                log.info("stopped by a signal while waiting for the teacher")
+                return 0
             if cfg.teacher.check_tokenizer:
                 check_tokenizer(info, self.tokenizer, cfg.student.model)
             teacher_model = f"{info.model_name}@{info.model_revision}"
@@ -457,7 +465,27 @@ class RolloutWorker:
 
             producer = asyncio.create_task(produce())
             try:
-                await consume()
+                consumer = asyncio.create_task(consume())
+                stopping = asyncio.create_task(self.stop.wait())
+                await asyncio.wait({consumer, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not consumer.done():
+                    # Stopped by a signal: the producer takes no new task; answers still in flight get
+                    # `rollout.stop_grace_s` to arrive (a teacher that is gone would keep the client
+                    # retrying for teacher.retry_timeout_s). What is left stays pending in Redis and is
+                    # re-done by the next worker (same rollout ids: the learner drops duplicates).
+                    await asyncio.wait({consumer}, timeout=cfg.rollout.stop_grace_s)
+                    if not consumer.done():
+                        log.warning("stopping with %d requests unanswered after %.0fs (rollout.stop_grace_s); their tasks stay "
+                                    "pending and will be re-done", len(contexts), cfg.rollout.stop_grace_s)
+                        consumer.cancel()
+                        producer.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await consumer
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await producer
+                        return 0
+                stopping.cancel()
+                await consumer
             except BaseException:
                 producer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -482,6 +510,8 @@ class RolloutWorker:
                         "check teacher.auth_token_file / EOPD_TEACHER_AUTH_TOKEN and the teacher.tls_* settings") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"teacher at {self.cfg.teacher.target} not reachable: {exc}") from exc
+                if self.stop.is_set():
+                    raise StopRequested from None
                 await asyncio.sleep(0.5)
 
 
