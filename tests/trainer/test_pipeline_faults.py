@@ -197,3 +197,22 @@ def test_worker_sigterm_while_teacher_is_gone_exits_within_grace(tmp_path, redis
     assert "will be re-done" in w0.log(), describe(w0)
     assert stop_s < 25, f"the worker took {stop_s:.0f}s to stop (grace 3s; retry budget 300s)"
     assert_exactly_once(run_dir)
+
+
+def test_slow_batches_are_not_reclaimed_from_a_live_worker(tmp_path, redis_server, tiny_teacher):
+    """Two workers whose sampling takes 3x rollout.claim_idle_ms: the heartbeat keeps each one's
+    tasks from looking idle, so neither takes the other's work (no reclaim, no duplicate)."""
+    ns, run_dir = "slow-batches", tmp_path / "run"
+    ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, "rollout.claim_idle_ms=1500",
+                   "train.iterations=3", "faults=[{point: rollout.sample, action: delay, seconds: 4.5}]")
+    learner, w0, w1 = spawn_learner(ov), spawn_worker(ov, "w0"), spawn_worker(ov, "w1")
+    try:
+        assert wait_exit(learner, 300, w0, w1) == 0, describe(learner, w0, w1)
+        assert wait_exit(w0, 60) == 0 and wait_exit(w1, 60) == 0, describe(w0, w1)
+    finally:
+        for p in (learner, w0, w1):
+            p.stop()
+    assert w0.log().count("injected fault delay") + w1.log().count("injected fault delay") >= 3
+    assert "reclaimed" not in w0.log() + w1.log(), describe(w0, w1)
+    state = committed_state(run_dir)
+    assert state["iteration"] == 3 and state["counters"]["duplicates"] == 0

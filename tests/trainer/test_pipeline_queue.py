@@ -62,6 +62,24 @@ def test_xautoclaim_takes_over_a_dead_consumers_entries(redis_server):
     assert alive.length() == 0 and alive.pending_count() == 0
 
 
+def test_touch_keeps_a_live_consumers_entries_from_being_claimed(redis_server):
+    """The worker's heartbeat: entries it still works on are not idle to others' XAUTOCLAIM; it does
+    not count as a delivery, and entries another consumer already took are not taken back."""
+    busy = queue(redis_server.url, "q2t", "busy")
+    for i in range(3):
+        busy.add(f"m{i}".encode())
+    held = busy.read_new(3, block_ms=100)
+    other = queue(redis_server.url, "q2t", "other")
+    time.sleep(0.3)
+    assert busy.touch([held[0].entry_id, held[1].entry_id]) == 2
+    claimed = other.claim_idle(min_idle_ms=250)  # only the entry that was not touched is idle
+    assert [e.data for e in claimed] == [b"m2"]
+    assert busy.deliveries(held[0].entry_id) == 1 and other.deliveries(held[2].entry_id) == 2
+    assert busy.touch([held[2].entry_id]) == 0  # taken by `other`: left alone
+    assert other.claim_idle(min_idle_ms=10_000) == []
+    assert busy.touch([]) == 0
+
+
 def test_xautoclaim_drops_entries_deleted_while_pending(redis_server):
     dead = queue(redis_server.url, "q2b", "dead")
     a, b = dead.add(b"a"), dead.add(b"b")

@@ -245,7 +245,8 @@ class FaultConfig(_Section):
     """A fault to inject (tests and the chaos tier): at `point`, when the context matches, do `action`."""
 
     point: str = Field(description="e.g. learner.after_step, learner.after_commit, rollout.after_publish")
-    action: Literal["kill", "hang", "raise"] = "kill"
+    action: Literal["kill", "hang", "raise", "delay"] = "kill"
+    seconds: float = Field(1.0, ge=0, description="delay: how long the step sleeps")
     iteration: int | None = None
     step: int | None = None
     count: int | None = Field(None, description="rollout points: after this many published rollouts")

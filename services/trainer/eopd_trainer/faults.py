@@ -7,10 +7,11 @@ its point matches and every field it sets (iteration, step, count) equals the co
 Points: `learner.after_step` (an optimizer step of an iteration done, nothing committed),
 `learner.after_commit` (checkpoint committed, entries not yet acknowledged),
 `learner.before_commit`, `rollout.after_publish` (a rollout published, its task not yet
-acknowledged; `count` = rollouts published by this process), `rollout.after_sample`.
+acknowledged; `count` = rollouts published by this process), `rollout.after_sample`,
+`rollout.sample` (inside the sampling thread, before a batch is sampled).
 
 Actions: `kill` (SIGKILL to itself: no cleanup, exactly like an OOM kill or a lost node),
-`hang` (sleep forever: a stalled process), `raise` (an exception).
+`hang` (sleep forever: a stalled process), `delay` (sleep `seconds`: a slow step), `raise` (an exception).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Faults:
             print(msg, file=sys.stderr, flush=True)
             if f.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.action == "delay":
+                time.sleep(f.seconds)
             elif f.action == "hang":
                 while True:
                     time.sleep(3600)

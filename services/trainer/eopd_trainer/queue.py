@@ -145,6 +145,21 @@ class StreamQueue:
             start = nxt
         return out
 
+    def touch(self, entry_ids: Iterable[str]) -> int:
+        """Heartbeat: resets the idle time of the given entries that are still pending on this
+        consumer (XCLAIM to itself with JUSTID, which does not count as a delivery), so another
+        consumer's `claim_idle` does not take work this one is still doing. Entries another consumer
+        has already taken are left alone. Returns how many were touched."""
+        wanted = set(entry_ids)
+        if not wanted:
+            return 0
+        rows = self.r.xpending_range(self.stream, self.group, min="-", max="+", count=max(1000, 4 * len(wanted)),
+                                     consumername=self.consumer)
+        mine = [i for i in (r["message_id"] for r in rows) if (i.decode() if isinstance(i, bytes) else str(i)) in wanted]
+        if mine:
+            self.r.xclaim(self.stream, self.group, self.consumer, min_idle_time=0, message_ids=mine, justid=True)
+        return len(mine)
+
     def deliveries(self, entry_id: str) -> int:
         """How many times an entry has been delivered (0 if it is not pending)."""
         rows = self.r.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)

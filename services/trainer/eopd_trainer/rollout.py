@@ -271,6 +271,7 @@ class RolloutWorker:
 
     def _sample(self, work: list[tuple[str, PromptTask]]) -> list[Pending]:
         ro = self.cfg.rollout
+        self.faults.hit("rollout.sample", count=self.published)
         flat = [(eid, task, j) for eid, task in work for j in range(task.num_samples)]
         out: list[Pending] = []
         for start in range(0, len(flat), ro.generation_batch_size):
@@ -319,6 +320,7 @@ class RolloutWorker:
         security = cfg.teacher.client_kwargs()  # token / TLS files: read now, fail at start if unreadable
         client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
                                     retry_timeout=cfg.teacher.retry_timeout_s, **security)
+        beat: asyncio.Task | None = None
         try:
             try:
                 info = await self._wait_teacher(client)
@@ -463,6 +465,18 @@ class RolloutWorker:
                         self._in_progress.discard(p.entry_id)
                 log.debug("published %d rollouts (policy v%d)", self.published, group[0].policy_version)
 
+            async def heartbeat() -> None:
+                """Keeps the tasks this worker holds from looking idle to other workers' XAUTOCLAIM
+                while a long batch is sampled or scored (rollout.claim_idle_ms)."""
+                period = cfg.rollout.claim_idle_ms / 3000
+                while True:
+                    await asyncio.sleep(period)
+                    held = [*self._in_progress, *(e.entry_id for e in self._local)]
+                    if held:
+                        with contextlib.suppress(Exception):  # a Redis hiccup: the next beat retries
+                            await asyncio.to_thread(self.tasks.touch, held)
+
+            beat = asyncio.create_task(heartbeat())
             producer = asyncio.create_task(produce())
             try:
                 consumer = asyncio.create_task(consume())
@@ -495,6 +509,8 @@ class RolloutWorker:
             log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
             return 0
         finally:
+            if beat is not None:
+                beat.cancel()
             await client.close()
 
     async def _wait_teacher(self, client):
