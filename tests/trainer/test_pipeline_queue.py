@@ -144,7 +144,7 @@ def test_blocking_read_waits_for_new_entries_and_wakes_on_xadd(redis_server):
     assert 0.25 <= got["s"] < 2.0
     t0 = time.monotonic()
     assert [e.data for e in q.read_pending(10)] == [b"late"]
-    assert time.monotonic() - t0 < 0.2
+    assert time.monotonic() - t0 < 1.0  # no BLOCK on a history read (a blocking read would wait its 5 s)
 
 
 def test_two_consumers_share_a_stream_without_duplicates(redis_server):

@@ -33,11 +33,9 @@ def eopd(*args: str, timeout: float = 300, env_extra: dict | None = None) -> sub
 
 def test_tiny_run_end_to_end_then_report(tmp_path):
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
     res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4")
     assert res.returncode == 0, res.stderr[-5000:]
     assert "REDIS_URL is not set; started redis-server" in res.stderr
-    assert time.monotonic() - t0 < 240
     for name in ("redis", "teacher", "rollout-w0", "learner"):
         assert (run_dir / "logs" / f"{name}.log").is_file(), name
     assert (run_dir / "checkpoints" / "COMMITTED").is_file()
@@ -85,15 +83,12 @@ def test_tiny_run_falls_back_to_the_embedded_queue(tmp_path):
     assert shutil.which("redis-server", path=path) is None
     dead_url = f"redis://127.0.0.1:{free_port()}/0"
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
     res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "--no-eval",
                env_extra={"REDIS_URL": dead_url, "PATH": path})
-    elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-5000:]
     assert (f"queue: REDIS_URL={dead_url} does not answer; redis-server is not installed; using the embedded queue "
             "(fakeredis) on 127.0.0.1:") in res.stderr
     assert "not persistent" in res.stderr
-    assert elapsed < 240
     assert not (run_dir / "logs" / "redis.log").exists()
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["queue_backend"] == "embedded" and "embedded queue" in summary["queue"]
