@@ -72,24 +72,6 @@ def workload(n_seqs: int, length: int, prompt: int, seed: int = 0) -> list[tuple
     return [(f"s{i}", rng.integers(100, 20000, length).tolist(), prompt) for i in range(n_seqs)]
 
 
-def wait_http(url: str, child, timeout: float) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise child.failure("failed to start")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(0.3)
-    raise child.failure(f"was not ready after {timeout:.0f} s")
-
-
 class GrpcPath:
     def __init__(self, target: str, seqs, top_k: int):
         self.target, self.seqs, self.top_k = target, seqs, top_k
@@ -240,7 +222,7 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
     """Starts the servers, measures every path; (results, sizes, agreement, paths measured, vLLM error)."""
     import tempfile
 
-    from eopd_trainer.run import Supervisor, free_port, wait_teacher
+    from eopd_trainer.run import Supervisor, free_port, wait_http_ready, wait_teacher
 
     work = Path(tempfile.mkdtemp(prefix="eopd-bench-trl-"))
     sup = Supervisor(work / "logs")
@@ -255,7 +237,7 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
                                       str(args.threads), "--port", str(tp)],
                          {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
         wait_teacher(teacher, hp, timeout=600)
-        wait_http(f"http://127.0.0.1:{tp}/health/", peer, timeout=600)
+        wait_http_ready(peer, f"http://127.0.0.1:{tp}/health/", timeout=600)
         url = f"http://127.0.0.1:{tp}/get_sequence_logprobs/"
         paths = {"eopd gRPC": (GrpcPath(f"127.0.0.1:{gp}", seqs, args.top_k), teacher.popen.pid),
                  "TRL shape, JSON": (HttpPath(url, seqs, args.top_k, "json"), peer.popen.pid),
@@ -282,7 +264,7 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
         try:
             vp = free_port()
             child = start_vllm_server(sup, vp, vllm_python)
-            wait_http(f"http://127.0.0.1:{vp}/health", child, timeout=900)
+            wait_http_ready(child, f"http://127.0.0.1:{vp}/health", timeout=900)
             pth = CompletionsPath(f"http://127.0.0.1:{vp}", "teacher", seqs, args.top_k)
             sizes[VLLM_PATH] = pth.sizes()
             first = pth.one()[0]

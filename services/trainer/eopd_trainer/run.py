@@ -235,19 +235,24 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
                        f"{url.split('/')[2]}, {EMBEDDED_NOTE}")
 
 
-def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
+def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2) -> None:
+    """Waits until `url` answers 200 while `child` is alive; raises the child's failure otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not child.alive():
             raise child.failure("failed to start")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise child.failure(f"was not ready after {timeout:.0f} s")
+
+
+def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
+    wait_http_ready(child, f"http://127.0.0.1:{http_port}/readyz", timeout)
 
 
 # Preparing the run directory: prepare.py (also `eopd prepare`) ------------------------------------
