@@ -359,7 +359,47 @@ def test_every_eopd_variable_is_a_real_setting_of_its_service():
                         assert refs == {cm["metadata"]["name"]}
                         assert found <= expected
                     else:
-                        assert not refs and found <= set(NAMES.direct_env), f"{target}: {o['metadata']['name']}"
+                        run_vars = {n for n in found if n.startswith(RUN_ENV_PREFIX)}
+                        assert not refs and found - run_vars <= set(NAMES.direct_env), f"{target}: {o['metadata']['name']}"
+                        check_run_env({e["name"]: e.get("value", "") for e in c.get("env", []) if e["name"] in run_vars},
+                                      f"{target}: {o['metadata']['name']}/{c['name']}")
+
+
+RUN_ENV_PREFIX = "EOPD_RUN_"
+
+
+def check_run_env(env: dict[str, str], where: str) -> None:
+    """EOPD_RUN_<SECTION>__<KEY> variables must name real run-config keys (the trainer reads them as
+    `section.key=value` overrides)."""
+    from eopd_trainer.config import env_overrides
+
+    run_config = _load(NAMES.run_config)
+    for item in env_overrides(env):
+        key = item.partition("=")[0]
+        assert _is_config_path(run_config, key.split(".")), f"{where}: {item} is not a run-config key"
+
+
+def test_teacher_credential_components_reach_the_rollout_workers():
+    """With the auth and TLS components, the workers get the token file and the CA from the same
+    Secrets the teacher uses, through EOPD_RUN_* variables naming real config keys."""
+    objs = objects("+components")
+    spec = pod_spec(find(objs, "Deployment", "eopd-rollout"))
+    c = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["EOPD_RUN_TEACHER__AUTH_TOKEN_FILE"] == "/etc/eopd/auth/token"
+    assert env["EOPD_RUN_TEACHER__TLS_CA_FILE"] == "/etc/eopd/tls/ca.crt"
+    check_run_env({k: v for k, v in env.items() if k.startswith(RUN_ENV_PREFIX)}, "+components rollout")
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    auth, tls = volumes[mounts["/etc/eopd/auth"]]["secret"], volumes[mounts["/etc/eopd/tls"]]["secret"]
+    assert auth["secretName"] == find(objs, "Secret", "eopd-teacher-auth")["metadata"]["name"]
+    assert tls["secretName"] == find(objs, "Secret", "eopd-teacher-tls")["metadata"]["name"]
+    assert [i["key"] for i in tls["items"]] == ["ca.crt"]  # the worker never sees the teacher's key
+    with pytest.raises(AssertionError, match="not a run-config key"):
+        check_run_env({"EOPD_RUN_TEACHER__AUTH_TOKN_FILE": "/x"}, "typo")
+    # Without the components the workers get neither.
+    plain = pod_spec(find(objects("gpu"), "Deployment", "eopd-rollout"))["containers"][0]
+    assert not any(e["name"].startswith(RUN_ENV_PREFIX) for e in plain["env"])
 
 
 def test_the_agreement_checks_catch_mistakes():
