@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+import sys
+import tempfile
 import threading
 import time
 
@@ -83,11 +85,18 @@ def bench_inprocess(dtype: str, seqs, top_k: int, repeats: int) -> dict:
 def bench_server(dtype: str, seqs, top_k: int, clients: int, requests_per_client: int) -> dict:
     from eopd.v1 import teacher_pb2 as pb
     from eopd_teacher.client import TeacherClient, build_request
-    from tests.procs import running_teacher
+    from eopd_trainer.run import Supervisor, free_port, wait_teacher
 
     scored = sum(len(ids) - f for _, ids, f in seqs)
-    with running_teacher("smollm2-135m", "--dtype", dtype, "--max-batch-tokens", str(2 * sum(len(x[1]) for x in seqs))) as proc:
-        with TeacherClient(proc.target, timeout=600) as c:
+    gp, hp = free_port(), free_port()
+    sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))
+    proc = sup.start("teacher", [sys.executable, "-m", "eopd_teacher.cli", "serve", "--model", "smollm2-135m", "--dtype", dtype,
+                                 "--max-batch-tokens", str(2 * sum(len(x[1]) for x in seqs)), "--host", "127.0.0.1",
+                                 "--grpc-port", str(gp), "--http-port", str(hp)])
+    target = f"127.0.0.1:{gp}"
+    try:
+        wait_teacher(proc, hp, timeout=600)
+        with TeacherClient(target, timeout=600) as c:
             c.score(seqs, top_k=top_k)  # warm-up
             resp = c._stub.Score(build_request(seqs, top_k=top_k))
             wire = len(resp.SerializeToString())
@@ -97,7 +106,7 @@ def bench_server(dtype: str, seqs, top_k: int, clients: int, requests_per_client
 
         def client_loop():
             try:
-                with TeacherClient(proc.target, timeout=600) as cc:
+                with TeacherClient(target, timeout=600) as cc:
                     for _ in range(requests_per_client):
                         cc.score(seqs, top_k=top_k)
             except BaseException as exc:  # noqa: BLE001
@@ -114,6 +123,8 @@ def bench_server(dtype: str, seqs, top_k: int, clients: int, requests_per_client
         server_cpu = _proc_cpu_seconds(proc.popen.pid) - cpu0
         if errors:
             raise errors[0]
+    finally:
+        sup.stop_all()
     total = scored * clients * requests_per_client
     return {"server_tok_s": total / elapsed, "server_cpu_s_per_1k": 1000 * server_cpu / total, "response_bytes_per_token": wire / scored, "request_bytes_per_token": req_bytes / scored}
 
