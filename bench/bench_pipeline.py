@@ -331,16 +331,13 @@ def _reading(by: dict) -> str:
     return "\n".join(lines)
 
 
-def _queue(choose_queue, sup, work: Path, base) -> tuple[str, str]:
+def _queue(sup, work: Path, base) -> tuple[str, str]:
     """(redis_url, message) from `eopd run`'s queue choice: the Redis at $REDIS_URL, else a
-    redis-server started here. The benchmark wants a real Redis (not an embedded stand-in)."""
-    import inspect
+    redis-server started here. The benchmark wants a real Redis (not the embedded stand-in)."""
+    from eopd_trainer.run import choose_queue
 
-    extra = [base.queue] if len(inspect.signature(choose_queue).parameters) > 2 else []
-    res = choose_queue(sup, work, *extra)
-    if isinstance(res, tuple):
-        return res
-    if getattr(res, "backend", "redis") not in ("redis", "redis-server"):
+    res = choose_queue(sup, work, base.queue)
+    if res.backend == "embedded":
         raise RuntimeError(f"the pipeline benchmark needs a real Redis ({res.message}): install redis-server or set REDIS_URL")
     return res.url, res.message
 
@@ -382,14 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
 
     from eopd_trainer.config import load_config
-    from eopd_trainer.run import Supervisor, choose_queue, free_port, prepare, wait_teacher
+    from eopd_trainer.run import Supervisor, free_port, prepare, wait_teacher
 
     work = Path(tempfile.mkdtemp(prefix="eopd-bench-pipeline-"))
     base, _facts = prepare(load_config(config_file, [f"run_dir={work / 'prepared'}"]))
     shared = Supervisor(work / "logs")
     results: list[dict] = []
     try:
-        redis_url, queue_msg = _queue(choose_queue, shared, work, base)
+        redis_url, queue_msg = _queue(shared, work, base)
         print(f"[pipeline] {queue_msg}; work dir {work}", flush=True)
         teachers = []
         for i in range(max(args.teachers)):

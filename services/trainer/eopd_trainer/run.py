@@ -142,9 +142,6 @@ def redis_ping(url: str, timeout: float = 1.0, *, password: str | None = None) -
         return False
 
 
-QUEUE_BACKENDS = ("auto", "redis", "redis-server", "embedded")
-
-
 def shown_url(url: str) -> str:
     """A Redis URL for messages: a password in it is replaced by ***."""
     from urllib.parse import urlsplit, urlunsplit
