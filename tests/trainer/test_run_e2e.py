@@ -176,8 +176,8 @@ def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
                              f"run_dir={run_dir}", "train.iterations=200", "--no-eval", "queue.backend=embedded",
-                             # the worker acts on SIGTERM only once its teacher call gives up (teacher and
-                             # queue are gone too): keep that short here (tiny's default is 120 s)
+                             # short deadlines: teacher and queue die with eopd run; the worker's own
+                             # SIGTERM handling is bounded by rollout.stop_grace_s as well
                              "teacher.retry_timeout_s=15", "teacher.timeout_s=15"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[int] = []
