@@ -36,6 +36,11 @@ class PhaseResult:
     latencies: list[float] = field(default_factory=list)
     codes: Counter = field(default_factory=Counter)
     rss: list[float] = field(default_factory=list)
+    messages: dict[str, str] = field(default_factory=dict)  # the first message seen for each error code
+
+    def error(self, err: grpc.aio.AioRpcError) -> None:
+        self.codes[err.code().name] += 1
+        self.messages.setdefault(err.code().name, err.details() or "")
 
     def summary(self) -> dict:
         lat = np.array(self.latencies) if self.latencies else np.array([float("nan")])
@@ -47,6 +52,7 @@ class PhaseResult:
             "p50_ms": float(np.percentile(lat, 50) * 1000),
             "p99_ms": float(np.percentile(lat, 99) * 1000),
             "codes": dict(self.codes),
+            "messages": dict(self.messages),
             "rss_mib_start": self.rss[0] if self.rss else None,
             "rss_mib_max": max(self.rss) if self.rss else None,
             "rss_mib_end": self.rss[-1] if self.rss else None,
@@ -77,7 +83,7 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
                     res.scored_tokens += scored_per_req
                     res.latencies.append(time.perf_counter() - t)
                 except grpc.aio.AioRpcError as err:
-                    res.codes[err.code().name] += 1
+                    res.error(err)
                     await asyncio.sleep(0.05)
 
     async def stream_client(i: int) -> None:
@@ -100,7 +106,7 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
                     res.scored_tokens += scored_per_req
                     res.latencies.append(time.perf_counter() - sent.pop(rid))
             except grpc.aio.AioRpcError as err:
-                res.codes[err.code().name] += 1
+                res.error(err)
 
     async def sample_rss() -> None:
         while time.monotonic() < stop:

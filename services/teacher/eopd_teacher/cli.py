@@ -7,6 +7,12 @@
 `score` input lines are either token ids, {"id": ..., "token_ids": [...], "score_from": N}, or
 text, {"id": ..., "prompt": "...", "response": "..."} (the response's tokens are scored; add
 "chat": true to wrap the prompt in the tokenizer's chat template as a user turn).
+
+Text is encoded here, with the tokenizer of `--tokenizer` (a preset, Hugging Face model directory
+or .gguf file) or, by default, of the served model found by its name on this machine: that works
+for presets and for model paths that mean the same here as on the server (a served .gguf file is
+named by its file name only, so pass `--tokenizer` for it). Either way the tokenizer must have the
+served model's tokenizer fingerprint, or `score` stops with a message saying so.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--output", default="-", help="output JSONL path, - for stdout")
     score.add_argument("--top-k", type=int, default=0)
     score.add_argument("--temperature", type=float, default=0.0)
-    score.add_argument("--tokenizer", default=None, help="model spec whose tokenizer encodes text input (default: the served model)")
+    score.add_argument(
+        "--tokenizer", default=None,
+        help="preset, HF model directory or .gguf file whose tokenizer encodes text input (default: the served model, "
+        "looked up by its name here; needed for a served .gguf file or a path that differs on this machine)",
+    )
     score.add_argument("--batch-size", type=int, default=16, help="sequences per request")
     score.add_argument("--timeout", type=float, default=300.0)
     return p
@@ -59,7 +69,35 @@ def _client(args, timeout: float):
                          tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
 
 
-def _encode(rows: list[dict], tokenizer_spec: str | None, served_model: str, cache_dir) -> tuple[list, object]:
+def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
+    """The tokenizer that encodes text rows: `tokenizer_spec`, else the served model's looked up by
+    its name on this machine; it must match the served tokenizer's fingerprint. Exits with a
+    message naming `--tokenizer` when it cannot be found or does not match."""
+    from eopd_common.models import load_tokenizer, tokenizer_fingerprint
+
+    spec = tokenizer_spec or info.model_name
+    try:
+        tok = load_tokenizer(spec, cache_dir)
+    except Exception as exc:  # noqa: BLE001 - a bad spec, missing files, an unreadable tokenizer
+        if tokenizer_spec:
+            raise SystemExit(f"eopd-teacher score: cannot load the tokenizer of --tokenizer {spec!r}: {exc}") from None
+        raise SystemExit(
+            f"eopd-teacher score: text input needs the served model's tokenizer, but the served model {spec!r} "
+            f"cannot be loaded on this machine by that name ({exc}). Pass --tokenizer with a preset, Hugging Face "
+            "model directory or .gguf file that has the served model's tokenizer."
+        ) from None
+    if info.tokenizer_fingerprint and tokenizer_fingerprint(tok) != info.tokenizer_fingerprint:
+        which = f"--tokenizer {spec!r}" if tokenizer_spec else f"the model {spec!r} found on this machine"
+        hint = "" if tokenizer_spec else " Pass --tokenizer with the served model's tokenizer."
+        raise SystemExit(
+            f"eopd-teacher score: the tokenizer of {which} differs from the served model's (fingerprint "
+            f"{tokenizer_fingerprint(tok)[:12]}... vs {info.tokenizer_fingerprint[:12]}...), so its token ids "
+            f"would mean other tokens to the teacher.{hint}"
+        )
+    return tok
+
+
+def _encode(rows: list[dict], tokenizer_spec: str | None, info, cache_dir) -> tuple[list, object]:
     """(id, token_ids, score_from) per row; the tokenizer (or None when all rows are token ids)."""
     tok = None
     seqs = []
@@ -71,9 +109,7 @@ def _encode(rows: list[dict], tokenizer_spec: str | None, served_model: str, cac
         if "prompt" not in row or "response" not in row:
             raise SystemExit(f"line {i + 1}: needs token_ids (+score_from) or prompt and response")
         if tok is None:
-            from eopd_common.models import load_tokenizer
-
-            tok = load_tokenizer(tokenizer_spec or served_model, cache_dir)
+            tok = _text_tokenizer(tokenizer_spec, info, cache_dir)
         if row.get("chat"):
             prompt_ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True)
             if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
@@ -94,7 +130,7 @@ def _cmd_score(args) -> int:
     out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     with _client(args, args.timeout) as client:
         info = client.wait_ready(args.timeout)
-        seqs, tok = _encode(rows, args.tokenizer, info.model_name, default_cache_dir())
+        seqs, tok = _encode(rows, args.tokenizer, info, default_cache_dir())
         for start in range(0, len(seqs), args.batch_size):
             chunk = seqs[start : start + args.batch_size]
             for (sid, ids, score_from), s in zip(chunk, client.score(chunk, top_k=args.top_k, temperature=args.temperature), strict=True):

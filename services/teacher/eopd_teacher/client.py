@@ -13,7 +13,9 @@ carries `x-eopd-client` (`client_id=`, default host-pid), the key of the server'
 
 Retries: calls that fail with UNAVAILABLE (server restarting, draining or unreachable) or, when
 `retry_overload` is set, RESOURCE_EXHAUSTED, are retried with exponential backoff and jitter until
-`retry_timeout` seconds have passed. `AsyncTeacherClient.score_stream` re-sends on a new stream
+`retry_timeout` seconds have passed; except a RESOURCE_EXHAUSTED that retrying cannot cure (the
+request is over a per-request limit: trailing metadata `eopd-retryable: 0`, or over gRPC's message
+size), which fails at once. `AsyncTeacherClient.score_stream` re-sends on a new stream
 the requests that a broken stream left unanswered, so a producer loses nothing when a replica dies.
 """
 
@@ -35,7 +37,7 @@ import numpy as np
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from .convert import info_from_pb, scores_from_pb
+from .convert import NOT_RETRYABLE_KEY, STREAM_ENDING_KEY, info_from_pb, scores_from_pb
 from .types import ModelInfo, SequenceScores
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -157,7 +159,17 @@ class _Base:
         self._credentials = credentials
 
     def _retryable(self, err: grpc.RpcError) -> bool:
-        return err.code() in self.retryable
+        code = err.code()
+        if code not in self.retryable:
+            return False
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # Over a per-request limit (the server says so), or over gRPC's message-size limit (its
+            # own status, sent before or after our handlers run): the same request fails again.
+            if any(k == NOT_RETRYABLE_KEY and v == "0" for k, v in (err.trailing_metadata() or ())):
+                return False
+            if "larger than max" in (err.details() or ""):
+                return False
+        return True
 
 
 class TeacherClient(_Base):
@@ -180,8 +192,8 @@ class TeacherClient(_Base):
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, fn, request, timeout: float | None):
-        backoff = _Backoff(self.retry_timeout)
+    def _call(self, fn, request, timeout: float | None, retry_timeout: float | None = None):
+        backoff = _Backoff(self.retry_timeout if retry_timeout is None else retry_timeout)
         while True:
             try:
                 return fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
@@ -191,8 +203,9 @@ class TeacherClient(_Base):
                     raise
                 time.sleep(delay)
 
-    def info(self, timeout: float | None = None) -> ModelInfo:
-        return info_from_pb(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+    def info(self, timeout: float | None = None, retry_timeout: float | None = None) -> ModelInfo:
+        """The served model. `retry_timeout` overrides the client's retry budget (0: one attempt)."""
+        return info_from_pb(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, retry_timeout))
 
     def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
         """Blocks until the server answers GetModelInfo (model loaded), or raises TimeoutError."""
@@ -220,6 +233,8 @@ class TeacherClient(_Base):
         order). No re-sending here: use AsyncTeacherClient.score_stream for that."""
         reqs = (build_request(b.sequences, top_k=b.top_k, temperature=b.temperature, request_id=b.request_id) for b in batches)
         for resp in self._stub.ScoreStream(reqs, timeout=timeout or self.timeout, metadata=self.metadata):
+            if resp.HasField("ending"):
+                continue  # not asked for here (no eopd-stream-ending metadata); the status follows
             yield resp.request_id, [scores_from_pb(r) for r in resp.results]
 
 
@@ -243,8 +258,8 @@ class AsyncTeacherClient(_Base):
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _call(self, fn, request, timeout: float | None):
-        backoff = _Backoff(self.retry_timeout)
+    async def _call(self, fn, request, timeout: float | None, retry_timeout: float | None = None):
+        backoff = _Backoff(self.retry_timeout if retry_timeout is None else retry_timeout)
         while True:
             try:
                 return await fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
@@ -254,8 +269,9 @@ class AsyncTeacherClient(_Base):
                     raise
                 await asyncio.sleep(delay)
 
-    async def info(self, timeout: float | None = None) -> ModelInfo:
-        return info_from_pb(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+    async def info(self, timeout: float | None = None, retry_timeout: float | None = None) -> ModelInfo:
+        """The served model. `retry_timeout` overrides the client's retry budget (0: one attempt)."""
+        return info_from_pb(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, retry_timeout))
 
     async def score(
         self, sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "", timeout: float | None = None
@@ -265,7 +281,7 @@ class AsyncTeacherClient(_Base):
         return [scores_from_pb(r) for r in resp.results]
 
     async def score_stream(
-        self, batches: AsyncIterable[ScoreBatch] | Iterable[ScoreBatch], *, max_in_flight: int = 16
+        self, batches: AsyncIterable[ScoreBatch] | Iterable[ScoreBatch], *, max_in_flight: int = 16, timeout: float | None = None
     ) -> AsyncIterator[tuple[str, list[SequenceScores]]]:
         """Pipelines requests (at most `max_in_flight` unanswered) and yields (request_id, scores)
         as answers arrive. When the stream breaks with a retryable status, unanswered requests
@@ -273,28 +289,50 @@ class AsyncTeacherClient(_Base):
         Request ids must be unique (empty ones are filled in).
 
         A broken stream never cancels the source: a pending "next request" is carried over to
-        the next stream, so an async generator source keeps producing across re-sends."""
+        the next stream, so an async generator source keeps producing across re-sends.
+
+        `timeout` is a deadline in seconds for the whole stream, re-sends included (None, the
+        default, means none: a producer may keep one stream open for as long as it runs; the
+        client's `timeout` applies to unary calls only). When it passes, the stream ends with
+        `DEADLINE_EXCEEDED` (or with the retryable error that broke the stream, if the deadline
+        has already passed when that happens). A status that is not retried (e.g.
+        `INVALID_ARGUMENT` for a bad request) is raised at once, after the answers that arrived
+        before it."""
         source = batches.__aiter__() if hasattr(batches, "__aiter__") else _aiter(batches)
         unanswered: dict[str, pb.ScoreRequest] = {}
         exhausted = False
         next_item: asyncio.Task | None = None
         backoff = _Backoff(self.retry_timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
                 resend = list(unanswered.values())
                 slots = asyncio.Semaphore(max(max_in_flight - len(resend), 0))
-                call = self._stub.ScoreStream(metadata=self.metadata)
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                call = self._stub.ScoreStream(metadata=self.metadata + ((STREAM_ENDING_KEY, "1"),), timeout=remaining)
+                # The server announces the stream's end (a StreamEnding) before its status; from
+                # then on nothing more is written and the stream is half-closed, so that no write
+                # races the status (grpcio's asyncio client would report such a race as INTERNAL
+                # instead of the server's status, grpc/grpc#36066).
+                ending = asyncio.Event()
+                writing = False
 
                 async def writer() -> None:
-                    nonlocal exhausted, next_item
+                    nonlocal exhausted, next_item, writing
                     for req in resend:
+                        if ending.is_set():
+                            break
+                        writing = True
                         await call.write(req)
-                    while not exhausted:
+                        writing = False
+                    while not exhausted and not ending.is_set():
                         await slots.acquire()
                         if next_item is None:
                             next_item = asyncio.ensure_future(_next(source))
                         # shield: cancelling this writer must not cancel the source's __anext__.
                         more, batch = await asyncio.shield(next_item)
+                        if ending.is_set():
+                            break  # the item stays in next_item, for the next stream
                         next_item = None
                         if not more:
                             exhausted = True
@@ -302,12 +340,22 @@ class AsyncTeacherClient(_Base):
                         rid = batch.request_id or uuid.uuid4().hex
                         req = build_request(batch.sequences, top_k=batch.top_k, temperature=batch.temperature, request_id=rid)
                         unanswered[rid] = req
+                        writing = True
                         await call.write(req)
+                        writing = False
+                    writing = True  # cancelling done_writing would cancel the call
                     await call.done_writing()
 
                 write_task = asyncio.get_running_loop().create_task(writer())
                 try:
                     async for resp in call:
+                        if resp.HasField("ending"):
+                            ending.set()
+                            if not writing:  # waiting for a slot or the source: stop it and half-close here
+                                write_task.cancel()
+                                await asyncio.wait([write_task])
+                                await call.done_writing()
+                            continue  # the status follows
                         if unanswered.pop(resp.request_id, None) is None:
                             continue  # an answer to a request already answered before a re-send
                         slots.release()
@@ -320,6 +368,9 @@ class AsyncTeacherClient(_Base):
                 except grpc.aio.AioRpcError as err:
                     write_task.cancel()
                     delay = backoff.next_delay() if self._retryable(err) else None
+                    if delay is not None and deadline is not None:
+                        left = deadline - time.monotonic()
+                        delay = min(delay, left) if left > 0 else None
                     if delay is None:
                         raise
                     await asyncio.sleep(delay)

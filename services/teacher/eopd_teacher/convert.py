@@ -17,6 +17,12 @@ from .types import ModelInfo, ScoreItem, SequenceScores
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
 MAX_ID_CHARS = 256
+# Trailing metadata on a RESOURCE_EXHAUSTED that retrying cannot cure (the request itself is over a
+# per-request limit): `eopd-retryable: 0`.
+NOT_RETRYABLE_KEY = "eopd-retryable"
+# Request metadata of a ScoreStream client that wants the end of the stream announced in band
+# (ScoreResponse.ending) before the status, and half-closes when it is (see teacher.proto).
+STREAM_ENDING_KEY = "eopd-stream-ending"
 
 
 class InvalidRequest(ValueError):
@@ -24,11 +30,24 @@ class InvalidRequest(ValueError):
 
 
 class RequestTooLarge(ValueError):
-    """A request exceeds a size limit: RESOURCE_EXHAUSTED."""
+    """A request exceeds a per-request size limit: RESOURCE_EXHAUSTED, and never worth retrying as
+    is (the server marks it with trailing metadata `eopd-retryable: 0`; split the request)."""
 
 
-def items_from_request(req: pb.ScoreRequest, info: ModelInfo, *, require_request_id: bool = False) -> list[ScoreItem]:
-    """Validates `req` against the served model and the limits; returns one item per sequence."""
+def response_bytes_bound(num_scored: int, top_k: int, num_sequences: int) -> int:
+    """An upper bound of the serialized ScoreResponse for these many scored positions: per position
+    4 + 4 bytes (log-prob, entropy) and top_k x (<= 5-byte varint id + 4-byte log-prob), packed;
+    per sequence the id (<= MAX_ID_CHARS), top_k and the field headers; the request id."""
+    per_sequence = MAX_ID_CHARS + 64
+    return num_scored * (8 + 9 * top_k) + num_sequences * per_sequence + MAX_ID_CHARS + 16
+
+
+def items_from_request(
+    req: pb.ScoreRequest, info: ModelInfo, *, require_request_id: bool = False, max_response_bytes: int | None = None
+) -> list[ScoreItem]:
+    """Validates `req` against the served model and the limits; returns one item per sequence.
+    `max_response_bytes` (the server's message limit) refuses, before any scoring, a request whose
+    answer could not be sent."""
     rid = req.request_id
     where = f" (request_id {rid!r})" if rid else ""
     if require_request_id and not rid:
@@ -82,6 +101,14 @@ def items_from_request(req: pb.ScoreRequest, info: ModelInfo, *, require_request
         if not 1 <= seq.score_from < n:
             raise InvalidRequest(f"{field}.score_from: {seq.score_from} must be in [1, {n - 1}] for {n} tokens, {label}")
         items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature)))
+    if max_response_bytes is not None:
+        scored = sum(it.num_scored for it in items)
+        bound = response_bytes_bound(scored, top_k, len(items))
+        if bound > max_response_bytes:
+            raise RequestTooLarge(
+                f"sequences: {scored} scored positions at top_k {top_k} make an answer of up to {bound} bytes, over the "
+                f"server's message limit of {max_response_bytes} bytes{where}; split the request"
+            )
     return items
 
 

@@ -27,7 +27,7 @@ from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
 from .batcher import BatchObserver, Draining, DynamicBatcher, Overloaded
-from .convert import InvalidRequest, RequestTooLarge, info_to_pb, items_from_request, scores_to_pb
+from .convert import NOT_RETRYABLE_KEY, STREAM_ENDING_KEY, InvalidRequest, RequestTooLarge, info_to_pb, items_from_request, scores_to_pb
 from .engines import create_engine
 from .engines.base import ScoringEngine
 from .metrics import TeacherMetrics
@@ -61,6 +61,22 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.INTERNAL
+
+
+def describe(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a handler's exception is answered with."""
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        return code, f"internal error: {type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+# How long a ScoreStream that announced its end (StreamEnding) waits for the client to half-close.
+STREAM_ENDING_GRACE_S = 5.0
+
+
+def wants_stream_ending(context: grpc.aio.ServicerContext) -> bool:
+    return any(k == STREAM_ENDING_KEY and v == "1" for k, v in context.invocation_metadata() or ())
 
 
 CLIENT_ID_HEADER = "x-eopd-client"
@@ -109,7 +125,7 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
 
     async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
         info, batcher = self.state.check_ready()
-        items = items_from_request(request, info, require_request_id=stream)
+        items = items_from_request(request, info, require_request_id=stream, max_response_bytes=self.state.settings.max_message_bytes)
         tokens = sum(it.num_tokens for it in items)
         inflight = self.state.inflight_tokens
         limit = self.state.settings.max_inflight_tokens_per_client
@@ -136,62 +152,101 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         """Serves requests concurrently as they arrive (at most MAX_INFLIGHT_PER_STREAM at once:
-        beyond that, reading pauses and HTTP/2 flow control pushes back on the client). On an
-        error the requests already in flight are answered first, then the stream ends with it."""
+        beyond that, reading pauses and HTTP/2 flow control pushes back on the client). When a
+        request fails, the stream ends with its error without waiting for the client to send
+        more, after the requests already in flight are answered (and, for a client that asked
+        with `eopd-stream-ending: 1`, after announcing the end and letting it half-close)."""
         if self.state.open_streams >= self.state.settings.max_streams:
             raise Overloaded(f"{self.state.open_streams} streams open, limit {self.state.settings.max_streams}; retry later")
         self.state.open_streams += 1
         try:
-            async for response in self._serve_stream(request_iterator, client_key(context)):
+            announce = wants_stream_ending(context)
+            async for response in self._serve_stream(request_iterator, client_key(context), announce=announce):
                 yield response
         finally:
             self.state.open_streams -= 1
 
-    async def _serve_stream(self, request_iterator: AsyncIterator[pb.ScoreRequest], client: str) -> AsyncIterator[pb.ScoreResponse]:
-        done = object()
+    async def _serve_stream(
+        self, request_iterator: AsyncIterator[pb.ScoreRequest], client: str, *, announce: bool = False
+    ) -> AsyncIterator[pb.ScoreResponse]:
+        """The stream's loop. A reader task reads requests and starts one handler task per
+        request; handlers put their answers on `out`. A slot (of MAX_INFLIGHT_PER_STREAM) is held
+        from reading a request until its answer is handed to gRPC, so a client that stops reading
+        answers is pushed back on too. A failing handler (or a broken request stream) puts `failed`
+        on `out` at once, so the error does not wait for the client to send or close anything:
+        requests read after it are dropped, the requests already in flight are answered, then the
+        stream ends with the first error. With `announce`, a `StreamEnding` message goes first and
+        the end waits (at most STREAM_ENDING_GRACE_S) for the client to half-close. If the call
+        itself ends (cancelled by the client, deadline), every task is cancelled, which withdraws
+        their sequences from the batcher."""
+        failed, end = object(), object()
         out: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(MAX_INFLIGHT_PER_STREAM)
-        failure: list[BaseException] = []
+        failure: list[tuple[BaseException, str]] = []
         tasks: set[asyncio.Task] = set()
+        read_all = asyncio.Event()  # the client half-closed (or its request stream broke)
         latency = self.state.metrics.latency.labels("ScoreStream")
+        loop = asyncio.get_running_loop()
+
+        def fail(exc: BaseException, request_id: str) -> None:
+            failure.append((exc, request_id))
+            if len(failure) == 1:
+                out.put_nowait(failed)
 
         async def handle(req: pb.ScoreRequest) -> None:
             started = time.perf_counter()
             try:
-                await out.put(await self._score(req, client, stream=True))
-                latency.observe(time.perf_counter() - started)
+                response = await self._score(req, client, stream=True)
             except Exception as exc:  # noqa: BLE001 - reported as the stream's status
-                failure.append(exc)
-            finally:
                 slots.release()
+                fail(exc, req.request_id)
+                return
+            latency.observe(time.perf_counter() - started)
+            out.put_nowait(response)  # its slot is released once the answer is sent
 
         async def reader() -> None:
             try:
                 async for req in request_iterator:
                     if failure:
-                        break
+                        continue  # the stream is ending: drop what arrives until the client half-closes
                     await slots.acquire()
-                    task = asyncio.get_running_loop().create_task(handle(req))
+                    if failure:
+                        slots.release()
+                        continue
+                    task = loop.create_task(handle(req))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             except Exception as exc:  # noqa: BLE001 - a broken client stream
-                failure.append(exc)
+                fail(exc, "")
             finally:
-                if tasks:
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
-                await out.put(done)
+                read_all.set()
+            if tasks:  # asyncio.wait, not gather: cancelling the reader must not cancel these
+                await asyncio.wait(set(tasks))
+            out.put_nowait(end)
 
-        read_task = asyncio.get_running_loop().create_task(reader())
+        read_task = loop.create_task(reader())
         try:
-            while (item := await out.get()) is not done:
+            while (item := await out.get()) is not end and item is not failed:
                 yield item
+                slots.release()
+            if failure:
+                if tasks:  # in flight before the failure: answered before the error
+                    await asyncio.wait(set(tasks))
+                while not out.empty():
+                    item = out.get_nowait()
+                    if isinstance(item, pb.ScoreResponse):
+                        yield item
+                exc, request_id = failure[0]
+                if announce and not read_all.is_set():
+                    code, message = describe(exc)
+                    yield pb.ScoreResponse(ending=pb.StreamEnding(request_id=request_id, code=code.value[0], message=message))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(read_all.wait(), STREAM_ENDING_GRACE_S)
+                raise exc
         finally:
-            if not read_task.done():
-                read_task.cancel()
-                for t in list(tasks):
-                    t.cancel()
-        if failure:
-            raise failure[0]
+            read_task.cancel()
+            for t in list(tasks):
+                t.cancel()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         if self.state.info is None:
@@ -229,14 +284,14 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.latency.labels(method).observe(time.perf_counter() - started)
 
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
-        code = status_of(exc)
+        code, message = describe(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("unexpected error in %s", method, exc_info=exc)
-            message = f"internal error: {type(exc).__name__}: {exc}"
-        else:
-            message = str(exc)
         self._finish(method, code, None)
-        await context.abort(code, message)
+        # A request over a per-request limit fails the same way every time: say so, so that clients
+        # that retry RESOURCE_EXHAUSTED (a full queue, too many streams) do not retry this one.
+        trailing = ((NOT_RETRYABLE_KEY, "0"),) if isinstance(exc, RequestTooLarge) else ()
+        await context.abort(code, message, trailing_metadata=trailing)
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
@@ -254,6 +309,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     response = await inner_uu(decode(raw), context)
                 except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
+                    self._finish(method, grpc.StatusCode.CANCELLED, None)
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await self._abort(context, method, exc)
@@ -275,6 +333,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     async for response in inner_ss(decoded(request_iterator), context):
                         yield response
                 except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
+                    self._finish(method, grpc.StatusCode.CANCELLED, None)
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await self._abort(context, method, exc)

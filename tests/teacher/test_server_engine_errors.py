@@ -1,0 +1,126 @@
+"""An engine that raises, behind the real TeacherServer (gRPC over TCP, the interceptor, the batcher):
+the caller gets INTERNAL, never a dead stream, and the server keeps serving.
+
+The server runs in process because nothing makes the real engine raise on demand and the teacher
+has no fault-injection setting; the engine is passed through TeacherServer's `engine=` parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from eopd.v1 import teacher_pb2 as pb
+from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_teacher.client import AsyncTeacherClient
+from eopd_teacher.engines.base import ScoringEngine
+from eopd_teacher.server import TeacherServer
+from eopd_teacher.settings import TeacherSettings
+from eopd_teacher.types import ModelInfo, ScoreItem, SequenceScores
+
+pytestmark = pytest.mark.integration
+
+VOCAB = 100
+
+
+class FlakyEngine(ScoringEngine):
+    """Scores anything (constant numbers) except a batch holding a sequence whose id starts with
+    'boom', which raises."""
+
+    def load(self) -> ModelInfo:
+        return ModelInfo(
+            model_name="flaky", model_revision="0", vocab_size=VOCAB, max_context_length=64, dtype="float32",
+            engine="flaky", default_top_k=4, max_top_k=8, tokenizer_fingerprint="0" * 64,
+            max_sequences_per_request=16, max_tokens_per_request=1024,
+        )
+
+    def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        if any(it.seq_id.startswith("boom") for it in items):
+            raise RuntimeError("engine exploded")
+        out = []
+        for it in items:
+            n = it.num_scored
+            out.append(SequenceScores(
+                it.seq_id, np.full(n, -1.0, np.float32), np.ones(n, np.float32),
+                np.zeros((n, it.top_k), np.int32), np.full((n, it.top_k), -1.0, np.float32),
+            ))
+        return out
+
+    def health(self) -> bool:
+        return True
+
+
+def _req(rid: str, sid: str) -> pb.ScoreRequest:
+    return pb.ScoreRequest(request_id=rid, sequences=[pb.Sequence(id=sid, token_ids=[1, 2, 3], score_from=1)])
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+async def test_engine_exception_is_internal_and_server_keeps_serving():
+    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5)
+    server = TeacherServer(settings, engine=FlakyEngine())
+    await server.start()
+    try:
+        async with asyncio.timeout(30):
+            while not server.state.ready:
+                await asyncio.sleep(0.02)
+        target = f"127.0.0.1:{server.grpc_port}"
+        async with AsyncTeacherClient(target, retry_timeout=0) as client:
+            # Unary.
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.score([("boom-1", [1, 2, 3], 1)], timeout=10)
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert "RuntimeError: engine exploded" in e.value.details()
+            assert len(await client.score([("fine", [1, 2, 3, 4], 2)], timeout=10)) == 1
+
+            # Stream: the request scored before the failing one is answered, then INTERNAL.
+            async with grpc.aio.insecure_channel(target) as ch:
+                stub = pb_grpc.TeacherServiceStub(ch)
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def requests():
+                    while True:  # the client keeps its side open
+                        yield await queue.get()
+
+                call = stub.ScoreStream(requests(), timeout=30)
+                queue.put_nowait(_req("ok", "a"))
+                assert (await call.read()).request_id == "ok"
+                queue.put_nowait(_req("bad", "boom-2"))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async with asyncio.timeout(10):
+                        await call.read()
+                assert e.value.code() == grpc.StatusCode.INTERNAL and "engine exploded" in e.value.details()
+
+                answers = [r.request_id async for r in stub.ScoreStream(iter([_req("after", "b")]), timeout=10)]
+                assert answers == ["after"]
+
+                # A stream the client cancels is counted too (code CANCELLED), not silently dropped.
+                queue2: asyncio.Queue = asyncio.Queue()
+
+                async def requests2():
+                    while True:
+                        yield await queue2.get()
+
+                call = stub.ScoreStream(requests2(), timeout=30)
+                queue2.put_nowait(_req("c1", "c"))
+                assert (await call.read()).request_id == "c1"
+                call.cancel()
+                for _ in range(100):
+                    if 'eopd_teacher_requests_total{code="CANCELLED",method="ScoreStream"} 1.0' in await asyncio.to_thread(
+                            _metrics, server.http_port):
+                        break
+                    await asyncio.sleep(0.05)
+        metrics = await asyncio.to_thread(_metrics, server.http_port)
+        assert 'eopd_teacher_requests_total{code="INTERNAL",method="Score"} 1.0' in metrics
+        assert 'eopd_teacher_requests_total{code="INTERNAL",method="ScoreStream"} 1.0' in metrics
+        assert 'eopd_teacher_requests_total{code="CANCELLED",method="ScoreStream"} 1.0' in metrics
+        assert server.state.ready
+    finally:
+        await server.stop()
