@@ -78,3 +78,30 @@ def wait_for_iterations(run_dir: Path, n: int, timeout: float, *procs: Proc) -> 
         if time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {n} iterations after {timeout}s\n{describe(*procs)}")
         time.sleep(0.2)
+
+
+def rollout_accounting(client, ns: str, state: dict, n_samples: int = 2) -> dict[str, set[str]]:
+    """Where every rollout of every task the learner published went: `trained` (the committed
+    ledger; fails if an id is in two iterations), `dead` (dead-lettered; a payload damaged by the
+    `corrupt` fault is read past its leading 0xff byte), `unread` (still in the rollouts stream at
+    the end) and `dropped` (none of these: acknowledged without training, i.e. stale or future)."""
+    from eopd_trainer.messages import PoisonMessage, decode_rollout
+    from eopd_trainer.queue import Keys, read_dead_letters
+
+    keys = Keys(ns)
+    published = int(client.get(keys.tasks_next) or 0)
+    every = {f"t{t}-s{s}" for t in range(published) for s in range(n_samples)}
+    trained = set(trained_ids(state))
+    dead: set[str] = set()
+    for d in read_dead_letters(client, keys.dead):
+        for payload in (d["data"], d["data"][1:]):
+            try:
+                dead.add(decode_rollout(payload).rollout_id)
+                break
+            except PoisonMessage:
+                continue
+    unread = {decode_rollout(f[b"data"]).rollout_id for _, f in client.xrange(keys.rollouts)}
+    assert trained <= every and dead <= every and unread <= every, sorted((trained | dead | unread) - every)
+    assert not trained & dead, sorted(trained & dead)
+    return {"every": every, "trained": trained, "dead": dead, "unread": unread,
+            "dropped": every - trained - dead - unread}

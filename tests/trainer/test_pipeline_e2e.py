@@ -7,6 +7,9 @@ vocabulary) reverse and forward KL, on student-sampled responses, go down.
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 from eopd_trainer.queue import Keys, read_dead_letters
 
@@ -15,10 +18,12 @@ from tests.trainer.pipeline_helpers import (
     describe,
     iteration_records,
     overrides,
+    rollout_accounting,
     spawn_learner,
     spawn_worker,
     trained_ids,
     wait_exit,
+    wait_for_iterations,
 )
 from tests.trainer.redis_helpers import running_redis
 
@@ -85,23 +90,62 @@ def poison(redis_url: str, ns: str) -> None:
     r.xadd(Keys(ns).rollouts, {b"data": bad.SerializeToString()})
 
 
+def held_tasks(client, ns: str, consumer: str) -> list[int]:
+    """The task numbers of the tasks `consumer` holds (delivered, not acknowledged)."""
+    from eopd_trainer.messages import decode_task
+
+    keys = Keys(ns)
+    rows = client.xpending_range(keys.tasks, "rollout", "-", "+", 100, consumername=consumer)
+    return sorted(decode_task(client.xrange(keys.tasks, r["message_id"], r["message_id"])[0][1][b"data"]).task_seq
+                  for r in rows)
+
+
+def wait_for_log(proc, text: str, timeout: float, *others) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.log():
+        assert proc.alive() and time.monotonic() < deadline, describe(proc, *others)
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_end_to_end_run_brings_student_closer(mode, tmp_path, redis_server, tiny_teacher, kl_probe):
+    """sync: 1 worker, two poison messages queued first. async (max_staleness 1): 2 workers; w0
+    takes its first 4 tasks and is frozen (SIGSTOP: a paused VM, a stalled node) until the learner
+    has published version 2, so its 8 rollouts, sampled by version 0, arrive too stale and are
+    dropped and counted; w1 loses one rollout to the dead-letter stream (fault `corrupt`). With 9
+    rollouts missing against the 8 that async prefetches, the run can only finish with a
+    replacement task: every id is still trained at most once, and every rollout is accounted for."""
     ns = f"e2e-{mode}"
     run_dir = tmp_path / "run"
-    extra = ["mode=async", "max_staleness=1"] if mode == "async" else []
-    ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, *extra)
+    client = redis_server.client()
     if mode == "sync":
+        ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns)
         poison(redis_server.url, ns)
-    workers = [spawn_worker(ov, f"w{i}") for i in range(1 if mode == "sync" else 2)]
-    learner = spawn_learner(ov)
+        workers = [spawn_worker(ov, "w0")]
+        learner = spawn_learner(ov)
+    else:
+        # A frozen worker's heartbeat stops too: no reclaim of its tasks during this test.
+        ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, "mode=async", "max_staleness=1",
+                       "rollout.claim_idle_ms=600000")
+        learner = spawn_learner(ov)
+        workers = [spawn_worker([*ov, "faults=[{point: rollout.sample, count: 0, action: delay, seconds: 10}]"], "w0")]
     try:
+        if mode == "async":
+            w0 = workers[0]
+            wait_for_log(w0, "injected fault delay at rollout.sample", 180, learner)
+            w0.signal(signal.SIGSTOP)
+            frozen = held_tasks(client, ns, "w0")  # sampled (after the delay) by version 0
+            assert frozen == [0, 1, 2, 3], frozen
+            workers.append(spawn_worker([*ov, "faults=[{point: rollout.publish, count: 20, action: corrupt}]"], "w1"))
+            wait_for_iterations(run_dir, 2, 240, learner, *workers)
+            w0.signal(signal.SIGCONT)
         rc = wait_exit(learner, 300, *workers)
         assert rc == 0, describe(learner, *workers)
         for w in workers:
             assert wait_exit(w, 60) == 0, describe(w)
     finally:
         for p in (learner, *workers):
+            p.signal(signal.SIGCONT)
             p.stop()
 
     state = committed_state(run_dir)
@@ -126,8 +170,16 @@ def test_end_to_end_run_brings_student_closer(mode, tmp_path, redis_server, tiny
         assert reasons[1].startswith("undecodable ScoredRollout")
     else:
         assert max(r["iter/staleness_max"] for r in records) <= 1
+        acc = rollout_accounting(client, ns, state)
+        stale = {f"t{t}-s{j}" for t in frozen for j in range(2)}
+        assert stale <= acc["dropped"], sorted(stale - acc["dropped"])
+        # Dropped and counted: the only rollouts neither trained, dead-lettered nor left unread.
+        assert len(acc["dropped"]) == state["counters"]["stale_dropped"] == records[-1]["iter/stale_dropped_total"]
+        assert len(acc["dead"]) == 1 and state["counters"]["dead_letters"] == 1
+        assert len(acc["every"]) == len(ids) + len(acc["dropped"]) + len(acc["dead"]) + len(acc["unread"])
+        assert int(client.get(Keys(ns).tasks_next)) > 4 * (ITERATIONS + 1)  # prefetch + replacement tasks
+        assert state["counters"]["replacement_tasks"] >= 1 and "replacement tasks" in learner.log()
     # Every entry is acknowledged and deleted: nothing pending on the learner group.
-    client = redis_server.client()
     assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 0
 
     before, after = kl_probe(run_dir)

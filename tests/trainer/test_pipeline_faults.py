@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from eopd_trainer.queue import Keys
+from eopd_trainer.queue import Keys, read_dead_letters
 
 from tests.procs import free_port, start_teacher
 from tests.trainer.pipeline_helpers import (
     committed_state,
     describe,
     overrides,
+    rollout_accounting,
     spawn_learner,
     spawn_worker,
     trained_ids,
@@ -46,29 +47,39 @@ def assert_exactly_once(run_dir) -> dict:
     return state
 
 
+@pytest.mark.chaos
 def test_learner_sigkill_exactly_once(tmp_path, redis_server, tiny_teacher):
+    """checkpoint.every=2 (commits after iterations 2, 4, 6), a rollout of iteration 4 lost to the
+    dead-letter stream, and two learner SIGKILLs. Iteration 4 is short while iteration 3's entries
+    are still held unacknowledged (waiting for the commit): the learner must see that nothing more
+    can arrive and publish a replacement task (it used to count the held entries as still to come
+    and wait forever)."""
     ns, run_dir = "kill-learner", tmp_path / "run"
-    ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, f"train.iterations={ITERATIONS}")
+    ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, f"train.iterations={ITERATIONS}",
+                   "checkpoint.every=2")
     client = redis_server.client()
-    worker = spawn_worker(ov, "w0")
+    # The worker's 26th rollout (iteration 4's 2nd: 8 per iteration) is published damaged.
+    worker = spawn_worker([*ov, "faults=[{point: rollout.publish, count: 26, action: corrupt}]"], "w0")
     procs = [worker]
     try:
-        # 1. killed after the first optimizer step of iteration 2: nothing of iteration 2 committed.
-        learner = spawn_learner([*ov, "faults=[{point: learner.after_step, iteration: 2, step: 1}]"])
+        # 1. killed after the first optimizer step of iteration 4: iterations 3 and 4 uncommitted.
+        learner = spawn_learner([*ov, "faults=[{point: learner.after_step, iteration: 4, step: 1}]"])
         procs.append(learner)
         assert wait_exit(learner, 240, worker) == -9, describe(learner, worker)
-        assert committed_state(run_dir)["iteration"] == 1
-        assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 8  # iteration 2's, unacknowledged
+        assert "iteration 4 short of 1 rollouts with every task done: 1 replacement tasks" in learner.log()
+        assert committed_state(run_dir)["iteration"] == 2
+        assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 16  # iterations 3 and 4, unacknowledged
+        assert int(client.get(Keys(ns).tasks_next)) == 4 * 4 + 1
 
-        # 2. restarted, killed after committing iteration 3 but before acknowledging its entries.
-        learner = spawn_learner([*ov, "faults=[{point: learner.after_commit, iteration: 3}]"])
+        # 2. restarted, killed after committing iteration 4 but before acknowledging its entries.
+        learner = spawn_learner([*ov, "faults=[{point: learner.after_commit, iteration: 4}]"])
         procs.append(learner)
         assert wait_exit(learner, 240, worker) == -9, describe(learner, worker)
-        assert "found 8 unacknowledged rollouts" in learner.log()
-        assert committed_state(run_dir)["iteration"] == 3
-        assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 8  # iteration 3's, trained and committed
+        assert "found 16 unacknowledged rollouts" in learner.log()
+        assert committed_state(run_dir)["iteration"] == 4
+        assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 16  # trained and committed
 
-        # 3. restarted: iteration 3's entries are recognised as trained and only acknowledged.
+        # 3. restarted: iterations 3-4's entries are recognised as trained and only acknowledged.
         learner = spawn_learner(ov)
         procs.append(learner)
         assert wait_exit(learner, 300, worker) == 0, describe(learner, worker)
@@ -76,12 +87,23 @@ def test_learner_sigkill_exactly_once(tmp_path, redis_server, tiny_teacher):
     finally:
         for p in procs:
             p.stop()
-    state = assert_exactly_once(run_dir)
-    assert state["counters"]["duplicates"] >= 8
+    state = committed_state(run_dir)
+    assert state["iteration"] == ITERATIONS and state["optimizer_steps"] == state["global_steps"] == 2 * ITERATIONS
+    acc = rollout_accounting(client, ns, state)
+    ids = trained_ids(state)
+    assert len(ids) == 8 * ITERATIONS and all(list(ids.values()).count(it) == 8 for it in range(1, ITERATIONS + 1))
+    dead = read_dead_letters(client, Keys(ns).dead)
+    assert len(dead) == 1 and dead[0]["reason"].startswith("undecodable ScoredRollout"), dead
+    assert len(acc["dead"]) == 1 and not acc["unread"]
+    # The replacement task's second rollout (sampled by version 3) is read in iteration 5: stale in
+    # sync mode, dropped and counted. Every other rollout of every published task is trained once.
+    assert acc["dropped"] and len(acc["dropped"]) == state["counters"]["stale_dropped"], (acc["dropped"], state["counters"])
+    assert state["counters"]["duplicates"] >= 16
     assert client.xpending(Keys(ns).rollouts, "learner")["pending"] == 0
     assert client.xlen(Keys(ns).rollouts) == 0 and client.xlen(Keys(ns).tasks) == 0
 
 
+@pytest.mark.chaos
 def test_worker_sigkill_reclaimed_and_teacher_restart(tmp_path, redis_server):
     ns, run_dir = "kill-worker", tmp_path / "run"
     gp, hp = free_port(), free_port()
@@ -138,6 +160,7 @@ def test_tokenizer_mismatch_refused(tmp_path, redis_server, tiny_teacher):
     assert redis_server.client().xlen(Keys("mismatch").rollouts) == 0
 
 
+@pytest.mark.chaos
 def test_learner_sigterm_stops_cleanly_and_resumes_nothing_lost(tmp_path, redis_server, tiny_teacher):
     """SIGTERM while waiting for rollouts: exit 0 without marking the run done."""
     import signal
@@ -160,6 +183,7 @@ def test_learner_sigterm_stops_cleanly_and_resumes_nothing_lost(tmp_path, redis_
     assert client.xlen(Keys(ns).tasks) == 4  # the published tasks stay for the restarted run
 
 
+@pytest.mark.chaos
 def test_worker_sigterm_while_teacher_is_gone_exits_within_grace(tmp_path, redis_server):
     """SIGTERM reaches a worker whose teacher has died (its client would retry for
     teacher.retry_timeout_s = 300 s): it exits 0 within rollout.stop_grace_s, its unanswered tasks
@@ -199,6 +223,7 @@ def test_worker_sigterm_while_teacher_is_gone_exits_within_grace(tmp_path, redis
     assert_exactly_once(run_dir)
 
 
+@pytest.mark.chaos
 def test_slow_batches_are_not_reclaimed_from_a_live_worker(tmp_path, redis_server, tiny_teacher):
     """Two workers whose sampling takes 3x rollout.claim_idle_ms: the heartbeat keeps each one's
     tasks from looking idle, so neither takes the other's work (no reclaim, no duplicate)."""

@@ -47,6 +47,30 @@ def test_ack_deletes_and_pending_survives_restart(redis_server):
     assert [e.entry_id for e in again] == ids[1:3]
 
 
+
+def test_undelivered_excludes_entries_held_unacknowledged(redis_server):
+    """What the learner counts as rollouts still to come: not the entries it holds pending (with
+    checkpoint.every > 1, whole trained iterations wait for their commit before the ack), and
+    still exact after acks, dead letters and a restart's claim."""
+    q = queue(redis_server.url, "q1u", "learner")
+    for i in range(10):
+        q.add(f"m{i}".encode())
+    assert q.undelivered() == 10
+    held = q.read_new(4, block_ms=100)  # e.g. an iteration trained, not yet committed
+    assert q.length() == 10 and q.undelivered() == 6
+    batch = q.read_new(3, block_ms=100)
+    q.dead_letter(batch[0], "poison")
+    q.ack([batch[1].entry_id])  # a stale rollout, dropped
+    assert q.length() == 8 and q.undelivered() == 3
+    assert len(q.read_new(10, block_ms=100)) == 3
+    assert q.undelivered() == 0 and q.length() == 8  # XLEN - len(last batch) would say 7 are waiting
+    other = queue(redis_server.url, "q1u", "restarted")
+    assert len(other.claim_idle(0, 100)) == 8 and other.undelivered() == 0
+    q.ack(e.entry_id for e in held)
+    q.add(b"late")
+    assert q.undelivered() == 1 and q.length() == 5
+
+
 def test_xautoclaim_takes_over_a_dead_consumers_entries(redis_server):
     dead = queue(redis_server.url, "q2", "dead")
     for i in range(4):

@@ -185,6 +185,19 @@ def test_admit_rules():
     assert admit("c", 2, **{**kw, "max_staleness": 0}).kind is Admit.STALE  # sync mode
 
 
+def test_corrupt_fault_makes_an_undecodable_entry():
+    from eopd_trainer.config import FaultConfig
+    from eopd_trainer.faults import Faults, corrupt_bytes
+
+    faults = Faults([FaultConfig(point="rollout.publish", count=2, action="corrupt")])
+    assert faults.hit("rollout.publish", count=1) is False
+    assert faults.hit("rollout.after_publish", count=2) is False
+    assert faults.hit("rollout.publish", count=2) is True
+    data = encode_rollout(make_rollout())
+    with pytest.raises(PoisonMessage, match="undecodable ScoredRollout"):
+        decode_rollout(corrupt_bytes(data))
+    assert decode_rollout(corrupt_bytes(data)[1:]).rollout_id == "t0-s0"  # the payload is kept for inspection
+
 def test_ledger_json_and_no_double_training():
     led = Ledger()
     led.record(1, ["x", "y"])
@@ -301,3 +314,101 @@ def test_token_remap_both_ways():
     assert remap_ids(ids, {2: 7}).tolist() == [1, 7, 3, 7]
     assert remap_ids(np.array([[7, 5]]), {7: 2}).tolist() == [[2, 5]]  # the inverse map on top-k ids
     assert remap_ids(ids, {}) is ids
+
+
+# Prompts as the student sees them, and the tokenizer check ---------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    """SmolLM2's tokenizer (the tiny-random presets' tokenizer; it has a chat template)."""
+    from eopd_common.models import load_tokenizer
+
+    return load_tokenizer("tiny-random")
+
+
+def test_render_prompt_applies_the_chat_template_and_the_suffix(smol_tokenizer):
+    from eopd_trainer.data import render_prompt
+
+    tok = smol_tokenizer
+    suffix = " Please reason step by step, and put your final answer within \\boxed{}."
+    ids = render_prompt(tok, "What is 2 + 3?", suffix=suffix)
+    text = tok.decode(ids)
+    # The user turn holds prompt + suffix; the text ends with the assistant's generation prompt.
+    assert f"<|im_start|>user\nWhat is 2 + 3?{suffix}<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n") and text.startswith("<|im_start|>system\n")
+    expected = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?" + suffix}],
+                                       add_generation_prompt=True, tokenize=False)
+    assert ids == tok(expected, add_special_tokens=False)["input_ids"]
+    assert ids[-4:] == tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    # A template string with {query}, or no template at all.
+    assert render_prompt(tok, "2 + 3?", suffix=" Go.", chat_template="Q: {query}\nA:") == \
+        tok("Q: 2 + 3? Go.\nA:", add_special_tokens=False)["input_ids"]
+    assert render_prompt(tok, "2 + 3?", suffix=" Go.", chat_template=False) == \
+        tok("2 + 3? Go.", add_special_tokens=False)["input_ids"]
+
+
+def test_render_prompt_truncates_from_the_left(smol_tokenizer):
+    from eopd_trainer.data import render_prompt
+
+    full = render_prompt(smol_tokenizer, "word " * 200, suffix=" End.")
+    assert len(full) > 200
+    cut = render_prompt(smol_tokenizer, "word " * 200, suffix=" End.", max_length=64)
+    # The last tokens stay: the suffix and the generation prompt survive, the start is dropped.
+    assert cut == full[-64:]
+    assert smol_tokenizer.decode(cut).endswith(" End.<|im_end|>\n<|im_start|>assistant\n")
+    assert render_prompt(smol_tokenizer, "short", max_length=10_000) == render_prompt(smol_tokenizer, "short")
+
+
+def test_render_prompt_errors(smol_tokenizer):
+    import copy
+
+    from eopd_trainer.data import render_prompt
+
+    no_template = copy.deepcopy(smol_tokenizer)
+    no_template.chat_template = None
+    with pytest.raises(DataError, match="no chat template"):
+        render_prompt(no_template, "hi")
+    assert render_prompt(no_template, "hi", chat_template=False) == smol_tokenizer("hi", add_special_tokens=False)["input_ids"]
+    with pytest.raises(DataError, match="renders to no tokens"):
+        render_prompt(smol_tokenizer, "", chat_template=False)
+
+
+def test_tokenizer_check_modulo_the_token_remap(smol_tokenizer):
+    """An instruct teacher ending turns on another token than the base student's eos: the same
+    vocabulary, a different eos, so a different fingerprint. The remap student eos -> teacher eos
+    explains the difference exactly; nothing else is accepted."""
+    import copy
+    from types import SimpleNamespace
+
+    from eopd_common.models import tokenizer_fingerprint
+    from eopd_trainer.rollout import TokenizerMismatch, _TokenizerView, check_tokenizer
+
+    student = smol_tokenizer  # eos <|im_end|> (id 2), pad <|im_end|>, unk <|endoftext|> (id 0)
+    roles = {r: getattr(student, f"{r}_token") for r in ("bos", "eos", "unk", "pad")}
+    # The candidates are hashed through a view: it must read like the tokenizer itself.
+    assert tokenizer_fingerprint(_TokenizerView(student.get_vocab(), roles, student.all_special_tokens)) == \
+        tokenizer_fingerprint(student)
+
+    def info(tok):
+        return SimpleNamespace(tokenizer_fingerprint=tokenizer_fingerprint(tok), model_name="tiny-random",
+                               vocab_size=len(tok))
+
+    assert check_tokenizer(info(student), student, "student", {}) is None
+    teacher = copy.deepcopy(student)
+    teacher.eos_token = "<|endoftext|>"
+    assert tokenizer_fingerprint(teacher) != tokenizer_fingerprint(student)
+    assert check_tokenizer(info(teacher), student, "student", {2: 0}) == "eos '<|im_end|>' -> '<|endoftext|>'"
+    with pytest.raises(TokenizerMismatch, match="tokenizer mismatch"):
+        check_tokenizer(info(teacher), student, "student", {})
+    with pytest.raises(TokenizerMismatch, match=r"not explained by teacher.token_remap \{2: 1\}"):
+        check_tokenizer(info(teacher), student, "student", {2: 1})
+    # Both eos and pad moved (the student's pad is its eos).
+    both = copy.deepcopy(teacher)
+    both.pad_token = "<|endoftext|>"
+    assert check_tokenizer(info(both), student, "student", {2: 0}) == \
+        "eos '<|im_end|>' -> '<|endoftext|>', pad '<|im_end|>' -> '<|endoftext|>'"
+    # A vocabulary that differs is never explained by a remap.
+    grown = copy.deepcopy(teacher)
+    grown.add_tokens(["<|eopd_extra|>"], special_tokens=True)
+    with pytest.raises(TokenizerMismatch, match="not explained by teacher.token_remap"):
+        check_tokenizer(info(grown), student, "student", {2: 0})

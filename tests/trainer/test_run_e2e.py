@@ -117,6 +117,7 @@ def test_run_fails_with_the_log_of_a_dead_child(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["redis-server", "embedded"])
+@pytest.mark.chaos
 def test_run_stops_every_process_on_sigterm(tmp_path, backend):
     """The children stop before the queue (with the embedded queue: before this process ends)."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
@@ -168,6 +169,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.chaos
 def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
     """`eopd run` SIGKILLed mid-run (the embedded queue dies with it): the kernel sends every child
     SIGTERM (PR_SET_PDEATHSIG), nothing is left running, the last committed checkpoint stays."""

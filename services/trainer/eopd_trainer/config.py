@@ -48,7 +48,8 @@ class TeacherConfig(_Section):
         description="Student token id -> teacher token id applied to sequences sent to the teacher (e.g. the "
         "student's end-of-text id to the teacher's end-of-turn id); the teacher's top-k ids are mapped back.",
     )
-    check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's.")
+    check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's "
+                                                  "(a difference of special tokens explained by token_remap is accepted).")
     model: str = Field("", description="Model spec `eopd run` serves as the teacher (and `eopd eval` compares against); "
                        "ignored by the learner and the workers, which use `target`.")
     auth_token_file: str = Field("", description="File holding the bearer token the workers send to the teacher (`authorization: "
@@ -245,11 +246,11 @@ class FaultConfig(_Section):
     """A fault to inject (tests and the chaos tier): at `point`, when the context matches, do `action`."""
 
     point: str = Field(description="e.g. learner.after_step, learner.after_commit, rollout.after_publish")
-    action: Literal["kill", "hang", "raise", "delay"] = "kill"
+    action: Literal["kill", "hang", "raise", "delay", "corrupt"] = "kill"
     seconds: float = Field(1.0, ge=0, description="delay: how long the step sleeps")
     iteration: int | None = None
     step: int | None = None
-    count: int | None = Field(None, description="rollout points: after this many published rollouts")
+    count: int | None = Field(None, description="rollout points: the number of published rollouts (see faults.py)")
 
 
 class RunConfig(_Section):

@@ -210,16 +210,18 @@ class Learner:
                 entries = self.rollouts.read_new(need - len(batch), cfg.queue.block_ms)
                 queue_wait += time.monotonic() - t_wait
             if not entries:
+                # Waiting = not yet read by the learner: XLEN also counts the entries it holds (this
+                # batch, and with checkpoint.every > 1 the iterations trained since the last commit).
                 extra = replacement_tasks_needed(
                     missing_rollouts=need - len(batch), n_samples=cfg.rollout.n_samples,
-                    tasks_outstanding=self.tasks.length(), rollouts_waiting=self.rollouts.length() - len(batch))
+                    tasks_outstanding=self.tasks.length(), rollouts_waiting=self.rollouts.undelivered())
                 if extra:
                     log.info("iteration %d short of %d rollouts with every task done: %d replacement tasks",
                              iteration, need - len(batch), extra)
                     self.publish_tasks(iteration, replacements=extra)
                 if time.monotonic() - last_note > 30:
-                    log.info("iteration %d waiting for rollouts: %d/%d (stream backlog %d)", iteration, len(batch), need,
-                             self.rollouts.length())
+                    log.info("iteration %d waiting for rollouts: %d/%d (unread backlog %d, tasks outstanding %d)",
+                             iteration, len(batch), need, self.rollouts.undelivered(), self.tasks.length())
                     last_note = time.monotonic()
                 continue
             for e in entries:
@@ -247,7 +249,7 @@ class Learner:
         stats = {
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
-            "queue_backlog": float(max(0, self.rollouts.length() - len(batch))),
+            "queue_backlog": float(self.rollouts.undelivered()),  # scored rollouts not yet read by the learner
             "stale_dropped_total": float(counters["stale_dropped"]),
             "duplicates_total": float(counters["duplicates"]),
             "dead_letters_total": float(counters["dead_letters"]),

@@ -205,6 +205,21 @@ class StreamQueue:
         info = self.r.xpending(self.stream, self.group)
         return int(info["pending"]) if info else 0
 
+    def undelivered(self) -> int:
+        """Entries no consumer of the group has read yet: XLEN minus the group's pending entries
+        (one MULTI/EXEC, a consistent snapshot). Exact because every acknowledgement here also
+        deletes the entry (`ack`, `dead_letter`): the stream holds exactly the unread entries and
+        the pending ones. Not XLEN alone: a learner with `checkpoint.every > 1` holds the entries of
+        iterations trained since its last commit (pending, acknowledged only at the next commit).
+        Not the group's `lag` (XINFO GROUPS): Redis 7+ only, and nil when entries past the group's
+        last-delivered id have been deleted."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xlen(self.stream)
+        pipe.xpending(self.stream, self.group)
+        length, info = pipe.execute()
+        pending = int(info["pending"]) if info else 0
+        return max(0, int(length) - pending)
+
 
 def wait_for_room(client: redis.Redis, stream: str, max_backlog: int, *, poll_s: float = 0.05,
                   should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[int], None] | None = None) -> bool:

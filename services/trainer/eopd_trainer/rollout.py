@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ConfigError, RunConfig, config_for_process
-from .faults import Faults
+from .faults import Faults, corrupt_bytes
 from .sampling import SamplerUnavailable
 from .messages import (
     PoisonMessage,
@@ -68,8 +68,63 @@ class TeacherRefused(RuntimeError):
     """The teacher rejected the worker's credentials: retrying cannot help."""
 
 
-def check_tokenizer(info, tokenizer, student_spec: str) -> None:
-    """Refuses a teacher whose tokenizer differs from the student's, saying what differs."""
+_SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
+
+
+class _TokenizerView:
+    """What `tokenizer_fingerprint` reads of a tokenizer, with other special tokens."""
+
+    def __init__(self, vocab: dict[str, int], roles: dict[str, str | None], all_special: list[str]):
+        self._vocab = vocab
+        for role, token in roles.items():
+            setattr(self, f"{role}_token", token)
+        self.all_special_tokens = all_special
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._vocab
+
+
+def remapped_tokenizer_match(tokenizer, token_remap: dict[int, int], teacher_fingerprint: str) -> str | None:
+    """Whether the teacher's tokenizer is the student's with special tokens moved by `token_remap`.
+
+    The teacher only publishes a fingerprint of its vocabulary *and* special tokens (ModelInfo), so
+    the candidates are computed here: the student's vocabulary with each subset of its bos/eos/unk/pad
+    tokens whose id is a remap source replaced by the token at the target id (the list of all
+    special tokens with the new tokens added, with or without the replaced ones). A match proves the
+    vocabularies are identical (the vocabulary is inside the hashed payload) and names the special
+    tokens that differ, e.g. "eos '<|endoftext|>' -> '<|im_end|>'"; None if no candidate matches."""
+    from itertools import combinations
+
+    from eopd_common.models import tokenizer_fingerprint
+
+    vocab = tokenizer.get_vocab()
+    token_of = {i: t for t, i in vocab.items()}
+    roles = {r: getattr(tokenizer, f"{r}_token", None) for r in _SPECIAL_ROLES}
+    movable = [r for r in _SPECIAL_ROLES
+               if roles[r] is not None and token_remap.get(vocab.get(roles[r], -1)) in token_of]
+    base = set(tokenizer.all_special_tokens)
+    seen: set[tuple] = set()
+    for n in range(1, len(movable) + 1):
+        for moved in combinations(movable, n):
+            cand = {r: token_of[token_remap[vocab[t]]] if r in moved else t for r, t in roles.items()}
+            added = base | {cand[r] for r in moved}
+            unused = {roles[r] for r in moved} - {t for t in cand.values() if t is not None}
+            for special in (added, added - unused):
+                key = (tuple(cand.items()), tuple(sorted(special)))
+                if key in seen:
+                    continue
+                seen.add(key)
+                if tokenizer_fingerprint(_TokenizerView(vocab, cand, sorted(special))) == teacher_fingerprint:
+                    return ", ".join(f"{r} {roles[r]!r} -> {cand[r]!r}" for r in moved)
+    return None
+
+
+def check_tokenizer(info, tokenizer, student_spec: str, token_remap: dict[int, int] | None = None) -> str | None:
+    """Refuses a teacher whose tokenizer differs from the student's, saying what differs.
+
+    With `teacher.token_remap`, a teacher whose tokenizer is the student's vocabulary with special
+    tokens moved along the remap (a base student ending on <|endoftext|>, an instruct teacher on
+    <|im_end|>) is accepted: returns what differs (None when the fingerprints are equal)."""
     from eopd_common.models import (
         describe_tokenizer_difference,
         load_tokenizer,
@@ -78,13 +133,19 @@ def check_tokenizer(info, tokenizer, student_spec: str) -> None:
 
     fp = tokenizer_fingerprint(tokenizer)
     if fp == info.tokenizer_fingerprint:
-        return
+        return None
+    if token_remap:
+        moved = remapped_tokenizer_match(tokenizer, token_remap, info.tokenizer_fingerprint)
+        if moved is not None:
+            return moved
     details = []
     try:  # the teacher's model spec is often loadable here too: then name the differences exactly
         details.append(describe_tokenizer_difference(load_tokenizer(info.model_name), tokenizer))
     except Exception:  # noqa: BLE001 - best effort: the spec may only exist on the teacher's host
         if info.vocab_size != len(tokenizer):
             details.append(f"vocabulary sizes differ (teacher model {info.vocab_size} vs student tokenizer {len(tokenizer)})")
+    if token_remap:
+        details.append(f"not explained by teacher.token_remap {dict(token_remap)} either")
     raise TokenizerMismatch(
         f"tokenizer mismatch: teacher {info.model_name!r} has tokenizer fingerprint {info.tokenizer_fingerprint[:16]}..., "
         f"student {student_spec!r} has {fp[:16]}...: {'; '.join(details) or 'the vocabularies or special tokens differ'}. "
@@ -208,7 +269,13 @@ class RolloutWorker:
         self.tokenizer = self.sampler.tokenizer
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.inverse_remap = {v: k for k, v in cfg.teacher.token_remap.items()}
-        self._local.extend(self.tasks.read_pending(100_000))  # ours, from before a restart
+        self._resume_pending()
+
+    def _resume_pending(self) -> None:
+        """Takes back this worker id's unacknowledged tasks from before a restart, under the same
+        delivery limit as tasks reclaimed from others (so a task that kills its worker, restarted
+        under the same id, is not retried forever)."""
+        self._local.extend(self._within_delivery_limit(self.tasks.read_pending(100_000)))
         if self._local:
             log.info("resuming %d pending tasks of %s", len(self._local), self.worker_id)
 
@@ -257,17 +324,22 @@ class RolloutWorker:
             out.append(self._local.popleft())
         if not out:
             claimed = self.tasks.claim_idle(self.cfg.rollout.claim_idle_ms, count)
-            out = [e for e in claimed if e.entry_id not in self._in_progress]
-            for e in out:
-                if self.tasks.deliveries(e.entry_id) > self.cfg.rollout.max_task_deliveries:
-                    self.tasks.dead_letter(e, f"task delivered more than {self.cfg.rollout.max_task_deliveries} times")
-            out = [e for e in out if self.redis.xrange(self.tasks.stream, e.entry_id, e.entry_id)]
+            out = self._within_delivery_limit([e for e in claimed if e.entry_id not in self._in_progress])
             if out:
                 log.info("reclaimed %d idle tasks", len(out))
                 self.metrics.reclaimed.inc(len(out))
         if not out:
             out = self.tasks.read_new(count, self.cfg.queue.block_ms)
         return out
+
+    def _within_delivery_limit(self, entries: list[Entry]) -> list[Entry]:
+        """Dead-letters the entries delivered more than rollout.max_task_deliveries times; returns
+        the others that are still in the stream."""
+        limit = self.cfg.rollout.max_task_deliveries
+        for e in entries:
+            if self.tasks.deliveries(e.entry_id) > limit:
+                self.tasks.dead_letter(e, f"task delivered more than {limit} times")
+        return [e for e in entries if self.redis.xrange(self.tasks.stream, e.entry_id, e.entry_id)]
 
     def _sample(self, work: list[tuple[str, PromptTask]]) -> list[Pending]:
         ro = self.cfg.rollout
@@ -309,7 +381,10 @@ class RolloutWorker:
                            should_stop=lambda: self.stop.is_set() or bool(self.redis.exists(self.keys.done)),
                            on_wait=lambda _n: self.metrics.backpressure_waits.inc())
         if ok:
-            self.rollouts.add(encode_rollout(rollout))
+            data = encode_rollout(rollout)
+            if self.faults.hit("rollout.publish", count=self.published + 1):
+                data = corrupt_bytes(data)
+            self.rollouts.add(data)
         return ok
 
     # Main loop -------------------------------------------------------------------------------
@@ -328,7 +403,10 @@ class RolloutWorker:
                 log.info("stopped by a signal while waiting for the teacher")
                 return 0
             if cfg.teacher.check_tokenizer:
-                check_tokenizer(info, self.tokenizer, cfg.student.model)
+                moved = check_tokenizer(info, self.tokenizer, cfg.student.model, cfg.teacher.token_remap)
+                if moved:
+                    log.info("teacher tokenizer: the student's vocabulary, special tokens moved by teacher.token_remap (%s)",
+                             moved)
             teacher_model = f"{info.model_name}@{info.model_revision}"
             log.info("teacher %s ready (%s, top-k max %d); worker %s", info.model_name, info.engine, info.max_top_k,
                      self.worker_id)
@@ -517,7 +595,9 @@ class RolloutWorker:
         deadline = time.monotonic() + self.cfg.teacher.ready_timeout_s
         while True:
             try:
-                return await client.info(timeout=10)
+                # One attempt per round (the client's own retry budget would outlast ready_timeout_s
+                # and this loop's checks of the deadline and of a stop signal).
+                return await client.info(timeout=max(1.0, min(10.0, deadline - time.monotonic())), retry_timeout=0)
             except Exception as exc:
                 code = exc.code() if callable(getattr(exc, "code", None)) else None
                 if code is not None and code.name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):

@@ -2,8 +2,9 @@
 
 The learner writes `<run_dir>/weights/v000012.safetensors` (to a temporary name, fsynced, then
 renamed, so a reader never sees a partial file), then SETs `<ns>:policy` to a `PolicyVersion`
-(version, uri, sha256, size). Workers poll the key (one GET) and, when the version grows, verify
-the sha256 and load the file into their model in place. Old files are pruned, keeping the last
+(version, uri, sha256, size). Workers poll the key (one GET) and, when (version, sha256) changes
+(a learner restarted from its last checkpoint re-announces an older version), verify the sha256
+and load the file into their model in place. Old files are pruned, keeping the last
 few versions so a worker still loading one is not pulled from under.
 
 Multi-node: `weights_dir` must be a shared file system (NFS, Lustre, a mounted bucket) or the
