@@ -13,7 +13,7 @@ import pytest
 from eopd_teacher.client import AsyncTeacherClient, ScoreBatch
 from tests.procs import free_port, start_teacher
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 def test_stream_survives_teacher_sigkill_and_restart():

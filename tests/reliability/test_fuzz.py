@@ -75,16 +75,35 @@ def test_score_request_fuzz(stub, req):
         assert details and ("sequences" in details or "top_k" in details or "temperature" in details or "request_id" in details)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(payload=st.binary(max_size=200))
-def test_malformed_bytes_on_the_wire(tiny_teacher, payload):
+def _corrupt(raw: bytes, at: int, junk: bytes) -> bytes:
+    """Truncates a valid message at a random point, or splices junk bytes in."""
+    cut = at * len(raw) // 100
+    return raw[:cut] if not junk else raw[:cut] + junk + raw[cut + len(junk):]
+
+
+VALID = pb.ScoreRequest(request_id="r", top_k=4, sequences=[
+    pb.Sequence(id="a", token_ids=[1, 2, 3, 4, 5], score_from=2), pb.Sequence(id="b", token_ids=[9, 8, 7], score_from=1)
+]).SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def raw_score(tiny_teacher):
+    """ScoreRequest bytes as given, no serializer (one channel for every case)."""
     with grpc.insecure_channel(tiny_teacher.target) as ch:
-        raw = ch.unary_unary("/eopd.v1.TeacherService/Score", request_serializer=None, response_deserializer=None)
-        try:
-            raw(payload, timeout=30)
-            code, details = grpc.StatusCode.OK, ""
-        except grpc.RpcError as err:
-            code, details = err.code(), err.details()
+        yield ch.unary_unary("/eopd.v1.TeacherService/Score", request_serializer=None, response_deserializer=None)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(payload=st.one_of(
+    st.binary(max_size=200),
+    st.tuples(st.integers(0, 99), st.binary(max_size=8)).map(lambda t: _corrupt(VALID, *t)),
+))
+def test_malformed_bytes_on_the_wire(raw_score, payload):
+    try:
+        raw_score(payload, timeout=30)
+        code, details = grpc.StatusCode.OK, ""
+    except grpc.RpcError as err:
+        code, details = err.code(), err.details()
     # Undecodable bytes get INVALID_ARGUMENT naming the problem; bytes that happen to decode to
     # some ScoreRequest are validated like any other request.
     assert code in EXPECTED, (code, details)

@@ -26,7 +26,7 @@ from tests.trainer.pipeline_helpers import (
 )
 from tests.trainer.redis_helpers import running_redis
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 class StallingProxy:

@@ -94,6 +94,7 @@ class PrivateRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@pytest.mark.chaos
 def test_redis_sigkill_restart_with_aof_loses_nothing(tmp_path, tiny_teacher):
     """Redis (appendonly yes, appendfsync always) is SIGKILLed mid-run and restarted on the same port
     and directory: the clients reconnect, no scored rollout is lost, every rollout is trained exactly once."""
@@ -141,6 +142,7 @@ def _mount_tmpfs(path: Path, size: int, remount: bool = False) -> None:
         pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {res.stderr.strip()}")
 
 
+@pytest.mark.chaos
 def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_teacher):
     """The checkpoint directory is a tmpfs with room for one checkpoint and a half: the second
     checkpoint fails with a clear error (exit status 4), the partial directory is removed, the
@@ -221,6 +223,7 @@ def _metric(port: int, name: str) -> float:
     return 0.0
 
 
+@pytest.mark.chaos
 def test_stalled_learner_backpressure_bounds_stream_and_worker_memory(tmp_path, tiny_teacher):
     """The learner is stopped (SIGSTOP) while tasks for several iterations are out (async mode,
     max_staleness 3): the worker fills the rollouts stream up to queue.max_backlog and waits; the

@@ -5,9 +5,10 @@ ids outside the vocabulary, empty ids). Every case either decodes into a consist
 raises `PoisonMessage` whose reason names the problem; nothing else escapes.
 
 That a poison entry in a real Redis stream lands in the dead-letter stream with its reason (and
-the run goes on) is proven by tests/trainer/test_pipeline_e2e.py::test_pipeline_e2e[sync] (an
-undecodable and an inconsistent ScoredRollout injected into the live stream) and, without a
-learner process, by test_poison_entry_dead_lettered_in_real_redis below."""
+the run goes on) is proven by
+tests/trainer/test_pipeline_e2e.py::test_end_to_end_run_brings_student_closer[sync] (an
+undecodable and an inconsistent ScoredRollout queued in the live stream before the learner starts)
+and, without a learner process, by test_poison_entry_dead_lettered_in_real_redis below."""
 
 from __future__ import annotations
 
