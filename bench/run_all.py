@@ -3,7 +3,7 @@ clearly labelled capacity projection of the paper's setting, written to docs/ben
 
 Each benchmark runs in its own process, one after the other (they would distort each other's
 timings if run together), and rewrites its own section of docs/benchmarks.md and its JSON under
-bench/results/. `--quick` runs small shapes in a few minutes; quick runs of the loss, vLLM, TRL-peer and pipeline
+bench/results/. `--quick` runs small shapes in a few minutes; quick runs of the teacher, loss, vLLM, TRL-peer and pipeline
 benchmarks write no results (their full runs do; the quick pipeline uses the tiny preset).
 """
 
@@ -23,6 +23,7 @@ BENCHES = [
     ("teacher", "bench.bench_teacher", [], ["--quick"], None),
     ("loss", "bench.bench_loss", [], ["--quick"], None),
     ("vllm", "bench.bench_vllm", [], ["--quick"], ROOT / ".venv-vllm" / "bin" / "python"),
+    ("teacher_vllm", "bench.bench_teacher", ["--engine", "vllm"], ["--quick", "--engine", "vllm"], ROOT / ".venv-vllm" / "bin" / "python"),
     ("load", "bench.load_test", [], ["--seconds", "20", "--overload-seconds", "10"], None),
     ("trl_peer", "bench.bench_trl_peer", [], ["--quick"], None),
     ("pipeline", "bench.bench_pipeline", [], ["--quick"], None),
