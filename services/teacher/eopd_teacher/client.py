@@ -41,6 +41,12 @@ from .convert import NOT_RETRYABLE_KEY, STREAM_ENDING_KEY, info_from_pb, scores_
 from .types import ModelInfo, SequenceScores
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# What grpcio's asyncio client reports, in place of the server's status, when one of its writes
+# races the end of a stream (grpc/grpc#36066): the real status is lost. Our server announces the end
+# of a stream first (StreamEnding), so this is left for a stream cut without warning (the teacher
+# died mid-write): treated like UNAVAILABLE, i.e. the unanswered requests are re-sent, and a
+# request that really fails is then reported with its own status.
+LOST_STATUS_DETAILS = "Internal error from Core"
 
 
 def _read(path: str | None) -> bytes | None:
@@ -160,6 +166,8 @@ class _Base:
 
     def _retryable(self, err: grpc.RpcError) -> bool:
         code = err.code()
+        if code == grpc.StatusCode.INTERNAL and err.details() == LOST_STATUS_DETAILS:
+            return True
         if code not in self.retryable:
             return False
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
