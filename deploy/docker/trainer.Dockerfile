@@ -30,8 +30,17 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY deploy/docker/constraints.txt deploy/docker/constraints.txt
 # DeepSpeed with its fused Adam prebuilt (no JIT compilation on the GPU nodes, which have no nvcc).
-RUN DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 pip install -c deploy/docker/constraints.txt deepspeed \
- && python -c "import deepspeed; print(deepspeed.__version__)"
+# Its setup.py imports torch to compile the op, so it is built WITHOUT build isolation (an isolated
+# build env has no torch, and pip would silently install DeepSpeed with no op compiled) after the
+# pinned build tools. The build stage has nvcc but no GPU, where DeepSpeed's accelerator detection
+# would pick its CPU accelerator: DS_ACCELERATOR=cuda fixes the choice. The build FAILS unless the
+# installed DeepSpeed reports fused_adam as prebuilt for CUDA.
+RUN pip install -c deploy/docker/constraints.txt setuptools wheel ninja packaging \
+ && DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 \
+    pip install --no-build-isolation -c deploy/docker/constraints.txt deepspeed \
+ && DS_ACCELERATOR=cuda python -c "from deepspeed.git_version_info import installed_ops, accelerator_name; \
+assert accelerator_name == 'cuda', accelerator_name; \
+assert installed_ops['fused_adam'] is True, 'DeepSpeed fused_adam was not prebuilt: %r' % installed_ops"
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY scripts/gen_proto.sh scripts/gen_proto.sh

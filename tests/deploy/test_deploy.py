@@ -283,6 +283,87 @@ def test_hadolint(dockerfile):
     assert ":latest" not in text
 
 
+def _dockerfile_runs(dockerfile: str) -> list[str]:
+    """The RUN instructions of a Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / dockerfile).read_text())
+    return [" ".join(line.split()[1:]) for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_trainer_image_prebuilds_deepspeed_fused_adam():
+    """DeepSpeed's setup.py imports torch to compile fused Adam: under pip's build isolation it sees
+    no torch and installs DeepSpeed with no op built, silently. The trainer image installs the pinned
+    build tools, then DeepSpeed with --no-build-isolation after torch, for CUDA (the build stage has
+    no GPU), and fails its build unless DeepSpeed reports fused_adam as installed."""
+    runs = _dockerfile_runs("deploy/docker/trainer.Dockerfile")
+    torch_at = next(i for i, r in enumerate(runs) if re.search(r'pip install .*"torch==\$\{TORCH_VERSION\}"', r))
+    ds_at = next(i for i, r in enumerate(runs) if re.search(r"pip install .*\bdeepspeed\b", r))
+    assert torch_at < ds_at, "DeepSpeed is built before torch is installed"
+    ds = runs[ds_at]
+    tools = re.search(r"pip install -c deploy/docker/constraints.txt ((?:[\w-]+ ?)+)&&", ds)
+    assert tools and {"setuptools", "wheel", "ninja"} <= set(tools[1].split()), "build tools not installed first"
+    step = next(c.strip() for c in ds.split("&&") if re.search(r"pip install .*\bdeepspeed$", c.strip()))
+    install = re.fullmatch(r"((?:\w+=\S+ )*)pip install (.*) deepspeed", step)
+    assert install and "--no-build-isolation" in install[2].split(), "DeepSpeed built under build isolation"
+    assert "-c deploy/docker/constraints.txt" in install[2]
+    env = dict(kv.split("=", 1) for kv in install[1].split())
+    assert env.get("DS_BUILD_FUSED_ADAM") == "1" and env.get("DS_ACCELERATOR") == "cuda", env
+    assert ds.index("--no-build-isolation") > ds.index("setuptools")
+    check = ds[ds.index("--no-build-isolation"):]
+    assert re.search(r"python -c .*installed_ops\['fused_adam'\] is True", check), "no build-time assertion on the op"
+    assert "accelerator_name == 'cuda'" in check
+    # The assertion means what it says: deepspeed.git_version_info has these names (here: a CPU
+    # install of the pinned DeepSpeed, where fused_adam is not built).
+    from deepspeed import git_version_info
+
+    assert "fused_adam" in git_version_info.installed_ops and hasattr(git_version_info, "accelerator_name")
+    pinned = _constraints()
+    assert f"deepspeed=={__import__('deepspeed').__version__}" == f"deepspeed=={pinned['deepspeed']}"
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _constraints() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "deploy" / "docker" / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not an exact pin"
+            assert _norm(name) not in out, f"constraints.txt pins {name} twice"
+            out[_norm(name)] = version
+    return out
+
+
+def test_every_image_dependency_is_pinned():
+    """Every dependency of pyproject.toml's base, `teacher` and `trainer` extras and its build system
+    is pinned (==) in deploy/docker/constraints.txt, names normalised (PEP 503); torch is pinned by
+    each Dockerfile's TORCH_VERSION (from the index of the right CUDA/CPU build) instead."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    required = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
+    for extra in ("teacher", "trainer"):
+        required += project["project"]["optional-dependencies"][extra]
+    names = {_norm(Requirement(r).name) for r in required}
+    assert {"pyarrow", "setuptools", "deepspeed", "grpcio"} <= names
+    pinned = _constraints()
+    missing = sorted(names - set(pinned) - {"torch"})
+    assert not missing, f"deploy/docker/constraints.txt does not pin {missing}"
+    for dockerfile in NAMES.dockerfiles:
+        text = (ROOT / dockerfile).read_text()
+        if "torch" in text and "vllm" not in dockerfile and "VLLM_IMAGE" not in text:
+            assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, re.M), dockerfile
+            assert '"torch==${TORCH_VERSION}"' in text, dockerfile
+    # Versions satisfy pyproject's ranges (a pin outside them would make pip fail the build).
+    for r in map(Requirement, required):
+        if _norm(r.name) in pinned:
+            assert r.specifier.contains(pinned[_norm(r.name)], prereleases=True), f"{r.name}=={pinned[_norm(r.name)]} vs {r}"
+
+
 def test_docker_context_is_an_allowlist_with_what_the_dockerfiles_copy():
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert ignore[[l for l in ignore if l and not l.startswith("#")] and ignore.index("*")] == "*"
