@@ -1,7 +1,13 @@
-"""Shared helpers for benchmarks: machine description, JSON results, docs/benchmarks.md sections.
+"""Shared helpers for benchmarks: machine and commit provenance, JSON results, docs/benchmarks.md
+sections.
 
 Each benchmark owns one section of docs/benchmarks.md, delimited by HTML comments, and rewrites
 only that section, so benchmarks can run separately without clobbering each other.
+
+Where things go: bench/results/<name>.json and docs/benchmarks.md by default; the environment
+variables `EOPD_BENCH_RESULTS` (a directory) and `EOPD_BENCH_DOC` (a file) redirect both. `eopd
+bench all --quick` uses them to send quick results to bench/results/quick/, so a quick run never
+overwrites published numbers, whichever benchmark it runs.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,51 +32,159 @@ described in each section. Re-run a section with the command it names; the secti
 """
 
 
-def machine_description() -> str:
-    """One line describing the CPU, core count, memory and torch build."""
+def results_dir() -> Path:
+    """Where write_results writes (EOPD_BENCH_RESULTS, else bench/results)."""
+    return Path(os.environ.get("EOPD_BENCH_RESULTS") or RESULTS)
+
+
+def doc_path() -> Path:
+    """The document write_section rewrites (EOPD_BENCH_DOC, else docs/benchmarks.md)."""
+    return Path(os.environ.get("EOPD_BENCH_DOC") or DOC)
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):  # pragma: no cover
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def cpu_model() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    try:
-        import torch
-
-        tv = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-    except ImportError:  # pragma: no cover
-        tv = "no torch"
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
+                return line.split(":", 1)[1].strip()
     except OSError:  # pragma: no cover
-        rev = "?"
-    return f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, {tv}, eopd@{rev or '?'}"
+        pass
+    return cpu
+
+
+def provenance() -> dict:
+    """This machine and checkout: CPU model, cores, memory, torch, `git describe --always --dirty`
+    and the full commit hash. Stored in every results JSON."""
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if "torch" in sys.modules:  # the benchmark ran torch: its version and thread count
+        torch = sys.modules["torch"]
+        tv = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    else:
+        try:
+            from importlib.metadata import version
+
+            tv = f"torch {version('torch')}"
+        except Exception:  # pragma: no cover
+            tv = "no torch"
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "torch": tv,
+            "commit": _git("rev-parse", "HEAD") or "?", "describe": _git("describe", "--always", "--dirty") or "?"}
+
+
+def machine_description(prov: dict | None = None) -> str:
+    """One line describing the CPU, core count, memory, torch build and the checkout."""
+    p = prov or provenance()
+    return (f"{p['cpu']}, {p['cores']} cores, {p['mem_gib']} GiB, {p['torch']}, "
+            f"eopd@{p['describe']} (commit {p['commit']})")
+
+
+def provenance_of(payload: dict) -> dict:
+    """The provenance of a results JSON: its recorded fields, or for JSONs written before they
+    were recorded, what its `machine` line says (CPU model; the short commit as `describe`)."""
+    if "commit" in payload and "cpu" in payload:
+        return {k: payload[k] for k in ("cpu", "cores", "mem_gib", "torch", "commit", "describe")} | {
+            "time": payload.get("time", "?"), "machine": payload.get("machine", "")}
+    machine = payload.get("machine", "")
+    rev = re.search(r"eopd@([0-9a-zA-Z_.\-]+)", machine)
+    return {"cpu": machine.split(",")[0].strip() or "?", "commit": None, "describe": rev.group(1) if rev else "?",
+            "time": payload.get("time", "?"), "machine": machine}
+
+
+def same_machine_and_commit(a: dict, b: dict) -> bool:
+    """Whether two results JSONs were measured on the same CPU model and the same clean commit
+    (a dirty tree or an unknown commit never compares)."""
+    pa, pb = provenance_of(a), provenance_of(b)
+    if pa["cpu"] != pb["cpu"] or not pa["commit"] or pa["commit"] != pb["commit"]:
+        return False
+    return not (pa["describe"].endswith("-dirty") or pb["describe"].endswith("-dirty"))
+
+
+def header_line(command: str, payload: dict) -> str:
+    """`command` on <machine>, eopd@<describe> (commit <hash>), <time>: the first line of a section."""
+    p = provenance_of(payload)
+    if p.get("commit"):
+        where = machine_description(p)
+    else:
+        where = f"{p['machine']} (full commit hash not recorded by this older run)"
+    return f"{command} on {where}, {p['time']}."
 
 
 def write_results(name: str, payload: dict) -> Path:
-    """Writes bench/results/<name>.json (with the machine and a timestamp) and returns its path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    payload = {"machine": machine_description(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+    """Writes <results dir>/<name>.json (with the machine, the commit and a timestamp) and returns its path."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    prov = provenance()
+    payload = {**payload, "machine": machine_description(prov), **prov,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     return path
 
 
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+
+
+def read_section(name: str) -> str | None:
+    """The current body of the `name` section, or None."""
+    path = doc_path()
+    if not path.exists():
+        return None
+    begin, end = _markers(name)
+    m = re.search(re.escape(begin) + r"\n?(.*?)\n?" + re.escape(end), path.read_text(), re.S)
+    return m.group(1) if m else None
+
+
 def write_section(name: str, markdown: str) -> Path:
-    """Replaces (or appends) the `name` section of docs/benchmarks.md with `markdown`."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else _HEADER
-    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    """Replaces (or appends) the `name` section of the document with `markdown`."""
+    path = doc_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else _HEADER
+    begin, end = _markers(name)
     block = f"{begin}\n{markdown.strip()}\n{end}"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
-    return DOC
+    path.write_text(text)
+    return path
+
+
+STALE_PREFIX = "> **Stale:**"
+
+
+def mark_stale(name: str, reason: str) -> bool:
+    """Puts a stale note under the heading of the `name` section (replacing an older note):
+    "not re-run in this run (<reason>); last measured at <time of its JSON>". Returns False if the
+    section does not exist (nothing to mark)."""
+    body = read_section(name)
+    if body is None:
+        return False
+    res = results_dir() / f"{name}.json"
+    if res.exists():
+        p = provenance_of(json.loads(res.read_text()))
+        last = f"{p['time']} on {p['cpu']}, eopd@{p['describe']}"
+    else:
+        last = "an unknown time (no results JSON)"
+    lines = [ln for ln in body.splitlines() if not ln.startswith(STALE_PREFIX)]
+    note = f"{STALE_PREFIX} not re-run in this run ({reason}); last measured at {last}."
+    at = 1 if lines and lines[0].startswith("#") else 0
+    lines[at:at] = ["", note] if at else [note, ""]
+    write_section(name, "\n".join(lines))
+    return True
+
+
+def clear_stale(name: str) -> None:
+    body = read_section(name)
+    if body is not None and STALE_PREFIX in body:
+        lines = [ln for ln in body.splitlines() if not ln.startswith(STALE_PREFIX)]
+        write_section(name, re.sub(r"\n{3,}", "\n\n", "\n".join(lines)))
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
