@@ -412,3 +412,127 @@ def test_tokenizer_check_modulo_the_token_remap(smol_tokenizer):
     grown.add_tokens(["<|eopd_extra|>"], special_tokens=True)
     with pytest.raises(TokenizerMismatch, match="not explained by teacher.token_remap"):
         check_tokenizer(info(grown), student, "student", {2: 0})
+
+
+# Old log-probs: the decoder body once, the output projection in chunks --------------------------
+
+VOCAB = 300
+
+
+def tiny_causal_lm(kind: str):
+    """A tiny random causal LM in fp32: a Llama, or an architecture with a logit transform after
+    the output projection (Gemma 2 soft-capping, Granite's logits_scaling, Cohere's logit_scale)."""
+    import transformers
+    from eopd_common.models import build_tiny_random
+
+    if kind == "llama":
+        return build_tiny_random(VOCAB, seed=3)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = {
+        "gemma2": lambda: transformers.Gemma2Config(**common, final_logit_softcapping=5.0, sliding_window=64),
+        "granite": lambda: transformers.GraniteConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                                      logits_scaling=4.0),
+        "cohere": lambda: transformers.CohereConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                                    logit_scale=0.25),
+    }[kind]()
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # large logits, so the transform matters (soft-capping saturates)
+        model.get_output_embeddings().weight.normal_(0.0, 2.0)
+    return model.eval()
+
+
+def naive_sequence_logprobs(model, prompts, responses, temperature):
+    """The reference: each sequence alone, the model's full [T, V] logits, log-softmax at T."""
+    out = []
+    for p, r in zip(prompts, responses, strict=True):
+        ids = torch.tensor([list(p) + list(r)])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].double()
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        out.append(np.array([lp[len(p) - 1 + i, tok].item() for i, tok in enumerate(r)]))
+    return out
+
+
+RAGGED_PROMPTS = [[5, 9, 14], [3, 1, 4, 1, 5, 9, 2], [7], [20, 30, 40, 50, 60]]
+RAGGED_RESPONSES = [[11, 12, 13, 2], [99], [8, 17, 250, 3, 3, 3, 41, 42, 2], [6, 7]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "granite", "cohere"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+def test_sequence_logprobs_equal_the_full_logits(kind, chunk_size):
+    """Ragged batch (right padding inside the packed batch), temperature 0.7, chunk sizes that do
+    and do not divide the 16 response tokens: equal to each sequence's full logits (fp32, 1e-5),
+    logit transforms (soft-capping, scaling) included."""
+    from eopd_trainer.sampling import check_head_reproduces_logits, sequence_logprobs
+
+    model = tiny_causal_lm(kind)
+    check_head_reproduces_logits(model)
+    got = sequence_logprobs(model, RAGGED_PROMPTS, RAGGED_RESPONSES, temperature=0.7, pad_id=0, chunk_size=chunk_size)
+    want = naive_sequence_logprobs(model, RAGGED_PROMPTS, RAGGED_RESPONSES, 0.7)
+    assert [g.shape for g in got] == [(len(r),) for r in RAGGED_RESPONSES]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+
+
+def test_sequence_logprobs_never_build_batch_seq_vocab_logits():
+    """Every tensor created during the pass (recorded with a TorchDispatchMode; views of the weights,
+    such as lm_head's transpose, left out) with the vocabulary as its last dimension holds at most
+    chunk_size x V elements; the full-logits reference, under the same recorder, does create a
+    [B, T, V] tensor (the recorder sees what it should)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eopd_trainer.sampling import sequence_logprobs
+
+    model = tiny_causal_lm("llama")
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.vocab_numels: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if (isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == VOCAB
+                        and t.untyped_storage().data_ptr() not in weights):
+                    self.vocab_numels.append(t.numel())
+            return out
+
+    chunk = 4
+    b, t = len(RAGGED_PROMPTS), max(len(p) + len(r) for p, r in zip(RAGGED_PROMPTS, RAGGED_RESPONSES))
+    with Sizes() as ours:
+        sequence_logprobs(model, RAGGED_PROMPTS, RAGGED_RESPONSES, temperature=1.0, pad_id=0, chunk_size=chunk)
+    assert ours.vocab_numels, "no logits block recorded"
+    assert max(ours.vocab_numels) <= chunk * VOCAB < b * t * VOCAB, max(ours.vocab_numels)
+    with Sizes() as full, torch.no_grad():
+        ids = torch.zeros(b, t, dtype=torch.long)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert max(full.vocab_numels) >= b * t * VOCAB
+
+
+def test_an_unknown_logit_transform_is_refused_at_start():
+    """A causal LM whose logits are not its output projection (nor a known transform of it) would get
+    wrong old log-probs from the hidden-state pass: the sampler refuses it, naming the model class."""
+    from types import SimpleNamespace
+
+    from eopd_common.models import tiny_random_config
+    from eopd_trainer.sampling import SamplerUnavailable, TransformersSampler
+    from transformers import LlamaForCausalLM
+
+    class OddLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 3.0
+            return out
+
+    torch.manual_seed(0)
+    model = OddLogits(tiny_random_config(VOCAB)).eval()
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=2)
+    with pytest.raises(SamplerUnavailable, match="OddLogits: the output projection .* does not reproduce"):
+        TransformersSampler("odd", model=model, tokenizer=tok)
+    plain = LlamaForCausalLM(tiny_random_config(VOCAB)).eval()
+    assert TransformersSampler("plain", model=plain, tokenizer=tok, logprob_chunk_size=7).logprob_chunk_size == 7

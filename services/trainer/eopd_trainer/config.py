@@ -163,6 +163,8 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling (paper: 1.0 for Qwen).")
     max_response_length: int = Field(4096, ge=1, description="Maximum response tokens (paper: 4096).")
     generation_batch_size: int = Field(8, ge=1, description="Sequences generated together by one worker.")
+    logprob_chunk_size: int = Field(1024, ge=1, description="Old log-probs: response positions whose logits are computed "
+                                    "together (one [chunk, vocab] float32 block alive at a time, never [batch, seq, vocab]).")
     weights_poll_s: float = Field(0.2, gt=0, description="How often a worker polls for a newer policy version while it waits.")
     claim_idle_ms: int = Field(30_000, ge=1, description="Tasks pending this long on another (dead) worker are reclaimed (XAUTOCLAIM).")
     stop_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, how long a worker waits for answers already "

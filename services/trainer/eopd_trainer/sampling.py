@@ -8,7 +8,9 @@ learner's ratio is taken against.
 The rollout worker talks to a `Sampler` (`make_sampler(cfg)` picks one by `rollout.engine`):
 
 - `TransformersSampler` (`transformers`, the default): `generate` with transformers, old log-probs
-  from `sequence_logprobs`, weights reloaded into the module in place;
+  from `sequence_logprobs` (decoder body once, then the output projection in chunks of
+  `rollout.logprob_chunk_size` response positions: no `[batch, seq, vocab]` logits), weights
+  reloaded into the module in place;
 - `VllmSampler` (`vllm`, in `vllm_sampling.py`, imported only when chosen): vLLM samples, old
   log-probs by default from the same transformers forward pass (see that module).
 """
@@ -88,15 +90,82 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     return samples
 
 
+# The logit transforms transformers' causal LMs apply after the output projection, by config
+# attribute: Gemma 2/3 soft-capping (cap * tanh(z / cap)), Cohere's logit_scale (z * s), Granite's
+# logits_scaling (z / s). `final_logits` applies them, so `lm_head(hidden)` gives `model(...).logits`.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _text_config(model):
+    cfg = model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def final_logits(model, raw: torch.Tensor) -> torch.Tensor:
+    """`model(...).logits` from the output projection `raw = lm_head(hidden)` (float32 out)."""
+    cfg = _text_config(model)
+    z = raw.float()
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        z = torch.tanh(z / cap) * cap
+    scale = getattr(cfg, "logit_scale", None)
+    if scale:
+        z = z * scale
+    scaling = getattr(cfg, "logits_scaling", None)
+    if scaling:
+        z = z / scaling
+    return z
+
+
+@torch.no_grad()
+def check_head_reproduces_logits(model, probe_length: int = 8) -> None:
+    """Checks once, on a short probe sequence, that `final_logits(lm_head(decoder(x)))` is
+    `model(x).logits`: a causal LM with a logit transform not in `_LOGIT_TRANSFORMS` is refused at
+    start instead of silently getting wrong old log-probs."""
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, probe_length + 1, dtype=torch.long) * 7919 % vocab)[None].to(device)
+    mask = torch.ones_like(ids)
+    want = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[0].float(), dim=-1)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    got = torch.log_softmax(final_logits(model, torch.nn.functional.linear(hidden, head.weight, head.bias)), dim=-1)
+    err = float((got - want).abs().max())
+    tol = 1e-3 if head.weight.dtype in (torch.float32, torch.float64) else 0.1
+    if not err <= tol:
+        raise SamplerUnavailable(
+            f"{type(model).__name__}: the output projection of the final hidden states does not reproduce the "
+            f"model's logits (max log-prob difference {err:.3g} > {tol}); its logit transform is not one the "
+            f"old-log-prob pass knows ({', '.join(_LOGIT_TRANSFORMS)})")
+
+
 @torch.no_grad()
 def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                      temperature: float, pad_id: int) -> list[np.ndarray]:
-    """log pi(x_t | x_<t) at every response token, from one forward pass over the full sequences."""
+                      temperature: float, pad_id: int, chunk_size: int = 1024) -> list[np.ndarray]:
+    """log pi(x_t | x_<t) at every response token, from one forward pass over the full sequences.
+
+    The decoder body runs once over the right-padded batch; only the final hidden states at the
+    positions that predict response tokens are kept, and the output projection (with the model's
+    logit transform, `final_logits`), the temperature and the log-softmax are applied to
+    `chunk_size` of them at a time: at most one `[chunk_size, V]` float32 block of logits is alive,
+    never `[batch, seq, V]` (64 sequences x 5k tokens x 152k vocabulary would be ~100 GB)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device = next(model.parameters()).device
     packed = pack_sequences(prompts, responses, pad_id)
-    logits = model(input_ids=packed.input_ids.to(device), attention_mask=packed.attention_mask.to(device)).logits
-    flat = logits.reshape(-1, logits.shape[-1])[packed.positions.to(device)].float() / temperature
-    lp = torch.log_softmax(flat, dim=-1).gather(1, packed.sampled_ids.to(device)[:, None])[:, 0].cpu().numpy()
+    hidden = model.get_decoder()(input_ids=packed.input_ids.to(device),
+                                 attention_mask=packed.attention_mask.to(device)).last_hidden_state
+    h = hidden.reshape(-1, hidden.shape[-1])[packed.positions.to(device)]  # [N, D]
+    del hidden
+    head = model.get_output_embeddings()
+    targets = packed.sampled_ids.to(device)
+    lp = torch.empty(h.shape[0], dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk_size):
+        stop = min(start + chunk_size, h.shape[0])
+        z = final_logits(model, torch.nn.functional.linear(h[start:stop], head.weight, head.bias)) / temperature
+        lp[start:stop] = (z.gather(1, targets[start:stop, None])[:, 0] - torch.logsumexp(z, dim=-1)).cpu()
+        del z
+    lp = lp.numpy()
     out, start = [], 0
     for r in responses:
         out.append(lp[start : start + len(r)].astype(np.float32))
@@ -140,7 +209,8 @@ class TransformersSampler:
 
     engine = "transformers"
 
-    def __init__(self, spec: str, *, dtype: str = "float32", device: str = "cpu", model=None, tokenizer=None):
+    def __init__(self, spec: str, *, dtype: str = "float32", device: str = "cpu", model=None, tokenizer=None,
+                 logprob_chunk_size: int = 1024):
         if model is None:
             from eopd_common.models import load_causal_lm
 
@@ -148,6 +218,8 @@ class TransformersSampler:
             model, tokenizer = loaded.model, loaded.tokenizer
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.logprob_chunk_size = logprob_chunk_size
+        check_head_reproduces_logits(self.model)  # the old-log-prob pass projects hidden states itself
 
     def sample(self, prompts, seeds, *, temperature, top_p, max_new_tokens) -> list[Sample]:
         return generate(self.model, self.tokenizer, prompts, temperature=temperature, top_p=top_p,
@@ -155,7 +227,7 @@ class TransformersSampler:
 
     def old_logprobs(self, samples, *, temperature) -> list[np.ndarray]:
         return sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                 temperature=temperature, pad_id=self.pad_id)
+                                 temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size)
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
         from .weights import load_weights
@@ -172,4 +244,5 @@ def make_sampler(cfg: RunConfig) -> Sampler:
         from .vllm_sampling import VllmSampler  # imports vLLM itself only when the engine starts
 
         return VllmSampler.from_config(cfg)
-    return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device)
+    return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device,
+                               logprob_chunk_size=cfg.rollout.logprob_chunk_size)

@@ -105,11 +105,12 @@ class VllmSampler:
     def from_config(cls, cfg: RunConfig) -> VllmSampler:
         return cls(cfg.student.model, settings=cfg.rollout.vllm, student_dtype=cfg.student.dtype,
                    device=cfg.student.device, old_logprobs=cfg.rollout.old_logprobs, seed=cfg.seed,
-                   min_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+                   min_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                   logprob_chunk_size=cfg.rollout.logprob_chunk_size)
 
     def __init__(self, spec: str, *, settings: VllmRolloutConfig | None = None, student_dtype: str = "float32",
                  device: str = "cpu", old_logprobs: str = "transformers", seed: int = 0,
-                 min_model_len: int | None = None, cache_dir: Path | None = None):
+                 min_model_len: int | None = None, cache_dir: Path | None = None, logprob_chunk_size: int = 1024):
         from .config import VllmRolloutConfig
 
         require_vllm()
@@ -130,7 +131,8 @@ class VllmSampler:
         self.model_dir, _, _ = materialise_model_dir(spec, cache)
         self.checkpoint_names = _checkpoint_names(self.model_dir)
         # The transformers copy computes old log-probs exactly as the learner does (default).
-        self.scorer = None if self.own_logprobs else TransformersSampler(spec, dtype=student_dtype, device=device)
+        self.scorer = None if self.own_logprobs else TransformersSampler(spec, dtype=student_dtype, device=device,
+                                                                          logprob_chunk_size=logprob_chunk_size)
         self.tokenizer = self.scorer.tokenizer if self.scorer is not None else load_tokenizer(spec, cache)
         self.stop = (stop_ids(self.scorer.model, self.tokenizer) if self.scorer is not None
                      else _stop_ids_of_dir(self.model_dir, self.tokenizer))
