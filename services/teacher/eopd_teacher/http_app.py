@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import hmac
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import make_asgi_app
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
     from .server import ServerState
@@ -45,10 +45,16 @@ def create_app(state: "ServerState", token: str | None = None) -> FastAPI:
             "model": state.info.model_name if state.info else None,
             "engine": state.info.engine if state.info else state.settings.engine,
             "queue_tokens": state.batcher.queued_tokens if state.batcher else 0,
+            # "compiled" or "eager" (torch.compile off or failed); None while loading.
+            "statistics": state.engine.statistics_path if state.info else None,
         }
         if state.load_error:
             body["error"] = state.load_error
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
-    app.mount("/metrics", make_asgi_app(registry=state.metrics.registry))
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        """Prometheus text exposition, answered at /metrics itself (no redirect to /metrics/)."""
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     return app

@@ -32,6 +32,11 @@ class TeacherMetrics:
         self.queue_sequences = Gauge("eopd_teacher_queue_sequences", "sequences waiting for a batch", registry=r)
         self.queue_tokens = Gauge("eopd_teacher_queue_tokens", "tokens waiting for a batch", registry=r)
         self.inflight = Gauge("eopd_teacher_inflight_requests", "ScoreRequests being served", registry=r)
+        self.statistics_compiled = Gauge(
+            "eopd_teacher_statistics_compiled",
+            "1 when the statistics run under torch.compile, 0 on the eager path (compile_statistics off, or compiling failed)",
+            registry=r,
+        )
         self.ready = Gauge("eopd_teacher_ready", "1 when the model is loaded and requests are accepted", registry=r)
 
     def on_batch(self, sequences: int, tokens: int, padded: int, seconds: float) -> None:

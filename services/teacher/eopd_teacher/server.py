@@ -502,10 +502,13 @@ class TeacherServer:
         self.state.info = info
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        engine = self.state.engine
+        self.metrics.statistics_compiled.set_function(lambda: 1.0 if engine.statistics_path == "compiled" else 0.0)
         self.metrics.ready.set(1)
         log.info(
-            "ready: %s (%s, vocab %d, context %d) loaded in %.1fs",
-            info.model_name, info.dtype, info.vocab_size, info.max_context_length, time.perf_counter() - started,
+            "ready: %s (%s, vocab %d, context %d, %s statistics) loaded in %.1fs",
+            info.model_name, info.dtype, info.vocab_size, info.max_context_length, engine.statistics_path,
+            time.perf_counter() - started,
         )
 
     async def stop(self) -> None:

@@ -11,18 +11,24 @@ For scored positions with final hidden states `h [n, d]`, the output projection 
     topk_ids, topk_logprobs = top-k of logp[i]      # [n, k], descending
 
 Everything after the projection is float32 whatever the weights' dtype. Positions are processed
-in chunks of `chunk_size` rows, so at most one `[chunk_size, V]` float32 block is alive at a time
-(never a `[batch, seq, V]` tensor). The per-chunk reduction can run under `torch.compile`, which
-fuses the log-softmax, entropy and gather into one pass over the logits (the eager version
-reads the `[chunk, V]` block about five times).
+in chunks of `chunk_size` rows (never a `[batch, seq, V]` tensor). Per chunk, besides the
+projection output `[chunk_size, V]` (in the weights' dtype), the eager reduction keeps at most two
+`[chunk_size, V]` float32 blocks alive (the shifted logits and their exponentials; everything else
+is done in place on them). The per-chunk reduction can run under `torch.compile`, which fuses the
+log-softmax, entropy and gather into one pass over the logits (the eager version reads the
+`[chunk, V]` block about five times). `ChunkStats` picks the compiled path and falls back to the
+eager one, once and with a warning, when compiling fails (e.g. no C++ compiler on the machine).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 StatsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -51,15 +57,20 @@ def _chunk_stats(
     Returns:
         `lse [c]`, `token_logprob [c]`, `entropy [c]`, float32, temperature applied.
     """
-    z = raw_logits.float() * inv_temperature.unsqueeze(-1)
-    zmax = z.amax(dim=-1, keepdim=True)
-    zs = z - zmax  # <= 0: shifting first keeps the entropy free of cancellation against lse
+    # Two float32 [c, V] blocks at most: `zs` (a copy, so the caller's logits stay untouched) and
+    # `e`; every other step is in place on them.
+    zs = raw_logits.to(torch.float32, copy=True).mul_(inv_temperature.unsqueeze(-1))
+    zmax = zs.amax(dim=-1, keepdim=True)
+    zs.sub_(zmax)  # <= 0: shifting first keeps the entropy free of cancellation against lse
+    token_z = zs.gather(-1, targets.unsqueeze(-1))  # before the clamp below: -inf stays -inf
+    # -inf (a masked entry) -> the most negative float: exp is still 0 and 0 * zs is 0, not NaN.
+    zs.clamp_(min=torch.finfo(torch.float32).min)
     e = zs.exp()
     sum_e = e.sum(dim=-1, keepdim=True)
     log_sum = sum_e.log()
-    # H = log(sum e) - E_p[zs]; e * zs is 0 where e underflows (zs may be -inf for masked entries).
-    mean_zs = torch.where(e > 0, e * zs, torch.zeros_like(zs)).sum(dim=-1, keepdim=True) / sum_e
-    token_lp = zs.gather(-1, targets.unsqueeze(-1)) - log_sum
+    # H = log(sum e) - E_p[zs].
+    mean_zs = e.mul_(zs).sum(dim=-1, keepdim=True) / sum_e
+    token_lp = token_z - log_sum
     return (zmax + log_sum).squeeze(-1), token_lp.squeeze(-1), (log_sum - mean_zs).squeeze(-1)
 
 
@@ -77,6 +88,43 @@ def compiled_chunk_stats() -> StatsFn:
 
 def eager_chunk_stats() -> StatsFn:
     return _chunk_stats
+
+
+def _compile_failure(exc: BaseException) -> bool:
+    """True for an error of torch.compile itself (no C++ compiler, a failing inductor build), as
+    opposed to an error of the computation (which the eager path would raise just the same)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(exc, TorchDynamoException) or type(exc).__module__.startswith("torch._inductor")
+
+
+class ChunkStats:
+    """The per-chunk reduction an engine uses, with the path it takes: "compiled" (torch.compile)
+    or "eager". Asked to compile, it starts on the compiled path; the first time compiling fails
+    (at warm-up or on a later recompile, e.g. InvalidCxxCompiler on a machine without g++), it logs
+    one warning and serves on the eager path from then on (same numbers, slower)."""
+
+    def __init__(self, compile: bool):
+        self.path = "compiled" if compile else "eager"
+        self.fallback_reason: str | None = None
+        self._compiled = compiled_chunk_stats() if compile else None
+
+    def __call__(self, raw_logits: torch.Tensor, inv_temperature: torch.Tensor, targets: torch.Tensor):
+        if self.path == "compiled":
+            try:
+                return self._compiled(raw_logits, inv_temperature, targets)
+            except Exception as exc:
+                if not _compile_failure(exc):
+                    raise
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                self.fallback_reason = f"{type(exc).__name__}: {first_line}"
+                self.path = "eager"
+                log.warning(
+                    "torch.compile of the statistics failed (%s); serving with the eager statistics path "
+                    "(same numbers, slower). Install a C++ compiler (g++) or set compile_statistics=false "
+                    "to silence this.", self.fallback_reason,
+                )
+        return _chunk_stats(raw_logits, inv_temperature, targets)
 
 
 def token_statistics(
@@ -104,7 +152,8 @@ def token_statistics(
         projection_dtype: dtype of the projection matmul; None uses the weights' dtype (the logits
             are cast to float32 right after). float32 gives bit-for-bit fp32 statistics for
             low-precision weights at about 3x the projection cost on CPUs with bf16 matmul units.
-        stats_fn: the per-chunk reduction: `eager_chunk_stats()` (default) or `compiled_chunk_stats()`.
+        stats_fn: the per-chunk reduction: `eager_chunk_stats()` (default), `compiled_chunk_stats()` or a
+            `ChunkStats`.
 
     Returns:
         TokenStatistics on the CPU.

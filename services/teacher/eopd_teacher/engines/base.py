@@ -34,6 +34,13 @@ class ScoringEngine(abc.ABC):
     def shutdown(self) -> None:
         """Releases the model. Idempotent."""
 
+    @property
+    def statistics_path(self) -> str:
+        """"compiled" or "eager": how the per-chunk statistics run (a failed torch.compile falls
+        back to "eager" at load or later; see stats.ChunkStats)."""
+        stats_fn = getattr(self, "_stats_fn", None)
+        return getattr(stats_fn, "path", "eager")
+
 
 def scores_from_hidden(
     items: list[ScoreItem],

@@ -17,7 +17,7 @@ from eopd_common.models import LoadedModel, load_causal_lm, tokenizer_fingerprin
 
 from .. import __version__
 from ..settings import TeacherSettings
-from ..stats import compiled_chunk_stats, eager_chunk_stats
+from ..stats import ChunkStats
 from ..types import ModelInfo, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 
@@ -30,7 +30,7 @@ class TransformersEngine(ScoringEngine):
         self._lm: LoadedModel | None = None
         self._device = "cpu"
         self._lock = threading.Lock()
-        self._stats_fn = eager_chunk_stats()
+        self._stats_fn = ChunkStats(compile=False)
         self._healthy = False
 
     def load(self) -> ModelInfo:
@@ -43,8 +43,8 @@ class TransformersEngine(ScoringEngine):
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(cfg, attr, None):
                 raise ValueError(f"model {s.model}: {attr} is not supported (logits must be lm_head(hidden))")
-        if s.compile_statistics:
-            self._stats_fn = compiled_chunk_stats()
+        # Compiled statistics, or the eager path if compiling fails (at the warm-up below or later).
+        self._stats_fn = ChunkStats(compile=s.compile_statistics)
         vocab = self._lm.model.get_output_embeddings().weight.shape[0]
         self._healthy = True
         self.info = ModelInfo(

@@ -58,7 +58,7 @@ from eopd_common.models import (
 
 from .. import __version__
 from ..settings import TeacherSettings
-from ..stats import compiled_chunk_stats, eager_chunk_stats
+from ..stats import ChunkStats
 from ..types import ModelInfo, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 
@@ -161,7 +161,7 @@ class VllmEngine(ScoringEngine):
         self._bias: torch.Tensor | None = None
         self._device = "cpu"
         self._lock = threading.Lock()
-        self._stats_fn = eager_chunk_stats()
+        self._stats_fn = ChunkStats(compile=False)
         self._healthy = False
         self._dead_error: tuple[type[BaseException], ...] = ()  # (vLLM's EngineDeadError,) once loaded
         self.model_dir: Path | None = None
@@ -220,8 +220,8 @@ class VllmEngine(ScoringEngine):
         weight, bias = load_output_projection(model_dir, torch_dtype)
         self._weight = weight.to(self._device)
         self._bias = None if bias is None else bias.to(self._device)
-        if s.compile_statistics:
-            self._stats_fn = compiled_chunk_stats()
+        # Compiled statistics, or the eager path if compiling fails (at the warm-up below or later).
+        self._stats_fn = ChunkStats(compile=s.compile_statistics)
         vocab = int(self._weight.shape[0])
         self._healthy = True
         self.info = ModelInfo(
