@@ -1,9 +1,11 @@
-"""DeepSpeed set-up: the generated DeepSpeed config (pure), process-group start, broadcasting
-rollout bytes from rank 0, and gathering ZeRO-3 parameters for exports."""
+"""DeepSpeed set-up: the generated DeepSpeed config (pure), the learning-rate schedule (pure
+function + the scheduler object handed to DeepSpeed), process-group start, broadcasting rollout
+bytes from rank 0, and gathering ZeRO-3 parameters for exports."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 from typing import Any
@@ -21,10 +23,90 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def lr_at(step: int, *, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (0-based) of a run of `total_steps` steps.
+
+    Linear warm-up over the first `warmup_steps` steps, starting above 0: step s < W uses
+    peak * (s + 1) / W (the last warm-up step is at the peak). Then a cosine from the peak to
+    peak * min_ratio over the remaining D = total - W steps: step W + j uses
+    peak * (min_ratio + (1 - min_ratio) * (1 + cos(pi * j / D)) / 2), so the first decay step is
+    at the peak and the last one (j = D - 1) still above the floor: the floor is where the
+    schedule would be one step after the end. Steps past the end stay at the floor."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    decay = total_steps - warmup_steps
+    progress = min(1.0, (step - warmup_steps) / decay) if decay > 0 else 1.0
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class WarmupCosineSchedule:
+    """`lr_at` as the learning-rate scheduler DeepSpeed drives (passed to `deepspeed.initialize`).
+
+    DeepSpeed calls `step()` after every optimizer step it applies; `next_step` is the index of
+    the optimizer step about to run, whose lr is already in the optimizer's param groups (set at
+    construction for step 0, then after each step). `get_last_lr()` is therefore the lr the next
+    optimizer step uses. The state saved in DeepSpeed's checkpoint is `next_step`; loading it
+    re-applies that step's lr, so a resumed run continues the schedule where it stopped (the lr
+    comes from the run's config: a resume with another `train.lr` uses the new peak).
+
+    Not DeepSpeed's WarmupCosineLR: in 0.19 it starts at iteration -1, so the first optimizer
+    step runs at lr 0, and it forces at least 2 warm-up steps."""
+
+    def __init__(self, optimizer, *, peak: float, warmup_steps: int, total_steps: int, min_ratio: float):
+        self.optimizer = optimizer
+        self.peak, self.warmup_steps, self.total_steps, self.min_ratio = peak, warmup_steps, total_steps, min_ratio
+        self.next_step = 0
+        self._apply()
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, peak=self.peak, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                     min_ratio=self.min_ratio)
+
+    def _apply(self) -> None:
+        value = self.lr(self.next_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
+        self._last_lr = [value] * len(self.optimizer.param_groups)
+
+    def step(self, *_ignored) -> None:  # DeepSpeed may pass a batch size on its fallback path
+        self.next_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "next_step" in state:
+            self.next_step = int(state["next_step"])
+        elif "last_batch_iteration" in state:  # a checkpoint written with DeepSpeed's WarmupCosineLR
+            self.next_step = int(state["last_batch_iteration"]) + 1
+        else:
+            raise ValueError(f"not a learning-rate scheduler state this learner knows (keys {sorted(state)})")
+        self._apply()
+
+
+def lr_scheduler_factory(cfg: RunConfig, total_steps: int):
+    """The `lr_scheduler` argument of `deepspeed.initialize`: DeepSpeed calls it with its basic
+    optimizer (the same param groups ZeRO and bf16 wrap)."""
+    t = cfg.train
+    return lambda optimizer: WarmupCosineSchedule(optimizer, peak=t.lr, warmup_steps=t.warmup_steps,
+                                                  total_steps=total_steps, min_ratio=t.min_lr_ratio)
+
+
 def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int, *, on_cpu: bool) -> dict[str, Any]:
     """The DeepSpeed config of a run: B_mini rollouts per optimizer step, made of micro-batches
-    of `micro_batch_size` per process and gradient accumulation; AdamW; warm-up + cosine."""
+    of `micro_batch_size` per process and gradient accumulation; AdamW. No `scheduler` section:
+    the schedule is `lr_scheduler_factory`'s (warm-up + cosine, `lr_at`), and one given in
+    `train.deepspeed` is refused (it would be silently ignored)."""
     t = cfg.train
+    if "scheduler" in t.deepspeed:
+        raise ValueError("train.deepspeed.scheduler is not supported: the learning-rate schedule is set by "
+                         "train.lr, train.warmup_steps and train.min_lr_ratio (linear warm-up + cosine)")
     gas = gradient_accumulation_steps(t.mini_batch_size, t.micro_batch_size, world_size)
     zero: dict[str, Any] = {"stage": t.zero_stage}
     if t.zero_stage == 3:
@@ -40,17 +122,6 @@ def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int, *, on_cpu
         "zero_optimization": zero,
         "bf16": {"enabled": t.precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": optim_params},
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(total_steps, t.warmup_steps + 1),
-                # DeepSpeed needs >= 1 warm-up step; "no warm-up" is one step that starts at the peak.
-                "warmup_num_steps": max(1, t.warmup_steps),
-                "warmup_min_ratio": 0.0 if t.warmup_steps else 1.0,
-                "cos_min_ratio": t.min_lr_ratio,
-                "warmup_type": "linear",
-            },
-        },
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }

@@ -91,7 +91,7 @@ class Learner:
 
         from .checkpoint import CheckpointManager
         from .data import load_prompts
-        from .distributed import barrier, build_ds_config, init_process_group
+        from .distributed import barrier, build_ds_config, init_process_group, lr_scheduler_factory
 
         cfg = self.cfg
         _quiet_libraries()
@@ -112,9 +112,11 @@ class Learner:
         model = loaded.model
         model.train()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        ds_config = build_ds_config(cfg, self.world, self.total_iterations * cfg.steps_per_iteration, on_cpu=on_cpu)
+        total_steps = self.total_iterations * cfg.steps_per_iteration
+        ds_config = build_ds_config(cfg, self.world, total_steps, on_cpu=on_cpu)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+            lr_scheduler=lr_scheduler_factory(cfg, total_steps))
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                       export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier)
         self.state = self.ckpt.load(self.engine) or fresh_state()
@@ -295,6 +297,7 @@ class Learner:
             denominator = units / (self.gas * self.world)
             rows = []
             loss_sum = {k: 0.0 for k in LOSS_TERMS}
+            lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
             for micro in split(local, cfg.train.micro_batch_size):
                 packed = pack_rollouts(micro, self.pad_id)
                 loss, m = self.micro_loss(packed, denominator)
@@ -304,7 +307,7 @@ class Learner:
                 for k in LOSS_TERMS:
                     loss_sum[k] += m.get(k, 0.0) / self.gas  # rank 0 share x world, see denominator
             self.state["optimizer_steps"] += 1
-            metrics = {**token_weighted_mean(rows), **loss_sum, "lr": float(self.scheduler.get_last_lr()[0])}
+            metrics = {**token_weighted_mean(rows), **loss_sum, "lr": lr_used}
             grad_norm = self.engine.get_global_grad_norm()
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm)

@@ -1,0 +1,118 @@
+"""The learner's learning-rate schedule: `lr_at` against a step-by-step reference, and the
+scheduler inside a real DeepSpeed engine (CPU, gloo, one process): the first optimizer step
+changes the weights, every step runs at `lr_at(step)`, and a checkpoint restores the schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from eopd_trainer.config import load_config
+from eopd_trainer.distributed import build_ds_config, lr_at, lr_scheduler_factory
+
+from tests.procs import free_port
+from tests.trainer.pipeline_helpers import TINY
+
+
+def reference_schedule(peak: float, warmup: int, total: int, floor: float) -> list[float]:
+    """The schedule written out step by step: warm-up ramps peak/W, 2 peak/W, ..., peak; the
+    decay steps walk a cosine from the peak towards the floor, reaching it one step after the end."""
+    out = [peak * (i + 1) / warmup for i in range(warmup)]
+    decay = total - warmup
+    for j in range(decay):
+        out.append(peak * floor + (peak - peak * floor) * (1 + math.cos(math.pi * j / decay)) / 2)
+    return out
+
+
+@pytest.mark.parametrize(("warmup", "total", "floor"), [(0, 1, 0.0), (0, 24, 0.0), (3, 10, 0.1), (4, 4, 0.0),
+                                                         (2, 7, 1.0)])
+def test_lr_at_matches_reference(warmup, total, floor):
+    ref = reference_schedule(2e-3, warmup, total, floor)
+    got = [lr_at(s, peak=2e-3, warmup_steps=warmup, total_steps=total, min_ratio=floor) for s in range(total)]
+    assert got == pytest.approx(ref, rel=1e-12, abs=0)
+    assert got[0] > 0 and all(v > 0 for v in got)  # no step at lr 0, the last one included
+    assert max(got) == pytest.approx(2e-3)
+    # Past the end (more iterations than planned): the floor.
+    assert lr_at(total + 5, peak=2e-3, warmup_steps=warmup, total_steps=total, min_ratio=floor) == pytest.approx(2e-3 * floor)
+    with pytest.raises(ValueError, match="step"):
+        lr_at(-1, peak=1.0, warmup_steps=0, total_steps=3, min_ratio=0.0)
+
+
+def test_ds_config_has_no_scheduler_and_refuses_one():
+    cfg = load_config(TINY, ["train.zero_stage=2", "train.precision=bf16"])
+    ds = build_ds_config(cfg, world_size=2, total_steps=8, on_cpu=True)
+    assert "scheduler" not in ds
+    bad = load_config(TINY, ["train.deepspeed={scheduler: {type: WarmupLR}}"])
+    with pytest.raises(ValueError, match="train.deepspeed.scheduler"):
+        build_ds_config(bad, world_size=1, total_steps=8, on_cpu=True)
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A private one-process gloo group for the module (DeepSpeed caches its groups: one init).
+    The env is set through a MonkeyPatch and restored: nothing leaks into the environment of
+    subprocesses other tests start."""
+    import deepspeed
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(free_port())}.items():
+            mp.setenv(k, v)
+        deepspeed.init_distributed(dist_backend="gloo")
+        yield
+
+
+def _engine(cfg, total_steps: int):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()), config=build_ds_config(cfg, 1, total_steps, on_cpu=True),
+        lr_scheduler=lr_scheduler_factory(cfg, total_steps))
+    return engine, scheduler
+
+
+def _optimizer_step(engine, scheduler, step: int) -> float:
+    """One optimizer step (gas micro-batches); returns the lr the optimizer applied."""
+    lr = scheduler.get_last_lr()[0]
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [lr] * len(engine.optimizer.param_groups)
+    gen = torch.Generator().manual_seed(step)
+    for _ in range(engine.gradient_accumulation_steps()):
+        x = torch.randn(engine.train_micro_batch_size_per_gpu(), 8, generator=gen)
+        loss = engine(x).pow(2).mean() + 1.0
+        engine.backward(loss)
+        engine.step()
+    return lr
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_deepspeed_engine_follows_the_schedule_and_resumes(zero_stage, process_group, tmp_path):
+    peak, warmup, total, floor = 1e-2, 2, 6, 0.0
+    cfg = load_config(TINY, [f"train.lr={peak}", f"train.warmup_steps={warmup}", f"train.min_lr_ratio={floor}",
+                             f"train.zero_stage={zero_stage}", "train.grad_clip=0"])
+    ref = reference_schedule(peak, warmup, total, floor)
+    engine, scheduler = _engine(cfg, total)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    used = [_optimizer_step(engine, scheduler, 0)]
+    after = list(engine.module.parameters())
+    # Step 0 runs at lr peak / warmup: every tensor moves (AdamW's first step is ~lr * sign(grad)).
+    assert all(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert max((a - b).abs().max().item() for a, b in zip(before, after, strict=True)) == pytest.approx(ref[0], rel=1e-3)
+    for s in range(1, 4):
+        used.append(_optimizer_step(engine, scheduler, s))
+    assert used == pytest.approx(ref[:4], rel=1e-12)
+    engine.save_checkpoint(str(tmp_path), tag="t4", save_latest=False)
+    expected_next = scheduler.get_last_lr()[0]
+
+    # A new engine (the restarted learner) loads the checkpoint: the schedule resumes at step 4.
+    engine2, scheduler2 = _engine(cfg, total)
+    assert scheduler2.get_last_lr()[0] == pytest.approx(ref[0])
+    path, _ = engine2.load_checkpoint(str(tmp_path), tag="t4", load_optimizer_states=True, load_lr_scheduler_states=True)
+    assert path is not None
+    assert scheduler2.state_dict() == {"next_step": 4}
+    assert scheduler2.get_last_lr()[0] == pytest.approx(expected_next) == pytest.approx(ref[4])
+    resumed = [_optimizer_step(engine2, scheduler2, s) for s in (4, 5)]
+    assert resumed == pytest.approx(ref[4:], rel=1e-12)
+    assert resumed[-1] > 0  # the last step of the run still learns
