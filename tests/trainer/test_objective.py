@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from eopd_trainer.objective import (
     compute_loss,
     compute_loss_from_hidden,
     register_variant,
+    step_generator,
+    step_seed,
     vocab_stats,
 )
 from eopd_trainer.objective import loss as loss_module
@@ -153,6 +158,69 @@ def test_random_fkl_draw_is_seeded_and_sized():
     assert torch.equal(a, b) and not torch.equal(a, c)
     m = int(mask.sum())
     assert ma["fkl_ratio"] == pytest.approx(round(0.2 * m) / m)
+
+
+def _fkl_positions(cfg, generator, n=40):
+    """The random_fkl positions chosen for the inputs of make_inputs(n), through the variant."""
+    from eopd_trainer.objective.variants import PositionContext, get_variant
+
+    gate = torch.zeros(n, dtype=torch.bool)
+    return get_variant("random_fkl").fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
+
+
+def test_random_fkl_without_generator_repeats_the_draw_for_equal_token_counts():
+    """Documented behaviour: no generator -> a function of (random_seed, M) only."""
+    cfg = LossConfig(variant="random_fkl", random_fraction=0.3)
+    a, _ = compute_loss(*make_inputs(n=30, seed=1)[:8], cfg)
+    b, _ = compute_loss(*make_inputs(n=30, seed=1)[:8], cfg)
+    torch.testing.assert_close(a, b)
+    # the loss's own draw equals randperm(M) under a generator seeded with random_seed
+    logits, *args, seq = make_inputs(n=30, seed=1)
+    m = int(args[-1].sum())
+    explicit, _ = compute_loss(logits, *args, cfg, generator=torch.Generator().manual_seed(cfg.random_seed))
+    torch.testing.assert_close(a, explicit)
+    assert m > 10
+
+
+def test_step_generator_same_keys_same_draws_different_keys_different_draws():
+    cfg = LossConfig(variant="random_fkl", random_fraction=0.25)
+    base = _fkl_positions(cfg, step_generator(7, 3, 1, 0, 2))
+    assert int(base.sum()) == 10
+    assert torch.equal(base, _fkl_positions(cfg, step_generator(7, 3, 1, 0, 2)))
+    others = [(8, 3, 1, 0, 2), (7, 4, 1, 0, 2), (7, 3, 2, 0, 2), (7, 3, 1, 1, 2), (7, 3, 1, 0, 3), (7, 3, 1, 0),
+              (7, 3, 1, 0, 2, 0)]
+    draws = [_fkl_positions(cfg, step_generator(*keys)) for keys in others]
+    for keys, d in zip(others, draws):
+        assert not torch.equal(d, base), keys
+    # no collisions between the seeds of nearby key tuples, including "digit-shifted" ones
+    seeds = {step_seed(s0, a, b) for s0 in range(3) for a in range(12) for b in range(12)}
+    assert len(seeds) == 3 * 12 * 12
+    assert step_seed(1, 1, 23) != step_seed(1, 12, 3) and step_seed(0, -1) != step_seed(0, 1)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_step_generator_is_stable_across_processes():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from eopd_trainer.objective.rng import step_seed; "
+            "print(step_seed(123, 4, 5, 6))")
+    src = str(Path(loss_module.__file__).resolve().parents[2])
+    outs = {subprocess.run([sys.executable, "-c", code, src], check=True, capture_output=True, text=True,
+                           env={"PYTHONHASHSEED": h, "PATH": ""}).stdout.strip() for h in ("1", "2")}
+    assert outs == {str(step_seed(123, 4, 5, 6))}
+
+
+def test_step_generator_in_compute_loss_changes_the_draw_per_step():
+    logits, *args, _ = make_inputs(n=40)
+    cfg = LossConfig(variant="random_fkl", random_fraction=0.2)
+    losses = [compute_loss(logits, *args, cfg, generator=step_generator(0, 0, step))[0].item() for step in range(4)]
+    assert len(set(losses)) == 4
+    again = compute_loss(logits, *args, cfg, generator=step_generator(0, 0, 2))[0].item()
+    assert again == losses[2]
+
+
+@pytest.mark.parametrize("bad", [(1.5,), (True,), ("3",), (1, None)])
+def test_step_generator_rejects_non_integer_keys(bad):
+    with pytest.raises(TypeError, match="must be an int"):
+        step_generator(*bad)
 
 
 def test_eopd_with_alpha_zero_is_opd_exactly():
@@ -296,17 +364,38 @@ def test_gradcheck_whole_loss(variant):
 # --------------------------------------------------------------------------------------------
 # Gate boundary, edge cases.
 # --------------------------------------------------------------------------------------------
-def test_gate_boundary_ge_vs_gt():
-    logits, sampled, old, t_lp, _, t_ids, t_tlp, _, _ = make_inputs(n=4)
-    t_ent = torch.tensor([0.8, 0.8, 0.5, 1.5], dtype=torch.float64)  # two exactly at tau
-    mask = torch.ones(4, dtype=torch.bool)
+@pytest.mark.parametrize("logits_dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gate_boundary_ge_vs_gt(logits_dtype):
+    """The gate is decided on the teacher entropy in its own dtype: an fp64 entropy 1e-9 below tau
+    is not gated even when the logits (so the compute dtype) are fp32 or bf16, where it would round
+    to tau; one 1e-9 above tau is gated by "gt"."""
+    logits, sampled, old, t_lp, _, t_ids, t_tlp, _, _ = make_inputs(n=5)
+    logits = logits.detach().to(logits_dtype).requires_grad_(True)
+    t_ent = torch.tensor([0.8, 0.8, 0.8 - 1e-9, 0.8 + 1e-9, 1.5], dtype=torch.float64)  # two exactly at tau
+    assert torch.equal(t_ent[:4].float(), torch.full((4,), 0.8).float())  # all four equal after the cast
+    mask = torch.ones(5, dtype=torch.bool)
     args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
-    for gate, expected in (("ge", 0.75), ("gt", 0.25)):
+    atol = ATOL if logits_dtype == torch.float64 else 1e-5
+    for gate, expected in (("ge", 0.8), ("gt", 0.4)):
         cfg = LossConfig(gate=gate, tau=0.8)
         loss, m = compute_loss(logits, *args, cfg)
-        assert m["gate_ratio"] == expected
-        assert m["fkl_ratio"] == expected
-        torch.testing.assert_close(loss, reference_loss(logits, *args, cfg), atol=ATOL, rtol=0)
+        assert m["gate_ratio"] == pytest.approx(expected, abs=1e-6)  # metrics in the compute dtype
+        assert m["fkl_ratio"] == pytest.approx(expected, abs=1e-6)
+        ref = reference_loss(logits.detach().double(), *args, cfg)  # gate on the fp64 entropy
+        torch.testing.assert_close(loss.double(), ref, atol=atol, rtol=0)
+
+
+def test_gate_in_the_teacher_entropys_own_dtype_fp32():
+    """An fp32 teacher entropy is compared with tau rounded to fp32: the fp32 value nearest 0.8 is at
+    tau (gated by "ge" only), its neighbours below / above are not / are gated."""
+    logits, sampled, old, t_lp, _, t_ids, t_tlp, _, _ = make_inputs(n=3)
+    at = torch.tensor(0.8, dtype=torch.float32)
+    t_ent = torch.stack([torch.nextafter(at, torch.tensor(0.0)), at, torch.nextafter(at, torch.tensor(1.0))])
+    mask = torch.ones(3, dtype=torch.bool)
+    args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
+    _, m_ge = compute_loss(logits, *args, LossConfig(gate="ge"))
+    _, m_gt = compute_loss(logits, *args, LossConfig(gate="gt"))
+    assert m_ge["gate_ratio"] == pytest.approx(2 / 3) and m_gt["gate_ratio"] == pytest.approx(1 / 3)
 
 
 def test_all_masked_gives_zero_loss_with_gradient_and_no_nan():
@@ -413,6 +502,85 @@ def test_out_of_range_ids_at_valid_positions_raise():
     bad[0] = logits.shape[1]
     with pytest.raises(ValueError, match="out of range"):
         compute_loss(logits, bad, *rest)
+
+
+@pytest.mark.parametrize("name", ["old_logprobs", "teacher_logprobs", "teacher_entropy"])
+@pytest.mark.parametrize("bad", [float("nan"), -math.inf, math.inf])
+def test_non_finite_per_token_inputs_at_valid_positions_raise(name, bad):
+    logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=12, dtype=torch.float32)
+    inputs = {"old_logprobs": old.clone(), "teacher_logprobs": t_lp.clone(), "teacher_entropy": t_ent.clone()}
+    valid = mask.nonzero().squeeze(1)
+    inputs[name][valid[:2]] = bad  # two bad valid positions
+    inputs[name][~mask] = bad  # and bad masked ones, which do not count
+    for variant in ("eopd", "opd", "opd_fkl"):
+        with pytest.raises(ValueError, match=f"{name} has 2 non-finite"):
+            compute_loss(logits, sampled, inputs["old_logprobs"], inputs["teacher_logprobs"],
+                         inputs["teacher_entropy"], t_ids, t_tlp, mask, LossConfig(variant=variant))
+
+
+def test_per_token_input_overflowing_the_compute_dtype_raises():
+    logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=6)
+    t_lp = t_lp.clone()
+    t_lp[0] = -1e300  # finite in fp64, -inf in the fp32 compute dtype of fp32 logits
+    compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)  # fp64 logits: fine
+    with pytest.raises(ValueError, match="teacher_logprobs has 1 non-finite .* float32 range"):
+        compute_loss(logits.detach().float(), sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), math.inf])
+def test_nan_or_pos_inf_teacher_topk_logprobs_raise(bad):
+    logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=8)
+    t_tlp = t_tlp.clone()
+    t_tlp[0, 1] = bad
+    t_tlp[0, 3] = -math.inf  # allowed
+    with pytest.raises(ValueError, match="teacher_topk_logprobs has 1 NaN or \\+inf"):
+        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
+
+
+def test_errors_are_all_reported_at_once():
+    logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, _, _ = make_inputs(n=6)
+    sampled, old = sampled.clone(), old.clone()
+    sampled[1] = -3
+    old[2] = float("nan")
+    with pytest.raises(ValueError, match="sampled_ids has 1 id.*out of range.*old_logprobs has 1 non-finite"):
+        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp)
+
+
+def test_variant_without_any_term_is_rejected_at_registration():
+    with pytest.raises(ValueError, match="has no term"):
+        register_variant(Variant("no_terms_at_all", "nothing", pg=False))
+    assert "no_terms_at_all" not in VARIANTS
+
+
+def test_variant_whose_terms_the_config_switches_off_gives_a_zero_loss():
+    name = "fkl_only_alpha_weighted"
+    if name not in VARIANTS:
+        register_variant(Variant(name, "FKL everywhere, weight alpha, no pg", pg=False, fkl_positions=everywhere))
+    logits, *args, _ = make_inputs()
+    loss, m = compute_loss(logits, *args, LossConfig(variant=name, alpha=0.0))
+    assert loss.item() == 0.0 and loss.requires_grad
+    (g,) = grads_of(loss, logits)
+    assert torch.equal(g, torch.zeros_like(logits))
+    assert m["loss"] == 0.0 and all(math.isfinite(v) for v in m.values())
+    loss1, _ = compute_loss(logits, *args, LossConfig(variant=name, alpha=0.5))
+    ref, _ = compute_loss(logits, *args, LossConfig(variant="opd_fkl"))
+    torch.testing.assert_close(loss1, 0.5 * ref)
+
+
+def test_topk_overlap_counts_only_finite_teacher_candidates():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0],
+                           [5.0, 4.0, 3.0, 2.0, 1.0, 0.0],
+                           [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
+    # student top-3 = {0, 1, 2}
+    t_ids = torch.tensor([[0, 1, 5], [2, 4, 5], [0, 1, 2]])
+    t_tlp = torch.tensor([[-0.5, -1.5, -math.inf],  # 2 candidates, both in the student's top-3: 1
+                          [-0.5, -1.5, -2.0],  # 3 candidates, 1 in: 1/3
+                          [-math.inf] * 3], dtype=torch.float64)  # no candidate: left out
+    n = 3
+    _, m = compute_loss(logits, torch.zeros(n, dtype=torch.long), torch.full((n,), -1.0, dtype=torch.float64),
+                        torch.full((n,), -1.0, dtype=torch.float64), torch.full((n,), 2.0, dtype=torch.float64),
+                        t_ids, t_tlp)
+    assert m["topk_overlap"] == pytest.approx((1.0 + 1 / 3) / 2, abs=1e-12)
 
 
 def test_bf16_logits_close_to_fp32():

@@ -32,6 +32,11 @@ the same weight for both terms (the FKL is *not* averaged over the gated tokens 
 opd_fkl, full_fkl, random_fkl, entropy_bonus, advantage_shaping) are registered by name in
 `variants`; see its table.
 
+Randomness: `random_fkl` draws its positions from the `generator` argument. Without one the draw
+is a deterministic function of (config.random_seed, number of valid tokens), i.e. the same
+positions on every call with the same token count; a training loop should pass
+`step_generator(seed, iteration, step, rank, micro_batch)` (stable hash of the keys).
+
 Memory: all vocabulary-sized work is done chunk by chunk over tokens (`config.chunk_size`), with
 an analytic backward that recomputes each chunk (`vocab`), so nothing of size [N, V] is created
 beyond the gradient of the logits themselves; `compute_loss_from_hidden` takes final hidden states
@@ -46,6 +51,7 @@ k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 
 from .config import LossConfig
 from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
+from .rng import step_generator, step_seed
 from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl
 from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
 from .vocab import VocabPlan, vocab_stats
@@ -66,4 +72,6 @@ __all__ = [
     "aggregation_weights",
     "VocabPlan",
     "vocab_stats",
+    "step_generator",
+    "step_seed",
 ]

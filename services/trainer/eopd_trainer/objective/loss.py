@@ -98,6 +98,38 @@ def _flatten_tokens(lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_lo
     )
 
 
+def _check_valid_inputs(vocab: int, dtype: torch.dtype, *, sampled: Tensor, old_logprobs: Tensor,
+                        teacher_logprobs: Tensor, teacher_entropy: Tensor, topk_ids: Tensor,
+                        topk_logprobs: Tensor, topk_finite: Tensor) -> None:
+    """Raises ValueError, naming the tensor and its number of bad valid positions, on out-of-range
+    ids, non-finite per-token inputs, or NaN / +inf teacher top-k log-probs (-inf is allowed there:
+    an absent candidate). The per-token tensors are checked in the compute dtype, so values that
+    overflow it count as non-finite. One device-to-host sync for all checks."""
+    counts = torch.stack([
+        ((sampled < 0) | (sampled >= vocab)).sum(),
+        (topk_finite & ((topk_ids < 0) | (topk_ids >= vocab))).sum(),
+        (~torch.isfinite(old_logprobs)).sum(),
+        (~torch.isfinite(teacher_logprobs)).sum(),
+        (~torch.isfinite(teacher_entropy)).sum(),
+        (torch.isnan(topk_logprobs) | (topk_logprobs == torch.inf)).sum(),
+    ]).tolist()
+    if not any(counts):
+        return
+    kind = {torch.float32: "float32", torch.float64: "float64"}.get(dtype, str(dtype))
+    messages = []
+    for name, n in zip(("sampled_ids", "teacher_topk_ids"), counts[:2]):
+        if n:
+            messages.append(f"{name} has {n} id(s) out of range [0, {vocab}) at valid positions")
+    for name, n in zip(("old_logprobs", "teacher_logprobs", "teacher_entropy"), counts[2:5]):
+        if n:
+            messages.append(f"{name} has {n} non-finite value(s) (NaN, +-inf, or beyond the {kind} range) "
+                            "at valid positions")
+    if counts[5]:
+        messages.append(f"teacher_topk_logprobs has {counts[5]} NaN or +inf value(s) at valid positions "
+                        "(-inf, an absent candidate, is allowed)")
+    raise ValueError("; ".join(messages))
+
+
 def _mean(x: Tensor) -> Tensor:
     return x.mean() if x.numel() else x.new_zeros(())
 
@@ -110,21 +142,21 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
     sampled = tokens.sampled_ids[valid].long()
     old = tokens.old_logprobs[valid].detach().to(dtype)
     t_lp = tokens.teacher_logprobs[valid].detach().to(dtype)
-    t_ent = tokens.teacher_entropy[valid].detach().to(dtype)
+    t_ent_in = tokens.teacher_entropy[valid].detach()  # its own dtype: the gate is decided on it
+    t_ent = t_ent_in.to(dtype)
     t_ids = tokens.topk_ids[valid].long()
     t_tlp = tokens.topk_logprobs[valid].detach().to(dtype)
     k = t_ids.shape[1]
     t_finite = torch.isfinite(t_tlp)  # [M, k]; -inf entries carry no teacher mass
-
-    bad = (sampled < 0) | (sampled >= vocab)
-    bad_topk = t_finite & ((t_ids < 0) | (t_ids >= vocab))
-    if bool(bad.any() | bad_topk.any()):
-        raise ValueError(f"sampled or teacher top-k ids out of range [0, {vocab}) at valid positions")
+    _check_valid_inputs(vocab, dtype, sampled=sampled, old_logprobs=old, teacher_logprobs=t_lp,
+                        teacher_entropy=t_ent, topk_ids=t_ids, topk_logprobs=t_tlp, topk_finite=t_finite)
     t_ids = torch.where(t_finite, t_ids, 0)  # ids of -inf entries are never used: make them safe
 
-    # 2. positions of the FKL, before the vocabulary pass.
-    gate = t_ent >= cfg.tau if cfg.gate == "ge" else t_ent > cfg.tau
-    if generator is None:
+    # 2. positions of the FKL, before the vocabulary pass. The gate compares the teacher entropy in
+    # the dtype it was given (tau rounded to that dtype), not after the cast to the compute dtype:
+    # an fp64 entropy just below tau must not round up to tau in fp32.
+    gate = t_ent_in >= cfg.tau if cfg.gate == "ge" else t_ent_in > cfg.tau
+    if generator is None:  # deterministic in (random_seed, M): see step_generator for training loops
         generator = torch.Generator().manual_seed(cfg.random_seed)
     fkl_pos = variant.fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
     fkl_coef = variant.fkl_coef(cfg) if fkl_pos is not None else 0.0
@@ -172,9 +204,12 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
     if entropy_coef != 0.0:
         entropy_loss = -entropy_coef * (w * s_ent).sum()
         terms.append(entropy_loss)
-    loss = terms[0]
-    for t in terms[1:]:
-        loss = loss + t
+    if terms:
+        loss = terms[0]
+        for t in terms[1:]:
+            loss = loss + t
+    else:  # a variant whose terms are all switched off by the config (e.g. its FKL weight is 0):
+        loss = logp[:0].sum()  # an exact 0 that is part of the graph (zero gradient), like no token
 
     with torch.no_grad():
         gated_in_gather = gate[gather_pos]
@@ -199,8 +234,12 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
         if need_entropy:
             values["student_entropy"] = _mean(s_ent)
         if cfg.vocab_metrics:
+            # share of the teacher's candidates (its finite top-k entries) in the student's top-k;
+            # rows with no finite teacher entry have no candidate and are left out of the mean
             hit = (s_topk[:, :, None] == t_ids[:, None, :]) & t_finite[:, None, :]  # [M, s, k]
-            values["topk_overlap"] = _mean(hit.any(dim=1).sum(dim=1).to(dtype) / k)
+            n_cand = t_finite.sum(dim=1)
+            has = n_cand > 0
+            values["topk_overlap"] = _mean(hit.any(dim=1).sum(dim=1)[has].to(dtype) / n_cand[has].to(dtype))
         floats = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
     return loss, dict(zip(values.keys(), floats))
 
@@ -240,7 +279,10 @@ def compute_loss(
         denominator: overrides the normaliser of the aggregation (tokens for "token-mean",
             sequences for "seq-mean-token-mean"), e.g. the whole mini-batch's count when the loss
             is computed per micro-batch and the gradients accumulated.
-        generator: a CPU torch.Generator for random_fkl's draw (default: seeded by config.random_seed).
+        generator: a CPU torch.Generator for random_fkl's draw. Without it a fresh generator is
+            seeded with config.random_seed on every call, so the draw is a deterministic function
+            of (random_seed, number of valid tokens): equal token counts give the same positions.
+            Training loops should pass `step_generator(seed, iteration, step, rank, micro_batch)`.
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor (an exact, differentiable 0 when no token is valid) and

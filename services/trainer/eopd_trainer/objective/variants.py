@@ -40,7 +40,8 @@ class PositionContext:
 
     gate: [M] bool, teacher entropy >= tau (or > tau with gate="gt"), per valid token.
     config: the loss configuration.
-    generator: a torch.Generator (CPU) for random choices, seeded from the config if not given.
+    generator: a torch.Generator (CPU) for random choices: the caller's, or else a fresh one seeded
+        with config.random_seed (then the draw depends only on the seed and M).
     """
 
     gate: Tensor
@@ -64,13 +65,24 @@ def everywhere(ctx: PositionContext) -> Tensor:
 
 
 def random_share(ctx: PositionContext) -> Tensor:
-    """FKL at `round(random_fraction * M)` valid tokens drawn uniformly without replacement."""
+    """FKL at `round(random_fraction * M)` valid tokens drawn uniformly without replacement
+    (`torch.randperm(M, generator=ctx.generator)[:n]`). The draw is a deterministic function of the
+    generator's state and M: without a caller generator (a fresh one seeded with random_seed per
+    call) every call with the same M picks the same positions; pass `step_generator(...)`."""
     m = ctx.gate.numel()
     n = int(math.floor(ctx.config.random_fraction * m + 0.5))
     picked = torch.randperm(m, generator=ctx.generator)[:n].to(ctx.gate.device)
     out = torch.zeros_like(ctx.gate)
     out[picked] = True
     return out
+
+
+def _alpha(cfg: "LossConfig") -> float:
+    return cfg.alpha
+
+
+def _no_entropy(cfg: "LossConfig") -> float:
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,8 @@ class Variant:
     description: str
     pg: bool = True
     fkl_positions: Callable[[PositionContext], Tensor | None] = nowhere
-    fkl_coef: Callable[["LossConfig"], float] = lambda cfg: cfg.alpha
-    entropy_coef: Callable[["LossConfig"], float] = lambda cfg: 0.0
+    fkl_coef: Callable[["LossConfig"], float] = _alpha
+    entropy_coef: Callable[["LossConfig"], float] = _no_entropy
     shape_advantage: bool = False
 
     def needs_student_entropy_grad(self, cfg: "LossConfig") -> bool:
@@ -93,7 +105,18 @@ VARIANTS: dict[str, Variant] = {}
 
 
 def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
-    """Adds `variant` to the registry under `variant.name` (refuses to overwrite unless `replace`)."""
+    """Adds `variant` to the registry under `variant.name` (refuses to overwrite unless `replace`).
+
+    A variant with no term at all (no reverse-KL term, no FKL positions, the default zero entropy
+    coefficient) is rejected. A variant whose terms a given config switches off (e.g. an FKL-only
+    variant with alpha = 0) yields an exact, graph-attached zero loss.
+    """
+    if not isinstance(variant, Variant):
+        raise TypeError(f"register_variant expects a Variant, got {type(variant).__name__}")
+    if not variant.pg and variant.fkl_positions is nowhere and variant.entropy_coef is _no_entropy:
+        raise ValueError(
+            f"loss variant {variant.name!r} has no term: set pg=True, fkl_positions or entropy_coef"
+        )
     if variant.name in VARIANTS and not replace:
         raise ValueError(f"loss variant {variant.name!r} is already registered")
     VARIANTS[variant.name] = variant
