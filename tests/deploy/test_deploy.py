@@ -67,7 +67,7 @@ class Names:
     })
     compose_teacher_services: tuple[str, ...] = ("teacher", "teacher-cpu")
     k8s_overlays: tuple[str, ...] = ("gpu", "cpu-dev")
-    k8s_components: tuple[str, ...] = ("teacher-auth", "teacher-tls")
+    k8s_components: tuple[str, ...] = ("teacher-auth", "teacher-tls", "teacher-mtls")
     dockerfiles: tuple[str, ...] = (
         "deploy/docker/teacher.Dockerfile", "deploy/docker/teacher-cpu.Dockerfile", "deploy/docker/trainer.Dockerfile",
     )
@@ -179,23 +179,67 @@ def test_compose_teacher_health_check_is_grpc_health():
 
 # Kubernetes ------------------------------------------------------------------------------------
 
+# Secret files the operator creates before rendering (git-ignored; */secrets/README.md): path under
+# deploy/k8s -> the test's value. Random per session, so no test can depend on a committed value.
+def _secret_values() -> dict[str, str]:
+    import secrets
+
+    return {
+        "base/secrets/redis-password": secrets.token_hex(16),
+        "components/teacher-auth/secrets/token": secrets.token_hex(16),
+        "components/teacher-tls/secrets/tls.crt": "-----BEGIN CERTIFICATE-----\ntest-teacher-cert\n-----END CERTIFICATE-----\n",
+        "components/teacher-tls/secrets/tls.key": "-----BEGIN PRIVATE KEY-----\ntest-teacher-key\n-----END PRIVATE KEY-----\n",
+        "components/teacher-tls/secrets/ca.crt": "-----BEGIN CERTIFICATE-----\ntest-ca\n-----END CERTIFICATE-----\n",
+        "components/teacher-mtls/secrets/client.crt": "-----BEGIN CERTIFICATE-----\ntest-client-cert\n-----END CERTIFICATE-----\n",
+        "components/teacher-mtls/secrets/client.key": "-----BEGIN PRIVATE KEY-----\ntest-client-key\n-----END PRIVATE KEY-----\n",
+    }
+
+
+SECRET_FILES = _secret_values()
+
+
+def deploy_copy(with_secrets: bool | set[str] = True) -> Path:
+    """A copy of deploy/k8s and configs/ (their relative layout kept) in a temporary directory, the
+    operator's secret files written into it (all, none, or the given subset), none of the checkout's own."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="eopd-kustomize-"))
+    ignore = lambda d, names: [n for n in names if Path(d).name == "secrets" and not n.endswith((".example", ".md"))]  # noqa: E731
+    shutil.copytree(ROOT / "deploy" / "k8s", tmp / "deploy" / "k8s", ignore=ignore)
+    shutil.copytree(ROOT / "configs", tmp / "configs")
+    for rel, value in SECRET_FILES.items():
+        if with_secrets is True or (with_secrets and rel in with_secrets):
+            f = tmp / "deploy" / "k8s" / rel
+            if f.parent.is_dir():
+                f.write_text(value)
+    return tmp
+
+
+def render(tree: Path, target: str) -> subprocess.CompletedProcess:
+    """`kubectl kustomize` of deploy/k8s/overlays/<target> in `tree`, or `+components` = the gpu
+    overlay with every component, with kustomize's DEFAULT load restrictor (as Argo CD and Flux run it)."""
+    if target == "+components":
+        path = tree / "all-components"
+        path.mkdir(exist_ok=True)
+        (path / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": ["../deploy/k8s/overlays/gpu"],
+            "components": [f"../deploy/k8s/components/{c}" for c in NAMES.k8s_components],
+        }))
+    else:
+        path = tree / "deploy" / "k8s" / "overlays" / target
+    return run([tool("kubectl"), "kustomize", str(path)], cwd=tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree() -> Path:
+    return deploy_copy()
+
+
 @functools.lru_cache(maxsize=None)
 def kustomize(target: str) -> str:
-    """Renders deploy/k8s/overlays/<target>, or `+components` = the gpu overlay with every component."""
-    if target == "+components":
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp(prefix="eopd-kustomize-"))
-        rel = lambda p: os.path.relpath(ROOT / p, tmp)  # noqa: E731 - kustomize refuses absolute paths
-        (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
-            "resources": [rel("deploy/k8s/overlays/gpu")],
-            "components": [rel(f"deploy/k8s/components/{c}") for c in NAMES.k8s_components],
-        }))
-        path = str(tmp)
-    else:
-        path = f"deploy/k8s/overlays/{target}"
-    proc = run([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", path])
-    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
+    proc = render(_tree(), target)
+    assert proc.returncode == 0, f"kubectl kustomize {target} failed:\n{proc.stderr}"
     return proc.stdout
 
 
@@ -228,6 +272,97 @@ def test_kustomize_renders_and_validates_strictly(target, tmp_path):
     rendered.write_text(kustomize(target))
     proc = run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(rendered)])
     assert proc.returncode == 0, f"kubernetes-validate --strict -k {KUBERNETES_VERSION} ({target}):\n{proc.stdout}{proc.stderr}"
+
+
+def test_no_hpa_target_sets_replicas():
+    """An HPA owns spec.replicas of its target: a value in the manifest conflicts with it under
+    `kubectl apply --server-side` and resets the replicas at every deploy."""
+    for target in TARGETS:
+        objs = objects(target)
+        hpas = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
+        assert hpas, target
+        for hpa in hpas:
+            ref = hpa["spec"]["scaleTargetRef"]
+            obj = find(objs, ref["kind"], ref["name"])
+            assert "replicas" not in obj["spec"], \
+                f"{target}: {ref['kind']} {ref['name']} sets spec.replicas but HPA {hpa['metadata']['name']} manages it"
+            assert hpa["spec"]["minReplicas"] >= 1
+
+
+def _secret_data(obj: dict[str, Any]) -> dict[str, str]:
+    import base64
+
+    return {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()} | dict(obj.get("stringData") or {})
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_secrets_come_from_the_operators_files(target):
+    """Every rendered Secret holds exactly the values of the operator's secret files (no placeholder,
+    no empty value), and the pods reference the hashed names."""
+    objs = objects(target)
+    secrets = [o for o in objs if o["kind"] == "Secret"]
+    expected = {"eopd-redis": {"password": SECRET_FILES["base/secrets/redis-password"]}}
+    if target == "+components":
+        tls = "components/teacher-tls/secrets/"
+        mtls = "components/teacher-mtls/secrets/"
+        expected |= {
+            "eopd-teacher-auth": {"token": SECRET_FILES["components/teacher-auth/secrets/token"]},
+            "eopd-teacher-tls": {k: SECRET_FILES[tls + k] for k in ("tls.crt", "tls.key", "ca.crt")},
+            "eopd-teacher-client-tls": {"tls.crt": SECRET_FILES[mtls + "client.crt"], "tls.key": SECRET_FILES[mtls + "client.key"]},
+        }
+    got = {re.sub(r"-[a-z0-9]{10}$", "", o["metadata"]["name"]): _secret_data(o) for o in secrets}
+    assert got == expected
+    for o in secrets:
+        assert o["metadata"]["namespace"] == "eopd"
+        for value in _secret_data(o).values():
+            assert value.strip() and "change-me" not in value
+    assert "change-me" not in kustomize(target)
+    # Pods reference the generated (hashed) names, never a bare one.
+    names = {o["metadata"]["name"] for o in secrets}
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
+            spec = pod_spec(o)
+            refs = [v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v]
+            refs += [e["valueFrom"]["secretKeyRef"]["name"] for c in spec["containers"] + spec.get("initContainers", [])
+                     for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+            for ref in refs:
+                optional = ref in ("eopd-teacher-auth", "eopd-teacher-tls") and o["metadata"]["name"] == "eopd-teacher"
+                assert ref in names or (optional and target != "+components"), f"{target}: {o['metadata']['name']} -> {ref}"
+
+
+@pytest.mark.parametrize("missing", sorted(SECRET_FILES))
+def test_a_render_without_the_secret_files_fails_naming_them(missing):
+    """Fail closed: without a secret file the overlay (or the component) needing it does not render,
+    and kustomize's error names the file."""
+    tree = deploy_copy(set(SECRET_FILES) - {missing})
+    needs_base = missing.startswith("base/")
+    for target in TARGETS:
+        proc = render(tree, target)
+        if needs_base or target == "+components":
+            assert proc.returncode != 0, f"{target} rendered without {missing}"
+            assert missing.rpartition("/")[2] in proc.stderr and "no such file" in proc.stderr, proc.stderr
+        else:
+            assert proc.returncode == 0, proc.stderr
+    # and the checkout's own .gitignore keeps every such file out of git, but not the examples
+    for rel in SECRET_FILES:
+        path = f"deploy/k8s/{rel}"
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, f"{path} is not git-ignored"
+        assert subprocess.run(["git", "check-ignore", "-q", path + ".example"], cwd=ROOT).returncode == 1
+        assert (ROOT / f"{path}.example").is_file(), f"{path}.example is missing"
+
+
+def test_plain_kustomize_renders_without_load_restrictions_none():
+    """Argo CD and Flux run kustomize with its default load restrictor (files only from inside each
+    kustomization's root): every overlay renders that way (kustomize() never passes the flag), the
+    run configs still come from the repository's configs/ (configs/kustomization.yaml), and nothing
+    in the deployment or its docs tells users to pass LoadRestrictionsNone."""
+    for target in TARGETS:
+        data = find(objects(target), "ConfigMap", "eopd-run-configs")["data"]
+        assert set(data) == set(yaml.safe_load((ROOT / "configs" / "kustomization.yaml").read_text())
+                                ["configMapGenerator"][0]["files"])
+    for path in [*(ROOT / "deploy").rglob("*"), ROOT / "docs" / "deploy.md"]:
+        if path.is_file() and "secrets" not in path.parts:
+            assert "LoadRestrictionsNone" not in path.read_text(), path
 
 
 def test_gpu_overlay_requests_gpus_and_probes_grpc_health():
@@ -482,6 +617,15 @@ def test_teacher_credential_components_reach_the_rollout_workers():
     assert auth["secretName"] == find(objs, "Secret", "eopd-teacher-auth")["metadata"]["name"]
     assert tls["secretName"] == find(objs, "Secret", "eopd-teacher-tls")["metadata"]["name"]
     assert [i["key"] for i in tls["items"]] == ["ca.crt"]  # the worker never sees the teacher's key
+    # teacher-mtls: the workers present a client certificate, the teacher requires one signed by the CA.
+    assert env["EOPD_RUN_TEACHER__TLS_CERT_FILE"] == "/etc/eopd/client-tls/tls.crt"
+    assert env["EOPD_RUN_TEACHER__TLS_KEY_FILE"] == "/etc/eopd/client-tls/tls.key"
+    client = volumes[mounts["/etc/eopd/client-tls"]]["secret"]
+    assert client["secretName"] == find(objs, "Secret", "eopd-teacher-client-tls")["metadata"]["name"]
+    teacher_env = find(objs, "ConfigMap", "eopd-teacher-env")["data"]
+    assert teacher_env["EOPD_TEACHER_TLS_CLIENT_CA_FILE"] == "/etc/eopd/tls/ca.crt"
+    teacher_mounts = {m["mountPath"]: m["name"] for m in pod_spec(find(objs, "Deployment", "eopd-teacher"))["containers"][0]["volumeMounts"]}
+    assert teacher_mounts["/etc/eopd/tls"] == "tls"
     with pytest.raises(AssertionError, match="not a run-config key"):
         check_run_env({"EOPD_RUN_TEACHER__AUTH_TOKN_FILE": "/x"}, "typo")
     # Without the components the workers get neither.
