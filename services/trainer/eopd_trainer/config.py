@@ -43,10 +43,13 @@ class TeacherConfig(_Section):
                              "and no answer for this long -> the stream is abandoned, the channel replaced, the requests re-sent.")
     retry_timeout_s: float = Field(300.0, gt=0, description="How long UNAVAILABLE (teacher restarting) is retried before the worker gives up.")
     ready_timeout_s: float = Field(300.0, gt=0, description="How long the worker waits for the teacher at start.")
+    streams: int = Field(2, ge=1, description="ScoreStreams a worker keeps open to the teacher (its requests spread over them); "
+                         "with a dns:/// target and round_robin load balancing they land on different teacher replicas.")
     token_remap: dict[int, int] = Field(
         default_factory=dict,
-        description="Student token id -> teacher token id applied to sequences sent to the teacher (e.g. the "
-        "student's end-of-text id to the teacher's end-of-turn id); the teacher's top-k ids are mapped back.",
+        description="Student token id -> teacher token id applied to the response tokens sent to the teacher (e.g. the "
+        "student's end-of-text id to the teacher's end-of-turn id; the prompt is sent as rendered); the teacher's "
+        "top-k ids are mapped back. Must be invertible: no two ids mapped to the same target.",
     )
     check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's "
                                                   "(a difference of special tokens explained by token_remap is accepted).")
@@ -62,6 +65,21 @@ class TeacherConfig(_Section):
     tls_key_file: str = Field("", description="Client private key for mutual TLS (with tls_cert_file).")
     tls_server_name: str = Field("", description="Name to verify the teacher's certificate against when it differs from "
                                  "the target's host (e.g. the target is an IP address).")
+
+    @model_validator(mode="after")
+    def _invertible_remap(self) -> TeacherConfig:
+        negative = sorted(i for pair in self.token_remap.items() for i in pair if i < 0)
+        if negative:
+            raise ValueError(f"teacher.token_remap: token ids must be >= 0, got {negative}")
+        sources: dict[int, list[int]] = {}
+        for src, dst in self.token_remap.items():
+            sources.setdefault(dst, []).append(src)
+        shared = {dst: srcs for dst, srcs in sources.items() if len(srcs) > 1}
+        if shared:
+            dst, srcs = min(shared.items())
+            raise ValueError(f"teacher.token_remap: ids {sorted(srcs)} are all mapped to {dst}: the remap must be invertible "
+                             "(the teacher's top-k ids are mapped back to student ids)")
+        return self
 
     @model_validator(mode="after")
     def _mutual_tls_pair(self) -> TeacherConfig:
@@ -192,7 +210,15 @@ class QueueConfig(_Section):
     namespace: str = Field("eopd", description="Prefix of every Redis key of the run: <ns>:tasks, <ns>:rollouts, <ns>:dead, <ns>:policy.")
     max_backlog: int = Field(1024, ge=1, description="Producers wait while the rollout stream holds this many entries (backpressure).")
     block_ms: int = Field(1000, ge=1, description="XREADGROUP blocking time.")
-    dead_letter_maxlen: int = Field(10_000, ge=1, description="The dead-letter stream is trimmed (approximately) to this length.")
+    dead_letter_maxlen: int = Field(10_000, ge=1, description="The dead-letter and dropped streams are trimmed (approximately) to "
+                                    "this length (the counts in <ns>:counts stay exact).")
+    max_rejected_in_a_row: int | None = Field(
+        None, ge=1, description="The learner exits (status 5, listing the recent reasons) after this many rollouts in a row were "
+        "dead-lettered or dropped as stale/future with none admitted: systematic poison, not bad luck. None: 4 x train.batch_size.")
+    lease_ttl_s: float = Field(15.0, gt=0, description="The learner's lease on the namespace (<ns>:lease) expires this long after "
+                               "its last renewal (renewed every third of it); a second learner refuses to start while it is live.")
+    lease_wait_s: float = Field(20.0, ge=0, description="How long a starting learner waits for a previous holder's lease to expire "
+                                "(e.g. a learner killed on another host) before it refuses to start (exit 2).")
 
 
 class TrainConfig(_Section):
