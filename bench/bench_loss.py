@@ -358,7 +358,7 @@ def render(payload: dict) -> tuple[list[str], list[list[str]], list[str], list[d
                 naive_cell = "- (1)"
             table.append([path, v, f(row["time_s"], ".3f"), f(row["time_vs_opd"], ".3f"), f(row["cpu_s"], ".2f"),
                           f(row["cpu_vs_opd"], ".3f"), naive_cell, f(m, ".1f"), f(fkl, ".1f")])
-    headers = ["path", "variant", "time (s, median)", "time / opd (paired)", "CPU (s, median)", "CPU / opd (paired)",
+    headers = ["path", "variant", "time (s)", "time / opd (paired)", "CPU (s)", "CPU / opd (paired)",
                "time / own naive (paired)", "extra peak (MiB)", "FKL extra vs opd (MiB)"]
     shape = payload["shape"]
     logits_mib = shape["batch"] * shape["seq"] * shape["vocab"] * 4 / 2**20  # one [N, V] float32 buffer
@@ -382,7 +382,7 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
         f"(SmolLM2-135M's lm_head), teacher top-k {shape['k']}, chunk {shape['chunk']} tokens, "
         f"{payload['gate_ratio']:.0%} of tokens gated, fp32, forward + backward. Time: "
         f"{' / '.join(map(str, rounds))} interleaved rounds after a warm-up, every variant of a path in every round; "
-        "times are medians over rounds and every ratio is the median of the per-round ratios (paired: load from "
+        "the times are medians over rounds and every ratio is the median of the per-round ratios (paired: load from "
         "other jobs hits the variants of one round alike; every round is in the JSON). CPU = the process's CPU "
         "time (both threads), which other jobs inflate less than wall time. Memory: RSS high-water mark of a "
         "fresh process per row, minus the RSS before the loss (inputs excluded, the gradients produced included).",

@@ -229,9 +229,13 @@ def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher],
     }
 
 
-def render(results: list[dict], args, preset: str, load_start: str, elapsed: float) -> str:
-    """Aggregates rounds (median per configuration) into the table and the docs section."""
+def render(results: list[dict], args, preset: str, load_start: str, elapsed: float, data: dict | None = None) -> str:
+    """Aggregates rounds (median per configuration) into the table and the docs section. `data`:
+    the results JSON being rendered (its machine, commit, time and load average are used, not
+    this machine's); None while measuring."""
     import statistics
+
+    from bench.report import header_line
 
     keys = sorted({(r["mode"], r["teachers"]) for r in results}, key=lambda k: (k[0] != "sync", k[1]))
     rows, agg = [], []
@@ -258,18 +262,22 @@ def render(results: list[dict], args, preset: str, load_start: str, elapsed: flo
                "cores used (pipeline)", "machine busy"]
     table = markdown_table(headers, rows)
     by = {(a["mode"], a["teachers"]): a for a in agg}
-    reading = _reading(by)
+    cores = _cores(data) if data else os.cpu_count()
+    reading = _reading(by, cores)
+    cmd = f"`.venv/bin/python -m bench.bench_pipeline{' --quick' if args.quick else ''}{f' --rounds {args.rounds}' if args.rounds != 1 else ''}`"
+    head = header_line(cmd, data) if data else f"{cmd} on {machine_description()}."
+    load_end = (data.get("load_end") or "not recorded by this run") if data else _loadavg()
     desc = PRESETS[preset][2]
     section = f"""## Pipeline: end to end, sync vs async, one vs two teachers (issue 9)
 
-`.venv/bin/python -m bench.bench_pipeline{' --quick' if args.quick else ''}{f' --rounds {args.rounds}' if args.rounds != 1 else ''}` on {machine_description()}.
+{head}
 Real processes as `eopd run` starts them: Redis, {'one or two' if len({k[1] for k in keys}) > 1 else 'the'} `eopd-teacher serve` process(es), {WORKERS} `eopd-rollout`
 workers (with two teachers, worker i streams to teacher i), one DeepSpeed `eopd-train` learner (ZeRO-0, fp32, CPU).
 Preset `{preset}`: {desc}; {args.iterations or PRESETS[preset][1]} iterations per configuration, of which iterations 2..N are measured
 (iteration 1 includes start-up). Every process runs with {args.threads} torch thread(s) (`OMP_NUM_THREADS`, teacher `--threads`);
-the machine has {os.cpu_count()} cores for all of them. {args.rounds} round(s), configurations interleaved (the order reversed
-every other round); medians over rounds, every round listed. Load average at the start: {load_start}; when written:
-{_loadavg()}. Total time {elapsed / 60:.1f} min.
+the machine has {cores} cores for all of them. {args.rounds} round(s), configurations interleaved (the order reversed
+every other round); medians over rounds, every round listed. Load average at the start: {load_start}; at the end:
+{load_end}. Total time {elapsed / 60:.1f} min.
 
 - **trained tok/s**: response tokens the learner trained on per second of its wall time (end to end: sampling,
   scoring, Redis, training, checkpoints, weight publication); **teacher-scored tok/s**: what the teachers scored in the
@@ -287,12 +295,21 @@ every other round); medians over rounds, every round listed. Load average at the
     return section, agg
 
 
-def _reading(by: dict) -> str:
+def _cores(data: dict) -> int:
+    """The core count of the machine a results JSON was measured on."""
+    if data.get("cores"):
+        return int(data["cores"])
+    m = re.search(r"(\d+) cores", data.get("machine", ""))
+    return int(m.group(1)) if m else os.cpu_count()
+
+
+def _reading(by: dict, cores: int) -> str:
+    """Every sentence follows from the aggregated rows (no claim the numbers do not carry)."""
     def get(mode, nt, k):
         a = by.get((mode, nt))
         return None if a is None else a[k]
 
-    lines = ["**Reading.**"]
+    lines = ["**Reading** (generated from this section's JSON)."]
     s1, a1 = get("sync", 1, "trained_tok_s"), get("async", 1, "trained_tok_s")
     if s1 and a1:
         lines.append(f"- async vs sync with one teacher: {a1 / s1:.2f}x the trained tok/s; learner idle "
@@ -303,31 +320,31 @@ def _reading(by: dict) -> str:
                      f"{100 * get('async', 2, 'learner_idle_frac'):.0f}% vs {100 * get('sync', 2, 'learner_idle_frac'):.0f}%.")
     if s1 and s2:
         lines.append(f"- two teachers vs one: {s2 / s1:.2f}x (sync){f', {a2 / a1:.2f}x (async)' if a1 and a2 else ''}.")
-    cores = [a["pipeline_cores_used"] for a in by.values()]
-    busy = [a["machine_busy_frac"] for a in by.values()]
-    cpu = {k: a["pipeline_cpu_s_per_1k_tokens"] for k, a in by.items()}
-    busy_txt = f"{100 * min(busy):.0f}%" if round(100 * min(busy)) == round(100 * max(busy)) else \
-        f"{100 * min(busy):.0f}-{100 * max(busy):.0f}%"
-    lines.append(f"- Our processes used {min(cores):.2f}-{max(cores):.2f} of the {os.cpu_count()} cores while the whole machine "
-                 f"was {busy_txt} busy: other people's jobs took the rest, so the absolute rates are low and noisy. The "
-                 f"work per token is about the same in every configuration ({min(cpu.values()):.1f}-{max(cpu.values()):.1f} "
-                 "CPU s per 1k trained tokens over all our processes); what differs is how much of the time the stages "
-                 "overlap, visible as the cores used: async keeps more of our processes running at once.")
-    idle = get("async", 2, "learner_idle_frac") if get("async", 2, "learner_idle_frac") is not None else get("async", 1, "learner_idle_frac")
-    if idle is not None:
-        lines.append(f"- Target (issue 9): learner idle <= 10% in async mode *when the teacher has capacity*: measured "
-                     f"{100 * idle:.0f}% here ({'met' if idle <= 0.10 else 'not met'}), but not because the teacher has "
-                     "capacity: in async mode the learner (training, checkpoints, weight publication) is the slowest stage "
-                     "here, so rollouts wait for it rather than the reverse. On this machine every process "
-                     f"(learner, {WORKERS} workers that sample with `generate`, the teachers) shares the same "
-                     f"{os.cpu_count()} cores, so adding a teacher or overlapping modes adds no compute: the teacher never "
-                     "has spare capacity the way a dedicated GPU teacher does, and async can only win by filling the "
-                     "gaps sync leaves (e.g. while the learner checkpoints and publishes weights, or while one process "
-                     "waits on another). What the numbers do show: the processes really run concurrently in async mode "
-                     "(staleness > 0, learner idle lower), the queue, the balancing of workers over teachers and the "
-                     "learner's accounting work end to end; what they do not show: the speed-up on a machine where the "
-                     "teacher, the samplers and the learner have their own devices (see the projection section for that "
-                     "setting).")
+    if by:
+        ours = [a["pipeline_cores_used"] for a in by.values()]
+        machine = [a["machine_busy_frac"] * cores for a in by.values()]
+        others = max(m - o for m, o in zip(machine, ours))
+        cpu = [a["pipeline_cpu_s_per_1k_tokens"] for a in by.values()]
+        share = ("other processes used at most "
+                 f"{max(others, 0.0):.2f} cores beside ours" + (" (little next to ours)" if others < 0.25 else
+                                                               ": the absolute rates carry that load"))
+        lines.append(f"- Our processes used {min(ours):.2f}-{max(ours):.2f} of the {cores} cores; the whole machine was "
+                     f"{min(machine):.2f}-{max(machine):.2f} cores busy, so {share}. Work per trained token: "
+                     f"{min(cpu):.1f}-{max(cpu):.1f} CPU s per 1k tokens over all our processes.")
+    asyncs = [(nt, by[("async", nt)]) for nt in (1, 2) if ("async", nt) in by]
+    if asyncs:
+        worst = max(a["learner_idle_frac"] for _, a in asyncs)
+        busy = ", ".join(f"{100 * a['teacher_busy_mean']:.0f}% with {nt} teacher{'s' if nt > 1 else ''}" for nt, a in asyncs)
+        line = (f"- Target (issue 9): learner idle <= 10% in async mode when the teacher has capacity: worst "
+                f"{100 * worst:.0f}% ({'met' if worst <= 0.10 else 'not met'}); the teachers were busy {busy} of the "
+                "time in async mode")
+        if all(a["teacher_busy_mean"] < 0.9 for _, a in asyncs) and worst <= 0.10:
+            line += (", so the teacher had spare capacity and the learner, not the teacher, set the rate. All processes "
+                     f"share the same {cores} cores here, so a second teacher adds no compute; the speed-up of dedicated "
+                     "devices is modelled in the projection section, not measured here.")
+        else:
+            line += "."
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -360,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(args.from_json.read_text())
         args.quick, args.iterations, args.threads = old["quick"], old["iterations"], old["threads"]
         args.rounds = 1 + max(r["round"] for r in old["results"])
-        section, _ = render(old["results"], args, old["preset"], old["load_start"], old["elapsed_s"])
+        section, _ = render(old["results"], args, old["preset"], old["load_start"], old["elapsed_s"], data=old)
         write_section("pipeline", section)
         print(section)
         return 0
@@ -413,14 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t0
     section, agg = render(results, args, preset, load_start, elapsed)
     payload = {"preset": preset, "quick": args.quick, "iterations": iterations, "threads": args.threads,
-               "load_start": load_start, "elapsed_s": elapsed, "summary": agg, "results": results}
+               "load_start": load_start, "load_end": _loadavg(), "elapsed_s": elapsed, "summary": agg, "results": results}
     print(section)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
     if not args.quick and not args.no_docs:
-        write_results("pipeline", payload)
-        write_section("pipeline", section)
+        written = json.loads(write_results("pipeline", payload).read_text())
+        write_section("pipeline", render(results, args, preset, load_start, elapsed, data=written)[0])
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

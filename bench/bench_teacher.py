@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from bench.report import markdown_table, machine_description, write_results, write_section
+from bench.report import markdown_table, write_results, write_section
 
 
 def _batch(n_seqs: int, length: int, prompt: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
@@ -192,7 +192,23 @@ def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, r
 
 
 def render(results: list[dict], args, load_start: str, minutes: float) -> None:
-    """Prints the table; a full run also writes bench/results/<section>.json and the docs section."""
+    """Prints the table; a full run also writes bench/results/<section>.json, then the docs section
+    from that JSON (the same code path as `--render`)."""
+    print(_table(results))
+    if args.quick:  # a smoke run: small shapes, one round; it writes neither results nor docs
+        return
+    section = "teacher" if args.engine == "transformers" else f"teacher_{args.engine}"
+    extra = {}
+    if args.engine == "vllm":
+        import vllm
+
+        extra["vllm_version"] = vllm.__version__
+    path = write_results(section, {"results": results, "rounds": args.rounds, "engine": args.engine, "load_start": load_start,
+                                   "load_end": _loadavg(), "minutes": minutes, **extra})
+    write_section(section, section_text(json.loads(path.read_text())))
+
+
+def _table(results: list[dict]) -> str:
     conc = results[0]["concurrency"] if results else []
     rows = []
     for r in results:
@@ -207,53 +223,101 @@ def render(results: list[dict], args, load_start: str, minutes: float) -> None:
     headers = (["engine", "weights", "batch", "scored positions", "bare forward tok/s", "in-process engine tok/s"]
                + [f"server, {c} client{'s' if c > 1 else ''} tok/s" for c in conc]
                + [f"server / engine, {c} client{'s' if c > 1 else ''}: wall (CPU)" for c in conc]
-               + ["engine vs bare: wall (CPU)", f"CPU s / 1k tok: bare / engine / server ({max(conc)} clients)",
+               + ["engine vs bare: wall (CPU)", f"CPU s / 1k tok: bare / engine / server ({max(conc, default=1)} clients)",
                   "response bytes / scored token"])
-    table = markdown_table(headers, rows)
-    print(table)
-    if args.quick:  # a smoke run: small shapes, one round; it writes neither results nor docs
-        return
-    worst_server = min(results, key=lambda r: r["server_vs_engine"])
-    worst_stats = max(results, key=lambda r: r["stats_overhead_vs_bare"])
-    worst_bytes = max(r["response_bytes_per_token"] for r in results)
+    return markdown_table(headers, rows)
+
+
+def _pct_range(xs: list[float]) -> str:
+    lo, hi = min(xs), max(xs)
+    return f"{100 * lo:+.0f}%" if round(100 * lo) == round(100 * hi) else f"{100 * lo:+.0f}% to {100 * hi:+.0f}%"
+
+
+def reading(data: dict, other: dict | None = None) -> str:
+    """The section's reading, generated from its JSON (and, only when measured on the same machine
+    and clean commit, a comparison with the other engine's JSON `other`)."""
+    from bench.report import provenance_of, same_machine_and_commit
+
+    rs = data["results"]
     met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
-    section = "teacher" if args.engine == "transformers" else f"teacher_{args.engine}"
-    write_results(section, {"results": results, "rounds": args.rounds, "engine": args.engine, "load_start": load_start,
-                            "minutes": minutes})
-    if args.engine == "transformers":
+    ws = min(rs, key=lambda r: r["server_vs_engine"])
+    wt = max(rs, key=lambda r: r["stats_overhead_vs_bare"])
+    wb = max(r["response_bytes_per_token"] for r in rs)
+    desc = lambda r: f"{r['dtype']}, {r['sequences']} x {r['length']}, {r['workload']}"  # noqa: E731
+    top = max(rs[0]["concurrency"]) if rs else 1
+    lines = ["**Reading** (generated from this section's JSON).",
+             f"- Server >= 0.9x the in-process engine: worst {ws['server_vs_engine']:.2f}x with {top} clients ({desc(ws)}): "
+             f"{met(ws['server_vs_engine'] >= 0.9)}.",
+             f"- Statistics <= +15% over the bare forward: worst {100 * wt['stats_overhead_vs_bare']:+.0f}% ({desc(wt)}): "
+             f"{met(wt['stats_overhead_vs_bare'] <= 0.15)}.",
+             f"- Response bytes per scored token <= 140 at k = 16: worst {wb:.1f}: {met(wb <= 140)}."]
+    all_pos = [r["stats_overhead_vs_bare"] for r in rs if r["workload"] == "all positions"]
+    resp = [r["stats_overhead_vs_bare"] for r in rs if r["workload"] != "all positions"]
+    vllm = data.get("engine") == "vllm"
+    if all_pos:
+        bare = ("vLLM's forward and one output projection over every position" if vllm else
+                "`model(ids).logits`, which materialises the [batch, seq, vocab] logits of the whole batch at once")
+        lines.append(f"- Rows scoring every position: both sides project every position; the bare forward is {bare}, the "
+                     f"engine projects in chunks of positions and computes the exact fp32 statistics and top-k on each "
+                     f"chunk. Engine vs bare, wall: {_pct_range(all_pos)}. What this measures is the whole difference "
+                     "between the two ways, not the cost of the statistics alone.")
+    if resp:
+        lines.append(f"- Rows scoring the response only: the engine projects only the scored positions, the bare forward "
+                     f"every position. Engine vs bare, wall: {_pct_range(resp)}.")
+    if other and other.get("results"):
+        po, pd = provenance_of(other), provenance_of(data)
+        if same_machine_and_commit(data, other):
+            for r in rs:
+                o = next((x for x in other["results"] if (x["dtype"], x["sequences"], x["length"], x["workload"]) ==
+                          (r["dtype"], r["sequences"], r["length"], r["workload"])), None)
+                if o:
+                    lines.append(f"- Against the other engine's section (same machine and commit {pd['describe']}), "
+                                 f"{desc(r)}: in-process engine {r['engine_tok_s'] / o['engine_tok_s']:.2f}x its rate.")
+        else:
+            lines.append(f"- Not compared with the {'transformers' if vllm else 'vLLM'} engine's section: the two were "
+                         f"measured in different runs (eopd@{pd['describe']} at {pd['time']} vs eopd@{po['describe']} at "
+                         f"{po['time']}); a comparison needs both from the same machine and commit.")
+    return "\n".join(lines)
+
+
+def section_text(data: dict) -> str:
+    """The whole docs section, from a results JSON (a run's, or an older one via --render)."""
+    from bench.report import RESULTS, header_line
+
+    results = data["results"]
+    conc = results[0]["concurrency"] if results else [1]
+    section = "teacher" if data.get("engine", "transformers") == "transformers" else f"teacher_{data['engine']}"
+    if section == "teacher":
         title, cmd = "Teacher: server vs in-process engine vs bare forward (issues 2, 9)", "`.venv/bin/python -m bench.bench_teacher`"
-        bare_def = "`model(ids).logits` over the same batch without statistics"
+        bare_def = ("`model(ids).logits` over the same batch without statistics (the lm_head at every position, the "
+                    "[batch, seq, vocab] logits materialised at once)")
+        other_name = "teacher_vllm"
     else:
-        import vllm
-
         title = "Teacher, vLLM engine: server vs in-process engine vs bare forward (issue 9)"
-        cmd = f"`.venv-vllm/bin/python -m bench.bench_teacher --engine vllm` (vLLM {vllm.__version__}, eager, engine core in process)"
+        version = data.get("vllm_version", "version not recorded by this run")
+        cmd = f"`.venv-vllm/bin/python -m bench.bench_teacher --engine vllm` (vLLM {version}, eager, engine core in process)"
         bare_def = "vLLM's forward (`encode`, all-token hidden states) and the output projection at every position, without statistics"
-    write_section(
-        section,
-        f"""## {title}
+        other_name = "teacher"
+    other_path = RESULTS / f"{other_name}.json"
+    other = json.loads(other_path.read_text()) if other_path.exists() else None
+    return f"""## {title}
 
-{cmd} on {machine_description()}.
-SmolLM2-135M-Instruct, top-16, temperature 1, {args.rounds} interleaved rounds per configuration (bare forward,
+{header_line(cmd, data)}
+SmolLM2-135M-Instruct, top-16, temperature 1, {data['rounds']} interleaved rounds per configuration (bare forward,
 in-process engine, then the server at each concurrency), medians of the per-round rates and ratios (every
 round is in `bench/results/{section}.json`). Throughput in scored tokens/s. "Bare forward" is
-{bare_def}; the engine computes exact fp32 entropy,
-log-probs and top-k (projection only at scored positions, fused statistics under torch.compile); the
-server is `eopd-teacher serve` in a subprocess with a forward-batch budget of one request's tokens (the
-same batch shape as the engine), driven by 1 or {max(conc)} concurrent clients each sending one request of
-the batch per round. CPU columns: process CPU seconds (the server process vs the bench process running
-the engine or the bare forward), less sensitive to other load than wall time. Load average at the start:
-{load_start}; when written: {_loadavg()}; {minutes:.1f} min in all.
+{bare_def}; the engine computes exact fp32 entropy, log-probs and top-k, projecting in chunks of
+positions (only the scored ones); the server is `eopd-teacher serve` in a subprocess with a forward-batch
+budget of one request's tokens (the same batch shape as the engine), driven by 1 or {max(conc)} concurrent
+clients each sending one request of the batch per round. CPU columns: process CPU seconds (the server
+process vs the bench process running the engine or the bare forward), less sensitive to other load than
+wall time. Load average at the start: {data.get('load_start', 'not recorded')}; at the end:
+{data.get('load_end', 'not recorded by this run')}; {data.get('minutes', 0.0):.1f} min in all.
 
-{table}
+{_table(results)}
 
-Targets: server >= 0.9x the engine: worst {worst_server['server_vs_engine']:.2f}x ({worst_server['dtype']},
-{worst_server['sequences']} x {worst_server['length']}, {worst_server['workload']}): {met(worst_server['server_vs_engine'] >= 0.9)};
-statistics <= +15% over the bare forward: worst {100 * worst_stats['stats_overhead_vs_bare']:+.0f}% ({worst_stats['dtype']},
-{worst_stats['sequences']} x {worst_stats['length']}, {worst_stats['workload']}): {met(worst_stats['stats_overhead_vs_bare'] <= 0.15)};
-response bytes per scored token <= 140 at k = 16: worst {worst_bytes:.1f}: {met(worst_bytes <= 140)}.
-""",
-    )
+{reading(data, other)}
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,15 +328,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="vllm: run from .venv-vllm; writes its own section (teacher_vllm)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--clients", type=int, default=4, help="the higher concurrency level (the lower is 1)")
-    p.add_argument("--render", action="store_true",
+    p.add_argument("--render", "--from-json", dest="render", action="store_true",
                    help="rewrite the docs section from bench/results/teacher[_ENGINE].json without measuring")
     args = p.parse_args(argv)
     if args.render:
         from bench.report import RESULTS
 
-        data = json.loads((RESULTS / ("teacher.json" if args.engine == "transformers" else f"teacher_{args.engine}.json")).read_text())
-        args.rounds, args.quick = data["rounds"], False
-        render(data["results"], args, data.get("load_start", "not recorded"), data.get("minutes", 0.0))
+        section = "teacher" if args.engine == "transformers" else f"teacher_{args.engine}"
+        write_section(section, section_text(json.loads((RESULTS / f"{section}.json").read_text())))
         return 0
     args.dtypes = args.dtypes or (["bfloat16"] if args.quick else ["bfloat16", "float32"])
     args.rounds = args.rounds or (1 if args.quick else 3)
