@@ -67,6 +67,15 @@ def _proc_cpu(pid: int) -> float:
     return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
+def _head(args, data: dict | None) -> str:
+    """The section's first line: the command and, from the JSON being rendered when there is one,
+    its machine, checkout and time (else this machine's)."""
+    from bench.report import header_line
+
+    cmd = f"`.venv/bin/python -m bench.bench_trl_peer{' --quick' if args.quick else ''}`"
+    return header_line(cmd, data) if data else f"{cmd} on {machine_description()}."
+
+
 def workload(n_seqs: int, length: int, prompt: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
     rng = np.random.default_rng(seed)
     return [(f"s{i}", rng.integers(100, 20000, length).tolist(), prompt) for i in range(n_seqs)]
@@ -361,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     if vs is not None:
         vllm_reading = (f" The vLLM-server row differs in the engine, not only the API: vLLM's forward is cheaper on this CPU "
                         f"({vs['server_cpu_s_per_1k']:.2f} vs {summary[0]['server_cpu_s_per_1k']:.2f} server CPU s per 1k tokens, "
-                        "consistent with the vLLM section above; eopd's teacher serves the same engine with `--engine vllm`, "
+                        "in this run; eopd's teacher serves the same engine with `--engine vllm`, "
                         f"exact entropy included), while its response is {vs['response_bytes_per_token']:.0f} bytes per scored "
                         f"token ({vs['response_bytes_per_token'] / grpc_b:.0f}x eopd's): JSON objects keyed by token id with "
                         "decoded strings, for every position including the prompt's, and no entropy.")
     section = f"""## Teacher API: eopd gRPC vs TRL's `/get_sequence_logprobs/` shape (issue 9)
 
-`.venv/bin/python -m bench.bench_trl_peer{' --quick' if args.quick else ''}` on {machine_description()}.
+{_head(args, old if args.from_json else None)}
 {args.model} (float32), {n_seqs} sequences x {length} tokens per request (prompt {prompt}, {scored} scored positions), top-{args.top_k},
 temperature 1; {args.clients} client threads x {per_client} request(s) each per measurement, {rounds} interleaved rounds (median; every
 round listed). Both servers are subprocesses with the same engine (`TransformersEngine`, exact fp32 statistics) and the same

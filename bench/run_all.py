@@ -240,7 +240,8 @@ trained token), assuming each model reaches the FLOP rate measured here on the s
 memory bandwidth, attention's quadratic term and student generation (the paper measured 37.7 s of a
 47.8 s step in generation on 4 x A100), so it says where scoring and training balance, not a wall time.
 
-Inputs:
+Computed by `eopd bench projection` (also at the end of `eopd bench all`) at eopd@{report.provenance()['describe']},
+{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, from these inputs:
 {inputs}
 
 - teacher basis: the best server rate over all-positions float32 rows (the learner basis is float32), {t_best['server_tok_s']:.0f} scored tok/s
