@@ -84,9 +84,11 @@ def rollout_accounting(client, ns: str, state: dict, n_samples: int = 2) -> dict
     """Where every rollout of every task the learner published went: `trained` (the committed
     ledger; fails if an id is in two iterations), `dead` (dead-lettered; a payload damaged by the
     `corrupt` fault is read past its leading 0xff byte), `unread` (still in the rollouts stream at
-    the end) and `dropped` (none of these: acknowledged without training, i.e. stale or future)."""
+    the end) and `dropped` (none of these: acknowledged without training, i.e. stale or future).
+    Fails unless every `dropped` id is recorded in `<ns>:dropped` as stale or future (`recorded`):
+    no rollout leaves the stream unaccounted for."""
     from eopd_trainer.messages import PoisonMessage, decode_rollout
-    from eopd_trainer.queue import Keys, read_dead_letters
+    from eopd_trainer.queue import Keys, read_dead_letters, read_dropped
 
     keys = Keys(ns)
     published = int(client.get(keys.tasks_next) or 0)
@@ -103,5 +105,8 @@ def rollout_accounting(client, ns: str, state: dict, n_samples: int = 2) -> dict
     unread = {decode_rollout(f[b"data"]).rollout_id for _, f in client.xrange(keys.rollouts)}
     assert trained <= every and dead <= every and unread <= every, sorted((trained | dead | unread) - every)
     assert not trained & dead, sorted(trained & dead)
-    return {"every": every, "trained": trained, "dead": dead, "unread": unread,
-            "dropped": every - trained - dead - unread}
+    dropped = every - trained - dead - unread
+    recorded = {d["rollout_id"] for d in read_dropped(client, keys.dropped) if d["reason"] in ("stale", "future")}
+    assert dropped <= recorded, f"acknowledged without a record: {sorted(dropped - recorded)}"
+    return {"every": every, "trained": trained, "dead": dead, "unread": unread, "dropped": dropped,
+            "recorded": recorded}

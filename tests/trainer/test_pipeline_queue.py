@@ -10,9 +10,14 @@ import time
 import pytest
 from eopd_trainer.queue import (
     Keys,
+    Lease,
+    LeaseHeld,
+    LeaseLost,
     StreamQueue,
     connect,
+    read_counts,
     read_dead_letters,
+    read_dropped,
     wait_for_room,
 )
 
@@ -123,6 +128,76 @@ def test_dead_letter_keeps_reason_and_payload(redis_server):
     assert row["reason"] == "undecodable ScoredRollout: truncated" and row["data"] == b"\xffpoison"
     assert row["entry_id"] == entry.entry_id and row["source"] == Keys("q3").rollouts
     assert q.length() == 0 and q.pending_count() == 0
+
+
+def test_drop_records_acks_and_counts_in_one_transaction(redis_server):
+    """A rollout acknowledged without training leaves the stream and is recorded (dropped stream +
+    exact count) by the same MULTI/EXEC: nothing in between for a crash to lose."""
+    keys = Keys("q3d")
+    q = StreamQueue(connect(redis_server.url), keys.rollouts, "learner", "c", keys.dead,
+                    dropped_stream=keys.dropped, counts_key=keys.counts)
+    q.ensure_group()
+    for i in range(4):
+        q.add(f"r{i}".encode())
+    e = q.read_new(4, block_ms=100)
+    q.drop(e[0], "stale", rollout_id="t0-s0", policy_version=0, staleness=2)
+    q.drop(e[1], "future", rollout_id="t0-s1", policy_version=5, staleness=-3)
+    q.drop(e[2], "stale", rollout_id="t1-s0", policy_version=1, staleness=2)
+    q.dead_letter(e[3], "undecodable")
+    assert q.length() == 0 and q.pending_count() == 0
+    assert read_counts(q.r, keys.counts) == {"stale": 2, "future": 1, "dead_letter": 1}
+    rows = read_dropped(q.r, keys.dropped)
+    assert [(r["rollout_id"], r["reason"], r["staleness"], r["entry_id"]) for r in rows] == [
+        ("t0-s0", "stale", "2", e[0].entry_id), ("t0-s1", "future", "-3", e[1].entry_id),
+        ("t1-s0", "stale", "2", e[2].entry_id)]
+    assert all(r["source"] == keys.rollouts and r["consumer"] == "c" for r in rows)
+    plain = StreamQueue(q.r, keys.rollouts, "learner", "c", keys.dead)  # a worker's queue: no drop records
+    with pytest.raises(RuntimeError, match="dropped_stream"):
+        plain.drop(e[0], "stale", rollout_id="x", policy_version=0, staleness=0)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_lease_one_holder_heartbeat_fencing_and_takeover(redis_server):
+    import json
+
+    r = connect(redis_server.url)
+    key = Keys("q-lease").lease
+    first = Lease(r, key, ttl_ms=600, description="first")
+    first.acquire()
+    time.sleep(1.0)  # longer than the TTL: only the heartbeat (every 200 ms) keeps it
+    assert r.get(key) == first.value and 0 < r.pttl(key) <= 600
+    second = Lease(connect(redis_server.url), key, ttl_ms=600, description="second")
+    t0 = time.monotonic()
+    with pytest.raises(LeaseHeld, match=r"held by host .* pid \d+ \(first\).*another learner is running"):
+        second.acquire(wait_s=0.5, poll_s=0.05)
+    assert time.monotonic() - t0 >= 0.45  # it waited for a possible expiry first
+    first.check()
+    first.fenced(lambda pipe: pipe.set("q-lease:fenced", b"1"))
+    assert r.get("q-lease:fenced") == b"1"
+    # Another holder took the key (e.g. our heartbeat stalled past the TTL): fenced writes refuse.
+    r.set(key, b'{"host": "elsewhere", "pid": 1}', px=5000)
+    with pytest.raises(LeaseLost, match="elsewhere"):
+        first.fenced(lambda pipe: pipe.set("q-lease:fenced", b"2"))
+    assert r.get("q-lease:fenced") == b"1"  # nothing executed
+    with pytest.raises(LeaseLost):
+        first.check()
+    first.release()  # not ours any more: left alone
+    assert r.get(key) == b'{"host": "elsewhere", "pid": 1}'
+    # A lease left by a process of this host that no longer exists (SIGKILLed) is taken over at once.
+    stale = dict(second.info, pid=_dead_pid(), token="dead")
+    r.set(key, json.dumps(stale).encode(), px=60_000)
+    second.acquire(wait_s=0)
+    assert r.get(key) == second.value
+    second.release()
+    assert r.get(key) is None
 
 
 def test_backpressure_waits_until_the_consumer_drains(redis_server):

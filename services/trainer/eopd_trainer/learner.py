@@ -45,13 +45,28 @@ from .batching import (
 )
 from .config import RunConfig, config_for_process, dump_config
 from .faults import Faults
-from .ledger import Admit, Ledger, admit, replacement_tasks_needed, tasks_to_publish
-from .messages import PoisonMessage, PromptTask, Rollout, decode_rollout, encode_task
+from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
+from .messages import PoisonMessage, PromptTask, Rollout, check_rollout_metadata, decode_rollout, encode_task
 from .metrics import MetricsSink, token_weighted_mean
+from .objective import step_generator
 
 log = logging.getLogger("eopd.learner")
 
 LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss")
+
+# Exit statuses of eopd-train: 0 done (or stopped by a signal), 2 configuration error or another
+# learner holds the namespace's lease, 4 checkpoint write failed, 5 systematic rejection of
+# rollouts, 6 the lease was lost (another learner took the namespace over).
+EXIT_REJECTED = 5
+EXIT_LEASE_LOST = 6
+
+
+class LearnerAbort(RuntimeError):
+    """Training cannot go on; `code` is the exit status (every rank raises it)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 def _quiet_libraries() -> None:
@@ -69,6 +84,8 @@ def _quiet_libraries() -> None:
 
 def fresh_state() -> dict[str, Any]:
     return {"iteration": 0, "policy_version": 0, "optimizer_steps": 0, "ledger": {},
+            # A snapshot at each commit; stale_dropped, duplicates and dead_letters are read from the exact
+            # totals in Redis (<ns>:counts, counted in the same transaction as each ack), never lost by a crash.
             "counters": {"stale_dropped": 0, "duplicates": 0, "dead_letters": 0, "replacement_tasks": 0},
             "last_entry_ids": []}
 
@@ -78,6 +95,9 @@ class Learner:
         self.cfg = cfg
         self.faults = Faults(cfg.faults)
         self.stop_requested = False
+        self.lease = None
+        limit = cfg.queue.max_rejected_in_a_row or 4 * cfg.train.batch_size
+        self.rejects = RejectStreak(limit)
 
     def request_stop(self, *_args) -> None:
         """SIGTERM/SIGINT: stop at the next point where nothing is half done (while waiting for
@@ -96,6 +116,8 @@ class Learner:
         cfg = self.cfg
         _quiet_libraries()
         self.rank, self.world = init_process_group(cfg.train.dist_backend)
+        if self.rank == 0:
+            self._acquire_lease()  # before anything slow: a second learner is refused at once
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         if self.rank == 0:
@@ -126,15 +148,25 @@ class Learner:
         if self.rank == 0:
             self._setup_queues()
 
-    def _setup_queues(self) -> None:
-        from .queue import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect
+    def _acquire_lease(self) -> None:
+        """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""
+        from .queue import Keys, Lease, connect
 
         cfg = self.cfg
         self.keys = Keys(cfg.queue.namespace)
         self.redis = connect(cfg.queue.redis_url)
+        self.lease = Lease(self.redis, self.keys.lease, ttl_ms=int(cfg.queue.lease_ttl_s * 1000),
+                           description=f"eopd-train run_dir={cfg.run_dir}")
+        self.lease.acquire(wait_s=cfg.queue.lease_wait_s)
+
+    def _setup_queues(self) -> None:
+        from .queue import GROUP_LEARNER, GROUP_ROLLOUT, StreamQueue
+
+        cfg = self.cfg
         consumer = "learner"
         self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, consumer, self.keys.dead,
-                                    cfg.queue.dead_letter_maxlen)
+                                    cfg.queue.dead_letter_maxlen, dropped_stream=self.keys.dropped,
+                                    counts_key=self.keys.counts)
         self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, consumer, self.keys.dead,
                                  cfg.queue.dead_letter_maxlen)
         self.rollouts.ensure_group()
@@ -229,24 +261,29 @@ class Learner:
             for e in entries:
                 try:
                     r = decode_rollout(e.data or b"", vocab_size=self.vocab_size)
+                    check_rollout_metadata(r, temperature=cfg.loss.temperature, top_k=cfg.teacher.top_k,
+                                           max_response_length=cfg.rollout.max_response_length)
                 except PoisonMessage as exc:
-                    self.rollouts.dead_letter(e, exc.reason)
-                    counters["dead_letters"] += 1
+                    self.rollouts.dead_letter(e, exc.reason)  # counted in <ns>:counts (dead_letter)
+                    self._rejected(f"dead letter {e.entry_id}: {exc.reason}")
                     continue
                 d = admit(r.rollout_id, r.policy_version, current_version=version,
                           max_staleness=cfg.effective_max_staleness, trained=self.ledger, in_batch=set(batch))
                 if d.kind is Admit.TRAIN:
                     batch[r.rollout_id] = (e.entry_id, e.data, r)
                     staleness.append(d.staleness)
-                elif d.kind is Admit.DUPLICATE:
-                    self.rollouts.ack([e.entry_id])  # its training effect is committed or in this batch
-                    counters["duplicates"] += 1
-                elif d.kind is Admit.STALE:
-                    self.rollouts.ack([e.entry_id])  # replaced once every task is done (below)
-                    counters["stale_dropped"] += 1
-                else:  # sampled by weights of an uncommitted future this learner rolled back from
-                    self.rollouts.ack([e.entry_id])
-                    counters["stale_dropped"] += 1
+                    self.rejects.admitted()
+                    continue
+                # Not trained: acknowledged, deleted and recorded in <ns>:dropped + <ns>:counts atomically.
+                # duplicate: its training effect is committed or in this batch; stale: replaced once every
+                # task is done (below); future: sampled by weights of an uncommitted future this learner
+                # rolled back from.
+                self.rollouts.drop(e, d.kind.value, rollout_id=r.rollout_id, policy_version=r.policy_version,
+                                   staleness=d.staleness)
+                if d.kind is not Admit.DUPLICATE:
+                    self._rejected(f"{d.kind.value} {r.rollout_id}: sampled by policy version {r.policy_version}, "
+                                   f"learner at {version} (max staleness {cfg.effective_max_staleness})")
+        self._sync_counters()
         rollouts = [v[2] for v in batch.values()]
         stats = {
             "staleness_mean": sum(staleness) / len(staleness),
@@ -262,8 +299,21 @@ class Learner:
         }
         return [v[1] for v in batch.values()], [v[0] for v in batch.values()], stats
 
+    def _rejected(self, reason: str) -> None:
+        if self.rejects.reject(reason):
+            raise LearnerAbort(self.rejects.message(), EXIT_REJECTED)
+
+    def _sync_counters(self) -> None:
+        """The drop and dead-letter totals from Redis (exact across crashes) into the state."""
+        from .queue import read_counts
+
+        c = read_counts(self.redis, self.keys.counts)
+        self.state["counters"].update(stale_dropped=c.get("stale", 0) + c.get("future", 0),
+                                      duplicates=c.get("duplicate", 0), dead_letters=c.get("dead_letter", 0))
+
     # Training ----------------------------------------------------------------------------------
-    def micro_loss(self, packed: PackedBatch, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_loss(self, packed: PackedBatch, denominator: float,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         from .objective import compute_loss, compute_loss_from_hidden
 
         dev = self.device
@@ -274,6 +324,7 @@ class Learner:
             teacher_logprobs=packed.teacher_logprobs.to(dev), teacher_entropy=packed.teacher_entropy.to(dev),
             teacher_topk_ids=packed.topk_ids.to(dev), teacher_topk_logprobs=packed.topk_logprobs.to(dev),
             config=self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
+            generator=generator,
         )
         module = self.engine.module
         if self.cfg.train.loss_from_hidden and self.cfg.train.zero_stage < 3:
@@ -298,9 +349,13 @@ class Learner:
             rows = []
             loss_sum = {k: 0.0 for k in LOSS_TERMS}
             lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
-            for micro in split(local, cfg.train.micro_batch_size):
+            opt_step = self.state["optimizer_steps"]  # 0-based index of this optimizer step in the run
+            for micro_index, micro in enumerate(split(local, cfg.train.micro_batch_size)):
                 packed = pack_rollouts(micro, self.pad_id)
-                loss, m = self.micro_loss(packed, denominator)
+                # random_fkl's draw: different at every step, rank and micro-batch, the same again
+                # when a resumed run redoes this step.
+                gen = step_generator(cfg.loss.random_seed, iteration, opt_step, self.rank, micro_index)
+                loss, m = self.micro_loss(packed, denominator, gen)
                 self.engine.backward(loss)
                 self.engine.step()
                 rows.append(({k: v for k, v in m.items() if k not in LOSS_TERMS}, packed.num_tokens))
@@ -335,8 +390,17 @@ class Learner:
         stopped = False
         for iteration in range(start_iteration + 1, self.total_iterations + 1):
             t0 = time.monotonic()
-            collected = self.collect(iteration) if self.rank == 0 else None
-            if not broadcast_int(1 if collected is not None else 0):
+            collected, status, abort = None, 1, None
+            if self.rank == 0:
+                try:
+                    collected = self.collect(iteration)
+                    status = 1 if collected is not None else 0
+                except LearnerAbort as exc:
+                    status, abort = exc.code, exc
+            status = broadcast_int(status)
+            if status > 1:
+                raise abort or LearnerAbort("rank 0 stopped the run", status)
+            if not status:
                 stopped = True
                 break
             blobs, entry_ids, stats = collected if collected is not None else (None, [], {})
@@ -352,11 +416,13 @@ class Learner:
                 # Commit: the ledger, the weights and the optimizer state describe the same instant.
                 self.state["last_entry_ids"] = list(unacked)
                 self.faults.hit("learner.before_commit", iteration=iteration)
+                self._check_lease()  # fencing: a learner that lost the namespace commits nothing
                 self.ckpt.save(self.engine, iteration, self.state, export_fn=self._export_hf)
                 self.faults.hit("learner.after_commit", iteration=iteration)
                 self.publish_weights(iteration)
                 if self.rank == 0:
-                    self.rollouts.ack(unacked)  # only now: their training effect is durable
+                    # Only now (their training effect is durable), and only while the lease is ours.
+                    self._ack_fenced(unacked)
                 unacked = []
             else:
                 self.publish_weights(iteration)
@@ -374,6 +440,33 @@ class Learner:
                 self.redis.set(self.keys.done, b"1")
                 log.info("training finished: %d iterations, %d rollouts trained", self.state["iteration"], len(self.ledger))
         return 0
+
+    def _check_lease(self) -> None:
+        from .distributed import broadcast_int
+        from .queue import LeaseLost
+
+        lost = None
+        if self.rank == 0:
+            try:
+                self.lease.check()
+            except LeaseLost as exc:
+                lost = exc
+        if broadcast_int(0 if lost is not None else 1) == 0:
+            raise LearnerAbort(f"not committing iteration {self.state['iteration']}: {lost or 'rank 0 lost the lease'}",
+                               EXIT_LEASE_LOST)
+
+    def _ack_fenced(self, entry_ids: list[str]) -> None:
+        from .queue import LeaseLost
+
+        try:
+            self.lease.fenced(lambda pipe: self.rollouts.queue_ack(pipe, entry_ids))
+        except LeaseLost as exc:
+            raise LearnerAbort(f"checkpoint of iteration {self.state['iteration']} committed but its entries not "
+                               f"acknowledged: {exc}", EXIT_LEASE_LOST) from None
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
     def _export_hf(self, path: Path) -> None:
         from .distributed import full_parameters
@@ -424,19 +517,28 @@ def main(argv: list[str] | None = None) -> int:
     learner = Learner(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, learner.request_stop)
-    try:
-        learner.setup()
-    except ValueError as exc:
-        print(f"eopd-train: {exc}", file=sys.stderr)
-        return 2
     from .checkpoint import CheckpointError
+    from .queue import LeaseHeld
 
     try:
-        return learner.run()
-    except CheckpointError as exc:
-        log.error("%s", exc)
-        print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
-        return 4
+        try:
+            learner.setup()
+        except (ValueError, LeaseHeld) as exc:
+            log.error("%s", exc)
+            print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
+            return 2
+        try:
+            return learner.run()
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
+            return 4
+        except LearnerAbort as exc:
+            log.error("%s", exc)
+            print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
+            return exc.code
+    finally:
+        learner.close()
 
 
 if __name__ == "__main__":

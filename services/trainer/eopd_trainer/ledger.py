@@ -9,6 +9,7 @@ acknowledged without training (their effect is in the weights), the others are t
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -98,3 +99,31 @@ def replacement_tasks_needed(*, missing_rollouts: int, n_samples: int, tasks_out
     if missing_rollouts <= 0 or tasks_outstanding > 0 or rollouts_waiting > 0:
         return 0
     return -(-missing_rollouts // n_samples)
+
+
+class RejectStreak:
+    """Rollouts rejected in a row (dead-lettered, or dropped as stale or future: each costs a
+    replacement task) with none admitted. Past `limit` the rejection is systematic (a worker
+    with the wrong settings, a corrupting hop) and replacement tasks would be issued forever:
+    `reject` returns True and the learner stops. Duplicates are neither (their id is trained)."""
+
+    def __init__(self, limit: int, keep: int = 10):
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        self.limit = limit
+        self.count = 0
+        self.recent: collections.deque[str] = collections.deque(maxlen=keep)
+
+    def admitted(self) -> None:
+        self.count = 0
+
+    def reject(self, reason: str) -> bool:
+        self.count += 1
+        self.recent.append(reason)
+        return self.count >= self.limit
+
+    def message(self) -> str:
+        reasons = "\n".join(f"  - {r}" for r in self.recent)
+        return (f"{self.count} rollouts in a row were rejected (dead-lettered or dropped) and none admitted "
+                f"(queue.max_rejected_in_a_row = {self.limit}): systematic, not transient; stopping instead of "
+                f"issuing replacement tasks forever. The last {len(self.recent)} reasons:\n{reasons}")

@@ -7,6 +7,8 @@ from the bytes of `eopd.v1.ScoredRollout`. `decode_rollout` validates shapes and
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +41,9 @@ def _parse(message_cls, data: bytes, what: str):
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+_TASK_ID = re.compile(r"t(0|[1-9][0-9]*)")
 
 
 def rollout_id(task_seq: int, sample_index: int) -> str:
@@ -225,6 +230,35 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
         published_unix_ns=msg.published_unix_ns,
         teacher_model=msg.teacher_model,
     )
+
+
+def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_response_length: int) -> None:
+    """What the learner requires of a decoded rollout beyond its own consistency; raises
+    PoisonMessage with the reason (the rollout is dead-lettered, not trained):
+
+    - sampled at `temperature` (loss.temperature: the old log-probs and the ratio must be taken
+      at the same temperature; a float32 field, so compared to a relative 1e-6);
+    - teacher top-k of at least `top_k` (teacher.top_k: a smaller k is a differently configured
+      or truncating teacher, and changes the forward-KL term);
+    - `rollout_id` equal to `t{seq}-s{sample_index}` with `task_id` `t{seq}` (the exactly-once
+      accounting is by these ids);
+    - at most `max_response_length` response tokens (rollout.max_response_length)."""
+    rid = r.rollout_id
+    if not math.isclose(r.sampling_temperature, temperature, rel_tol=1e-6, abs_tol=1e-9):
+        raise PoisonMessage(f"rollout {rid}: sampling_temperature {r.sampling_temperature:g} differs from loss.temperature "
+                            f"{temperature:g}")
+    if r.top_k < top_k:
+        raise PoisonMessage(f"rollout {rid}: teacher top_k {r.top_k} is smaller than teacher.top_k {top_k}")
+    m = _TASK_ID.fullmatch(r.task_id)
+    if m is None:
+        raise PoisonMessage(f"rollout {rid}: task_id {r.task_id!r} is not of the form t<seq>")
+    expected = rollout_id(int(m.group(1)), r.sample_index)
+    if rid != expected:
+        raise PoisonMessage(f"rollout {rid}: rollout_id does not match task_id {r.task_id!r} and sample_index "
+                            f"{r.sample_index} (expected {expected!r})")
+    if r.num_response_tokens > max_response_length:
+        raise PoisonMessage(f"rollout {rid}: {r.num_response_tokens} response tokens, more than "
+                            f"rollout.max_response_length {max_response_length}")
 
 
 # Policy versions ---------------------------------------------------------------------------

@@ -5,6 +5,11 @@ Keys of a run (namespace `ns`, from `queue.namespace`):
     <ns>:tasks        stream of PromptTask (group "rollout": the rollout workers)
     <ns>:rollouts     stream of ScoredRollout (group "learner")
     <ns>:dead         dead-letter stream: fields source, entry_id, consumer, reason, data
+    <ns>:dropped      rollouts the learner acknowledged without training: fields source, entry_id,
+                      rollout_id, reason (duplicate | stale | future), policy_version, staleness,
+                      consumer, unix_ns
+    <ns>:counts       hash of exact totals: duplicate, stale, future, dead_letter (learner side)
+    <ns>:lease        the learner's lease (SET NX PX, renewed by a heartbeat): one learner per ns
     <ns>:policy       the latest PolicyVersion announcement (a string key)
     <ns>:tasks:next   how many tasks the learner has published (a counter, set atomically with them)
     <ns>:done         set by the learner when training is finished (workers exit)
@@ -13,7 +18,10 @@ Every entry has one field `data` with the serialized protobuf. An entry is XACKe
 when its effect is durable (a task: its rollouts are in the rollouts stream; a rollout: the
 learner checkpoint that trained on it is committed), so XLEN is the backlog and the producers'
 wait on `max_backlog` bounds the stream. Dead letters are added and the original acked in one
-MULTI/EXEC transaction.
+MULTI/EXEC transaction; so are drops (`StreamQueue.drop`: the record in `<ns>:dropped`, the
+count in `<ns>:counts`, XACK, XDEL), so an entry that leaves the stream untrained is always
+accounted for, whatever crashes afterwards. The detail streams are trimmed (approximately) to
+`queue.dead_letter_maxlen`; the counts are exact.
 """
 
 from __future__ import annotations
@@ -63,6 +71,18 @@ class Keys:
     def done(self) -> str:
         return f"{self.ns}:done"
 
+    @property
+    def dropped(self) -> str:
+        return f"{self.ns}:dropped"
+
+    @property
+    def counts(self) -> str:
+        return f"{self.ns}:counts"
+
+    @property
+    def lease(self) -> str:
+        return f"{self.ns}:lease"
+
 
 def connect(url: str) -> redis.Redis:
     """A Redis client that retries connection errors with backoff (survives a Redis restart).
@@ -102,13 +122,15 @@ class StreamQueue:
     """One stream read through one consumer group by one named consumer."""
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, dead_stream: str,
-                 dead_maxlen: int = 10_000):
+                 dead_maxlen: int = 10_000, *, dropped_stream: str | None = None, counts_key: str | None = None):
         self.r = client
         self.stream = stream
         self.group = group
         self.consumer = consumer
         self.dead_stream = dead_stream
         self.dead_maxlen = dead_maxlen
+        self.dropped_stream = dropped_stream  # `drop` records here (the learner's rollouts queue)
+        self.counts_key = counts_key  # when set, dead letters and drops are counted in this hash
 
     def ensure_group(self) -> None:
         """Creates the stream and the group (reading from the beginning) if they do not exist."""
@@ -171,11 +193,16 @@ class StreamQueue:
         if not ids:
             return
         pipe = self.r.pipeline(transaction=True)
+        self.queue_ack(pipe, ids)
+        pipe.execute()
+
+    def queue_ack(self, pipe, entry_ids: Iterable[str]) -> None:
+        """Queues the XACK + XDEL of `entry_ids` on a transaction pipeline (e.g. `Lease.fenced`)."""
+        ids = list(entry_ids)
         for i in range(0, len(ids), 1000):
             chunk = ids[i : i + 1000]
             pipe.xack(self.stream, self.group, *chunk)
             pipe.xdel(self.stream, *chunk)
-        pipe.execute()
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
         """Moves an entry to the dead-letter stream with the reason (add + ack + delete atomically)."""
@@ -194,6 +221,35 @@ class StreamQueue:
             maxlen=self.dead_maxlen,
             approximate=True,
         )
+        if self.counts_key is not None:
+            pipe.hincrby(self.counts_key, "dead_letter", 1)
+        pipe.xack(self.stream, self.group, entry.entry_id)
+        pipe.xdel(self.stream, entry.entry_id)
+        pipe.execute()
+
+    def drop(self, entry: Entry, reason: str, *, rollout_id: str, policy_version: int, staleness: int) -> None:
+        """Acknowledges and deletes an entry that is not trained (a duplicate, a stale or a future
+        rollout) and records it, in one MULTI/EXEC: a row in the dropped stream and +1 on the
+        reason's count. A crash right after leaves the entry gone *and* counted."""
+        if self.dropped_stream is None or self.counts_key is None:
+            raise RuntimeError("StreamQueue.drop needs dropped_stream and counts_key")
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(
+            self.dropped_stream,
+            {
+                b"source": self.stream.encode(),
+                b"entry_id": entry.entry_id.encode(),
+                b"rollout_id": rollout_id.encode(),
+                b"reason": reason.encode(),
+                b"policy_version": str(policy_version).encode(),
+                b"staleness": str(staleness).encode(),
+                b"consumer": self.consumer.encode(),
+                b"unix_ns": str(time.time_ns()).encode(),
+            },
+            maxlen=self.dead_maxlen,
+            approximate=True,
+        )
+        pipe.hincrby(self.counts_key, reason, 1)
         pipe.xack(self.stream, self.group, entry.entry_id)
         pipe.xdel(self.stream, entry.entry_id)
         pipe.execute()
@@ -237,6 +293,17 @@ def wait_for_room(client: redis.Redis, stream: str, max_backlog: int, *, poll_s:
         delay = min(delay * 2, 1.0)
 
 
+def read_counts(client: redis.Redis, counts_key: str) -> dict[str, int]:
+    """The exact totals of `<ns>:counts` (reason -> count; absent reasons are 0)."""
+    return {k.decode(): int(v) for k, v in client.hgetall(counts_key).items()}
+
+
+def read_dropped(client: redis.Redis, dropped_stream: str) -> list[dict[str, str]]:
+    """Every recorded drop still in the (trimmed) dropped stream, oldest first."""
+    return [{"id": eid.decode(), **{k.decode(): v.decode(errors="replace") for k, v in fields.items()}}
+            for eid, fields in client.xrange(dropped_stream)]
+
+
 def read_dead_letters(client: redis.Redis, dead_stream: str) -> list[dict[str, str | bytes]]:
     """Every dead letter, oldest first (for tests and operators)."""
     out = []
@@ -247,3 +314,192 @@ def read_dead_letters(client: redis.Redis, dead_stream: str) -> list[dict[str, s
             row[key] = v if key == "data" else v.decode(errors="replace")
         out.append(row)
     return out
+
+
+# The learner's lease -----------------------------------------------------------------------
+
+class LeaseHeld(RuntimeError):
+    """Another live process holds the lease."""
+
+
+class LeaseLost(RuntimeError):
+    """The lease this process held expired or was taken over: it must not commit anything."""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class Lease:
+    """A Redis lease: one holder of `key` at a time (SET NX PX), renewed by a daemon thread every
+    `ttl_ms / 3` while it is still this holder's value (WATCH/MULTI, no Lua: the embedded queue
+    has none). `fenced(fn)` runs commands in a transaction that only executes while the lease is
+    ours, which is how the learner acknowledges entries after a commit.
+
+    The value names the holder (host, PID namespace, pid, a random token, a description). A
+    lease whose holder is on this host, in this PID namespace, with a pid that no longer exists
+    (a SIGKILLed learner restarted at once) is taken over without waiting for it to expire;
+    otherwise `acquire` waits up to `wait_s` for it to expire, then raises LeaseHeld."""
+
+    def __init__(self, client: redis.Redis, key: str, *, ttl_ms: int, description: str = ""):
+        import json
+        import socket
+        import uuid
+
+        self.r = client
+        self.key = key
+        self.ttl_ms = ttl_ms
+        self.info = {"host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(),
+                     "token": uuid.uuid4().hex, "description": description}
+        self.value = json.dumps(self.info, sort_keys=True).encode()
+        self.lost = False
+        self._stop = None
+        self._thread = None
+
+    @staticmethod
+    def describe(raw: bytes | None) -> str:
+        import json
+
+        if raw is None:
+            return "nobody"
+        try:
+            info = json.loads(raw)
+            return f"host {info['host']} pid {info['pid']} ({info.get('description') or 'no description'})"
+        except (ValueError, KeyError, TypeError):
+            return repr(raw[:200])
+
+    def _stale_local_holder(self, raw: bytes) -> bool:
+        import json
+
+        try:
+            info = json.loads(raw)
+            return (info["host"] == self.info["host"] and info["pidns"] == self.info["pidns"] and info["pidns"] != ""
+                    and not _pid_alive(int(info["pid"])))
+        except (ValueError, KeyError, TypeError):
+            return False
+
+    def acquire(self, wait_s: float = 0.0, poll_s: float = 0.2) -> None:
+        deadline = time.monotonic() + wait_s
+        noted = False
+        while True:
+            if self.r.set(self.key, self.value, nx=True, px=self.ttl_ms):
+                break
+            raw = self.r.get(self.key)
+            if raw is not None and self._stale_local_holder(raw) and self._replace(raw):
+                log.info("took over the lease %s of a dead process (%s)", self.key, self.describe(raw))
+                break
+            if time.monotonic() >= deadline:
+                ttl = self.r.pttl(self.key)
+                raise LeaseHeld(f"the lease {self.key} is held by {self.describe(raw)}, live for another "
+                                f"{max(0, int(ttl)) / 1000:.1f} s: another learner is running on this queue namespace; "
+                                "stop it, or use another queue.namespace")
+            if not noted:
+                log.info("waiting up to %.0f s for the lease %s held by %s", wait_s, self.key, self.describe(raw))
+                noted = True
+            time.sleep(poll_s)
+        self.lost = False
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _replace(self, expected: bytes) -> bool:
+        from redis.exceptions import WatchError
+
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(self.key)
+                if pipe.get(self.key) != expected:
+                    return False
+                pipe.multi()
+                pipe.set(self.key, self.value, px=self.ttl_ms)
+                pipe.execute()
+                return True
+            except WatchError:
+                return False
+
+    def fenced(self, queue_commands: Callable) -> None:
+        """Runs `queue_commands(pipe)` in a MULTI/EXEC that executes only if the lease is still
+        ours (WATCH on the key); raises LeaseLost otherwise (nothing executed)."""
+        from redis.exceptions import WatchError
+
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(self.key)
+                current = pipe.get(self.key)
+                if current != self.value:
+                    self.lost = True
+                    raise LeaseLost(f"the lease {self.key} is no longer ours (now held by {self.describe(current)})")
+                pipe.multi()
+                queue_commands(pipe)
+                pipe.execute()
+            except WatchError:
+                current = self.r.get(self.key)
+                if current != self.value:
+                    self.lost = True
+                    raise LeaseLost(f"the lease {self.key} changed hands (now {self.describe(current)})") from None
+                # Renewed by our own heartbeat meanwhile: try again.
+                self.fenced(queue_commands)
+
+    def check(self) -> None:
+        """Raises LeaseLost unless the key holds our value (fencing before a commit)."""
+        current = self.r.get(self.key)
+        if self.lost or current != self.value:
+            self.lost = True
+            raise LeaseLost(f"the lease {self.key} is no longer ours (now held by {self.describe(current)})")
+
+    def _renew(self) -> bool:
+        from redis.exceptions import WatchError
+
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(self.key)
+                if pipe.get(self.key) != self.value:
+                    return False
+                pipe.multi()
+                pipe.pexpire(self.key, self.ttl_ms)
+                pipe.execute()
+                return True
+            except WatchError:
+                return self.r.get(self.key) == self.value
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                if not self._renew():
+                    self.lost = True
+                    log.error("lost the lease %s (now held by %s)", self.key, self.describe(self.r.get(self.key)))
+                    return
+            except redis.exceptions.RedisError as exc:  # retried at the next beat; the TTL covers a few misses
+                log.warning("lease heartbeat failed: %s", exc)
+
+    def release(self) -> None:
+        """Stops the heartbeat and deletes the key if it is still ours."""
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(5)
+        from redis.exceptions import WatchError
+
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(self.key)
+                if pipe.get(self.key) == self.value:
+                    pipe.multi()
+                    pipe.delete(self.key)
+                    pipe.execute()
+            except WatchError:
+                pass

@@ -1,0 +1,86 @@
+"""Pure parts of the learner's admission: rollout metadata checks, the rejection streak, and the
+random_fkl generator keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from eopd_trainer.ledger import RejectStreak
+from eopd_trainer.messages import PoisonMessage, Rollout, check_rollout_metadata, decode_rollout, encode_rollout
+
+
+def rollout(rid: str = "t3-s1", n: int = 4, k: int = 8, **changes) -> Rollout:
+    rng = np.random.default_rng(0)
+    task, sample = rid.split("-")
+    base = Rollout(
+        rollout_id=rid, task_id=task, prompt_index=0, sample_index=int(sample[1:]),
+        prompt_ids=rng.integers(0, 100, 3).astype(np.int32), response_ids=rng.integers(0, 100, n).astype(np.int32),
+        old_logprobs=-rng.random(n).astype(np.float32), teacher_logprobs=-rng.random(n).astype(np.float32),
+        teacher_entropies=rng.random(n).astype(np.float32), teacher_topk_ids=rng.integers(0, 100, (n, k)).astype(np.int32),
+        teacher_topk_logprobs=-rng.random((n, k)).astype(np.float32), policy_version=0, sampling_temperature=0.7)
+    return dataclasses.replace(base, **changes)
+
+
+def check(r: Rollout, **kw) -> None:
+    args = {"temperature": 0.7, "top_k": 8, "max_response_length": 4, **kw}
+    # Through the wire format, as the learner sees it (the temperature is a float32 field).
+    check_rollout_metadata(decode_rollout(encode_rollout(r), vocab_size=100), **args)
+
+
+def test_metadata_accepted():
+    check(rollout())
+    check(rollout(k=16))  # a larger teacher top-k than configured is fine
+    check(rollout(n=2))
+
+
+@pytest.mark.parametrize(("r", "kw", "reason"), [
+    (rollout(sampling_temperature=1.0), {}, "rollout t3-s1: sampling_temperature 1 differs from loss.temperature 0.7"),
+    (rollout(k=4), {}, "rollout t3-s1: teacher top_k 4 is smaller than teacher.top_k 8"),
+    (rollout(n=5), {}, "rollout t3-s1: 5 response tokens, more than rollout.max_response_length 4"),
+    (rollout(sample_index=0), {}, "rollout t3-s1: rollout_id does not match task_id 't3' and sample_index 0 (expected 't3-s0')"),
+    (rollout(task_id="t4"), {}, "rollout t3-s1: rollout_id does not match task_id 't4' and sample_index 1"),
+    (rollout(task_id="task3"), {}, "rollout t3-s1: task_id 'task3' is not of the form t<seq>"),
+    (rollout(task_id="t03"), {}, "rollout t3-s1: task_id 't03' is not of the form t<seq>"),
+])
+def test_metadata_rejected_with_the_reason(r, kw, reason):
+    with pytest.raises(PoisonMessage) as exc:
+        check(r, **kw)
+    assert exc.value.reason.startswith(reason), exc.value.reason
+
+
+def test_reject_streak():
+    s = RejectStreak(3, keep=2)
+    assert not s.reject("a") and not s.reject("b")
+    s.admitted()  # one admitted rollout: transient
+    assert not s.reject("c") and not s.reject("d")
+    assert s.reject("e")
+    msg = s.message()
+    assert "3 rollouts in a row" in msg and "queue.max_rejected_in_a_row = 3" in msg
+    assert "  - d\n  - e" in msg and "- c" not in msg  # the most recent reasons
+    with pytest.raises(ValueError):
+        RejectStreak(0)
+
+
+def test_random_fkl_draws_differ_by_step_and_repeat_on_resume():
+    """The learner's generator keys (seed, iteration, optimizer step, rank, micro-batch): the
+    positions random_fkl picks differ between steps and are the same when a step is redone."""
+    from eopd_trainer.objective import LossConfig, compute_loss, step_generator
+
+    cfg = LossConfig(variant="random_fkl", tau=0.5, random_seed=7)
+    g = torch.Generator().manual_seed(0)
+    n, v, k = 64, 32, 4
+    logits = torch.randn(n, v, generator=g)
+    args = dict(sampled_ids=torch.randint(0, v, (n,), generator=g), old_logprobs=-torch.rand(n, generator=g),
+                teacher_logprobs=-torch.rand(n, generator=g), teacher_entropy=torch.rand(n, generator=g) * 2,
+                teacher_topk_ids=torch.randint(0, v, (n, k), generator=g),
+                teacher_topk_logprobs=torch.log_softmax(torch.randn(n, k, generator=g), -1), config=cfg)
+
+    def fkl(*keys: int) -> float:
+        return compute_loss(logits, **args, generator=step_generator(cfg.random_seed, *keys))[1]["fkl_loss"]
+
+    step0, step1, rank1, micro1 = fkl(1, 0, 0, 0), fkl(1, 1, 0, 0), fkl(1, 0, 1, 0), fkl(1, 0, 0, 1)
+    assert len({step0, step1, rank1, micro1}) == 4
+    assert fkl(1, 0, 0, 0) == step0  # a resumed run redoing the step draws the same positions
