@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.quick:
         return 0
-    write_results("loss", payload)
-    _write_doc(json.loads((RESULTS / "loss.json").read_text()), headers, table, verdicts)
+    written = write_results("loss", payload)
+    _write_doc(json.loads(written.read_text()), headers, table, verdicts)
     print("wrote bench/results/loss.json and the 'loss' section of docs/benchmarks.md")
     return 0
 
