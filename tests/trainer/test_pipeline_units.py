@@ -89,11 +89,25 @@ def test_tiny_config_and_overrides():
     (["mode=sideways"], "mode"),
     (["train"], "not of the form key=value"),
     (["train.lr.x=1"], "train.lr is not a mapping"),
+    (["teacher.token_remap={2: 7, 5: 7}"], "teacher.token_remap: ids [2, 5] are all mapped to 7: the remap must be invertible"),
+    (["teacher.token_remap={-1: 7}"], "teacher.token_remap: token ids must be >= 0, got [-1]"),
+    (["teacher.streams=0"], "teacher.streams"),
+    (["rollout.logprob_chunk_size=0"], "rollout.logprob_chunk_size"),
 ])
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as exc:
         load_config(TINY, overrides)
     assert message in str(exc.value)
+
+
+def test_teacher_streams_and_invertible_remaps():
+    """teacher.streams: 2 by default, any count >= 1; an invertible token_remap (distinct targets,
+    a swap included) is accepted and its inverse maps every target back to its source."""
+    assert load_config(TINY).teacher.streams == 2
+    assert load_config(TINY, ["teacher.streams=3"]).teacher.streams == 3
+    swap = load_config(TINY, ["teacher.token_remap={2: 7, 7: 2, 0: 9}"]).teacher.token_remap
+    inverse = {v: k for k, v in swap.items()}
+    assert len(inverse) == len(swap) and all(inverse[swap[s]] == s for s in swap)
 
 
 def test_config_needs_data_and_file():
@@ -314,6 +328,16 @@ def test_token_remap_both_ways():
     assert remap_ids(ids, {2: 7}).tolist() == [1, 7, 3, 7]
     assert remap_ids(np.array([[7, 5]]), {7: 2}).tolist() == [[2, 5]]  # the inverse map on top-k ids
     assert remap_ids(ids, {}) is ids
+
+
+def test_token_remap_applies_to_response_tokens_only():
+    """The remap translates what the student generates: a prompt's own special tokens (the chat
+    template's end of turn, id 2 here) reach the teacher unchanged, the response's are remapped."""
+    from eopd_trainer.rollout import teacher_tokens
+
+    sent = teacher_tokens([1, 2, 5], [6, 2], {2: 7})
+    assert sent.dtype == np.int64 and sent.tolist() == [1, 2, 5, 6, 7]
+    assert teacher_tokens([1, 2], [3], {}).tolist() == [1, 2, 3]
 
 
 # Prompts as the student sees them, and the tokenizer check ---------------------------------------

@@ -163,6 +163,14 @@ def remap_ids(ids: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
     return out
 
 
+def teacher_tokens(prompt_ids, response_ids, token_remap: dict[int, int]) -> np.ndarray:
+    """The token ids sent to the teacher: the prompt as rendered, the response with
+    `teacher.token_remap` applied (the remap translates what the student generates, e.g. its
+    end-of-text id to the teacher's end-of-turn id; the prompt's own special tokens are left alone)."""
+    return np.concatenate([np.asarray(prompt_ids, dtype=np.int64),
+                           remap_ids(np.asarray(response_ids, dtype=np.int64), token_remap)])
+
+
 @dataclass
 class Pending:
     """A sampled response waiting for the teacher's scores."""
@@ -454,8 +462,7 @@ class RolloutWorker:
                             rid = f"{self.worker_id}-{self._request_seq}"
                             contexts[rid] = group
                             seqs = [SequenceInput(p.rollout_id,
-                                                  remap_ids(np.asarray(p.prompt_ids + p.response_ids, dtype=np.int64),
-                                                            cfg.teacher.token_remap),
+                                                  teacher_tokens(p.prompt_ids, p.response_ids, cfg.teacher.token_remap),
                                                   len(p.prompt_ids)) for p in group]
                             await batches.put(ScoreBatch(rid, seqs, top_k=cfg.teacher.top_k,
                                                          temperature=cfg.teacher.temperature))
