@@ -231,3 +231,69 @@ def test_poison_tasks_are_dead_lettered_by_the_worker_loop(worker):
     assert by_kind["missing"]["reason"] == "PromptTask t2000: prompt_index 999 outside the 32 prompts"
     assert w.published - before == 2
     assert w.tasks.length() == 0 and w.tasks.pending_count() == 0
+
+
+def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
+    """The worker's reload (`ensure_version`, as before every task batch) on announced files that
+    cannot be loaded, fixed later: a missing file (sync mode: the worker waits, weights untouched,
+    then loads it once it appears) and a file whose bytes do not match the announced sha256 (async
+    mode: the worker keeps sampling with the version it holds, then loads the new one once fixed).
+    The failures are counted; nothing raises."""
+    import torch
+    from eopd_trainer.weights import announce, save_weights
+
+    w = worker
+    model = w.sampler.model
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    norm = "model.norm.weight"
+
+    def publish(version: int, shift: float):
+        with torch.no_grad():
+            model.model.norm.weight.add_(shift)
+        pv = save_weights(model, tmp_path, version=version, iteration=version)
+        model.load_state_dict(original)  # the worker still holds the old weights
+        return pv
+
+    async def waits_then_loads(min_version: int, fix) -> bool:
+        job = asyncio.ensure_future(w.ensure_version(min_version))
+        await asyncio.sleep(1.5)
+        assert not job.done(), "ensure_version returned before the file was fixed"
+        assert torch.equal(model.state_dict()[norm], original[norm])  # untouched meanwhile
+        fix()
+        return await asyncio.wait_for(job, 30)
+
+    failures = w.metrics.reload_failures._value.get
+    saved_cfg, before = w.cfg, failures()
+    try:
+        # 1. sync mode, the announced file is missing (pruned / not yet visible): wait, then load.
+        pv1 = publish(1, 0.5)
+        hidden = tmp_path / "elsewhere"
+        (tmp_path / "v000001.safetensors").rename(hidden)
+        announce(w.redis, w.keys.policy, pv1)
+        assert asyncio.run(waits_then_loads(1, lambda: hidden.rename(tmp_path / "v000001.safetensors")))
+        assert w.version == 1 and failures() - before >= 2  # retried (backoff), not given up
+        torch.testing.assert_close(model.state_dict()[norm], original[norm] + 0.5)
+        v1_norm = model.state_dict()[norm].clone()
+
+        # 2. async mode, v2's bytes do not match its sha256: keep sampling with v1, load v2 once fixed.
+        w.cfg = w.cfg.model_copy(update={"mode": "async"})
+        model.load_state_dict({**original, norm: v1_norm})
+        original = {k: v.clone() for k, v in model.state_dict().items()}
+        pv2 = publish(2, 0.25)
+        path = tmp_path / "v000002.safetensors"
+        good = path.read_bytes()
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0xFF
+        path.write_bytes(bytes(bad))
+        announce(w.redis, w.keys.policy, pv2)
+        mid = failures()
+        assert asyncio.run(asyncio.wait_for(w.ensure_version(1), 10))  # v1 satisfies the tasks: no wait
+        assert w.version == 1 and failures() == mid + 1
+        assert torch.equal(model.state_dict()[norm], v1_norm)
+        path.write_bytes(good)
+        assert asyncio.run(asyncio.wait_for(w.ensure_version(2), 30))
+        assert w.version == 2
+        torch.testing.assert_close(model.state_dict()[norm], v1_norm + 0.25)
+    finally:
+        w.cfg = saved_cfg
+        w.redis.delete(w.keys.policy)

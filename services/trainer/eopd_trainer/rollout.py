@@ -54,6 +54,7 @@ from .queue import (
 log = logging.getLogger("eopd.rollout")
 
 EXIT_TOKENIZER_MISMATCH = 3
+WEIGHTS_RETRY_MAX_S = 5.0  # longest wait between attempts to load an announced file that failed
 
 
 class TokenizerMismatch(RuntimeError):
@@ -205,6 +206,9 @@ class WorkerMetrics:
         self.backpressure_waits = Counter("eopd_rollout_backpressure_waits_total", "Publishes delayed by a full stream")
         self.stream_restarts = Counter("eopd_rollout_teacher_stream_restarts_total",
                                        "Teacher streams abandoned after teacher.timeout_s without an answer")
+        self.reload_failures = Counter("eopd_rollout_weight_reload_failures_total",
+                                       "Announced weights that could not be loaded (missing, sha256 mismatch, "
+                                       "rewritten while read); retried")
         self.reload_seconds = Histogram("eopd_rollout_weight_reload_seconds",
                                         "Loading an announced policy version into the sampler (in place)")
         if port:
@@ -315,14 +319,35 @@ class RolloutWorker:
             log.info("loaded policy version %d into %s in %.2fs", pv.version, self.sampler.engine, took)
 
     async def ensure_version(self, min_version: int) -> bool:
+        """Waits until the sampler holds a policy version >= `min_version` (False: the run is done
+        or the worker is stopping). An announced file that cannot be loaded right now (missing,
+        sha256 mismatch, rewritten while read: `WeightsUnavailable`) never crashes the worker: the
+        announcement is read again and the load retried with backoff (weights_poll_s doubling up to
+        WEIGHTS_RETRY_MAX_S). Meanwhile, in async mode, a worker whose current weights satisfy the
+        tasks keeps sampling with them; in sync mode it waits (the rollouts of the old weights
+        would be dropped as stale)."""
+        from .weights import WeightsUnavailable
+
+        poll = self.cfg.rollout.weights_poll_s
+        delay = poll
         while not self.stop.is_set():
-            await asyncio.to_thread(self._maybe_reload)
-            if max(self.version, 0) >= min_version:
+            failed = False
+            try:
+                await asyncio.to_thread(self._maybe_reload)
+            except WeightsUnavailable as exc:
+                failed = True
+                self.metrics.reload_failures.inc()
+                keep = self.cfg.mode == "async" and max(self.version, 0) >= min_version
+                log.warning("cannot load the announced weights: %s; %s", exc,
+                            f"sampling with policy version {max(self.version, 0)} meanwhile" if keep
+                            else f"retrying in {delay:.1f}s")
+            if max(self.version, 0) >= min_version and (not failed or self.cfg.mode == "async"):
                 self.version = max(self.version, 0)  # nothing announced yet: the spec's weights are version 0
                 return True
             if await asyncio.to_thread(self.redis.exists, self.keys.done):
                 return False
-            await asyncio.sleep(self.cfg.rollout.weights_poll_s)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max(WEIGHTS_RETRY_MAX_S, poll)) if failed else poll
         return False
 
     # Tasks -----------------------------------------------------------------------------------

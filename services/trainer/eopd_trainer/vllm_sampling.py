@@ -241,14 +241,12 @@ class VllmSampler:
         """Loads a published version into vLLM in place (and into the transformers copy)."""
         from safetensors import safe_open
 
-        from .weights import file_sha256
+        from .weights import verify_weights
 
         t0 = time.monotonic()
         path = Path(pv.uri).resolve()
         if verify:
-            digest = file_sha256(path)
-            if digest != pv.sha256:
-                raise ValueError(f"weights {path}: sha256 {digest[:12]}... does not match the announcement {pv.sha256[:12]}...")
+            verify_weights(pv)  # WeightsUnavailable (a ValueError) when missing or not the announced bytes
         with safe_open(path, framework="pt") as st:
             names = set(st.keys())
         if names != self.checkpoint_names:

@@ -92,22 +92,76 @@ def prune_weights(weights_dir: Path, keep: int, protect: int) -> None:
                 f.unlink()
 
 
-def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = True) -> None:
-    """Loads announced weights into `model` in place (dtype converted to the model's)."""
+class WeightsUnavailable(ValueError):
+    """An announced version cannot be read right now: its file is missing (pruned, not yet visible
+    on a shared file system), does not match the announced sha256 (rewritten by a learner that
+    rolled back and re-announced, or damaged), changed while it was read, or is not a readable
+    safetensors file. Transient from a worker's point of view: re-read the announcement, retry."""
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def verify_weights(pv: PolicyVersion) -> tuple[Path, tuple[int, int, int, int]]:
+    """The announced file's path and identity (device, inode, size, mtime) after checking its
+    sha256 against the announcement; WeightsUnavailable when it is missing or differs."""
+    path = Path(pv.uri)
+    try:
+        ident = _identity(path)
+        digest = file_sha256(path)
+    except FileNotFoundError:
+        raise WeightsUnavailable(f"weights {path} (version {pv.version}): file not found (pruned or not yet visible)") from None
+    except OSError as exc:
+        raise WeightsUnavailable(f"weights {path} (version {pv.version}): cannot read: {exc.strerror or exc}") from None
+    if digest != pv.sha256:
+        raise WeightsUnavailable(f"weights {path} (version {pv.version}): sha256 {digest[:12]}... does not match the "
+                                 f"announcement {pv.sha256[:12]}...")
+    return path, ident
+
+
+def read_weights(pv: PolicyVersion, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The announced tensors, read once: sha256 verified first (unless `verify=False`, when the
+    caller verified it), and the file's identity checked again after reading, so a file replaced
+    between the check and the read (a re-announced version number) is never loaded unverified."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(pv.uri)
     if verify:
-        digest = file_sha256(path)
-        if digest != pv.sha256:
-            raise ValueError(f"weights {path}: sha256 {digest[:12]}... does not match the announcement {pv.sha256[:12]}...")
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+        path, ident = verify_weights(pv)
+    else:
+        try:
+            ident = _identity(path)
+        except OSError as exc:
+            raise WeightsUnavailable(f"weights {path} (version {pv.version}): {exc.strerror or exc}") from None
+    try:
+        tensors = load_file(str(path))
+        changed = _identity(path) != ident
+    except FileNotFoundError:
+        changed = True
+    except (SafetensorError, OSError) as exc:
+        raise WeightsUnavailable(f"weights {path} (version {pv.version}): not a readable safetensors file: {exc}") from None
+    if changed:
+        raise WeightsUnavailable(f"weights {path} (version {pv.version}): the file changed while it was read")
+    return tensors
+
+
+def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = True) -> None:
+    """Loads announced weights into `model` in place (dtype converted to the model's). The model is
+    left untouched when anything is wrong: WeightsUnavailable for a file that cannot be read right
+    now (retry), ValueError for tensors that are not the model's."""
+    path = Path(pv.uri)
+    tensors = read_weights(pv, verify=verify)
+    own = set(model.state_dict())
+    unexpected = sorted(set(tensors) - own)
     if unexpected:
-        raise ValueError(f"weights {path}: unexpected tensors {sorted(unexpected)[:5]}")
-    kept = set(export_state_dict_names(model))
-    real_missing = [m for m in missing if m in kept]
-    if real_missing:
-        raise ValueError(f"weights {path}: missing tensors {sorted(real_missing)[:5]}")
+        raise ValueError(f"weights {path}: unexpected tensors {unexpected[:5]}")
+    missing = sorted(set(export_state_dict_names(model)) - set(tensors))
+    if missing:
+        raise ValueError(f"weights {path}: missing tensors {missing[:5]}")
+    model.load_state_dict(tensors, strict=False)
 
 
 def export_state_dict_names(model: torch.nn.Module) -> list[str]:
