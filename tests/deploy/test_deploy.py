@@ -177,6 +177,46 @@ def test_compose_teacher_health_check_is_grpc_health():
         assert check[:2] == ["CMD", "python"] and check[2].endswith("healthcheck.py")
 
 
+HEALTHCHECK_ENV = ("EOPD_HEALTHCHECK_TLS_CA_FILE", "EOPD_HEALTHCHECK_TLS_SERVER_NAME",
+                   "EOPD_HEALTHCHECK_TLS_CERT_FILE", "EOPD_HEALTHCHECK_TLS_KEY_FILE")
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_compose_tls_override(profile):
+    """`docker-compose -f docker-compose.yml -f docker-compose.tls.yml config` accepts the override;
+    the teacher gets its certificate pair as secrets at the paths its TLS settings name (real
+    TeacherSettings fields), its health check (the same healthcheck.py) the CA and server name
+    through variables healthcheck.py reads, and the rollout worker the CA and server name through
+    real run-config keys. (tests/reliability/test_security.py runs healthcheck.py against a real TLS
+    teacher with these variables.)"""
+    cmd = [tool("docker-compose"), "--env-file", ".env.example", "-f", "docker-compose.yml", "-f", "docker-compose.tls.yml",
+           "--profile", profile, "config", "--format", "json"]
+    proc = run(cmd, env=clean_env())
+    assert proc.returncode == 0, f"docker-compose config with docker-compose.tls.yml ({profile}):\n{proc.stderr}"
+    cfg = json.loads(proc.stdout)
+    teacher, rollout = ("teacher", "rollout") if profile == "gpu" else ("teacher-cpu", "rollout-cpu")
+    script = (ROOT / "deploy" / "docker" / "healthcheck.py").read_text()
+    t = cfg["services"][teacher]
+    env = {k: v for k, v in t["environment"].items() if v is not None}
+    mounted = {s["target"] for s in t["secrets"]}
+    for name in ("EOPD_TEACHER_TLS_CERT_FILE", "EOPD_TEACHER_TLS_KEY_FILE", "EOPD_HEALTHCHECK_TLS_CA_FILE"):
+        assert env[name] in mounted, (teacher, name)
+    check_teacher_values({k: v for k, v in env.items() if k.startswith(NAMES.teacher_env_prefix)}, f"compose tls {teacher}")
+    for name in env:
+        if name.startswith("EOPD_HEALTHCHECK_"):
+            assert name in HEALTHCHECK_ENV and name in script, f"{name} is not read by healthcheck.py"
+    assert t["healthcheck"]["test"] == compose_config(profile)["services"][teacher]["healthcheck"]["test"]
+    r = cfg["services"][rollout]
+    renv = {k: v for k, v in r["environment"].items() if k.startswith(RUN_ENV_PREFIX)}
+    assert renv["EOPD_RUN_TEACHER__TLS_CA_FILE"] in {s["target"] for s in r["secrets"]}
+    assert renv["EOPD_RUN_TEACHER__TLS_SERVER_NAME"] == env["EOPD_HEALTHCHECK_TLS_SERVER_NAME"]
+    check_run_env(renv, f"compose tls {rollout}")
+    assert {s["source"] for s in r["secrets"]} == {"teacher_ca_crt"}  # the worker never gets the key
+    for secret in cfg["secrets"].values():
+        assert Path(secret["file"]).parent == ROOT / "secrets"
+    assert subprocess.run(["git", "check-ignore", "-q", "secrets/tls.key"], cwd=ROOT).returncode == 0
+
+
 # Kubernetes ------------------------------------------------------------------------------------
 
 # Secret files the operator creates before rendering (git-ignored; */secrets/README.md): path under

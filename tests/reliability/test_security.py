@@ -186,3 +186,48 @@ def test_run_config_from_environment(monkeypatch):
     monkeypatch.setenv("EOPD_RUN_TEACHER__TARGT", "x")
     with pytest.raises(ConfigError, match="teacher.targt: unknown key"):
         load_config("configs/tiny.yaml")
+
+
+def _healthcheck(port: int, **env: str) -> subprocess.CompletedProcess:
+    """deploy/docker/healthcheck.py (the images' HEALTHCHECK) as the container runs it: the teacher's
+    own settings and the EOPD_HEALTHCHECK_* variables in the environment, nothing else EOPD_*."""
+    import os
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EOPD_")}
+    return subprocess.run([sys.executable, str(script), "--timeout", "5"], capture_output=True, text=True, timeout=60,
+                          env={**base, "EOPD_TEACHER_GRPC_PORT": str(port), **env})
+
+
+def test_container_health_check_speaks_tls_when_the_teacher_does(pki):
+    """With the teacher's TLS settings in the environment (what docker-compose.tls.yml sets), the
+    health check connects over TLS, verifies the teacher with EOPD_HEALTHCHECK_TLS_CA_FILE and
+    reports SERVING; with mutual TLS it presents the client pair. Misconfigurations exit 1 naming
+    the variable to set; a plaintext check of a TLS teacher is unhealthy."""
+    d = pki
+    server = {"EOPD_TEACHER_TLS_CERT_FILE": str(d / "server.pem"), "EOPD_TEACHER_TLS_KEY_FILE": str(d / "server.key")}
+    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key")) as proc:
+        port = proc.grpc_port
+        ok = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "ca.pem"))
+        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+        no_ca = _healthcheck(port, **server)
+        assert no_ca.returncode == 1 and "EOPD_HEALTHCHECK_TLS_CA_FILE" in no_ca.stderr
+        plain = _healthcheck(port)  # the old plaintext check against a TLS teacher
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+        wrong_ca = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "client.pem"))
+        assert wrong_ca.returncode == 1 and "unhealthy" in wrong_ca.stderr
+        wrong_name = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "ca.pem"),
+                                  EOPD_HEALTHCHECK_TLS_SERVER_NAME="not-the-teacher")
+        assert wrong_name.returncode == 1 and "unhealthy" in wrong_name.stderr
+        missing = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "missing.pem"))
+        assert missing.returncode == 1 and "cannot read" in missing.stderr and "missing.pem" in missing.stderr
+    mtls = {**server, "EOPD_TEACHER_TLS_CLIENT_CA_FILE": str(d / "ca.pem"), "EOPD_HEALTHCHECK_TLS_CA_FILE": str(d / "ca.pem")}
+    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key"),
+                         "--tls-client-ca-file", str(d / "ca.pem")) as proc:
+        no_pair = _healthcheck(proc.grpc_port, **mtls)
+        assert no_pair.returncode == 1 and "EOPD_HEALTHCHECK_TLS_CERT_FILE" in no_pair.stderr
+        ok = _healthcheck(proc.grpc_port, **mtls, EOPD_HEALTHCHECK_TLS_CERT_FILE=str(d / "client.pem"),
+                          EOPD_HEALTHCHECK_TLS_KEY_FILE=str(d / "client.key"))
+        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
