@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from pydantic import ValidationError
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from eopd_trainer.objective import (
     METRIC_KEYS,
@@ -628,6 +631,107 @@ def test_no_full_vocab_tensor_is_saved_for_backward():
         loss, _ = compute_loss_from_hidden(hidden, weight, *args, config=LossConfig(chunk_size=16))
     loss.backward()
     assert saved and max(saved) < n * vocab // 4  # hidden, weight, per-token stats: never [N, V]
+
+
+@pytest.mark.parametrize("variant", ["eopd", "entropy_bonus", "opd"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab_metrics", [True, False])
+def test_large_logit_offset_costs_no_precision(variant, temperature, vocab_metrics):
+    """fp32 logits + 1e4: the same loss, entropy and gradient as without the offset (softmax is
+    shift-invariant), to 1e-5 against the fp64 reference; the maths is done relative to the row max."""
+    logits, *args, _ = make_inputs(n=20, vocab=50, seed=4)
+    # multiples of 2^-10, the fp32 spacing at 1e4: logits + 1e4 are exact in fp32, so any difference
+    # comes from the loss's arithmetic, not from rounding the inputs
+    base = torch.round(logits.detach() * 1024) / 1024
+    cfg = LossConfig(variant=variant, temperature=temperature, chunk_size=6, entropy_coef=0.1,
+                     vocab_metrics=vocab_metrics)
+    base64 = base.clone().requires_grad_(True)
+    ref = reference_loss(base64, *args, cfg)
+    (g_ref,) = grads_of(ref, base64)
+    ent_ref = -(torch.log_softmax(base / temperature, -1).exp() * torch.log_softmax(base / temperature, -1)).sum(-1)
+    mask = args[-1]
+    for offset in (0.0, 1e4):
+        z = (base.float() + offset).requires_grad_(True)
+        loss, m = compute_loss(z, *args, cfg)
+        (g,) = grads_of(loss, z)
+        torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=0)
+        if "student_entropy" in m:
+            assert m["student_entropy"] == pytest.approx(ent_ref[mask].mean().item(), abs=1e-5)
+    # the hidden path too: a bias of 1e4
+    hidden = torch.eye(20, dtype=torch.float32).requires_grad_(True)  # hidden @ weight.T = base (exactly)
+    weight = base.float().t().contiguous()
+    loss_h, _ = compute_loss_from_hidden(hidden, weight, *args, bias=torch.full((50,), 1e4), config=cfg)
+    torch.testing.assert_close(loss_h.double(), ref, atol=1e-5, rtol=0)
+
+
+class _AllocationTracker(TorchDispatchMode):
+    """Records every tensor produced by an aten op, and after each op the set of live storages of at
+    least `min_bytes` (weak references: a storage is live while any tensor viewing it is)."""
+
+    def __init__(self, min_bytes: int):
+        super().__init__()
+        self.min_bytes = min_bytes
+        self.created: list[tuple[str, tuple[int, ...], int, int]] = []  # op, shape, numel, storage ptr
+        self._live: list[tuple[weakref.ref, int]] = []
+        self.live_sets: list[frozenset[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.created.append((str(func), tuple(t.shape), t.numel(), storage.data_ptr()))
+                if storage.nbytes() >= self.min_bytes:
+                    self._live.append((weakref.ref(t), storage.data_ptr()))
+        self._live = [(r, ptr) for r, ptr in self._live if r() is not None]
+        self.live_sets.append(frozenset(ptr for _, ptr in self._live))
+        return out
+
+    def peak_live(self, exclude: set[int]) -> int:
+        return max((len(s - exclude) for s in self.live_sets), default=0)
+
+
+def _storages(*tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+
+
+@pytest.mark.parametrize("variant,extra_buffers", [("eopd", 1), ("opd", 1), ("full_fkl", 1), ("entropy_bonus", 2)])
+@pytest.mark.parametrize("vocab_metrics", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vocab_sized_allocations(variant, extra_buffers, vocab_metrics, temperature):
+    """Every tensor created in forward + backward: the hidden path never creates one of N * V
+    elements or more (N = 4 chunks); the logits path creates exactly one, the logits' gradient. And
+    at most `extra_buffers` chunk-sized fp32 buffers are alive at once (docs/objective.md): one,
+    plus a second in backward when the student entropy is differentiated (entropy_bonus)."""
+    n, d, vocab, chunk = 64, 4, 257, 16
+    chunk_bytes = chunk * vocab * 4
+    logits, *args, _ = make_inputs(n=n, vocab=vocab, k=4, dtype=torch.float32)  # mask: scattered rows
+    cfg = LossConfig(variant=variant, chunk_size=chunk, vocab_metrics=vocab_metrics, temperature=temperature,
+                     entropy_coef=0.1)
+    inputs = _storages(*args)
+
+    hidden = torch.randn(n, d, requires_grad=True)
+    weight = torch.randn(vocab, d, requires_grad=True)
+    tracker = _AllocationTracker(chunk_bytes // 2)
+    with tracker:
+        loss, _ = compute_loss_from_hidden(hidden, weight, *args, config=cfg)
+        loss.backward()
+    assert hidden.grad is not None and weight.grad is not None
+    assert tracker.created
+    assert max(numel for _, _, numel, _ in tracker.created) < n * vocab
+    assert tracker.peak_live(inputs | _storages(hidden, weight)) == extra_buffers
+
+    tracker = _AllocationTracker(chunk_bytes // 2)
+    with tracker:
+        loss, _ = compute_loss(logits, *args, cfg)
+        loss.backward()
+    own = _storages(logits, logits.grad)
+    big = [(op, shape) for op, shape, numel, ptr in tracker.created if numel >= n * vocab and ptr not in own]
+    assert big == []
+    assert sum(1 for _, _, numel, ptr in tracker.created
+               if numel >= n * vocab and ptr == logits.grad.untyped_storage().data_ptr()) >= 1
+    assert tracker.peak_live(inputs | own) == extra_buffers
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ positions on every call with the same token count; a training loop should pass
 
 Memory: all vocabulary-sized work is done chunk by chunk over tokens (`config.chunk_size`), with
 an analytic backward that recomputes each chunk (`vocab`), so nothing of size [N, V] is created
-beyond the gradient of the logits themselves; `compute_loss_from_hidden` takes final hidden states
+beyond the gradient of the logits themselves, and one [chunk_size, V] fp32 work buffer is alive at
+a time (two in backward when the student entropy is differentiated); `compute_loss_from_hidden` takes final hidden states
 [N, D] and the output projection [V, D] and never builds [N, V] logits at all. The student's
 log-probs at the teacher's top-k are gathered only at the tokens where the FKL is applied (and at
 gated tokens for the `fkl_gated_mean` metric): [G, k] values, G the number of those tokens.

@@ -60,8 +60,8 @@ class LossConfig(BaseModel):
     chunk_size: int = Field(
         1024,
         gt=0,
-        description="Tokens per chunk of the vocabulary reductions: at most a few [chunk_size, V] "
-        "fp32 buffers are alive at once.",
+        description="Tokens per chunk of the vocabulary reductions: one [chunk_size, V] fp32 work "
+        "buffer is alive at a time (two in backward when the student entropy is differentiated).",
     )
     vocab_metrics: bool = Field(
         True,

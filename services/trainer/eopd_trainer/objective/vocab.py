@@ -7,8 +7,10 @@ Every loss variant depends on the student's logits only through a few per-token 
     entropy[m]        = lse - sum_v softmax(y)_v * y_v      [M]     (the student's entropy)
     logp_gathered[g]  = y[ids_g] - lse                      [G, k]  (teacher's top-k ids, gated rows)
 
-`vocab_stats` computes them chunk by chunk over the rows, so that only a few `[chunk, V]` buffers
-exist at any time, and never keeps anything of size `[rows, V]` for the backward pass. Its backward
+`vocab_stats` computes them chunk by chunk over the rows, relative to each row's maximum (so a
+large common offset of the logits costs no precision), with one `[chunk, V]` work buffer alive at a
+time (two in backward when the entropy is differentiated), and never keeps anything of size
+`[rows, V]` for the backward pass. Its backward
 recomputes each chunk's logits and writes the exact gradient
 
     dL/dy_v = g_s [v = x] + sum_j g_j [v = ids_j] - p_v * (a + g_H * (log p_v + H)),
@@ -105,12 +107,19 @@ class LogitsSource:
         self.dtype = _compute_dtype(logits.dtype)
 
     def chunk(self, sel, ws: _Workspace) -> tuple[Tensor, bool]:
-        """Returns `(z [c, V], private)`; `private` is False when z is a view of the logits."""
-        if isinstance(sel, slice) and self.logits.dtype == self.dtype:
-            return self.logits[sel], False
-        z = self.logits[sel]
-        out = ws.take(z.shape[0])
-        out.copy_(z)
+        """Returns `(z [c, V], private)`; `private` is False when z is a view of the logits, True
+        when it is a copy in the workspace (which the caller may then overwrite)."""
+        if isinstance(sel, slice):
+            if self.logits.dtype == self.dtype:
+                return self.logits[sel], False
+            out = ws.take(sel.stop - sel.start)
+            out.copy_(self.logits[sel])  # converts from a view: no intermediate copy
+            return out, True
+        out = ws.take(sel.numel())
+        if self.logits.dtype == self.dtype:
+            torch.index_select(self.logits, 0, sel, out=out)
+        else:  # scattered low-precision rows: one [c, V] copy in their own dtype, then converted
+            out.copy_(self.logits.index_select(0, sel))
         return out, True
 
 
@@ -143,57 +152,68 @@ class HiddenSource:
 
 
 def _forward(source, plan: VocabPlan):
+    """Per chunk: `zmax = max_v z`, `s = (z - zmax) / T`, `log_total = log sum_v exp(s)`, so that
+    `log p = s - log_total` and `H = log_total - sum_v exp(s) s / sum_v exp(s)`. Everything is taken
+    relative to the row maximum, so a large common offset of the logits costs no precision.
+
+    One `[c, V]` buffer: the exponentials are written over the chunk's private copy of the logits
+    (hidden path, converted or scattered rows) after its gathers, or into the workspace when the
+    chunk is a view of the caller's logits. Returns per-row `zmax`, `log_total` (saved for backward)
+    and the statistics."""
     m_total, k = plan.rows.numel(), plan.gather_ids.shape[1]
     dev, dt = plan.rows.device, source.dtype
     inv_t = 1.0 / plan.temperature
-    lse = torch.empty(m_total, device=dev, dtype=dt)
+    shift = torch.empty(m_total, device=dev, dtype=dt)
+    log_total = torch.empty(m_total, device=dev, dtype=dt)
     logp_s = torch.empty(m_total, device=dev, dtype=dt)
     entropy = torch.zeros(m_total, device=dev, dtype=dt)
     logp_g = torch.empty(plan.gather_pos.numel(), k, device=dev, dtype=dt)
     topk = torch.empty(m_total, plan.student_topk, device=dev, dtype=torch.long)
-    chunk_rows = min(plan.chunk_size, m_total)
-    ws_z = _Workspace(chunk_rows, source.vocab, dt, dev)  # recomputed / converted logits
-    ws_e = _Workspace(chunk_rows, source.vocab, dt, dev)  # exp(y - max y)
+    ws = _Workspace(min(plan.chunk_size, m_total), source.vocab, dt, dev)
     for m0, m1, sel, g0, g1 in plan.chunks():
-        z, _ = source.chunk(sel, ws_z)  # [c, V]
-        if plan.entropy or inv_t != 1.0:
-            zmax = z.amax(dim=1, keepdim=True)
-            e = torch.sub(z, zmax, out=ws_e.take(m1 - m0))
-            if inv_t != 1.0:
-                e.mul_(inv_t)
-            e.exp_()
-            total = e.sum(dim=1)
-            c_lse = zmax.squeeze(1) * inv_t + total.log()
-            if plan.entropy:  # sum_v e_v z_v without a [c, V] product buffer
-                ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)
-                entropy[m0:m1] = c_lse - ez * inv_t / total
-            del e
-        else:  # T = 1 and no entropy: a single fused pass, no buffer
-            c_lse = torch.logsumexp(z, dim=1)
-        lse[m0:m1] = c_lse
-        logp_s[m0:m1] = z.gather(1, plan.sampled[m0:m1, None]).squeeze(1) * inv_t - c_lse
+        z, private = source.chunk(sel, ws)  # [c, V]
+        zmax = z.amax(dim=1)  # [c]
+        # reads of z first: a private z is overwritten by the exponentials below
+        z_s = z.gather(1, plan.sampled[m0:m1, None]).squeeze(1)
         if g1 > g0:
             local = plan.gather_pos[g0:g1] - m0
-            logp_g[g0:g1] = z[local[:, None], plan.gather_ids[g0:g1]] * inv_t - c_lse[local, None]
+            z_g = z[local[:, None], plan.gather_ids[g0:g1]]  # [g, k]
         if plan.student_topk:
             topk[m0:m1] = z.topk(plan.student_topk, dim=1, sorted=False).indices
-        del z
-    return lse, logp_s, entropy, logp_g, topk
+        e = z if private else ws.take(m1 - m0)
+        torch.sub(z, zmax[:, None], out=e)
+        if inv_t != 1.0:
+            e.mul_(inv_t)
+        e.exp_()
+        total = e.sum(dim=1)
+        c_lt = total.log()
+        shift[m0:m1] = zmax
+        log_total[m0:m1] = c_lt
+        logp_s[m0:m1] = (z_s - zmax) * inv_t - c_lt
+        if g1 > g0:
+            logp_g[g0:g1] = (z_g - zmax[local, None]) * inv_t - c_lt[local, None]
+        if plan.entropy:  # sum_v e_v s_v = -sum_v entr(e_v), in place (entr(0) = 0)
+            torch.special.entr(e, out=e)
+            entropy[m0:m1] = c_lt + e.sum(dim=1) / total
+        del z, e
+    return shift, log_total, logp_s, entropy, logp_g, topk
 
 
-def _chunk_grad(z: Tensor, out: Tensor, plan: VocabPlan, m0, m1, g0, g1, lse, ent, a, g_s, g_h, g_g):
-    """Writes dL/dz of one chunk into `out` [c, V]; `out` may be `z` itself (then z is consumed)."""
+def _chunk_grad(z: Tensor, out: Tensor, plan: VocabPlan, m0, m1, g0, g1, shift, log_total, ent, a, g_s, g_h,
+                g_g, ws_p: _Workspace):
+    """Writes dL/dz of one chunk into `out` [c, V]; `out` may be `z` itself (then z is consumed).
+    Uses `ws_p` (a second [c, V] buffer) only when the entropy is differentiated (g_h given)."""
     inv_t = 1.0 / plan.temperature
+    torch.sub(z, shift[m0:m1, None], out=out)  # z - zmax: exact for nearby values, whatever the offset
     if inv_t != 1.0:
-        torch.add(-lse[m0:m1, None], z, alpha=inv_t, out=out)  # log p
-    else:
-        torch.sub(z, lse[m0:m1, None], out=out)
+        out.mul_(inv_t)
     if g_h is not None:
-        p = out.exp()
+        out.sub_(log_total[m0:m1, None])  # log p
+        p = torch.exp(out, out=ws_p.take(m1 - m0))
         out.add_(ent[m0:m1, None]).mul_(g_h[m0:m1, None]).add_(a[m0:m1, None]).mul_(p).mul_(-inv_t)
         del p
-    else:
-        out.exp_().mul_(a[m0:m1, None] * -inv_t)
+    else:  # -a p / T, with p = exp(s) / total
+        out.exp_().mul_((a[m0:m1] * torch.exp(-log_total[m0:m1]) * -inv_t)[:, None])
     c = m1 - m0
     ar = torch.arange(c, device=out.device)
     out.index_put_((ar, plan.sampled[m0:m1]), g_s[m0:m1] * inv_t, accumulate=True)
@@ -207,19 +227,20 @@ class _VocabStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: VocabPlan, logits, hidden, weight, bias):
         source = LogitsSource(logits) if logits is not None else HiddenSource(hidden, weight, bias)
-        lse, logp_s, entropy, logp_g, topk = _forward(source, plan)
+        shift, log_total, logp_s, entropy, logp_g, topk = _forward(source, plan)
         ctx.plan = plan
         ctx.set_materialize_grads(False)  # unused outputs (e.g. a metrics-only entropy) cost nothing
         ctx.mark_non_differentiable(topk)
         if not plan.entropy:
             ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(logits, hidden, weight, bias, lse, entropy)
+        ctx.save_for_backward(logits, hidden, weight, bias, shift, log_total, entropy)
         return logp_s, entropy, logp_g, topk
 
     @staticmethod
     def backward(ctx, g_s, g_h, g_g, _g_topk):
         plan: VocabPlan = ctx.plan
-        logits, hidden, weight, bias, lse, ent = ctx.saved_tensors
+        logits, hidden, weight, bias, shift, log_total, ent = ctx.saved_tensors
+        lse = log_total  # device and dtype of the per-row statistics
         need_logits, need_h, need_w, need_b = ctx.needs_input_grad[1:5]
         m_total = plan.rows.numel()
         dt = lse.dtype
@@ -237,6 +258,7 @@ class _VocabStats(torch.autograd.Function):
                 return None, None, None, None, None
             source = LogitsSource(logits)
             ws = _Workspace(chunk_rows, source.vocab, dt, lse.device)
+            ws_p = _Workspace(chunk_rows, source.vocab, dt, lse.device)  # allocated only if g_h
             full = m_total == logits.shape[0]
             grad_logits = (torch.empty_like if full else torch.zeros_like)(logits)
             for m0, m1, sel, g0, g1 in plan.chunks():
@@ -244,9 +266,11 @@ class _VocabStats(torch.autograd.Function):
                 # A contiguous chunk of same-dtype logits is a view: write its gradient straight
                 # into grad_logits. Otherwise z is already a private copy: overwrite it in place.
                 out = z if private else grad_logits[sel]
-                _chunk_grad(z, out, plan, m0, m1, g0, g1, lse, ent, a, g_s, g_h, g_g)
-                if private:
-                    grad_logits[sel] = out.to(grad_logits.dtype)
+                _chunk_grad(z, out, plan, m0, m1, g0, g1, shift, log_total, ent, a, g_s, g_h, g_g, ws_p)
+                if private and isinstance(sel, slice):
+                    grad_logits[sel].copy_(out)  # converts into the view: no intermediate copy
+                elif private:
+                    grad_logits.index_copy_(0, sel, out.to(grad_logits.dtype))
                 del z, out
             return None, grad_logits, None, None, None
 
@@ -254,6 +278,7 @@ class _VocabStats(torch.autograd.Function):
             return None, None, None, None, None
         source = HiddenSource(hidden, weight, bias)
         ws = _Workspace(chunk_rows, source.vocab, dt, lse.device)
+        ws_p = _Workspace(chunk_rows, source.vocab, dt, lse.device)  # allocated only if g_h
         if need_h:
             grad_h = torch.zeros_like(hidden)
         if need_w:
@@ -262,7 +287,7 @@ class _VocabStats(torch.autograd.Function):
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=dt)
         for m0, m1, sel, g0, g1 in plan.chunks():
             out, _ = source.chunk(sel, ws)  # freshly recomputed logits: turned into dL/dz in place
-            _chunk_grad(out, out, plan, m0, m1, g0, g1, lse, ent, a, g_s, g_h, g_g)
+            _chunk_grad(out, out, plan, m0, m1, g0, g1, shift, log_total, ent, a, g_s, g_h, g_g, ws_p)
             dz = out if out.dtype == weight.dtype else out.to(weight.dtype)
             if grad_h is not None:
                 grad_h[sel] = (dz @ weight).to(grad_h.dtype)
