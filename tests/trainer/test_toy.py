@@ -59,6 +59,32 @@ def test_eopd_recovers_the_teachers_top10_in_scenario_b(toy_out: Path):
     assert b["eopd"]["final_fkl_mean"] < b["final_fkl_mean"]
 
 
+def test_tau_between_the_teacher_entropies_gates_b_only(toy_out: Path):
+    """The tau_mid run (3.0, between A's ~2.1 and B's ~3.9 nats): A gets no FKL, so it is the
+    reverse-KL run exactly; B gets it, so it is the tau = 0.8 EOPD run exactly (the toy's update
+    depends on tau only through the gate)."""
+    res = json.loads((toy_out / "toy_results.json").read_text())
+    tau_mid = res["config"]["tau_mid"]
+    a, b = res["scenarios"]["A"], res["scenarios"]["B"]
+    assert max(a["teacher_entropy_per_seed"]) < tau_mid < min(b["teacher_entropy_per_seed"])
+    assert a["eopd_tau_mid"]["tau"] == tau_mid and a["eopd"]["tau"] == res["config"]["tau"]
+    assert a["eopd_tau_mid"]["fkl_applied_per_seed"] == [False] * 3
+    assert b["eopd_tau_mid"]["fkl_applied_per_seed"] == [True] * 3
+    per_run = ("top1_change_counts", "top10_change_rate_per_seed", "final_fkl_mean", "final_top10_overlap_mean")
+    for key in per_run:
+        assert a["eopd_tau_mid"][key] == a[key], key
+        assert b["eopd_tau_mid"][key] == b["eopd"][key], key
+    assert a["eopd"]["top1_change_counts"] != a["top1_change_counts"]  # at tau = 0.8, A is gated
+
+
+def test_tau_mid_option():
+    cfg = ToyConfig(steps=40, tau_mid=100.0)
+    results, runs = toy.experiment(1, cfg)
+    b = results["scenarios"]["B"]
+    assert b["eopd_tau_mid"]["fkl_applied_per_seed"] == [False] and b["eopd"]["fkl_applied_per_seed"] == [True]
+    assert b["eopd_tau_mid"]["top1_change_counts"] == b["top1_change_counts"]
+
+
 def test_figures_are_written(toy_out: Path):
     for name in ("toy_top10_change_rate.png", "toy_distributions.png"):
         data = (toy_out / name).read_bytes()

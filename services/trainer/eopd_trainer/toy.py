@@ -35,14 +35,16 @@ FKL = sum_{x in S10_te} p~(x) (log p~(x) - log P_S(x)), p~ the teacher's top-10 
 P_S the student's full softmax (as in the loss, eq. 11). One gradient step with the same eta on
 both terms, from the same s: s_x += eta * r(x) and s += eta * alpha * (p~ - P_S) when gated.
 With the paper's tau = 0.8 both scenarios are gated (the teacher entropies are about 2.1 and 3.9
-nats here: with V = 80 and N(0, 1) logits even T = 0.3 leaves much mass off the five modes).
+nats here: with V = 80 and N(0, 1) logits even T = 0.3 leaves much mass off the five modes), so a
+second EOPD run uses tau_mid = 3.0, between the two: the gate then does what it is for, A (low
+entropy) runs pure reverse KL and B (high entropy) gets the FKL (key "eopd_tau_mid" in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,7 @@ class ToyConfig:
     eta: float = 1.0
     steps: int = 650
     tau: float = 0.8  # EOPD gate on the teacher entropy (nats), paper default
+    tau_mid: float = 3.0  # a second EOPD run gated between the teacher entropies (A ~2.1, B ~3.9 nats)
     alpha: float = 1.0  # EOPD forward-KL weight, paper default
     fkl_k: int = 10  # EOPD forward KL over the teacher's top-10, renormalised
     tail: int = 100  # window (last steps) for the "settled" statistics
@@ -144,15 +147,21 @@ def run_toy(seed: int, temperature: float, method: str = "rkl", cfg: ToyConfig =
     return ToyRun(int(changed.sum()), changed, in_top5, jaccard, p_te, h_te, s, final_fkl, overlap, gated)
 
 
+#: The runs of each scenario: JSON key -> (method, which tau). "rkl" is the paper's reward; "eopd"
+#: the EOPD update gated at cfg.tau (0.8: both scenarios gated); "eopd_tau_mid" gated at cfg.tau_mid.
+RUNS = {"rkl": ("rkl", "tau"), "eopd": ("eopd", "tau"), "eopd_tau_mid": ("eopd", "tau_mid")}
+
+
 def experiment(seeds: int, cfg: ToyConfig = ToyConfig()) -> tuple[dict, dict]:
-    """All scenarios x methods x seeds. Returns (json-ready results, raw runs for the plots)."""
-    runs = {(sc, m): [run_toy(i, temp, m, cfg) for i in range(seeds)]
-            for sc, temp in SCENARIOS.items() for m in METHODS}
+    """All scenarios x runs x seeds. Returns (json-ready results, raw runs for the plots)."""
+    cfgs = {"tau": cfg, "tau_mid": replace(cfg, tau=cfg.tau_mid)}
+    runs = {(sc, key): [run_toy(i, temp, method, cfgs[which]) for i in range(seeds)]
+            for sc, temp in SCENARIOS.items() for key, (method, which) in RUNS.items()}
     out: dict = {"config": {**asdict(cfg), "seeds": list(range(seeds)), "modes": list(MODES), "std_ddof": 0},
                  "scenarios": {}}
     for sc, temp in SCENARIOS.items():
         entry: dict = {"temperature": temp}
-        for m in METHODS:
+        for m, (_, which) in RUNS.items():
             rs = runs[(sc, m)]
             counts = np.array([r.top1_changes for r in rs], dtype=float)
             rates = np.stack([r.top10_change_rate for r in rs])
@@ -169,13 +178,14 @@ def experiment(seeds: int, cfg: ToyConfig = ToyConfig()) -> tuple[dict, dict]:
                 "final_fkl_mean": float(np.mean([r.final_fkl for r in rs])),
                 "final_top10_overlap_mean": float(np.mean([r.final_top10_overlap for r in rs])),
                 "fkl_applied": bool(rs[0].gated),
+                "fkl_applied_per_seed": [bool(r.gated) for r in rs],
             }
             if m == "rkl":  # the paper's Table 1 keys, at the scenario's top level
                 entry.update(stats)
                 entry["teacher_entropy"] = float(np.mean([r.teacher_entropy for r in rs]))
                 entry["teacher_entropy_per_seed"] = [r.teacher_entropy for r in rs]
             else:
-                entry["eopd"] = stats
+                entry[m] = {**stats, "tau": getattr(cfg, which)}
         out["scenarios"][sc] = entry
     return out, runs
 
@@ -193,7 +203,10 @@ def table_rows(results: dict) -> list[list[str]]:
             f"{e['teacher_entropy']:.2f}",
             f"{e['top1_change_count_mean']:.1f} ± {e['top1_change_count_std']:.1f}",
             f"{e['eopd']['top1_change_count_mean']:.1f} ± {e['eopd']['top1_change_count_std']:.1f}",
-            f"{e['top10_change_rate_tail_mean']:.3f} / {e['eopd']['top10_change_rate_tail_mean']:.3f}",
+            f"{e['eopd_tau_mid']['top1_change_count_mean']:.1f} ± {e['eopd_tau_mid']['top1_change_count_std']:.1f}"
+            f" ({_gated(e['eopd_tau_mid'])})",
+            f"{e['top10_change_rate_tail_mean']:.3f} / {e['eopd']['top10_change_rate_tail_mean']:.3f}"
+            f" / {e['eopd_tau_mid']['top10_change_rate_tail_mean']:.3f}",
             f"{e['final_top10_overlap_mean']:.1f} / {e['eopd']['final_top10_overlap_mean']:.1f}",
             f"{e['top1_in_teacher_top5_tail']:.2f} / {e['eopd']['top1_in_teacher_top5_tail']:.2f}",
             f"{e['final_fkl_mean']:.2f} / {e['eopd']['final_fkl_mean']:.2f}",
@@ -201,9 +214,15 @@ def table_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+def _gated(stats: dict) -> str:
+    per_seed = stats["fkl_applied_per_seed"]
+    return "FKL on" if all(per_seed) else "FKL off" if not any(per_seed) else f"FKL on {sum(per_seed)}/{len(per_seed)}"
+
+
 TABLE_HEADERS = [
     "Teacher entropy", "Temp.", "H_te", "Top-1 changes, RKL", "Top-1 changes, EOPD",
-    "Top-10 change rate (tail) RKL / EOPD", "Top-10 overlap RKL / EOPD",
+    "Top-1 changes, EOPD tau_mid", "Top-10 change rate (tail) RKL / EOPD / EOPD tau_mid",
+    "Top-10 overlap RKL / EOPD",
     "Top-1 in teacher top-5 (tail) RKL / EOPD", "Final FKL RKL / EOPD",
 ]
 
@@ -212,7 +231,8 @@ def print_table(results: dict) -> None:
     rows = table_rows(results)
     cfg = results["config"]
     title = (f"Toy experiment (paper Table 1): {len(cfg['seeds'])} seeds, eta = {cfg['eta']}, "
-             f"{cfg['steps']} steps; EOPD: tau = {cfg['tau']}, alpha = {cfg['alpha']}")
+             f"{cfg['steps']} steps; EOPD: tau = {cfg['tau']}, alpha = {cfg['alpha']}; "
+             f"EOPD tau_mid: tau = {cfg['tau_mid']}")
     try:
         from rich.console import Console
         from rich.table import Table
@@ -246,12 +266,14 @@ def plot_change_rate(results: dict, path: Path, window: int = 20) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), sharey=True)
     colors = {"A": "tab:blue", "B": "tab:red"}
+    cfg = results["config"]
     for ax, method, title in ((axes[0], "rkl", "Reverse-KL reward (paper)"),
-                              (axes[1], "eopd", "EOPD: + FKL on teacher top-10 when H >= tau")):
+                              (axes[1], "eopd", f"EOPD, tau = {cfg['tau']}: FKL in A and B"),
+                              (axes[2], "eopd_tau_mid", f"EOPD, tau = {cfg['tau_mid']}: FKL in B only")):
         for sc, e in results["scenarios"].items():
-            per_seed = np.array((e if method == "rkl" else e["eopd"])["top10_change_rate_per_seed"])
+            per_seed = np.array((e if method == "rkl" else e[method])["top10_change_rate_per_seed"])
             sm = np.stack([_smooth(r, window) for r in per_seed])
             mean, std = sm.mean(axis=0), sm.std(axis=0)
             steps = np.arange(1, mean.size + 1)
@@ -305,12 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eta", type=float, default=ToyConfig.eta, help="learning rate (default 1.0)")
     p.add_argument("--steps", type=int, default=ToyConfig.steps, help="update steps (default 650)")
     p.add_argument("--tau", type=float, default=ToyConfig.tau, help="EOPD entropy gate (default 0.8)")
+    p.add_argument("--tau-mid", type=float, default=ToyConfig.tau_mid,
+                   help="gate of the second EOPD run, between the teacher entropies (default 3.0)")
     p.add_argument("--alpha", type=float, default=ToyConfig.alpha, help="EOPD FKL weight (default 1.0)")
     p.add_argument("--no-plots", action="store_true", help="skip the figures")
     args = p.parse_args(argv)
     if args.seeds < 1 or args.steps < 1:
         p.error("--seeds and --steps must be >= 1")
-    cfg = ToyConfig(eta=args.eta, steps=args.steps, tau=args.tau, alpha=args.alpha)
+    cfg = ToyConfig(eta=args.eta, steps=args.steps, tau=args.tau, tau_mid=args.tau_mid, alpha=args.alpha)
     results, runs = experiment(args.seeds, cfg)
     args.out.mkdir(parents=True, exist_ok=True)
     print_table(results)
