@@ -160,6 +160,24 @@ def test_tokenizer_mismatch_refused(tmp_path, redis_server, tiny_teacher):
     assert redis_server.client().xlen(Keys("mismatch").rollouts) == 0
 
 
+def test_teacher_limits_refused_at_start(tmp_path, redis_server, tiny_teacher):
+    """A run whose requests the real teacher would refuse (its GetModelInfo: context 2048, top-k at
+    most 64) is refused before any task is taken: exit code 2, one message naming every config key."""
+    ov = overrides(tmp_path / "run", redis_server.url, tiny_teacher.target, "limits-start",
+                   "teacher.top_k=100", "data.max_prompt_length=2040")
+    worker = spawn_worker(ov, "wl")
+    try:
+        assert wait_exit(worker, 120) == 2, describe(worker)
+    finally:
+        worker.stop()
+    log = worker.log()
+    assert "cannot serve this run" in log, log[-2000:]
+    assert ("data.max_prompt_length (2040) + rollout.max_response_length (16) = 2056 exceeds the teacher's "
+            "max_context_length (2048)") in log, log[-2000:]
+    assert "teacher.top_k (100) exceeds the teacher's max_top_k (64)" in log, log[-2000:]
+    assert redis_server.client().xlen(Keys("limits-start").rollouts) == 0
+
+
 @pytest.mark.chaos
 def test_learner_sigterm_stops_cleanly_and_resumes_nothing_lost(tmp_path, redis_server, tiny_teacher):
     """SIGTERM while waiting for rollouts: exit 0 without marking the run done."""

@@ -560,3 +560,50 @@ def test_an_unknown_logit_transform_is_refused_at_start():
         TransformersSampler("odd", model=model, tokenizer=tok)
     plain = LlamaForCausalLM(tiny_random_config(VOCAB)).eval()
     assert TransformersSampler("plain", model=plain, tokenizer=tok, logprob_chunk_size=7).logprob_chunk_size == 7
+
+
+# The worker's checks of the teacher (pure logic) -------------------------------------------------
+
+def test_check_teacher_limits_names_every_config_key():
+    from types import SimpleNamespace
+
+    from eopd_trainer.rollout import TeacherIncompatible, check_teacher_limits
+
+    info = SimpleNamespace(model_name="t", max_context_length=1000, max_top_k=16, max_sequences_per_request=2,
+                           vocab_size=100)
+    tok = [0] * 100  # len() is all the check reads of the tokenizer
+    ok = load_config(TINY, ["data.max_prompt_length=984", "rollout.max_response_length=16", "teacher.top_k=16",
+                            "teacher.sequences_per_request=2", "teacher.token_remap={2: 99}"])
+    check_teacher_limits(info, ok, tok)  # every limit met exactly
+    bad = load_config(TINY, ["data.max_prompt_length=985", "rollout.max_response_length=16", "teacher.top_k=17",
+                             "teacher.sequences_per_request=3", "teacher.token_remap={2: 100}"])
+    with pytest.raises(TeacherIncompatible) as exc:
+        check_teacher_limits(info, bad, [0] * 101)
+    msg = str(exc.value)
+    for part in ("data.max_prompt_length (985) + rollout.max_response_length (16) = 1001 exceeds the teacher's "
+                 "max_context_length (1000)", "teacher.top_k (17) exceeds the teacher's max_top_k (16)",
+                 "teacher.sequences_per_request (3) exceeds the teacher's max_sequences_per_request (2)",
+                 "its tokenizer has 101 ids, more than the teacher's vocabulary (100)",
+                 "teacher.token_remap: target ids [100] outside the teacher's vocabulary [0, 100)"):
+        assert part in msg, (part, msg)
+
+
+def test_answer_problems_match_ids_and_positions():
+    from types import SimpleNamespace
+
+    from eopd_trainer.rollout import answer_problems
+
+    def pending(rid, n):
+        return SimpleNamespace(rollout_id=rid, response_ids=[1] * n)
+
+    def scores(sid, n, k=2, rows=None):
+        r = n if rows is None else rows
+        return SimpleNamespace(seq_id=sid, token_logprobs=np.zeros(n), entropies=np.zeros(n),
+                               topk_ids=np.zeros((r, k)), topk_logprobs=np.zeros((n, k)))
+
+    group = [pending("t0-s0", 3), pending("t0-s1", 2), pending("t1-s0", 4)]
+    assert answer_problems(group, [scores("t0-s0", 3), scores("t0-s1", 2), scores("t1-s0", 4)]) == [None] * 3
+    got = answer_problems(group, [scores("t0-s1", 3), scores("t0-s1", 2, rows=1)])
+    assert got[0] == "the answer's sequence 0 has id 't0-s1', expected 't0-s0'"
+    assert got[1] == "the teacher returned {'topk_ids': 1} positions for 2 response tokens"
+    assert got[2] == "the answer holds 2 sequences for the 3 sent"

@@ -155,6 +155,55 @@ def check_tokenizer(info, tokenizer, student_spec: str, token_remap: dict[int, i
     )
 
 
+class TeacherIncompatible(RuntimeError):
+    """The teacher cannot serve this run's requests (context, top-k, request size, vocabulary)."""
+
+
+def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
+    """Refuses, before any task is taken, a teacher whose limits (GetModelInfo) every or some
+    request of this run would exceed, naming the config keys; all problems in one message."""
+    problems = []
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if longest > info.max_context_length:
+        problems.append(f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
+                        f"({cfg.rollout.max_response_length}) = {longest} exceeds the teacher's max_context_length "
+                        f"({info.max_context_length})")
+    if cfg.teacher.top_k > info.max_top_k:
+        problems.append(f"teacher.top_k ({cfg.teacher.top_k}) exceeds the teacher's max_top_k ({info.max_top_k})")
+    if info.max_sequences_per_request and cfg.teacher.sequences_per_request > info.max_sequences_per_request:
+        problems.append(f"teacher.sequences_per_request ({cfg.teacher.sequences_per_request}) exceeds the teacher's "
+                        f"max_sequences_per_request ({info.max_sequences_per_request})")
+    if len(tokenizer) > info.vocab_size:
+        problems.append(f"student.model {cfg.student.model!r}: its tokenizer has {len(tokenizer)} ids, more than the "
+                        f"teacher's vocabulary ({info.vocab_size}): ids the teacher cannot score")
+    outside = sorted(t for t in cfg.teacher.token_remap.values() if t >= info.vocab_size)
+    if outside:
+        problems.append(f"teacher.token_remap: target ids {outside} outside the teacher's vocabulary [0, {info.vocab_size})")
+    if problems:
+        raise TeacherIncompatible(f"the teacher {info.model_name!r} at {cfg.teacher.target} cannot serve this run: "
+                                  + "; ".join(problems))
+
+
+def answer_problems(group, scores) -> list[str | None]:
+    """For each rollout of a request, why the teacher's answer cannot be used (None: it can): the
+    answer must hold one SequenceScores per sequence sent, in order, with the rollout's id and one
+    row per response token in every array."""
+    out: list[str | None] = []
+    for i, p in enumerate(group):
+        if i >= len(scores):
+            out.append(f"the answer holds {len(scores)} sequences for the {len(group)} sent")
+            continue
+        s, n = scores[i], len(p.response_ids)
+        if s.seq_id != p.rollout_id:
+            out.append(f"the answer's sequence {i} has id {s.seq_id!r}, expected {p.rollout_id!r}")
+            continue
+        rows = {name: int(np.shape(getattr(s, name))[0]) for name in
+                ("token_logprobs", "entropies", "topk_ids", "topk_logprobs")}
+        wrong = {k: v for k, v in rows.items() if v != n}
+        out.append(f"the teacher returned {wrong} positions for {n} response tokens" if wrong else None)
+    return out
+
+
 def remap_ids(ids: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
     if not mapping:
         return ids
@@ -206,6 +255,9 @@ class WorkerMetrics:
         self.backpressure_waits = Counter("eopd_rollout_backpressure_waits_total", "Publishes delayed by a full stream")
         self.stream_restarts = Counter("eopd_rollout_teacher_stream_restarts_total",
                                        "Teacher streams abandoned after teacher.timeout_s without an answer")
+        self.unscored = Counter("eopd_rollout_unscored_total", "Rollouts the teacher did not score (their task is "
+                                "dead-lettered), by status code, or bad_answer for an answer that does not match the request",
+                                ["reason"])
         self.reload_failures = Counter("eopd_rollout_weight_reload_failures_total",
                                        "Announced weights that could not be loaded (missing, sha256 mismatch, "
                                        "rewritten while read); retried")
@@ -256,6 +308,7 @@ class RolloutWorker:
         self.keys = Keys(cfg.queue.namespace)
         self.stop = asyncio.Event()
         self.published = 0
+        self.answered = 0  # teacher answers (scores or a final rejection) to this worker's requests
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
         self._prompt_cache: dict[int, list[int]] = {}
@@ -394,9 +447,6 @@ class RolloutWorker:
 
     # Publishing ------------------------------------------------------------------------------
     def _to_rollout(self, p: Pending, scores, teacher_model: str) -> Rollout:
-        n = len(p.response_ids)
-        if scores.token_logprobs.shape[0] != n:
-            raise RuntimeError(f"teacher returned {scores.token_logprobs.shape[0]} positions for {n} response tokens")
         topk_ids = remap_ids(np.asarray(scores.topk_ids, dtype=np.int32), self.inverse_remap)
         ro = self.cfg.rollout
         return Rollout(
@@ -440,6 +490,7 @@ class RolloutWorker:
                 if moved:
                     log.info("teacher tokenizer: the student's vocabulary, special tokens moved by teacher.token_remap (%s)",
                              moved)
+            check_teacher_limits(info, cfg, self.tokenizer)  # after the tokenizer check: its message is the more specific
             teacher_model = f"{info.model_name}@{info.model_revision}"
             log.info("teacher %s ready (%s, top-k max %d); worker %s", info.model_name, info.engine, info.max_top_k,
                      self.worker_id)
@@ -447,6 +498,8 @@ class RolloutWorker:
             batches: asyncio.Queue = asyncio.Queue(maxsize=max(2, cfg.teacher.max_in_flight))
             contexts: dict[str, list[Pending]] = {}
             remaining: dict[str, int] = {}
+            task_data: dict[str, bytes] = {}  # entry id -> its PromptTask bytes (for a dead letter)
+            unscored: dict[str, dict[str, list[str]]] = {}  # entry id -> reason -> rollouts not scored
 
             async def produce() -> None:
                 try:
@@ -470,6 +523,7 @@ class RolloutWorker:
                                 self.metrics.dead.inc()
                                 continue
                             work.append((e.entry_id, task))
+                            task_data[e.entry_id] = e.data or b""
                             self._in_progress.add(e.entry_id)
                         if not work:
                             continue
@@ -520,13 +574,13 @@ class RolloutWorker:
                 source = QueueSource(batches, sent)
                 last_answer = time.monotonic()
                 while True:
-                    answered_before = self.published
+                    answered_before = self.answered
                     task = asyncio.ensure_future(drain(source))
                     stalled = False
                     while not task.done():
                         await asyncio.wait({task}, timeout=min(1.0, cfg.teacher.timeout_s / 4))
-                        if self.published != answered_before:
-                            last_answer, answered_before = time.monotonic(), self.published
+                        if self.answered != answered_before:
+                            last_answer, answered_before = time.monotonic(), self.answered
                         since = waiting_since[0]
                         if task.done() or since is None or not sent:
                             continue
@@ -556,24 +610,61 @@ class RolloutWorker:
                     for b in resend:
                         sent[b.request_id] = (b, now)
 
+            async def settle(p: Pending, reason: str | None = None) -> None:
+                """One rollout of a task accounted for: published, or not scored (`reason`). Once all
+                are, the task is acknowledged, or, if any was not scored, dead-lettered with the
+                reasons (acknowledged and deleted: not retried; the learner replaces what is missing)."""
+                eid = p.entry_id
+                if reason is not None:
+                    unscored.setdefault(eid, {}).setdefault(reason, []).append(p.rollout_id)
+                remaining[eid] -= 1
+                if remaining[eid]:
+                    return
+                del remaining[eid]
+                data, reasons = task_data.pop(eid, b""), unscored.pop(eid, None)
+                if reasons:
+                    why = "; ".join(f"rollouts {', '.join(ids)} not scored: {r}" for r, ids in reasons.items())
+                    await asyncio.to_thread(self.tasks.dead_letter, Entry(eid, data), why)
+                    self.metrics.dead.inc()
+                else:
+                    await asyncio.to_thread(self.tasks.ack, [eid])
+                self._in_progress.discard(eid)
+
             async def handle(rid: str, scores) -> None:
                 group = contexts.pop(rid, None)
                 if group is None:  # answered before a stream was abandoned
                     return
-                for p, s in zip(group, scores, strict=True):
-                    rollout = self._to_rollout(p, s, teacher_model)
+                self.answered += 1
+                problems = answer_problems(group, scores)
+                for i, p in enumerate(group):
+                    if problems[i] is not None:
+                        reason = f"teacher answer to request {rid} unusable: {problems[i]}"
+                        log.warning("rollout %s: %s", p.rollout_id, reason)
+                        self.metrics.unscored.labels("bad_answer").inc()
+                        await settle(p, reason)
+                        continue
+                    rollout = self._to_rollout(p, scores[i], teacher_model)
                     if not await asyncio.to_thread(self._publish, rollout):
                         continue  # stopping: the task stays pending and is reclaimed later
                     self.published += 1
                     self.metrics.published.inc()
                     self.metrics.tokens.inc(rollout.num_response_tokens)
                     self.faults.hit("rollout.after_publish", count=self.published)
-                    remaining[p.entry_id] -= 1
-                    if remaining[p.entry_id] == 0:
-                        del remaining[p.entry_id]
-                        await asyncio.to_thread(self.tasks.ack, [p.entry_id])
-                        self._in_progress.discard(p.entry_id)
+                    await settle(p)
                 log.debug("published %d rollouts (policy v%d)", self.published, group[0].policy_version)
+
+            async def reject(rid: str, code, details: str) -> None:
+                """The teacher refused request `rid` for good (not retryable): its rollouts are not
+                scored, their tasks dead-lettered with the teacher's code and message."""
+                group = contexts.pop(rid, None)
+                if group is None:
+                    return
+                self.answered += 1
+                reason = f"teacher rejected request {rid} ({code.name}): {details}"
+                log.warning("%s; %d rollouts not scored", reason, len(group))
+                self.metrics.unscored.labels(code.name).inc(len(group))
+                for p in group:
+                    await settle(p, reason)
 
             async def heartbeat() -> None:
                 """Keeps the tasks this worker holds from looking idle to other workers' XAUTOCLAIM
@@ -678,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     except SamplerUnavailable as exc:  # e.g. rollout.engine=vllm without vLLM installed
         print(f"eopd-rollout: {exc}", file=sys.stderr)
         return 2
-    except (ConfigError, TeacherRefused) as exc:
+    except (ConfigError, TeacherRefused, TeacherIncompatible) as exc:
         print(f"eopd-rollout: {exc}", file=sys.stderr)
         return 2
     finally:
