@@ -607,3 +607,20 @@ def test_answer_problems_match_ids_and_positions():
     assert got[0] == "the answer's sequence 0 has id 't0-s1', expected 't0-s0'"
     assert got[1] == "the teacher returned {'topk_ids': 1} positions for 2 response tokens"
     assert got[2] == "the answer holds 2 sequences for the 3 sent"
+
+
+def test_request_groups_respect_sequences_and_tokens():
+    from eopd_trainer.rollout import request_groups
+
+    def groups(lengths, seqs, tokens):
+        return [list(g) for g in request_groups(lengths, seqs, tokens)]
+
+    assert groups([5, 5, 5, 5, 5], 2, None) == [[0, 1], [2, 3], [4]]
+    assert groups([5, 5, 5, 5, 5], 4, 12) == [[0, 1], [2, 3], [4]]
+    assert groups([3, 20, 3, 3], 4, 10) == [[0], [1], [2, 3]]  # the long one alone (the teacher rejects it)
+    assert groups([10, 10], 4, 10) == [[0], [1]]
+    assert groups([], 4, 10) == []
+    for lengths, seqs, tokens in (([4, 9, 1, 7, 3, 3, 8], 3, 12), ([2] * 9, 4, 5)):
+        got = request_groups(lengths, seqs, tokens)
+        assert [i for g in got for i in g] == list(range(len(lengths)))
+        assert all(len(g) <= seqs and (len(g) == 1 or sum(lengths[i] for i in g) <= tokens) for g in got)

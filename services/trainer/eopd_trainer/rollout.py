@@ -204,6 +204,22 @@ def answer_problems(group, scores) -> list[str | None]:
     return out
 
 
+def request_groups(lengths: list[int], max_sequences: int, max_tokens: int | None) -> list[range]:
+    """Consecutive groups of sequences (by index), one ScoreStream request each: at most
+    `max_sequences` sequences and, when `max_tokens` is set (the teacher's max_tokens_per_request),
+    at most `max_tokens` tokens in all. A sequence longer than `max_tokens` on its own goes alone
+    (the teacher rejects it, and only its task is dead-lettered)."""
+    groups, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= max_sequences or (max_tokens and tokens + n > max_tokens)):
+            groups.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if lengths:
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
 def remap_ids(ids: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
     if not mapping:
         return ids
@@ -534,9 +550,10 @@ class RolloutWorker:
                         self.faults.hit("rollout.after_sample", count=self.published)
                         for eid, task in work:
                             remaining[eid] = task.num_samples
-                        step = cfg.teacher.sequences_per_request
-                        for i in range(0, len(pending), step):
-                            group = pending[i : i + step]
+                        lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pending]
+                        for rows in request_groups(lengths, cfg.teacher.sequences_per_request,
+                                                   info.max_tokens_per_request or None):
+                            group = pending[rows.start : rows.stop]
                             self._request_seq += 1
                             rid = f"{self.worker_id}-{self._request_seq}"
                             contexts[rid] = group
