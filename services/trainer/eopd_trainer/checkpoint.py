@@ -77,7 +77,8 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_dir: Path, *, keep: int, export_hf: bool, rank: int, barrier):
+    def __init__(self, ckpt_dir: Path, *, keep: int, export_hf: bool, rank: int, barrier, faults=None):
+        self.faults = faults  # eopd_trainer.faults.Faults: point `checkpoint.write` (see save)
         self.dir = Path(ckpt_dir)
         self.keep = keep
         self.export_hf = export_hf
@@ -115,6 +116,13 @@ class CheckpointManager:
         self.barrier()
         try:
             engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
+            if self.faults is not None:  # fault point: the disk fills up with the shards half written
+                from .faults import InjectedFault
+
+                try:
+                    self.faults.hit("checkpoint.write", iteration=iteration)
+                except InjectedFault as exc:
+                    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({exc})", str(target)) from exc
             if export_fn is not None and self.export_hf:
                 export_fn(target / "hf")
         except (OSError, RuntimeError) as exc:
