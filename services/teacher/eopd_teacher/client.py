@@ -236,14 +236,52 @@ class TeacherClient(_Base):
         resp = self._call(self._stub.Score, req, timeout)
         return [scores_from_pb(r) for r in resp.results]
 
-    def score_stream(self, batches: Iterable[ScoreBatch], timeout: float | None = None) -> Iterator[tuple[str, list[SequenceScores]]]:
+    def score_stream(
+        self, batches: Iterable[ScoreBatch], timeout: float | None = None, *, on_error: str = "raise"
+    ) -> Iterator[tuple[str, list[SequenceScores] | RequestFailed]]:
         """Pipelines requests on one stream; yields (request_id, scores) as answers arrive (in any
-        order). No re-sending here: use AsyncTeacherClient.score_stream for that."""
-        reqs = (build_request(b.sequences, top_k=b.top_k, temperature=b.temperature, request_id=b.request_id) for b in batches)
-        for resp in self._stub.ScoreStream(reqs, timeout=timeout or self.timeout, metadata=self.metadata):
-            if resp.HasField("ending"):
-                continue  # not asked for here (no eopd-stream-ending metadata); the status follows
-            yield resp.request_id, [scores_from_pb(r) for r in resp.results]
+        order). A request that fails on its own (answered in band) raises `RequestFailed`
+        (`on_error="raise"`, default) or is yielded as (request_id, RequestFailed) (`on_error="yield"`)
+        and the stream goes on. Submitting a request_id already in flight raises ValueError. No
+        re-sending here (in-band retryable errors are reported like the others): use
+        AsyncTeacherClient.score_stream for that."""
+        if on_error not in ("raise", "yield"):
+            raise ValueError(f"on_error must be 'raise' or 'yield', not {on_error!r}")
+        inflight: set[str] = set()
+        problem: list[BaseException] = []
+        call = None
+
+        def requests():
+            for b in batches:
+                rid = b.request_id or uuid.uuid4().hex
+                if rid in inflight:
+                    problem.append(ValueError(f"request_id {rid!r} is already in flight on this score_stream; ids must be unique"))
+                    call.cancel()
+                    return
+                inflight.add(rid)
+                yield build_request(b.sequences, top_k=b.top_k, temperature=b.temperature, request_id=rid)
+
+        call = self._stub.ScoreStream(requests(), timeout=self.timeout if timeout is None else timeout, metadata=self.metadata)
+        try:
+            for resp in call:
+                if resp.HasField("ending"):
+                    continue  # not asked for here (no eopd-stream-ending metadata); the status follows
+                inflight.discard(resp.request_id)
+                if resp.HasField("error"):
+                    failed = RequestFailed(resp.request_id, _status_code(resp.error.code), resp.error.message)
+                    if on_error == "raise":
+                        raise failed
+                    yield resp.request_id, failed
+                    continue
+                yield resp.request_id, [scores_from_pb(r) for r in resp.results]
+        except grpc.RpcError:
+            if problem:
+                raise problem[0] from None
+            raise
+        finally:
+            call.cancel()
+        if problem:
+            raise problem[0]
 
 
 class AsyncTeacherClient(_Base):
@@ -289,65 +327,227 @@ class AsyncTeacherClient(_Base):
         return [scores_from_pb(r) for r in resp.results]
 
     async def score_stream(
-        self, batches: AsyncIterable[ScoreBatch] | Iterable[ScoreBatch], *, max_in_flight: int = 16, timeout: float | None = None
-    ) -> AsyncIterator[tuple[str, list[SequenceScores]]]:
-        """Pipelines requests (at most `max_in_flight` unanswered) and yields (request_id, scores)
-        as answers arrive. When the stream breaks with a retryable status, unanswered requests
-        are re-sent on a new stream after a backoff; each request_id is yielded exactly once.
-        Request ids must be unique (empty ones are filled in).
+        self,
+        batches: AsyncIterable[ScoreBatch] | Iterable[ScoreBatch],
+        *,
+        max_in_flight: int = 16,
+        timeout: float | None = None,
+        streams: int = 1,
+        on_error: str = "raise",
+    ) -> AsyncIterator[tuple[str, list[SequenceScores] | RequestFailed]]:
+        """Pipelines requests (at most `max_in_flight` unanswered, over all streams) and yields
+        (request_id, scores) as answers arrive. Request ids must be unique among the unanswered
+        ones (empty ones are filled in): submitting an id already in flight raises ValueError.
 
-        A broken stream never cancels the source: a pending "next request" is carried over to
-        the next stream, so an async generator source keeps producing across re-sends.
+        `streams` ScoreStream calls are opened on the channel and requests are spread over them
+        (each new request goes to the stream with the fewest unanswered); with a multi-address or
+        `dns:///` target and round_robin, gRPC places the calls on different replicas.
 
-        `timeout` is a deadline in seconds for the whole stream, re-sends included (None, the
-        default, means none: a producer may keep one stream open for as long as it runs; the
-        client's `timeout` applies to unary calls only). When it passes, the stream ends with
-        `DEADLINE_EXCEEDED` (or with the retryable error that broke the stream, if the deadline
-        has already passed when that happens). A status that is not retried (e.g.
-        `INVALID_ARGUMENT` for a bad request) is raised at once, after the answers that arrived
-        before it."""
-        source = batches.__aiter__() if hasattr(batches, "__aiter__") else _aiter(batches)
-        unanswered: dict[str, pb.ScoreRequest] = {}
-        exhausted = False
-        next_item: asyncio.Task | None = None
-        backoff = _Backoff(self.retry_timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        A request that fails on its own is answered in band (`ScoreResponse.error`). A retryable
+        one is re-sent on its stream after a backoff (until `retry_timeout`); otherwise, with
+        `on_error="raise"` (default) `RequestFailed` is raised (after the answers that arrived
+        before it), with `on_error="yield"` `(request_id, RequestFailed)` is yielded in place of
+        the scores and the stream goes on.
+
+        When a stream breaks with a retryable status, its unanswered requests are re-sent on a new
+        stream after a backoff; each request_id is yielded exactly once. A stream-level status that
+        is not retried (e.g. UNAUTHENTICATED) is raised as grpc.aio.AioRpcError. A broken stream
+        never cancels the source: the source is read by one task, apart from the streams.
+
+        `timeout` is a deadline in seconds for the whole call, re-sends included (None, the
+        default, means none: a producer may keep its streams open for as long as it runs; the
+        client's `timeout` applies to unary calls only). When it passes, the streams end with
+        `DEADLINE_EXCEEDED` (or with the retryable error that broke a stream, if the deadline has
+        already passed when that happens)."""
+        if on_error not in ("raise", "yield"):
+            raise ValueError(f"on_error must be 'raise' or 'yield', not {on_error!r}")
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, not {streams}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, not {max_in_flight}")
+        run = _StreamRun(self, batches, max_in_flight=max_in_flight, timeout=timeout, streams=streams)
+        try:
+            run.start()
+            while True:
+                kind, rid, value = await run.events.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise value
+                if kind == "failed" and on_error == "raise":
+                    raise value
+                yield rid, value
+        finally:
+            await run.stop()
+
+
+class RequestFailed(Exception):
+    """A request of a stream that failed on its own (answered in band by the server), or whose
+    retries ran out: `request_id`, `code` (grpc.StatusCode) and `details` (the server's message)."""
+
+    def __init__(self, request_id: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"request {request_id!r} failed: {code.name}: {details}")
+        self.request_id = request_id
+        self.code = code
+        self.details = details
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _status_code(number: int) -> grpc.StatusCode:
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+class _Lane:
+    """One ScoreStream call (re-opened after a retryable break) and the requests assigned to it."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.unanswered: dict[str, pb.ScoreRequest] = {}
+        self.todo: asyncio.Queue = asyncio.Queue()  # requests to write on the current call
+        self.timers: dict[str, asyncio.TimerHandle] = {}  # in-band retries waiting for their backoff
+        self.retries: dict[str, _Backoff] = {}
+        self.task: asyncio.Task | None = None
+
+
+_CLOSE = object()  # put on a lane's todo: nothing more to write, half-close
+
+
+class _StreamRun:
+    """The machinery of AsyncTeacherClient.score_stream: one feeder task reads the source and
+    assigns requests to lanes; each lane task runs its ScoreStream calls; both report on `events`
+    as ("result" | "failed", request_id, value), ("error", "", exception) or ("done", "", None)."""
+
+    def __init__(self, client: "AsyncTeacherClient", batches, *, max_in_flight: int, timeout: float | None, streams: int):
+        self.client = client
+        self.source = batches.__aiter__() if hasattr(batches, "__aiter__") else _aiter(batches)
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.lanes = [_Lane(i) for i in range(streams)]
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.inflight: set[str] = set()
+        self.exhausted = False
+        self.feeder: asyncio.Task | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.feeder = loop.create_task(self._feed())
+        for lane in self.lanes:
+            lane.task = loop.create_task(self._run_lane(lane))
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self.feeder, *(lane.task for lane in self.lanes)] if t is not None and not t.done()]
+        for t in tasks:
+            t.cancel()
+        for lane in self.lanes:
+            for h in lane.timers.values():
+                h.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _resolved(self, lane: _Lane, rid: str) -> None:
+        lane.unanswered.pop(rid, None)
+        lane.retries.pop(rid, None)
+        timer = lane.timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
+        self.inflight.discard(rid)
+        self.slots.release()
+        self._maybe_close(lane)
+        if self.exhausted and not self.inflight:
+            self.events.put_nowait(("done", "", None))
+
+    def _maybe_close(self, lane: _Lane) -> None:
+        if self.exhausted and not lane.unanswered:
+            lane.todo.put_nowait(_CLOSE)
+
+    async def _feed(self) -> None:
         try:
             while True:
-                resend = list(unanswered.values())
-                slots = asyncio.Semaphore(max(max_in_flight - len(resend), 0))
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                call = self._stub.ScoreStream(metadata=self.metadata + ((STREAM_ENDING_KEY, "1"),), timeout=remaining)
-                # The server announces the stream's end (a StreamEnding) before its status; from
-                # then on nothing more is written and the stream is half-closed, so that no write
-                # races the status (grpcio's asyncio client would report such a race as INTERNAL
-                # instead of the server's status, grpc/grpc#36066).
+                await self.slots.acquire()
+                try:
+                    batch = await self.source.__anext__()
+                except StopAsyncIteration:
+                    break
+                rid = batch.request_id or uuid.uuid4().hex
+                if rid in self.inflight:
+                    raise ValueError(f"request_id {rid!r} is already in flight on this score_stream; ids must be unique")
+                req = build_request(batch.sequences, top_k=batch.top_k, temperature=batch.temperature, request_id=rid)
+                lane = min(self.lanes, key=lambda ln: (len(ln.unanswered), ln.index))
+                self.inflight.add(rid)
+                lane.unanswered[rid] = req
+                lane.todo.put_nowait(req)
+            self.exhausted = True
+            for lane in self.lanes:
+                self._maybe_close(lane)
+            if not self.inflight:
+                self.events.put_nowait(("done", "", None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the source failed (or a duplicate id): the caller's error
+            self.events.put_nowait(("error", "", exc))
+
+    def _in_band(self, lane: _Lane, resp: pb.ScoreResponse) -> None:
+        rid, err = resp.request_id, resp.error
+        code = _status_code(err.code)
+        req = lane.unanswered.get(rid)
+        # UNAVAILABLE, or what the server marks retryable (RESOURCE_EXHAUSTED for load only if this
+        # client retries overload).
+        retryable = (err.retryable or code == grpc.StatusCode.UNAVAILABLE) and not (
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED and code not in self.client.retryable
+        )
+        if req is not None and retryable:
+            backoff = lane.retries.setdefault(rid, _Backoff(self.client.retry_timeout))
+            delay = backoff.next_delay()
+            if delay is not None and self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                delay = min(delay, left) if left > 0 else None
+            if delay is not None:
+                todo = lane.todo  # the current call's queue: a new call re-sends it anyway
+                lane.timers[rid] = asyncio.get_running_loop().call_later(delay, self._resend, lane, rid, todo)
+                return
+        self.events.put_nowait(("failed", rid, RequestFailed(rid, code, err.message)))
+        self._resolved(lane, rid)  # after the event: it may announce the end
+
+    def _resend(self, lane: _Lane, rid: str, todo: asyncio.Queue) -> None:
+        lane.timers.pop(rid, None)
+        req = lane.unanswered.get(rid)
+        if req is not None and todo is lane.todo:
+            todo.put_nowait(req)
+
+    async def _run_lane(self, lane: _Lane) -> None:
+        client = self.client
+        backoff = _Backoff(client.retry_timeout)
+        try:
+            while True:
+                # A new call: everything unanswered on this lane is written first.
+                for h in lane.timers.values():
+                    h.cancel()
+                lane.timers.clear()
+                lane.todo = asyncio.Queue()
+                for req in lane.unanswered.values():
+                    lane.todo.put_nowait(req)
+                self._maybe_close(lane)
+                remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+                call = client._stub.ScoreStream(metadata=client.metadata + ((STREAM_ENDING_KEY, "1"),), timeout=remaining)
+                # The server announces a stream's end (a StreamEnding) before its status; from then
+                # on nothing more is written and the stream is half-closed, so that no write races
+                # the status (grpcio's asyncio client would report such a race as INTERNAL instead
+                # of the server's status, grpc/grpc#36066).
                 ending = asyncio.Event()
                 writing = False
+                todo = lane.todo
 
                 async def writer() -> None:
-                    nonlocal exhausted, next_item, writing
-                    for req in resend:
-                        if ending.is_set():
+                    nonlocal writing
+                    while not ending.is_set():
+                        req = await todo.get()
+                        if req is _CLOSE:
                             break
-                        writing = True
-                        await call.write(req)
-                        writing = False
-                    while not exhausted and not ending.is_set():
-                        await slots.acquire()
-                        if next_item is None:
-                            next_item = asyncio.ensure_future(_next(source))
-                        # shield: cancelling this writer must not cancel the source's __anext__.
-                        more, batch = await asyncio.shield(next_item)
-                        if ending.is_set():
-                            break  # the item stays in next_item, for the next stream
-                        next_item = None
-                        if not more:
-                            exhausted = True
-                            break
-                        rid = batch.request_id or uuid.uuid4().hex
-                        req = build_request(batch.sequences, top_k=batch.top_k, temperature=batch.temperature, request_id=rid)
-                        unanswered[rid] = req
+                        if ending.is_set() or (isinstance(req, pb.ScoreRequest) and req.request_id not in lane.unanswered):
+                            continue
                         writing = True
                         await call.write(req)
                         writing = False
@@ -359,25 +559,30 @@ class AsyncTeacherClient(_Base):
                     async for resp in call:
                         if resp.HasField("ending"):
                             ending.set()
-                            if not writing:  # waiting for a slot or the source: stop it and half-close here
+                            if not writing:  # waiting for work: stop the writer and half-close here
                                 write_task.cancel()
                                 await asyncio.wait([write_task])
                                 await call.done_writing()
                             continue  # the status follows
-                        if unanswered.pop(resp.request_id, None) is None:
+                        if resp.request_id not in lane.unanswered:
                             continue  # an answer to a request already answered before a re-send
-                        slots.release()
-                        backoff = _Backoff(self.retry_timeout)  # progress: a fresh retry budget
-                        yield resp.request_id, [scores_from_pb(r) for r in resp.results]
-                    await write_task
-                    if exhausted and not unanswered:
+                        backoff = _Backoff(client.retry_timeout)  # progress: a fresh retry budget
+                        if resp.HasField("error"):
+                            self._in_band(lane, resp)
+                            continue
+                        scores = [scores_from_pb(r) for r in resp.results]
+                        self.events.put_nowait(("result", resp.request_id, scores))
+                        self._resolved(lane, resp.request_id)  # after the event: it may announce the end
+                    if write_task.done() and not write_task.cancelled() and write_task.exception() is not None:
+                        raise write_task.exception()
+                    if self.exhausted and not lane.unanswered:
                         return
                     raise RuntimeError("the teacher closed the stream with requests unanswered")
                 except grpc.aio.AioRpcError as err:
                     write_task.cancel()
-                    delay = backoff.next_delay() if self._retryable(err) else None
-                    if delay is not None and deadline is not None:
-                        left = deadline - time.monotonic()
+                    delay = backoff.next_delay() if client._retryable(err) else None
+                    if delay is not None and self.deadline is not None:
+                        left = self.deadline - time.monotonic()
                         delay = min(delay, left) if left > 0 else None
                     if delay is None:
                         raise
@@ -385,9 +590,10 @@ class AsyncTeacherClient(_Base):
                 finally:
                     if not write_task.done():
                         write_task.cancel()
-        finally:
-            if next_item is not None and not next_item.done():
-                next_item.cancel()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self.events.put_nowait(("error", "", exc))
 
 
 async def _next(source) -> tuple[bool, object]:

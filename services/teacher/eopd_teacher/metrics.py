@@ -16,6 +16,9 @@ class TeacherMetrics:
         self.latency = Histogram(
             "eopd_teacher_request_latency_seconds", "RPC latency (streams: per ScoreRequest)", ["method"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.stream_requests = Counter(
+            "eopd_teacher_stream_requests", "ScoreStream requests answered, by code (OK, or an in-band error's code)", ["code"], registry=r
+        )
         self.sequences = Counter("eopd_teacher_sequences_scored", "sequences scored", registry=r)
         self.tokens_scored = Counter("eopd_teacher_tokens_scored", "positions scored (response tokens)", registry=r)
         self.tokens_forward = Counter("eopd_teacher_tokens_forward", "tokens run through the model (prompt + response)", registry=r)

@@ -54,6 +54,11 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
 }
 
 
+# Failures that end a ScoreStream (the server, not the request, is the problem); every other
+# failure of a request is answered in band and the stream goes on.
+STREAM_LEVEL: tuple[type[Exception], ...] = (Overloaded, Draining, NotReady)
+
+
 def status_of(exc: BaseException) -> grpc.StatusCode:
     for cls, code in STATUS_OF.items():
         if isinstance(exc, cls):
@@ -145,6 +150,16 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         m.tokens_scored.inc(sum(it.num_scored for it in items))
         return pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
 
+    def _in_band_error(self, request_id: str, exc: BaseException) -> pb.ScoreResponse:
+        """The in-band answer of a ScoreStream request that failed on its own; counted like an RPC
+        error (eopd_teacher_errors_total) and in eopd_teacher_stream_requests_total."""
+        code, message = describe(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("ScoreStream request %r failed: %s", request_id, message, exc_info=exc)
+        self.state.metrics.stream_requests.labels(code.name).inc()
+        self.state.metrics.errors.labels(code.name).inc()
+        return pb.ScoreResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message, retryable=False))
+
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         return await self._score(request, client_key(context), stream=False)
 
@@ -152,10 +167,13 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         """Serves requests concurrently as they arrive (at most MAX_INFLIGHT_PER_STREAM at once:
-        beyond that, reading pauses and HTTP/2 flow control pushes back on the client). When a
-        request fails, the stream ends with its error without waiting for the client to send
-        more, after the requests already in flight are answered (and, for a client that asked
-        with `eopd-stream-ending: 1`, after announcing the end and letting it half-close)."""
+        beyond that, reading pauses and HTTP/2 flow control pushes back on the client). A request
+        that fails on its own (invalid, over a per-request limit, an engine error, a request_id
+        already in flight) is answered in band (`ScoreResponse.error`) and the stream goes on. A
+        stream-level failure (overload, draining) ends the stream with its error without waiting
+        for the client to send more, after the requests already in flight are answered (and, for
+        a client that asked with `eopd-stream-ending: 1`, after announcing the end and letting it
+        half-close)."""
         if self.state.open_streams >= self.state.settings.max_streams:
             raise Overloaded(f"{self.state.open_streams} streams open, limit {self.state.settings.max_streams}; retry later")
         self.state.open_streams += 1
@@ -170,10 +188,10 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         self, request_iterator: AsyncIterator[pb.ScoreRequest], client: str, *, announce: bool = False
     ) -> AsyncIterator[pb.ScoreResponse]:
         """The stream's loop. A reader task reads requests and starts one handler task per
-        request; handlers put their answers on `out`. A slot (of MAX_INFLIGHT_PER_STREAM) is held
+        request; handlers put their answers (results or an in-band error) on `out`. A slot (of MAX_INFLIGHT_PER_STREAM) is held
         from reading a request until its answer is handed to gRPC, so a client that stops reading
-        answers is pushed back on too. A failing handler (or a broken request stream) puts `failed`
-        on `out` at once, so the error does not wait for the client to send or close anything:
+        answers is pushed back on too. A handler meeting a stream-level failure (or a broken
+        request stream) puts `failed` on `out` at once, so the error does not wait for the client to send or close anything:
         requests read after it are dropped, the requests already in flight are answered, then the
         stream ends with the first error. With `announce`, a `StreamEnding` message goes first and
         the end waits (at most STREAM_ENDING_GRACE_S) for the client to half-close. If the call
@@ -184,6 +202,7 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         slots = asyncio.Semaphore(MAX_INFLIGHT_PER_STREAM)
         failure: list[tuple[BaseException, str]] = []
         tasks: set[asyncio.Task] = set()
+        inflight_ids: set[str] = set()  # request ids read and not yet answered
         read_all = asyncio.Event()  # the client half-closed (or its request stream broke)
         latency = self.state.metrics.latency.labels("ScoreStream")
         loop = asyncio.get_running_loop()
@@ -193,15 +212,25 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
             if len(failure) == 1:
                 out.put_nowait(failed)
 
+        def answer_error(request_id: str, exc: BaseException) -> None:
+            """A request-level failure, answered in band (its slot is released once sent)."""
+            out.put_nowait(self._in_band_error(request_id, exc))
+
         async def handle(req: pb.ScoreRequest) -> None:
             started = time.perf_counter()
             try:
                 response = await self._score(req, client, stream=True)
-            except Exception as exc:  # noqa: BLE001 - reported as the stream's status
+            except STREAM_LEVEL as exc:  # load, draining, not ready: the stream's status
                 slots.release()
                 fail(exc, req.request_id)
                 return
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: in band
+                answer_error(req.request_id, exc)
+                return
+            finally:
+                inflight_ids.discard(req.request_id)
             latency.observe(time.perf_counter() - started)
+            self.state.metrics.stream_requests.labels("OK").inc()
             out.put_nowait(response)  # its slot is released once the answer is sent
 
         async def reader() -> None:
@@ -213,6 +242,13 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
                     if failure:
                         slots.release()
                         continue
+                    if req.request_id and req.request_id in inflight_ids:
+                        answer_error(req.request_id, InvalidRequest(
+                            f"request_id: {req.request_id!r} is already in flight on this stream; "
+                            "request ids must be unique among the unanswered requests of a stream"))
+                        continue
+                    if req.request_id:
+                        inflight_ids.add(req.request_id)
                     task = loop.create_task(handle(req))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)

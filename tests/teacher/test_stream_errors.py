@@ -1,0 +1,153 @@
+"""ScoreStream's in-band per-request errors (`ScoreResponse.error`) over a real server subprocess:
+a bad request loses nothing else, the stream stays open, and the clients' `on_error` modes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from eopd.v1 import teacher_pb2 as pb
+from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, TeacherClient
+from tests.procs import running_teacher
+
+pytestmark = pytest.mark.integration
+
+MAX_SEQUENCES = 3
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    with running_teacher("tiny-random", "--max-sequences-per-request", str(MAX_SEQUENCES), "--max-batch-wait-ms", "20") as proc:
+        yield proc
+
+
+def _req(rid: str, *, score_from: int = 1, n_seqs: int = 1, first: int = 1) -> pb.ScoreRequest:
+    return pb.ScoreRequest(
+        request_id=rid, sequences=[pb.Sequence(id=f"s{i}", token_ids=[first + i, 2, 3, 4], score_from=score_from) for i in range(n_seqs)]
+    )
+
+
+def test_raw_stream_answers_errors_in_band_and_stays_open(teacher):
+    """Good, invalid, over a per-request limit, empty id, good: every request is answered on the
+    same stream (errors in band, with their code and a message naming the field and request), and
+    the stream ends OK when the client half-closes."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(teacher.target) as ch:
+            call = pb_grpc.TeacherServiceStub(ch).ScoreStream(timeout=60)
+            sent = [_req("a"), _req("bad", score_from=9), _req("many", n_seqs=MAX_SEQUENCES + 1), _req(""), _req("b", first=7)]
+            for r in sent:
+                await call.write(r)
+            got = {}
+            for _ in sent:
+                resp = await asyncio.wait_for(call.read(), 30)
+                got[resp.request_id] = resp
+            # Still open: one more request, answered, then a clean end.
+            await call.write(_req("after"))
+            after = await asyncio.wait_for(call.read(), 30)
+            await call.done_writing()
+            assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
+            return got, after, await call.code()
+
+    got, after, code = asyncio.run(go())
+    assert code == grpc.StatusCode.OK
+    assert set(got) == {"a", "bad", "many", "", "b"}
+    for rid in ("a", "b"):
+        assert not got[rid].HasField("error") and len(got[rid].results[0].token_logprobs) == 3
+    bad = got["bad"]
+    assert not bad.results and bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not bad.error.retryable
+    assert "sequences[0].score_from" in bad.error.message and "'bad'" in bad.error.message
+    many = got["many"].error
+    assert many.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and not many.retryable
+    assert f"exceed the limit of {MAX_SEQUENCES} per request" in many.message and "'many'" in many.message
+    assert got[""].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "request_id" in got[""].error.message
+    assert after.request_id == "after" and not after.HasField("error")
+
+
+def test_duplicate_in_flight_request_id_is_refused_in_band(teacher):
+    """The second of two requests with one id, sent while the first is unanswered, gets
+    INVALID_ARGUMENT naming request_id; the first is scored."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(teacher.target) as ch:
+            call = pb_grpc.TeacherServiceStub(ch).ScoreStream(timeout=60)
+            # A long first request keeps "dup" in flight while the second arrives.
+            first = pb.ScoreRequest(request_id="dup", sequences=[pb.Sequence(id=f"x{i}", token_ids=list(range(1, 1500)), score_from=1) for i in range(2)])
+            await call.write(first)
+            await call.write(_req("dup"))
+            answers = [await asyncio.wait_for(call.read(), 60) for _ in range(2)]
+            await call.done_writing()
+            await call.wait_for_connection()
+            return answers, await call.code()
+
+    answers, code = asyncio.run(go())
+    assert code == grpc.StatusCode.OK
+    errors = [a for a in answers if a.HasField("error")]
+    scored = [a for a in answers if not a.HasField("error")]
+    assert len(errors) == 1 and len(scored) == 1 and len(scored[0].results) == 2
+    assert errors[0].request_id == "dup" and errors[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "request_id: 'dup' is already in flight" in errors[0].error.message
+
+
+def _batches():
+    return [
+        ScoreBatch("ok-1", [("x", [1, 2, 3], 1)]),
+        ScoreBatch("bad", [("x", [1, 2, 49152], 1)]),
+        ScoreBatch("ok-2", [("x", [4, 5, 6, 7], 2)]),
+        ScoreBatch("too-many", [(f"x{i}", [1, 2, 3], 1) for i in range(MAX_SEQUENCES + 1)]),
+        ScoreBatch("ok-3", [("x", [8, 9], 1)]),
+    ]
+
+
+def test_async_client_on_error_yield_and_raise(teacher):
+    async def go():
+        async with AsyncTeacherClient(teacher.target, retry_timeout=5) as c:
+            got = {rid: res async for rid, res in c.score_stream(_batches(), max_in_flight=2, on_error="yield")}
+            raised = None
+            seen = []
+            try:
+                async for rid, _ in c.score_stream([ScoreBatch("fine", [("x", [1, 2, 3], 1)]), ScoreBatch("bad", [("x", [1, 2], 5)])], max_in_flight=1):
+                    seen.append(rid)
+            except RequestFailed as exc:
+                raised = exc
+            return got, raised, seen
+
+    got, raised, seen = asyncio.run(go())
+    assert set(got) == {"ok-1", "bad", "ok-2", "too-many", "ok-3"}
+    assert [len(got[r][0].token_logprobs) for r in ("ok-1", "ok-2", "ok-3")] == [2, 2, 1]
+    bad, many = got["bad"], got["too-many"]
+    assert isinstance(bad, RequestFailed) and bad.request_id == "bad" and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequences[0].token_ids[2]" in bad.details
+    assert isinstance(many, RequestFailed) and many.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert seen == ["fine"]
+    assert isinstance(raised, RequestFailed) and raised.request_id == "bad" and raised.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "score_from" in raised.details
+
+
+def test_async_client_refuses_a_request_id_already_in_flight(teacher):
+    async def go():
+        async with AsyncTeacherClient(teacher.target) as c:
+            batches = [ScoreBatch("same", [("x", list(range(1, 1500)), 1)]), ScoreBatch("same", [("x", [1, 2], 1)])]
+            async for _ in c.score_stream(batches, max_in_flight=4):
+                pass
+
+    with pytest.raises(ValueError, match="request_id 'same' is already in flight"):
+        asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_sync_client_on_error(teacher):
+    with TeacherClient(teacher.target) as c:
+        got = dict(c.score_stream(iter(_batches()), on_error="yield"))
+        assert set(got) == {"ok-1", "bad", "ok-2", "too-many", "ok-3"}
+        assert isinstance(got["bad"], RequestFailed) and got["bad"].code == grpc.StatusCode.INVALID_ARGUMENT
+        assert isinstance(got["too-many"], RequestFailed) and got["too-many"].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        np.testing.assert_array_equal(got["ok-2"][0].topk_ids.shape, (2, 16))
+        with pytest.raises(RequestFailed) as e:
+            list(c.score_stream(iter(_batches())))
+        assert e.value.request_id == "bad"
+        with pytest.raises(ValueError, match="already in flight"):
+            list(c.score_stream(iter([ScoreBatch("d", [("x", list(range(1, 1500)), 1)]), ScoreBatch("d", [("x", [1, 2], 1)])])))
