@@ -84,3 +84,24 @@ def test_random_fkl_draws_differ_by_step_and_repeat_on_resume():
     step0, step1, rank1, micro1 = fkl(1, 0, 0, 0), fkl(1, 1, 0, 0), fkl(1, 0, 1, 0), fkl(1, 0, 0, 1)
     assert len({step0, step1, rank1, micro1}) == 4
     assert fkl(1, 0, 0, 0) == step0  # a resumed run redoing the step draws the same positions
+
+
+def test_step_metrics_over_ranks_equal_the_whole_minibatch():
+    """The all-reduced step metrics (sum of each rank's tensor) equal the token-weighted means
+    over every micro-batch of every rank, and the loss terms the mean of the ranks' shares."""
+    from eopd_trainer.distributed import step_metrics_from_tensor, step_metrics_tensor
+    from eopd_trainer.metrics import token_weighted_mean
+
+    keys, loss_keys = ("clip_frac", "approx_kl", "student_entropy"), ("loss", "pg_loss")
+    rank0 = [({"clip_frac": 0.1, "approx_kl": 0.02, "student_entropy": 3.0}, 10),
+             ({"clip_frac": 0.3, "approx_kl": float("nan"), "student_entropy": 2.0}, 30)]
+    rank1 = [({"clip_frac": 0.0, "approx_kl": -0.01}, 25)]  # no student_entropy on this rank
+    losses = [{"loss": 2.0, "pg_loss": 1.5}, {"loss": 4.0, "pg_loss": 0.5}]
+    t = step_metrics_tensor(rank0, losses[0], keys, loss_keys) + step_metrics_tensor(rank1, losses[1], keys, loss_keys)
+    got = step_metrics_from_tensor(t, keys, loss_keys, world=2)
+    want = token_weighted_mean(rank0 + rank1)
+    assert {k: got[k] for k in keys} == pytest.approx(want, rel=1e-12)
+    assert want["approx_kl"] == pytest.approx((0.02 * 10 - 0.01 * 25) / 35)  # the NaN row is skipped
+    assert (got["loss"], got["pg_loss"]) == pytest.approx((3.0, 1.0))
+    alone = step_metrics_from_tensor(step_metrics_tensor(rank0, losses[0], keys, loss_keys), keys, loss_keys, world=1)
+    assert alone == pytest.approx({**token_weighted_mean(rank0), **losses[0]})

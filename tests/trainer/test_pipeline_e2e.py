@@ -7,13 +7,17 @@ vocabulary) reverse and forward KL, on student-sampled responses, go down.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+import urllib.request
 
 import pytest
 from eopd_trainer.queue import Keys, read_dead_letters
 
+from tests.procs import free_port
 from tests.trainer.pipeline_helpers import (
+    TINY,
     committed_state,
     describe,
     iteration_records,
@@ -46,8 +50,6 @@ def kl_probe():
     from eopd_trainer.config import load_config
     from eopd_trainer.data import load_prompts, render_prompt
     from eopd_trainer.evaluate import kl_on_samples, kl_to_teacher, sample_contexts
-
-    from tests.trainer.pipeline_helpers import TINY
 
     cfg = load_config(TINY)
     teacher = load_causal_lm("tiny-random@0").model
@@ -118,8 +120,9 @@ def test_end_to_end_run_brings_student_closer(mode, tmp_path, redis_server, tiny
     ns = f"e2e-{mode}"
     run_dir = tmp_path / "run"
     client = redis_server.client()
+    prom_port = free_port()
     if mode == "sync":
-        ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns)
+        ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, f"logging.prometheus_port={prom_port}")
         poison(redis_server.url, ns)
         workers = [spawn_worker(ov, "w0")]
         learner = spawn_learner(ov)
@@ -139,6 +142,15 @@ def test_end_to_end_run_brings_student_closer(mode, tmp_path, redis_server, tiny
             workers.append(spawn_worker([*ov, "faults=[{point: rollout.publish, count: 20, action: corrupt}]"], "w1"))
             wait_for_iterations(run_dir, 2, 240, learner, *workers)
             w0.signal(signal.SIGCONT)
+        else:
+            # The learner's Prometheus endpoint, scraped while it trains.
+            wait_for_iterations(run_dir, 1, 240, learner, *workers)
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/metrics", timeout=10).read().decode()
+            gauges = {line.split()[0] for line in scraped.splitlines() if line and not line.startswith("#")}
+            for name in ("loss", "pg_loss", "fkl_loss", "clip_frac", "approx_kl", "gate_ratio", "fkl_gated_mean",
+                         "student_entropy", "teacher_topk_mass", "lr", "queue_backlog", "staleness_mean",
+                         "iter_loss", "iter_stale_dropped_total", "iter_dead_letters_total", "iter_idle_frac"):
+                assert f"eopd_train_{name}" in gauges, (name, sorted(gauges))
         rc = wait_exit(learner, 300, *workers)
         assert rc == 0, describe(learner, *workers)
         for w in workers:
@@ -160,9 +172,26 @@ def test_end_to_end_run_brings_student_closer(mode, tmp_path, redis_server, tiny
                 "iter/student_entropy", "iter/teacher_topk_mass", "iter/queue_backlog", "iter/staleness_mean"):
         assert key in records[-1], key
     assert (run_dir / "tb" / "train").is_dir() and any((run_dir / "tb" / "train").iterdir())
+    steps = [r for r in map(json.loads, (run_dir / "train_metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 2 * ITERATIONS + 1))
+    # Each step logs the lr it ran at: the schedule's (tiny.yaml: constant, min_lr_ratio 1), never 0.
+    from eopd_trainer.config import load_config
+    from eopd_trainer.distributed import lr_at
+
+    t = load_config(TINY).train
+    assert [r["lr"] for r in steps] == pytest.approx(
+        [lr_at(s, peak=t.lr, warmup_steps=t.warmup_steps, total_steps=2 * ITERATIONS, min_ratio=t.min_lr_ratio)
+         for s in range(2 * ITERATIONS)], rel=1e-12)
     if mode == "sync":
         assert set(ids) == EXPECTED_IDS
         assert all(r["iter/staleness_max"] == 0 for r in records)  # Algorithm 1: on-policy
+        # The first step of every iteration runs on the weights that sampled its rollouts: the
+        # worker's old log-probs equal the learner's recomputation (fp32), ratio 1, approx KL 0.
+        for first in steps[::2]:
+            assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4), first
+            assert abs(first["approx_kl"]) < 1e-4 and first["clip_frac"] == 0, first
+        # After the first step the weights have moved (lr > 0 at step 0): the second step's ratio is not 1.
+        assert abs(steps[1]["approx_kl"]) > 1e-6, steps[1]
         dead = read_dead_letters(redis_server.client(), Keys(ns).dead)
         reasons = sorted(d["reason"] for d in dead)
         assert len(dead) == 2, reasons

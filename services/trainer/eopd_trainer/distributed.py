@@ -191,3 +191,43 @@ def full_parameters(engine, zero_stage: int):
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         yield
+
+
+# Step metrics over every rank --------------------------------------------------------------
+
+def step_metrics_tensor(rows: list[tuple[dict[str, float], int]], loss_sum: dict[str, float],
+                        keys: tuple[str, ...], loss_keys: tuple[str, ...]) -> torch.Tensor:
+    """This rank's share of a step's metrics as one float64 tensor [3, K] to all-reduce (sum):
+    row 0 the token-weighted sums of `keys` (non-finite values skipped), row 1 their token
+    counts, row 2 the loss terms (padded with zeros)."""
+    t = torch.zeros(3, max(len(keys), len(loss_keys)), dtype=torch.float64)
+    for metrics, n in rows:
+        for i, k in enumerate(keys):
+            v = metrics.get(k)
+            if v is not None and math.isfinite(float(v)):
+                t[0, i] += float(v) * n
+                t[1, i] += n
+    for i, k in enumerate(loss_keys):
+        t[2, i] = float(loss_sum.get(k, 0.0))
+    return t
+
+
+def step_metrics_from_tensor(t: torch.Tensor, keys: tuple[str, ...], loss_keys: tuple[str, ...],
+                             world: int) -> dict[str, float]:
+    """The step's metrics from the all-reduced tensor: token-weighted means over every rank's
+    tokens, and the loss terms averaged over ranks (each rank's `loss_sum` is its share of the
+    mini-batch loss times the world size, see the learner's denominator)."""
+    out = {k: float(t[0, i] / t[1, i]) for i, k in enumerate(keys) if t[1, i] > 0}
+    out.update({k: float(t[2, i]) / world for i, k in enumerate(loss_keys)})
+    return out
+
+
+def all_reduce_step_metrics(rows: list[tuple[dict[str, float], int]], loss_sum: dict[str, float],
+                            keys: tuple[str, ...], loss_keys: tuple[str, ...]) -> dict[str, float]:
+    """Every rank calls this after a step; every rank gets the metrics of the whole mini-batch."""
+    t = step_metrics_tensor(rows, loss_sum, keys, loss_keys)
+    world = 1
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        world = torch.distributed.get_world_size()
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return step_metrics_from_tensor(t, keys, loss_keys, world)

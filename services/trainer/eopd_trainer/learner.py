@@ -47,12 +47,15 @@ from .config import RunConfig, config_for_process, dump_config
 from .faults import Faults
 from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
 from .messages import PoisonMessage, PromptTask, Rollout, check_rollout_metadata, decode_rollout, encode_task
-from .metrics import MetricsSink, token_weighted_mean
-from .objective import step_generator
+from .distributed import all_reduce_step_metrics
+from .metrics import MetricsSink
+from .objective import METRIC_KEYS, step_generator
 
 log = logging.getLogger("eopd.learner")
 
 LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss")
+# Token-weighted per-step metrics (the loss's own keys, plus those it adds with vocab metrics).
+STEP_METRIC_KEYS = tuple(k for k in (*METRIC_KEYS, "student_entropy", "topk_overlap") if k not in LOSS_TERMS)
 
 # Exit statuses of eopd-train: 0 done (or stopped by a signal), 2 configuration error or another
 # learner holds the namespace's lease, 4 checkpoint write failed, 5 systematic rejection of
@@ -360,9 +363,10 @@ class Learner:
                 self.engine.step()
                 rows.append(({k: v for k, v in m.items() if k not in LOSS_TERMS}, packed.num_tokens))
                 for k in LOSS_TERMS:
-                    loss_sum[k] += m.get(k, 0.0) / self.gas  # rank 0 share x world, see denominator
+                    loss_sum[k] += m.get(k, 0.0) / self.gas  # this rank's share x world, see denominator
             self.state["optimizer_steps"] += 1
-            metrics = {**token_weighted_mean(rows), **loss_sum, "lr": lr_used}
+            # Over every rank's micro-batches (one all-reduce), not rank 0's share only.
+            metrics = {**all_reduce_step_metrics(rows, loss_sum, STEP_METRIC_KEYS, LOSS_TERMS), "lr": lr_used}
             grad_norm = self.engine.get_global_grad_norm()
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm)
