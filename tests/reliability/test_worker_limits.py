@@ -149,20 +149,31 @@ def test_dead_letter_maxlen_bounds_the_dead_letter_stream(worker):
 
 
 def test_teacher_max_in_flight_bounds_unanswered_requests(worker, monkeypatch):
-    """The real worker loop (`RolloutWorker.run`: sample, score on one ScoreStream to the real teacher,
-    publish) over 8 tasks x 2 samples, one sequence per request (16 requests): every time the worker
-    hands a request to the stream, the requests it has handed out and not yet had answered (its own
-    `sent` book-keeping) are at most teacher.max_in_flight, and the bound is reached (pipelining)."""
+    """The real worker loop (`RolloutWorker.run`: sample, score on teacher.streams ScoreStreams to the
+    real teacher, publish) over 8 tasks x 2 samples, one sequence per request (16 requests): every
+    time the worker's teacher client puts a request on the wire, the requests on the wire and not
+    yet answered (built, not yet resolved, over all streams) are at most teacher.max_in_flight, and
+    the bound is reached (pipelining). (The worker's own `sent` book-keeping may count one more:
+    the client frees a slot when an answer arrives, before the worker has taken that answer.)"""
+    from eopd_teacher import client as teacher_client
+
     w = worker
+    assert w.cfg.teacher.streams >= 2  # spread over several streams, bounded in total
+    live = [0]
     outstanding: list[int] = []
-    handed_out = rollout.QueueSource.__anext__
+    build, resolved = teacher_client.build_request, teacher_client._StreamRun._resolved
 
-    async def counting(self):
-        item = await handed_out(self)
-        outstanding.append(len(self.sent))  # includes the request just handed out
-        return item
+    def counting_build(*args, **kwargs):
+        live[0] += 1
+        outstanding.append(live[0])  # includes the request being put on the wire
+        return build(*args, **kwargs)
 
-    monkeypatch.setattr(rollout.QueueSource, "__anext__", counting)
+    def counting_resolved(self, lane, rid):
+        live[0] -= 1
+        return resolved(self, lane, rid)
+
+    monkeypatch.setattr(teacher_client, "build_request", counting_build)
+    monkeypatch.setattr(teacher_client._StreamRun, "_resolved", counting_resolved)
     for seq in range(8):
         w.tasks.add(task(seq))
     w.redis.set(w.keys.done, b"1")  # the worker stops once the tasks are done
@@ -297,3 +308,46 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
     finally:
         w.cfg = saved_cfg
         w.redis.delete(w.keys.policy)
+
+
+def test_a_request_the_teacher_rejects_dead_letters_only_its_task(worker, tmp_path):
+    """A real teacher whose max_tokens_per_request (GetModelInfo) fits every sequence of the run
+    but one: the long prompt's task. `RolloutWorker.run` over 6 tasks x 2 samples: the teacher
+    rejects that sequence's requests (RESOURCE_EXHAUSTED, not retryable); the task goes to the
+    dead-letter stream with the teacher's code and message naming both its rollouts, every other
+    task is scored, published and acknowledged, and the worker finishes normally (returns 0)."""
+    import json
+
+    from eopd_trainer.data import render_prompt
+
+    from tests.procs import running_teacher
+
+    prompts = [f"What is {a} + {a + 3}?" for a in range(5)] + [" ".join(["Think about this long question."] * 40)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    d, ro = worker.cfg.data, worker.cfg.rollout
+    lengths = [len(render_prompt(worker.tokenizer, p, suffix=d.suffix, chat_template=d.chat_template,
+                                 max_length=d.max_prompt_length)) for p in prompts]
+    limit = max(lengths[:-1]) + ro.max_response_length  # every short sequence fits, alone or not
+    assert lengths[-1] + 1 > limit, lengths
+    with running_teacher("tiny-random", "--max-batch-wait-ms", "20", "--max-tokens-per-request", str(limit)) as teacher:
+        cfg = load_config(TINY, [
+            f"run_dir={tmp_path / 'run'}", f"queue.redis_url={worker.cfg.queue.redis_url}", "queue.namespace=rejects",
+            f"teacher.target={teacher.target}", f"data.train_files=[{data}]", "teacher.sequences_per_request=2",
+            "queue.block_ms=50", "teacher.retry_timeout_s=20",
+        ])
+        with make_worker(cfg, "w-rejects") as w:
+            w.setup()
+            ids = {w.tasks.add(encode_task(PromptTask(task_seq=i, prompt_index=i, num_samples=2, min_policy_version=0))): i
+                   for i in range(len(prompts))}
+            w.redis.set(w.keys.done, b"1")
+            assert asyncio.run(asyncio.wait_for(w.run(), 300)) == 0
+            dead = [x for x in read_dead_letters(w.redis, w.keys.dead) if x["entry_id"] in ids]
+            assert [ids[x["entry_id"]] for x in dead] == [5], dead
+            reason = dead[0]["reason"]
+            assert "t5-s0" in reason and "t5-s1" in reason and "not scored: teacher rejected request" in reason, reason
+            assert "(RESOURCE_EXHAUSTED)" in reason and f"exceed the limit of {limit} per request" in reason, reason
+            assert dead[0]["source"] == w.keys.tasks
+            assert w.published == 10 and w.rollouts.length() == 10
+            assert w.tasks.length() == 0 and w.tasks.pending_count() == 0  # all acknowledged or dead-lettered
+            assert w.metrics.unscored.labels("RESOURCE_EXHAUSTED")._value.get() == 2

@@ -488,7 +488,7 @@ class RolloutWorker:
 
     # Main loop -------------------------------------------------------------------------------
     async def run(self) -> int:
-        from eopd_teacher.client import AsyncTeacherClient, ScoreBatch, SequenceInput
+        from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, SequenceInput
 
         cfg = self.cfg
         security = cfg.teacher.client_kwargs()  # token / TLS files: read now, fail at start if unreadable
@@ -570,17 +570,23 @@ class RolloutWorker:
             waiting_since: list[float | None] = [None]  # when the consumer started waiting for an answer
 
             async def drain(source: QueueSource) -> None:
-                stream = client.score_stream(source, max_in_flight=cfg.teacher.max_in_flight)
+                # on_error="yield": a request the teacher rejects for good (invalid, over a per-request
+                # limit) comes back as (request_id, RequestFailed) and the streams go on.
+                stream = client.score_stream(source, max_in_flight=cfg.teacher.max_in_flight,
+                                             streams=cfg.teacher.streams, on_error="yield")
                 while True:
                     waiting_since[0] = time.monotonic()
                     try:
-                        rid, scores = await stream.__anext__()
+                        rid, answer = await stream.__anext__()
                     except StopAsyncIteration:
                         return
                     finally:
                         waiting_since[0] = None
                     sent.pop(rid, None)
-                    await handle(rid, scores)
+                    if isinstance(answer, RequestFailed):
+                        await reject(rid, answer.code, answer.details)
+                    else:
+                        await handle(rid, answer)
 
             async def consume() -> None:
                 """Streams the batches to the teacher. Deadline: when requests are outstanding and
