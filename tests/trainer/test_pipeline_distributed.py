@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from eopd_trainer.queue import Keys
 
@@ -43,6 +45,12 @@ def test_two_process_zero2_run(tmp_path, tiny_teacher):
     assert (run_dir / "weights" / "v000002.safetensors").is_file()
     log = learner.log()
     assert "training finished: 2 iterations, 16 rollouts trained" in log
+    # Step metrics are over both ranks' micro-batches (all-reduced): the first step of each iteration
+    # sees ratio 1 on every token of the mini-batch (sync: the worker sampled with these weights).
+    steps = [r for r in map(json.loads, (run_dir / "train_metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 4 and all(r["lr"] > 0 for r in steps)
+    for first in steps[::2]:
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and abs(first["approx_kl"]) < 1e-4, first
 
 
 @pytest.mark.parametrize("extra", [["train.zero_stage=3"], ["train.zero_stage=1", "train.precision=bf16"]],
