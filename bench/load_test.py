@@ -37,6 +37,15 @@ class PhaseResult:
     codes: Counter = field(default_factory=Counter)
     rss: list[float] = field(default_factory=list)
     messages: dict[str, str] = field(default_factory=dict)  # the first message seen for each error code
+    by_mode: Counter = field(default_factory=Counter)  # answered requests per client mode (unary, stream)
+    reopened: int = 0  # streams re-opened after an error
+
+    def ok(self, mode: str, scored: int, latency: float) -> None:
+        self.codes["OK"] += 1
+        self.requests += 1
+        self.by_mode[mode] += 1
+        self.scored_tokens += scored
+        self.latencies.append(latency)
 
     def error(self, err: grpc.aio.AioRpcError) -> None:
         self.codes[err.code().name] += 1
@@ -52,6 +61,8 @@ class PhaseResult:
             "p50_ms": float(np.percentile(lat, 50) * 1000),
             "p99_ms": float(np.percentile(lat, 99) * 1000),
             "codes": dict(self.codes),
+            "requests_by_mode": {m: self.by_mode[m] for m in ("unary", "stream")},
+            "streams_reopened": self.reopened,
             "messages": dict(self.messages),
             "rss_mib_start": self.rss[0] if self.rss else None,
             "rss_mib_max": max(self.rss) if self.rss else None,
@@ -73,40 +84,51 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
 
     async def unary_client(i: int) -> None:
         rng = np.random.default_rng(i)
+        backoff = 0.05
         async with AsyncTeacherClient(target, retry_timeout=30 if retry else 0, retry_overload=retry, client_id=f"load-{i}") as c:
             while time.monotonic() < stop:
                 t = time.perf_counter()
                 try:
                     await c.score(_sequences(rng, n_seqs, length), timeout=60)
-                    res.codes["OK"] += 1
-                    res.requests += 1
-                    res.scored_tokens += scored_per_req
-                    res.latencies.append(time.perf_counter() - t)
+                    res.ok("unary", scored_per_req, time.perf_counter() - t)
+                    backoff = 0.05
                 except grpc.aio.AioRpcError as err:
-                    res.error(err)
-                    await asyncio.sleep(0.05)
+                    res.error(err)  # the same backoff as the streaming clients: neither mode crowds out the other
+                    await asyncio.sleep(min(backoff, max(0.0, stop - time.monotonic())))
+                    backoff = min(backoff * 2, 1.0)
 
     async def stream_client(i: int) -> None:
+        """One stream at a time, 2 requests in flight; after an error (a shed stream, a refused
+        request) the client re-opens its stream with exponential backoff (50 ms doubling to 1 s,
+        reset by an answer), as the rollout worker does, until the phase ends."""
         rng = np.random.default_rng(10_000 + i)
         sent: dict[str, float] = {}
+        k = 0
 
         async def batches():
-            k = 0
+            nonlocal k
             while time.monotonic() < stop:
                 rid = f"c{i}-{k}"
                 k += 1
                 sent[rid] = time.perf_counter()
                 yield ScoreBatch(rid, _sequences(rng, n_seqs, length))
 
+        backoff = 0.05
         async with AsyncTeacherClient(target, retry_timeout=30 if retry else 0, retry_overload=retry, client_id=f"load-{i}") as c:
-            try:
-                async for rid, _ in c.score_stream(batches(), max_in_flight=2):
-                    res.codes["OK"] += 1
-                    res.requests += 1
-                    res.scored_tokens += scored_per_req
-                    res.latencies.append(time.perf_counter() - sent.pop(rid))
-            except grpc.aio.AioRpcError as err:
-                res.error(err)
+            first = True
+            while time.monotonic() < stop:
+                if not first:
+                    res.reopened += 1
+                first = False
+                try:
+                    async for rid, _ in c.score_stream(batches(), max_in_flight=2):
+                        res.ok("stream", scored_per_req, time.perf_counter() - sent.pop(rid))
+                        backoff = 0.05
+                except grpc.aio.AioRpcError as err:
+                    res.error(err)
+                    sent.clear()  # what was in flight on the failed stream is not answered
+                    await asyncio.sleep(min(backoff, max(0.0, stop - time.monotonic())))
+                    backoff = min(backoff * 2, 1.0)
 
     async def sample_rss() -> None:
         while time.monotonic() < stop:
@@ -156,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         ["overload", args.clients, f"{over['seconds']:.0f}", f"{over['requests_per_s']:.1f}", f"{over['scored_tokens_per_s']:.0f}",
          f"{over['p50_ms']:.0f}", f"{over['p99_ms']:.0f}", json.dumps(over["codes"]), f"{over['rss_mib_start']:.0f} -> {over['rss_mib_max']:.0f}"],
     ]
-    table = markdown_table(["phase", "clients", "s", "req/s", "scored tok/s", "p50 ms", "p99 ms", "answers", "server RSS MiB"], rows)
+    for row, r in zip(rows, (load, over), strict=True):
+        row.insert(8, f"{r['requests_by_mode']['unary']} / {r['requests_by_mode']['stream']}")
+    table = markdown_table(["phase", "clients", "s", "req/s", "scored tok/s", "p50 ms", "p99 ms", "answers", "unary / stream answered", "server RSS MiB"], rows)
     write_results("load", {"load": load, "overload": over, "model": args.model})
     write_section("load", f"""## Teacher under load (issue 8)
 
 `.venv/bin/python -m bench.load_test --clients {args.clients} --seconds {args.seconds:.0f}` on {machine_description()}.
-Model {args.model}; half the clients unary, half streaming (2 in flight each); sustained: 2 x 64-token sequences per
+Model {args.model}; half the clients unary, half streaming (2 in flight each; a stream that fails is re-opened with backoff); sustained: 2 x 64-token sequences per
 request, client retries off (every error counts); overload: 8 x 256-token sequences against a 16k-token queue and a 4k
 per-client limit, no retries; recovery time of a normal request afterwards: {over['recovery_request_s'] * 1000:.0f} ms.
 
