@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_common.models import load_causal_lm
-from eopd_teacher.client import AsyncTeacherClient, ScoreBatch, TeacherClient
+from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, TeacherClient
 from tests.procs import free_port, start_teacher, wait_teacher_ready
 
 from .reference import assert_topk_match, reference_scores
@@ -167,22 +167,20 @@ def test_bad_input_invalid_argument_and_still_serving(tiny_teacher, ref_model):
     assert 'eopd_teacher_errors_total{code="INVALID_ARGUMENT"}' in metrics
 
 
-def test_bad_request_in_stream_answers_earlier_ones_then_fails(tiny_teacher):
-    good = [pb.ScoreRequest(request_id=f"g{i}", sequences=[pb.Sequence(id="x", token_ids=[1, 2, 3, 4], score_from=1)]) for i in range(3)]
+def test_bad_request_in_stream_is_answered_in_band(tiny_teacher):
+    """A bad request on a stream is answered in band (ScoreResponse.error, naming the field and the
+    request); the requests before and after it are scored and the stream ends OK."""
+    good = [pb.ScoreRequest(request_id=f"g{i}", sequences=[pb.Sequence(id="x", token_ids=[1, 2, 3, 4], score_from=1)]) for i in range(4)]
     bad = pb.ScoreRequest(request_id="the-bad-one", sequences=[pb.Sequence(id="x", token_ids=[1, 2], score_from=5)])
     with grpc.insecure_channel(tiny_teacher.target) as ch:
-        call = pb_grpc.TeacherServiceStub(ch).ScoreStream(iter(good + [bad]), timeout=60)
-        got = []
-        with pytest.raises(grpc.RpcError) as e:
-            for resp in call:
-                got.append(resp.request_id)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "the-bad-one" in e.value.details() and "score_from" in e.value.details()
-        assert sorted(got) == ["g0", "g1", "g2"]
-        missing_id = pb.ScoreRequest(sequences=[pb.Sequence(id="x", token_ids=[1, 2], score_from=1)])
-        with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.TeacherServiceStub(ch).ScoreStream(iter([missing_id]), timeout=30))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+        call = pb_grpc.TeacherServiceStub(ch).ScoreStream(iter(good[:2] + [bad] + good[2:]), timeout=60)
+        answers = {resp.request_id: resp for resp in call}
+        assert call.code() == grpc.StatusCode.OK
+    assert sorted(answers) == ["g0", "g1", "g2", "g3", "the-bad-one"]
+    assert all(not answers[f"g{i}"].HasField("error") and len(answers[f"g{i}"].results) == 1 for i in range(4))
+    err = answers["the-bad-one"].error
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not answers["the-bad-one"].results
+    assert "the-bad-one" in err.message and "score_from" in err.message
 
 
 def test_deadline_honoured_and_still_serving(tiny_teacher):
@@ -297,11 +295,11 @@ def _stream_req(rid: str, score_from: int = 1, seq_id: str = "x") -> pb.ScoreReq
     return pb.ScoreRequest(request_id=rid, sequences=[pb.Sequence(id=seq_id, token_ids=[1, 2, 3, 4], score_from=score_from)])
 
 
-def test_bad_request_in_open_stream_fails_promptly(tiny_teacher, ref_model):
+def test_bad_request_in_open_stream_answered_promptly(tiny_teacher, ref_model):
     """A producer sends good requests and a bad one, then keeps its side of the stream open
-    without sending more: the earlier answers arrive, then INVALID_ARGUMENT (naming the field,
-    the sequence and the request), without waiting for the client to send or close; the server
-    serves on afterwards."""
+    without sending more: every answer arrives, the bad one in band (INVALID_ARGUMENT naming the
+    field, the sequence and the request), without waiting for the client to send or close; the
+    same stream serves on afterwards."""
 
     async def go():
         async with grpc.aio.insecure_channel(tiny_teacher.target) as ch:
@@ -309,8 +307,8 @@ def test_bad_request_in_open_stream_fails_promptly(tiny_teacher, ref_model):
             queue: asyncio.Queue = asyncio.Queue()
 
             async def requests():
-                while True:  # never ends: the client keeps its side open
-                    yield await queue.get()
+                while (req := await queue.get()) is not None:
+                    yield req
 
             call = stub.ScoreStream(requests(), timeout=120)
             queue.put_nowait(_stream_req("first"))
@@ -320,84 +318,33 @@ def test_bad_request_in_open_stream_fails_promptly(tiny_teacher, ref_model):
                 queue.put_nowait(_stream_req(f"g{i}"))
             queue.put_nowait(_stream_req("the-bad-one", score_from=9, seq_id="seq-bad"))
             started = time.monotonic()
-            got = []
-
-            async def drain():
-                while (resp := await call.read()) is not grpc.aio.EOF:
-                    got.append(resp.request_id)
-
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await asyncio.wait_for(drain(), 30)
+            got = {}
+            while len(got) < 4:
+                resp = await asyncio.wait_for(call.read(), 30)
+                got[resp.request_id] = resp
             elapsed = time.monotonic() - started
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-            details = e.value.details()
-            assert "sequences[0].score_from" in details and "seq-bad" in details and "the-bad-one" in details
-            assert sorted(got) == ["g0", "g1", "g2"]
-            # Still serving: a new stream on the same channel, and a unary call.
-            answers = [r.request_id async for r in stub.ScoreStream(iter([_stream_req("after")]), timeout=30)]
-            assert answers == ["after"]
-            unary = await stub.Score(_stream_req(""), timeout=30)
-            return elapsed, unary
+            queue.put_nowait(_stream_req("after"))  # the same stream serves on
+            after = await asyncio.wait_for(call.read(), 30)
+            queue.put_nowait(None)
+            assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
+            return elapsed, got, after, await call.code()
 
-    elapsed, unary = asyncio.run(go())
+    elapsed, got, after, code = asyncio.run(go())
     assert elapsed < 20, elapsed
-    assert len(unary.results) == 1
+    assert code == grpc.StatusCode.OK and after.request_id == "after" and not after.HasField("error")
+    assert sorted(got) == ["g0", "g1", "g2", "the-bad-one"]
+    err = got["the-bad-one"].error
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "sequences[0].score_from" in err.message and "seq-bad" in err.message and "the-bad-one" in err.message
     _, metrics = _http(f"{tiny_teacher.http}/metrics")
-    assert 'eopd_teacher_requests_total{code="INVALID_ARGUMENT",method="ScoreStream"}' in metrics
+    assert 'eopd_teacher_stream_requests_total{code="INVALID_ARGUMENT"}' in metrics
+    assert 'eopd_teacher_errors_total{code="INVALID_ARGUMENT"}' in metrics
     assert "eopd_teacher_inflight_requests 0.0" in metrics
-
-
-def test_stream_ending_is_announced_before_the_status(tiny_teacher):
-    """A client that asks with `eopd-stream-ending: 1` is told in band that the stream is ending
-    (StreamEnding: the failing request, its code and message) and the server then reads on,
-    dropping what arrives, until the client half-closes; only then does the status follow, so no
-    write of the client races the end of the stream (grpc/grpc#36066). A client that never
-    half-closes still gets the status, after the grace period."""
-
-    async def go():
-        async with grpc.aio.insecure_channel(tiny_teacher.target) as ch:
-            stub = pb_grpc.TeacherServiceStub(ch)
-            results = []
-            for half_close in (True, False):
-                queue: asyncio.Queue = asyncio.Queue()
-
-                async def requests():
-                    while (req := await queue.get()) is not None:
-                        yield req
-
-                call = stub.ScoreStream(requests(), timeout=60, metadata=(("eopd-stream-ending", "1"),))
-                queue.put_nowait(_stream_req("first"))
-                assert (await asyncio.wait_for(call.read(), 30)).request_id == "first"
-                queue.put_nowait(_stream_req("the-bad-one", score_from=9, seq_id="seq-bad"))
-                ending = await asyncio.wait_for(call.read(), 30)
-                assert ending.HasField("ending") and ending.request_id == "" and not ending.results
-                assert ending.ending.request_id == "the-bad-one"
-                assert ending.ending.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-                assert "sequences[0].score_from" in ending.ending.message
-                if half_close:
-                    queue.put_nowait(_stream_req("sent-after-the-ending"))  # read and dropped, no error
-                    queue.put_nowait(None)  # half-close
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    async with asyncio.timeout(30):
-                        while (resp := await call.read()) is not grpc.aio.EOF:
-                            raise AssertionError(f"nothing is answered after the ending: {resp}")
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert e.value.details() == ending.ending.message
-                results.append(e.value.code())
-            # Without the metadata nothing changes: no StreamEnding, the status at once.
-            call = stub.ScoreStream(iter([_stream_req("bad", score_from=9)]), timeout=30)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for resp in call:
-                    raise AssertionError(f"unexpected answer {resp}")
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            return results
-
-    assert asyncio.run(go()) == [grpc.StatusCode.INVALID_ARGUMENT] * 2
 
 
 def test_async_client_stream_bad_request_fails_promptly(tiny_teacher):
     """The same through AsyncTeacherClient.score_stream with a source that stalls after the bad
-    request: INVALID_ARGUMENT is not retried and reaches the caller."""
+    request: the in-band INVALID_ARGUMENT is not retried and reaches the caller as RequestFailed."""
 
     async def go():
         stall = asyncio.Event()
@@ -409,14 +356,14 @@ def test_async_client_stream_bad_request_fails_promptly(tiny_teacher):
 
         got = []
         async with AsyncTeacherClient(tiny_teacher.target) as c:
-            with pytest.raises(grpc.aio.AioRpcError) as e:
+            with pytest.raises(RequestFailed) as e:
                 async with asyncio.timeout(30):
                     async for rid, _ in c.score_stream(source()):
                         got.append(rid)
         return got, e.value
 
     got, err = asyncio.run(go())
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequences[0].token_ids[2]" in err.details()
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.request_id == "bad" and "sequences[0].token_ids[2]" in err.details
     assert got in ([], ["ok"])
 
 

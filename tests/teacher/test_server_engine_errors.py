@@ -80,23 +80,29 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
             assert "RuntimeError: engine exploded" in e.value.details()
             assert len(await client.score([("fine", [1, 2, 3, 4], 2)], timeout=10)) == 1
 
-            # Stream: the request scored before the failing one is answered, then INTERNAL.
+            # Stream: the failing request is answered in band (INTERNAL), the stream serves on.
             async with grpc.aio.insecure_channel(target) as ch:
                 stub = pb_grpc.TeacherServiceStub(ch)
                 queue: asyncio.Queue = asyncio.Queue()
 
                 async def requests():
-                    while True:  # the client keeps its side open
-                        yield await queue.get()
+                    while (req := await queue.get()) is not None:  # open until None
+                        yield req
 
                 call = stub.ScoreStream(requests(), timeout=30)
                 queue.put_nowait(_req("ok", "a"))
                 assert (await call.read()).request_id == "ok"
                 queue.put_nowait(_req("bad", "boom-2"))
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    async with asyncio.timeout(10):
-                        await call.read()
-                assert e.value.code() == grpc.StatusCode.INTERNAL and "engine exploded" in e.value.details()
+                async with asyncio.timeout(10):
+                    failed = await call.read()
+                assert failed.request_id == "bad" and failed.error.code == grpc.StatusCode.INTERNAL.value[0]
+                assert "engine exploded" in failed.error.message and not failed.results
+                queue.put_nowait(_req("next", "d"))
+                async with asyncio.timeout(10):
+                    nxt = await call.read()
+                assert nxt.request_id == "next" and not nxt.HasField("error")
+                queue.put_nowait(None)
+                assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
 
                 answers = [r.request_id async for r in stub.ScoreStream(iter([_req("after", "b")]), timeout=10)]
                 assert answers == ["after"]
@@ -119,7 +125,7 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
                     await asyncio.sleep(0.05)
         metrics = await asyncio.to_thread(_metrics, server.http_port)
         assert 'eopd_teacher_requests_total{code="INTERNAL",method="Score"} 1.0' in metrics
-        assert 'eopd_teacher_requests_total{code="INTERNAL",method="ScoreStream"} 1.0' in metrics
+        assert 'eopd_teacher_stream_requests_total{code="INTERNAL"} 1.0' in metrics
         assert 'eopd_teacher_requests_total{code="CANCELLED",method="ScoreStream"} 1.0' in metrics
         assert server.state.ready
     finally:

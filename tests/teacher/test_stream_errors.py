@@ -17,11 +17,13 @@ from tests.procs import running_teacher
 pytestmark = pytest.mark.integration
 
 MAX_SEQUENCES = 3
+CLIENT_TOKENS = 5000  # per-client in-flight tokens: two 3000-token requests at once are over it
 
 
 @pytest.fixture(scope="module")
 def teacher():
-    with running_teacher("tiny-random", "--max-sequences-per-request", str(MAX_SEQUENCES), "--max-batch-wait-ms", "20") as proc:
+    args = ("--max-sequences-per-request", str(MAX_SEQUENCES), "--max-inflight-tokens-per-client", str(CLIENT_TOKENS), "--max-batch-wait-ms", "20")
+    with running_teacher("tiny-random", *args) as proc:
         yield proc
 
 
@@ -151,3 +153,57 @@ def test_sync_client_on_error(teacher):
         assert e.value.request_id == "bad"
         with pytest.raises(ValueError, match="already in flight"):
             list(c.score_stream(iter([ScoreBatch("d", [("x", list(range(1, 1500)), 1)]), ScoreBatch("d", [("x", [1, 2], 1)])])))
+
+
+def _big(rid: str, first: int) -> pb.ScoreRequest:
+    ids = [first] + list(range(1, 1500))  # 2 x 1500 tokens
+    return pb.ScoreRequest(request_id=rid, sequences=[pb.Sequence(id=f"big{i}", token_ids=ids, score_from=1) for i in range(2)])
+
+
+def test_stream_level_overload_ends_the_stream_announced_first(teacher):
+    """Overload (here the client's in-flight tokens) is stream-level: the stream ends with
+    RESOURCE_EXHAUSTED after the requests in flight are answered. A client that asks with
+    `eopd-stream-ending: 1` is told in band first (StreamEnding: the request, code and message);
+    the server reads on, dropping what arrives, until the client half-closes; only then does the
+    status follow, so no write of the client races the end (grpc/grpc#36066). A client that never
+    half-closes still gets the status, after the grace period."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(teacher.target) as ch:
+            stub = pb_grpc.TeacherServiceStub(ch)
+            results = []
+            for n, half_close in enumerate((True, False)):
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def requests():
+                    while (req := await queue.get()) is not None:
+                        yield req
+
+                md = (("eopd-stream-ending", "1"), ("x-eopd-client", f"ending-{n}"))
+                call = stub.ScoreStream(requests(), timeout=60, metadata=md)
+                queue.put_nowait(_big("A", 5))
+                queue.put_nowait(_big("B", 6))  # while A is in flight: over the client's limit
+                got, ending = [], None
+                while ending is None:
+                    resp = await asyncio.wait_for(call.read(), 30)
+                    if resp.HasField("ending"):
+                        ending = resp
+                    else:
+                        got.append(resp.request_id)
+                assert got == ["A"]  # in flight before the failure: answered before the ending
+                assert ending.request_id == "" and not ending.results and ending.ending.request_id == "B"
+                assert ending.ending.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                assert f"client 'id:ending-{n}' has" in ending.ending.message
+                if half_close:
+                    queue.put_nowait(_req("sent-after-the-ending"))  # read and dropped, no error
+                    queue.put_nowait(None)  # half-close
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async with asyncio.timeout(30):
+                        while (resp := await call.read()) is not grpc.aio.EOF:
+                            raise AssertionError(f"nothing is answered after the ending: {resp}")
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert e.value.details() == ending.ending.message
+                results.append(e.value.code())
+            return results
+
+    assert asyncio.run(go()) == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
