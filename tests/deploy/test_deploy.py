@@ -1,6 +1,7 @@
 """Offline checks of the deployment files (issue 7): no Docker engine and no cluster needed.
 
-- `docker-compose config` accepts docker-compose.yml with .env.example, by default and per profile;
+- `docker-compose config` accepts docker-compose.yml with .env.example (its empty REDIS_PASSWORD set), by default
+  and per profile, and docker-compose.tls.yml on top; without a password it refuses;
 - `kubectl kustomize` renders each overlay (and the opt-in auth/TLS components);
 - `kubernetes-validate --strict` accepts every rendered object for KUBERNETES_VERSION;
 - hadolint passes on each Dockerfile;
@@ -119,8 +120,23 @@ def clean_env() -> dict[str, str]:
 # Compose ---------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
+def env_file() -> str:
+    """.env.example as an operator fills it in: its REDIS_PASSWORD is empty on purpose (compose
+    refuses to start without one), so the tests set a random one in a copy."""
+    import secrets
+    import tempfile
+
+    text = (ROOT / ".env.example").read_text()
+    assert re.search(r"^REDIS_PASSWORD=$", text, re.M), ".env.example must leave REDIS_PASSWORD empty"
+    fd, path = tempfile.mkstemp(prefix="eopd-env-", suffix=".env")
+    with os.fdopen(fd, "w") as f:
+        f.write(re.sub(r"^REDIS_PASSWORD=$", f"REDIS_PASSWORD={secrets.token_hex(16)}", text, flags=re.M))
+    return path
+
+
+@functools.lru_cache(maxsize=None)
 def compose_config(profile: str | None) -> dict[str, Any]:
-    cmd = [tool("docker-compose"), "--env-file", ".env.example", "-f", "docker-compose.yml"]
+    cmd = [tool("docker-compose"), "--env-file", env_file(), "-f", "docker-compose.yml"]
     if profile:
         cmd += ["--profile", profile]
     proc = run(cmd + ["config", "--format", "json"], env=clean_env())
@@ -147,9 +163,13 @@ def test_compose_config_accepts_each_profile(profile):
 
 
 def test_compose_requires_a_redis_password():
-    proc = run([tool("docker-compose"), "--env-file", "/dev/null", "-f", "docker-compose.yml", "config", "-q"],
-               env=clean_env())
-    assert proc.returncode != 0 and "REDIS_PASSWORD" in proc.stderr
+    """Fail closed: without REDIS_PASSWORD, and with .env.example copied as it is (empty password,
+    no placeholder), compose refuses to render, naming the variable."""
+    for env_path in ("/dev/null", ".env.example"):
+        proc = run([tool("docker-compose"), "--env-file", env_path, "-f", "docker-compose.yml", "config", "-q"],
+                   env=clean_env())
+        assert proc.returncode != 0 and "REDIS_PASSWORD" in proc.stderr, (env_path, proc.stderr)
+    assert "change-me" not in (ROOT / ".env.example").read_text()
 
 
 def test_compose_gpu_reservations_and_redis_persistence():
@@ -189,7 +209,7 @@ def test_compose_tls_override(profile):
     through variables healthcheck.py reads, and the rollout worker the CA and server name through
     real run-config keys. (tests/reliability/test_security.py runs healthcheck.py against a real TLS
     teacher with these variables.)"""
-    cmd = [tool("docker-compose"), "--env-file", ".env.example", "-f", "docker-compose.yml", "-f", "docker-compose.tls.yml",
+    cmd = [tool("docker-compose"), "--env-file", env_file(), "-f", "docker-compose.yml", "-f", "docker-compose.tls.yml",
            "--profile", profile, "config", "--format", "json"]
     proc = run(cmd, env=clean_env())
     assert proc.returncode == 0, f"docker-compose config with docker-compose.tls.yml ({profile}):\n{proc.stderr}"
