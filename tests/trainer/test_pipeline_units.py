@@ -321,6 +321,60 @@ def test_weights_roundtrip_tied_and_verified(tmp_path):
                                                                         "v000006.safetensors"]
 
 
+def test_unreadable_weights_are_transient_and_leave_the_model_untouched(tmp_path, monkeypatch):
+    """WeightsUnavailable (a ValueError, retried by the worker) for a missing file, a sha256
+    mismatch, a truncated file and a file replaced between the check and the read; a file with
+    the wrong tensors is a plain ValueError. In every case the model keeps its weights."""
+    from eopd_trainer import weights as W
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
+    torch.manual_seed(0)
+    src, dst = AutoModelForCausalLM.from_config(cfg), AutoModelForCausalLM.from_config(cfg)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    pv = W.save_weights(src, tmp_path, version=1, iteration=1)
+    path = Path(pv.uri)
+    good = path.read_bytes()
+
+    def untouched():
+        return all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
+
+    path.rename(tmp_path / "away")
+    with pytest.raises(W.WeightsUnavailable, match="file not found"):
+        W.load_weights(dst, pv)
+    (tmp_path / "away").rename(path)
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(W.WeightsUnavailable, match="sha256"):
+        W.load_weights(dst, pv)
+    with pytest.raises(W.WeightsUnavailable, match="not a readable safetensors file"):
+        W.load_weights(dst, pv, verify=False)
+    path.write_bytes(good)
+    real_load = __import__("safetensors.torch", fromlist=["load_file"]).load_file
+
+    def load_then_replace(name):  # a learner re-announcing this version number rewrites the file meanwhile
+        out = real_load(name)
+        tmp = tmp_path / "new.tmp"
+        tmp.write_bytes(good)
+        tmp.replace(path)
+        return out
+
+    monkeypatch.setattr("safetensors.torch.load_file", load_then_replace)
+    with pytest.raises(W.WeightsUnavailable, match="changed while it was read"):
+        W.load_weights(dst, pv)
+    monkeypatch.setattr("safetensors.torch.load_file", real_load)
+    assert untouched()
+    from safetensors.torch import save_file
+
+    partial = tmp_path / "partial.safetensors"
+    save_file({"lm_head.weight": src.lm_head.weight.detach().clone()}, str(partial))
+    with pytest.raises(ValueError, match="missing tensors") as exc:
+        W.load_weights(dst, PolicyVersion(2, str(partial), W.file_sha256(partial), partial.stat().st_size, 2))
+    assert not isinstance(exc.value, W.WeightsUnavailable) and untouched()
+    W.load_weights(dst, pv)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
+
+
 def test_token_remap_both_ways():
     from eopd_trainer.rollout import remap_ids
 
