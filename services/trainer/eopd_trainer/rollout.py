@@ -5,9 +5,10 @@ restart, then entries idle on dead workers via XAUTOCLAIM, then new ones); make 
 policy version the task asks for (reloading announced weights); sample `num_samples` responses
 per prompt (`rollout.engine`: transformers or vLLM, `sampling.make_sampler`); compute the old
 log-probs (by default with a transformers forward pass); send the sequences
-to the teacher on one pipelined `ScoreStream` (re-sent after a teacher restart by the client);
-publish each ScoredRollout on `<ns>:rollouts` (waiting while the stream is over `max_backlog`);
-acknowledge the task once all its rollouts are published. A task re-done after a crash yields
+to the teacher over `teacher.streams` pipelined `ScoreStream`s (re-sent after a teacher restart by
+the client); publish each ScoredRollout on `<ns>:rollouts` (waiting while the stream is over
+`max_backlog`); acknowledge the task once all its rollouts are published, or dead-letter it with
+the reason when the teacher rejected one of its requests or answered it unusably. A task re-done after a crash yields
 the same rollout ids, which the learner recognises as duplicates.
 
     eopd-rollout --config configs/tiny.yaml [--worker-id w0] [key=value ...]
