@@ -47,9 +47,13 @@ class PhaseResult:
         self.scored_tokens += scored
         self.latencies.append(latency)
 
-    def error(self, err: grpc.aio.AioRpcError) -> None:
-        self.codes[err.code().name] += 1
-        self.messages.setdefault(err.code().name, err.details() or "")
+    def error(self, err: Exception) -> None:
+        """A failed call (grpc.aio.AioRpcError) or a stream request answered with an in-band error
+        (eopd_teacher.client.RequestFailed: `code`, `details` attributes)."""
+        code = err.code() if callable(getattr(err, "code", None)) else err.code
+        details = err.details() if callable(getattr(err, "details", None)) else err.details
+        self.codes[code.name] += 1
+        self.messages.setdefault(code.name, details or "")
 
     def summary(self) -> dict:
         lat = np.array(self.latencies) if self.latencies else np.array([float("nan")])
@@ -76,7 +80,7 @@ def _sequences(rng: np.random.Generator, n_seqs: int, length: int) -> list[tuple
 
 
 async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: int, length: int, retry: bool) -> PhaseResult:
-    from eopd_teacher.client import AsyncTeacherClient, ScoreBatch
+    from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch
 
     res = PhaseResult(seconds)
     stop = time.monotonic() + seconds
@@ -124,7 +128,7 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
                     async for rid, _ in c.score_stream(batches(), max_in_flight=2):
                         res.ok("stream", scored_per_req, time.perf_counter() - sent.pop(rid))
                         backoff = 0.05
-                except grpc.aio.AioRpcError as err:
+                except (grpc.aio.AioRpcError, RequestFailed) as err:  # the stream ended, or a request failed in band
                     res.error(err)
                     sent.clear()  # what was in flight on the failed stream is not answered
                     await asyncio.sleep(min(backoff, max(0.0, stop - time.monotonic())))
