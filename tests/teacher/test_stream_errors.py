@@ -207,3 +207,35 @@ def test_stream_level_overload_ends_the_stream_announced_first(teacher):
             return results
 
     assert asyncio.run(go()) == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+
+
+def _tokens_scored(http: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return float(next(line for line in text.splitlines() if line.startswith("eopd_teacher_tokens_scored_total")).split()[-1])
+
+
+def test_streams_spread_over_replicas(teacher, tiny_teacher):
+    """Two replicas behind one round_robin target: score_stream(streams=2) opens two ScoreStream
+    calls, which land on different replicas, and spreads the requests over them: both score."""
+    target = f"ipv4:127.0.0.1:{teacher.grpc_port},127.0.0.1:{tiny_teacher.grpc_port}"
+    before = [_tokens_scored(p.http) for p in (teacher, tiny_teacher)]
+
+    async def go():
+        async with AsyncTeacherClient(target, load_balancing="round_robin") as c:
+            # round_robin connects to every address; wait until unary calls have reached both, so
+            # that the two streams are placed over two READY subchannels.
+            for _ in range(20):
+                await c.info()
+            batches = [ScoreBatch(f"r{i}", [("x", [1 + i, 2, 3, 4, 5], 1)]) for i in range(24)]
+            return {rid: res async for rid, res in c.score_stream(batches, max_in_flight=4, streams=2, on_error="yield")}
+
+    got = asyncio.run(go())
+    assert sorted(got) == sorted(f"r{i}" for i in range(24))
+    assert all(len(res[0].token_logprobs) == 4 for res in got.values())
+    after = [_tokens_scored(p.http) for p in (teacher, tiny_teacher)]
+    gained = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(g > 0 for g in gained), gained
+    assert sum(gained) == 24 * 4

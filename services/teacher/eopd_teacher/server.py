@@ -470,6 +470,11 @@ class TeacherServer:
             ("grpc.max_concurrent_streams", s.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ]
+        if s.max_connection_age_s > 0:  # clients reconnect (and re-resolve DNS) now and then
+            opts += [
+                ("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(s.max_connection_age_grace_s * 1000)),
+            ]
         interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor(self.metrics)]
         token = s.bearer_token()
         if token:

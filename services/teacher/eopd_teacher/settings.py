@@ -31,6 +31,14 @@ class TeacherSettings(ServiceSettings):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port for /healthz, /readyz, /metrics (0: pick a free one)")
     max_message_bytes: int = Field(64 * MiB, ge=MiB, description="gRPC max send/receive message size")
     max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
+    max_connection_age_s: float = Field(
+        300.0, ge=0,
+        description="close (GOAWAY) a client connection after this many seconds so clients re-resolve DNS and "
+        "spread over replicas added since (0: never)",
+    )
+    max_connection_age_grace_s: float = Field(
+        3600.0, ge=0, description="after max_connection_age_s, time the connection's open calls and streams get to finish"
+    )
     grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight work gets to finish")
 
     # Security (see docs/reliability.md). Tokens and keys are read from files or env vars and never logged.
