@@ -31,3 +31,55 @@ def _err(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcErr
 async def test_retryable(err, retry_overload, expected):
     async with AsyncTeacherClient("127.0.0.1:1", retry_overload=retry_overload) as c:
         assert c._retryable(err) is expected
+
+
+def _dead_target() -> str:
+    from tests.procs import free_port
+
+    return f"127.0.0.1:{free_port()}"  # nothing listens: every attempt fails UNAVAILABLE
+
+
+@pytest.mark.parametrize("timeout", [0, 1.0])
+def test_sync_timeout_is_an_overall_deadline_across_retries(timeout):
+    """A 300 s retry budget does not outlive the caller's timeout; timeout=0 is a real deadline
+    (one attempt, failing at once), not "use the default"."""
+    import time
+
+    from eopd_teacher.client import TeacherClient
+
+    with TeacherClient(_dead_target(), timeout=300, retry_timeout=300) as c:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            c.info(timeout=timeout)
+        elapsed = time.monotonic() - started
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert elapsed < timeout + 2.0, elapsed
+
+
+@pytest.mark.parametrize("timeout", [0, 1.0])
+async def test_async_timeout_is_an_overall_deadline_across_retries(timeout):
+    import time
+
+    async with AsyncTeacherClient(_dead_target(), timeout=300, retry_timeout=300) as c:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await c.info(timeout=timeout)
+        elapsed = time.monotonic() - started
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert elapsed < timeout + 2.0, elapsed
+
+
+def test_call_plan_budget_and_attempt_timeouts():
+    """Pure logic: the attempt timeout shrinks with the time spent; None means no deadline."""
+    import time
+
+    from eopd_teacher.client import TeacherClient, _CallPlan
+
+    with TeacherClient(_dead_target(), timeout=None, retry_timeout=60) as c:
+        assert _CallPlan(c, None, None).attempt_timeout() is None
+        plan = _CallPlan(c, 2.0, None)
+        first = plan.attempt_timeout()
+        time.sleep(0.2)
+        assert 1.9 <= first <= 2.0 and plan.attempt_timeout() <= first - 0.2
+        assert _CallPlan(c, 0, None).attempt_timeout() == 0.0
+        assert plan.backoff.deadline <= time.monotonic() + 2.0  # retries bounded by min(timeout, retry_timeout)

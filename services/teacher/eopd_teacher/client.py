@@ -127,6 +127,35 @@ class _Backoff:
         return delay
 
 
+class _CallPlan:
+    """The deadline of one unary call across its retries. `timeout` (None: the client's `timeout`;
+    0 is a real, already-passed deadline, not "the default") is an overall deadline: each attempt
+    gets the time that remains, and no retry is started or waited for beyond it. Retries stop
+    once `retry_timeout` (None: the client's) has passed too, so a call takes at most
+    `timeout` and retries for at most min(`timeout`, `retry_timeout`)."""
+
+    def __init__(self, client: "_Base", timeout: float | None, retry_timeout: float | None):
+        self.client = client
+        total = client.timeout if timeout is None else timeout
+        budget = client.retry_timeout if retry_timeout is None else retry_timeout
+        if total is not None:
+            budget = min(budget, total)
+        self.deadline = None if total is None else time.monotonic() + total
+        self.backoff = _Backoff(budget)
+
+    def attempt_timeout(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def retry_delay(self, err: grpc.RpcError) -> float | None:
+        """Seconds to wait before retrying after `err`, or None to raise it."""
+        if not self.client._retryable(err):
+            return None
+        delay = self.backoff.next_delay()
+        if delay is None or (self.deadline is not None and time.monotonic() + delay >= self.deadline):
+            return None
+        return delay
+
+
 class _Base:
     def __init__(
         self,
@@ -201,12 +230,12 @@ class TeacherClient(_Base):
         self._channel.close()
 
     def _call(self, fn, request, timeout: float | None, retry_timeout: float | None = None):
-        backoff = _Backoff(self.retry_timeout if retry_timeout is None else retry_timeout)
+        plan = _CallPlan(self, timeout, retry_timeout)
         while True:
             try:
-                return fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                return fn(request, timeout=plan.attempt_timeout(), metadata=self.metadata)
             except grpc.RpcError as err:
-                delay = backoff.next_delay() if self._retryable(err) else None
+                delay = plan.retry_delay(err)
                 if delay is None:
                     raise
                 time.sleep(delay)
@@ -305,12 +334,12 @@ class AsyncTeacherClient(_Base):
         await self._channel.close()
 
     async def _call(self, fn, request, timeout: float | None, retry_timeout: float | None = None):
-        backoff = _Backoff(self.retry_timeout if retry_timeout is None else retry_timeout)
+        plan = _CallPlan(self, timeout, retry_timeout)
         while True:
             try:
-                return await fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                return await fn(request, timeout=plan.attempt_timeout(), metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
-                delay = backoff.next_delay() if self._retryable(err) else None
+                delay = plan.retry_delay(err)
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
