@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from eopd_teacher.batcher import Draining, DynamicBatcher, Overloaded
+from eopd_teacher.batcher import BatcherDied, BatchObserver, Draining, DynamicBatcher, Overloaded
 from eopd_teacher.types import ScoreItem, SequenceScores
 
 
@@ -121,3 +121,65 @@ async def test_engine_failure_fails_only_that_batch():
         await b.submit([_item("a", 5)])
     assert (await b.submit([_item("b", 5)]))[0].seq_id == "b"
     await b.close()
+
+
+async def test_engine_error_on_a_shared_batch_fails_only_the_culprit():
+    """An engine error on a batch of several requests: the items are scored again one at a time,
+    so the requests that share the batch with the bad one succeed."""
+    rec = Recorder()
+
+    def score(items):
+        if any(it.seq_id == "bad" for it in items):
+            raise RuntimeError("engine exploded on 'bad'")
+        return rec(items)
+
+    b = DynamicBatcher(score, max_batch_tokens=1000, max_wait_s=0.05, max_queue_tokens=10_000)
+    b.start()
+    outcomes = await asyncio.gather(
+        b.submit([_item("a1", 10), _item("a2", 10)]), b.submit([_item("bad", 10)]), b.submit([_item("c", 11)]), return_exceptions=True
+    )
+    assert [x.seq_id for x in outcomes[0]] == ["a1", "a2"] and [x.seq_id for x in outcomes[2]] == ["c"]
+    assert isinstance(outcomes[1], RuntimeError) and "bad" in str(outcomes[1])
+    assert ["a1"] in rec.batches and ["c"] in rec.batches  # re-scored alone
+    await b.close()
+
+
+async def test_failing_observer_does_not_break_scoring():
+    def boom(*_):
+        raise ValueError("observer bug")
+
+    b = DynamicBatcher(Recorder(), max_batch_tokens=100, max_wait_s=0.0, max_queue_tokens=10_000,
+                       observer=BatchObserver(on_batch=boom, on_queue=boom))
+    b.start()
+    res = await asyncio.wait_for(b.submit([_item("x", 5)]), 10)
+    assert [r.seq_id for r in res] == ["x"]
+    await b.close()
+
+
+async def test_dead_loop_fails_pending_work_and_reports():
+    """If the batcher's loop dies (a bug), pending requests fail at once with BatcherDied
+    (UNAVAILABLE: retry elsewhere), new ones are refused, and on_died is called (the server then
+    turns not ready)."""
+    rec = Recorder()
+    rec.gate.clear()  # the first batch blocks in the engine while more queue up
+    b = DynamicBatcher(rec, max_batch_tokens=10, max_wait_s=0.0, max_queue_tokens=10_000)
+    died = []
+    b.on_died = died.append
+    b.start()
+    first = asyncio.ensure_future(b.submit([_item("first", 5)]))
+    await asyncio.sleep(0.05)
+    waiting = asyncio.ensure_future(b.submit([_item("waiting", 5)]))
+    await asyncio.sleep(0.05)
+
+    def broken():
+        raise KeyError("bug in batch forming")
+
+    b._form_batch = broken
+    rec.gate.set()
+    with pytest.raises(BatcherDied, match="KeyError"):
+        await asyncio.wait_for(waiting, 10)
+    assert [r.seq_id for r in await first] == ["first"]
+    assert not b.alive and len(died) == 1 and isinstance(died[0], KeyError)
+    with pytest.raises(BatcherDied):
+        await b.submit([_item("late", 5)])
+    await asyncio.wait_for(b.close(), 10)

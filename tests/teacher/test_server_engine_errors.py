@@ -8,6 +8,7 @@ has no fault-injection setting; the engine is passed through TeacherServer's `en
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 import urllib.request
 
 import grpc
@@ -128,5 +129,67 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
         assert 'eopd_teacher_stream_requests_total{code="INTERNAL"} 1.0' in metrics
         assert 'eopd_teacher_requests_total{code="CANCELLED",method="ScoreStream"} 1.0' in metrics
         assert server.state.ready
+    finally:
+        await server.stop()
+
+
+async def test_shared_batch_engine_error_fails_only_the_culprit_request():
+    """Two requests batched together, one of which makes the engine raise: the batch is re-scored
+    item by item, so only that request gets INTERNAL."""
+    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=200, grace_seconds=5)
+    server = TeacherServer(settings, engine=FlakyEngine())
+    await server.start()
+    try:
+        async with asyncio.timeout(30):
+            while not server.state.ready:
+                await asyncio.sleep(0.02)
+        async with AsyncTeacherClient(f"127.0.0.1:{server.grpc_port}", retry_timeout=0) as client:
+            good, bad = await asyncio.gather(
+                client.score([("fine", [1, 2, 3, 4], 1)], timeout=10), client.score([("boom-x", [1, 2, 3], 1)], timeout=10),
+                return_exceptions=True,
+            )
+        assert not isinstance(good, BaseException) and len(good[0].token_logprobs) == 3
+        assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INTERNAL
+        metrics = await asyncio.to_thread(_metrics, server.http_port)
+        assert "eopd_teacher_batch_sequences_bucket" in metrics
+    finally:
+        await server.stop()
+
+
+async def test_dead_batcher_turns_the_server_not_ready():
+    """If the batcher's loop dies, the server reports not ready (/readyz 503, health NOT_SERVING)
+    and requests get UNAVAILABLE (retry elsewhere) instead of hanging."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5)
+    server = TeacherServer(settings, engine=FlakyEngine())
+    await server.start()
+    try:
+        async with asyncio.timeout(30):
+            while not server.state.ready:
+                await asyncio.sleep(0.02)
+
+        def broken():
+            raise KeyError("bug in batch forming")
+
+        server.state.batcher._form_batch = broken
+        target = f"127.0.0.1:{server.grpc_port}"
+        async with AsyncTeacherClient(target, retry_timeout=0) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.score([("a", [1, 2, 3], 1)], timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "batcher stopped" in e.value.details()
+
+        def readyz() -> int:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/readyz", timeout=5) as r:
+                    return r.status
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        assert await asyncio.to_thread(readyz) == 503
+        async with grpc.aio.insecure_channel(target) as ch:
+            status = (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert "eopd_teacher_ready 0.0" in await asyncio.to_thread(_metrics, server.http_port)
     finally:
         await server.stop()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .types import ScoreItem, SequenceScores
+
+log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -24,6 +27,11 @@ class Overloaded(Exception):
 
 class Draining(Exception):
     """The batcher no longer accepts work: the caller should answer UNAVAILABLE."""
+
+
+class BatcherDied(Draining):
+    """The batcher's loop died (a bug): pending and new work fail with UNAVAILABLE, so clients
+    retry on another replica, and the server reports itself not ready."""
 
 
 @dataclass(order=True)
@@ -65,10 +73,39 @@ class DynamicBatcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eopd-engine")
         self._task: asyncio.Task | None = None
         self._busy = False
+        self._died: BaseException | None = None
+        self.on_died: Callable[[BaseException], None] | None = None  # called once if the loop dies
 
     # -- public -----------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="eopd-batcher")
+        self._task.add_done_callback(self._loop_ended)
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop has died."""
+        return self._died is None
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """Done-callback of the loop: a loop that ends other than by close() died; every pending
+        request fails with BatcherDied (nothing waits forever) and `on_died` is told."""
+        if task.cancelled() and self._closed:
+            return
+        exc = (None if task.cancelled() else task.exception()) or RuntimeError("the batcher loop stopped")
+        self._died = exc
+        log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
+        for p in self._pending:
+            if not p.future.done():
+                p.future.set_exception(err)
+        self._pending = []
+        self._queued_tokens = 0
+        self._busy = False
+        if self.on_died is not None:
+            try:
+                self.on_died(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("on_died callback failed")
 
     @property
     def queued_tokens(self) -> int:
@@ -80,6 +117,8 @@ class DynamicBatcher:
 
     async def submit(self, items: list[ScoreItem]) -> list[SequenceScores]:
         """Scores `items` (all or nothing); raises Overloaded or Draining before queueing."""
+        if self._died is not None:
+            raise BatcherDied(f"the server's batcher stopped ({type(self._died).__name__}: {self._died}); retry on another replica")
         if self._closed:
             raise Draining("the server is shutting down")
         tokens = sum(it.num_tokens for it in items)
@@ -107,10 +146,10 @@ class DynamicBatcher:
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while self._pending or self._busy:
+        while (self._pending or self._busy) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
-        if self._task:
+        if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
             self._task.cancel()
             try:
                 await self._task
@@ -121,7 +160,10 @@ class DynamicBatcher:
     # -- loop ---------------------------------------------------------------------------------
     def _report_queue(self) -> None:
         if self._obs.on_queue:
-            self._obs.on_queue(len(self._pending), self._queued_tokens)
+            try:
+                self._obs.on_queue(len(self._pending), self._queued_tokens)
+            except Exception:  # noqa: BLE001 - metrics must not break scoring
+                log.exception("batch observer on_queue failed")
 
     def _drop_cancelled(self) -> None:
         keep = []
@@ -187,16 +229,40 @@ class DynamicBatcher:
             started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self._score_fn, items)
-            except Exception as exc:  # the engine failed: fail this batch only
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+            except Exception as exc:  # the engine failed on this batch
+                if len(batch) == 1:
+                    batch[0].future.done() or batch[0].future.set_exception(exc)
+                else:  # one at a time, so that only the culprit fails
+                    await self._score_one_by_one(batch)
                 continue
             finally:
                 self._busy = False
             if self._obs.on_batch:
                 width = max(it.num_tokens for it in items)
-                self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), time.perf_counter() - started)
+                try:
+                    self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), time.perf_counter() - started)
+                except Exception:  # noqa: BLE001 - metrics must not break scoring
+                    log.exception("batch observer on_batch failed")
             for p, r in zip(batch, results, strict=True):
                 if not p.future.done():
                     p.future.set_result(r)
+
+    async def _score_one_by_one(self, batch: list[_Pending]) -> None:
+        """After an engine error on a batch of several items: each item alone (the numbers do not
+        depend on the batch), so only the items that fail on their own get the error."""
+        loop = asyncio.get_running_loop()
+        self._busy = True
+        try:
+            for p in batch:
+                if p.future.done():  # cancelled meanwhile
+                    continue
+                try:
+                    (result,) = await loop.run_in_executor(self._executor, self._score_fn, [p.item])
+                except Exception as exc:  # noqa: BLE001 - this item's own failure
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                    continue
+                if not p.future.done():
+                    p.future.set_result(result)
+        finally:
+            self._busy = False

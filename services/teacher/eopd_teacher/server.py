@@ -112,7 +112,9 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.info is not None and self.batcher is not None and not self.draining and self.engine.health()
+        return (
+            self.info is not None and self.batcher is not None and self.batcher.alive and not self.draining and self.engine.health()
+        )
 
     def check_ready(self) -> tuple[ModelInfo, DynamicBatcher]:
         if self.draining:
@@ -538,6 +540,7 @@ class TeacherServer:
             max_queue_tokens=s.max_queue_tokens,
             observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue),
         )
+        batcher.on_died = self._batcher_died
         batcher.start()
         self.state.batcher = batcher
         self.state.info = info
@@ -551,6 +554,13 @@ class TeacherServer:
             info.model_name, info.dtype, info.vocab_size, info.max_context_length, engine.statistics_path,
             time.perf_counter() - started,
         )
+
+    def _batcher_died(self, exc: BaseException) -> None:
+        """The batcher's loop died: not ready (/readyz 503, health NOT_SERVING) so that probes and
+        load balancers take this replica out; requests get UNAVAILABLE meanwhile."""
+        self.metrics.ready.set(0)
+        for name in ("", SERVICE_NAME):
+            asyncio.get_running_loop().create_task(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self) -> None:
         """Drains: NOT_SERVING, new work refused, in-flight work finished (grace), then closes."""
