@@ -160,17 +160,23 @@ def _mount_tmpfs(path: Path, size: int, remount: bool = False) -> None:
 
 
 @pytest.mark.chaos
-def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_teacher):
-    """The checkpoint directory is a tmpfs with room for one checkpoint and a half: the second
-    checkpoint fails with a clear error (exit status 4), the partial directory is removed, the
-    first checkpoint stays committed and byte-identical, and a restart with space resumes from it."""
+@pytest.mark.parametrize("full_disk", ["tmpfs", "fault"])
+def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_teacher, full_disk):
+    """The second checkpoint of a learner process fails for lack of space: with `tmpfs`, the
+    checkpoint directory is a real tmpfs with room for one checkpoint and a half (needs root); with
+    `fault`, the run config's `checkpoint.write` fault raises ENOSPC inside the checkpoint writer
+    after DeepSpeed wrote its shards (runs everywhere). Either way: a clear error (exit status 4),
+    the partial directory removed, the first checkpoint committed and byte-identical, and a
+    restart with space resumes from it."""
     from eopd_trainer.checkpoint import read_state
 
     with running_private_redis() as server:
         run_dir, ns = tmp_path / "run", "disk-full"
         ckpt = run_dir / "checkpoints"
         ckpt.mkdir(parents=True)
-        _mount_tmpfs(ckpt, 512 * 2**20)
+        tmpfs = full_disk == "tmpfs"
+        if tmpfs:
+            _mount_tmpfs(ckpt, 512 * 2**20)
         procs = []
         try:
             base = overrides(run_dir, server.url, tiny_teacher.target, ns)
@@ -182,13 +188,15 @@ def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_te
             assert wait_exit(worker, 60) == 0, describe(worker)
             used = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
             before = _tree_digest(ckpt / "iter000001")
-            _mount_tmpfs(ckpt, used + used // 2, remount=True)  # room for half of another checkpoint
+            if tmpfs:
+                _mount_tmpfs(ckpt, used + used // 2, remount=True)  # room for half of another checkpoint
+            fault = ["faults=[{point: checkpoint.write, action: raise, iteration: 2}]"] if not tmpfs else []
 
             # 2. the next checkpoint does not fit.
             ov = [*base, "train.iterations=3"]
             server.client().delete(Keys(ns).done)  # else the new worker sees the first run's "done" and exits
             worker = spawn_worker(ov, "w0")
-            learner = spawn_learner(ov)
+            learner = spawn_learner([*ov, *fault])
             procs += [worker, learner]
             assert wait_exit(learner, 180, worker) == 4, describe(learner, worker)
             log = learner.log()
@@ -200,7 +208,8 @@ def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_te
             assert _tree_digest(ckpt / "iter000001") == before
 
             # 3. space again: the restarted learner loads iteration 1's checkpoint and finishes.
-            _mount_tmpfs(ckpt, 512 * 2**20, remount=True)
+            if tmpfs:
+                _mount_tmpfs(ckpt, 512 * 2**20, remount=True)
             learner = spawn_learner(ov)
             procs.append(learner)
             assert wait_exit(learner, 240, worker) == 0, describe(learner, worker)
@@ -210,7 +219,8 @@ def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_te
         finally:
             for p in procs:
                 p.stop()
-            subprocess.run(["umount", "-l", str(ckpt)], capture_output=True, check=False)
+            if tmpfs:
+                subprocess.run(["umount", "-l", str(ckpt)], capture_output=True, check=False)
 
 
 @contextlib.contextmanager

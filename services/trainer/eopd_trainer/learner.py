@@ -143,7 +143,8 @@ class Learner:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
             lr_scheduler=lr_scheduler_factory(cfg, total_steps))
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                      export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier)
+                                      export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier,
+                                      faults=self.faults)
         self.state = self.ckpt.load(self.engine) or fresh_state()
         self.ledger = Ledger.from_json(self.state["ledger"])
         self.metrics = MetricsSink(self.run_dir, "train", tensorboard=cfg.logging.tensorboard,
