@@ -115,3 +115,37 @@ def test_readme_commands_on_smollm2():
             assert rec["token_ids"] == row["token_ids"][row["score_from"]:]
         else:
             assert "".join(rec["tokens"]).strip() == row["response"].strip()
+
+
+def test_score_rpc_error_names_the_input_line_without_traceback(tiny_teacher, tmp_path):
+    """A request the server refuses: exit 1 and `line N (id ...): CODE: details`, N the line of the
+    failing sequence in the file (blank lines counted, not its index within a request chunk)."""
+    src = tmp_path / "in.jsonl"
+    rows = [
+        {"id": "a", "token_ids": [1, 2, 3], "score_from": 1},
+        {"id": "b", "token_ids": [1, 2, 3], "score_from": 1},
+        {"id": "c", "token_ids": [4, 5, 6], "score_from": 1},
+        {"id": "d", "token_ids": [7, 49152, 8], "score_from": 1},  # out of the vocabulary
+    ]
+    src.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[2:]) + "\n")
+    out = _run("score", "--target", tiny_teacher.target, "--input", str(src), "--batch-size", "2")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "line 5 (id 'd'): INVALID_ARGUMENT: " in out.stderr and "sequences[1].token_ids[1]" in out.stderr, out.stderr
+
+
+def test_info_unreachable_is_a_message_not_a_traceback():
+    from tests.procs import free_port
+
+    out = _run("info", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("eopd-teacher info: ") and "not ready after 1.0s" in out.stderr, out.stderr
+
+
+def test_serve_help_renders_factory_defaults():
+    out = _run("serve", "--help")
+    assert out.returncode == 0 and "PydanticUndefined" not in out.stdout
+    from eopd_common.models import default_cache_dir
+
+    help_of_cache_dir = " ".join(out.stdout.split("  --cache-dir CACHE_DIR", 1)[1].split("  --threads", 1)[0].split())
+    assert f"(default: {default_cache_dir()})" in help_of_cache_dir, help_of_cache_dir

@@ -66,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser, settings_cls: type[ServiceSet
     parser.add_argument("--config", type=Path, default=None, help="YAML settings file")
     for name, field in settings_cls.model_fields.items():
         help_text = (field.description or "").replace("%", "%%")
-        default = field.default if field.default is not None else None
+        # get_default calls a default_factory (e.g. a cache directory), so help never shows PydanticUndefined.
+        default = field.get_default(call_default_factory=True)
+        if hasattr(default, "get_secret_value"):
+            default = "(secret)"
         help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
         if _is_bool(field.annotation):
             parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)

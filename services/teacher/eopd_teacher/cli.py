@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -97,17 +98,19 @@ def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
     return tok
 
 
-def _encode(rows: list[dict], tokenizer_spec: str | None, info, cache_dir) -> tuple[list, object]:
-    """(id, token_ids, score_from) per row; the tokenizer (or None when all rows are token ids)."""
+def _encode(rows: list[dict], tokenizer_spec: str | None, info, cache_dir, linenos: list[int] | None = None) -> tuple[list, object]:
+    """(id, token_ids, score_from) per row; the tokenizer (or None when all rows are token ids).
+    `linenos` are the rows' line numbers in the input file (for messages; default 1, 2, ...)."""
     tok = None
     seqs = []
+    linenos = linenos or list(range(1, len(rows) + 1))
     for i, row in enumerate(rows):
         sid = str(row.get("id", i))
         if "token_ids" in row:
             seqs.append((sid, [int(t) for t in row["token_ids"]], int(row.get("score_from", 1))))
             continue
         if "prompt" not in row or "response" not in row:
-            raise SystemExit(f"line {i + 1}: needs token_ids (+score_from) or prompt and response")
+            raise SystemExit(f"line {linenos[i]}: needs token_ids (+score_from) or prompt and response")
         if tok is None:
             tok = _text_tokenizer(tokenizer_spec, info, cache_dir)
         if row.get("chat"):
@@ -118,38 +121,56 @@ def _encode(rows: list[dict], tokenizer_spec: str | None, info, cache_dir) -> tu
             prompt_ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
         response_ids = tok(row["response"], add_special_tokens=False)["input_ids"]
         if not prompt_ids:
-            raise SystemExit(f"line {i + 1}: the prompt encodes to no tokens")
+            raise SystemExit(f"line {linenos[i]}: the prompt encodes to no tokens")
         seqs.append((sid, list(prompt_ids) + list(response_ids), len(prompt_ids)))
     return seqs, tok
 
 
+class _ScoreFailed(Exception):
+    """A request of `score` failed: the message names the input line and the sequence id."""
+
+
 def _cmd_score(args) -> int:
+    import grpc
+
     from eopd_common.models import default_cache_dir
 
-    rows = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]
+    numbered = [(n, line) for n, line in enumerate(args.input.read_text().splitlines(), start=1) if line.strip()]
+    linenos = [n for n, _ in numbered]
+    rows = [json.loads(line) for _, line in numbered]
     out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
-    with _client(args, args.timeout) as client:
-        info = client.wait_ready(args.timeout)
-        seqs, tok = _encode(rows, args.tokenizer, info, default_cache_dir())
-        for start in range(0, len(seqs), args.batch_size):
-            chunk = seqs[start : start + args.batch_size]
-            for (sid, ids, score_from), s in zip(chunk, client.score(chunk, top_k=args.top_k, temperature=args.temperature), strict=True):
-                record = {
-                    "id": sid,
-                    "score_from": score_from,
-                    "token_ids": ids[score_from:],
-                    "token_logprobs": s.token_logprobs.tolist(),
-                    "entropies": s.entropies.tolist(),
-                    "topk_ids": s.topk_ids.tolist(),
-                    "topk_logprobs": s.topk_logprobs.tolist(),
-                    "mean_logprob": float(s.token_logprobs.mean()),
-                    "mean_entropy": float(s.entropies.mean()),
-                }
-                if tok is not None:
-                    record["tokens"] = [tok.decode([t]) for t in ids[score_from:]]
-                out.write(json.dumps(record) + "\n")
-    if out is not sys.stdout:
-        out.close()
+    try:
+        with _client(args, args.timeout) as client:
+            info = client.wait_ready(args.timeout)
+            seqs, tok = _encode(rows, args.tokenizer, info, default_cache_dir(), linenos)
+            for start in range(0, len(seqs), args.batch_size):
+                chunk = seqs[start : start + args.batch_size]
+                try:
+                    scores = client.score(chunk, top_k=args.top_k, temperature=args.temperature)
+                except grpc.RpcError as err:
+                    # The server names the failing sequence by its index in the request: map it
+                    # back to the input line (the chunk's first line if it names none).
+                    m = re.search(r"sequences\[(\d+)\]", err.details() or "")
+                    i = start + (int(m.group(1)) if m and int(m.group(1)) < len(chunk) else 0)
+                    raise _ScoreFailed(f"line {linenos[i]} (id {seqs[i][0]!r}): {err.code().name}: {err.details()}") from None
+                for (sid, ids, score_from), s in zip(chunk, scores, strict=True):
+                    record = {
+                        "id": sid,
+                        "score_from": score_from,
+                        "token_ids": ids[score_from:],
+                        "token_logprobs": s.token_logprobs.tolist(),
+                        "entropies": s.entropies.tolist(),
+                        "topk_ids": s.topk_ids.tolist(),
+                        "topk_logprobs": s.topk_logprobs.tolist(),
+                        "mean_logprob": float(s.token_logprobs.mean()),
+                        "mean_entropy": float(s.entropies.mean()),
+                    }
+                    if tok is not None:
+                        record["tokens"] = [tok.decode([t]) for t in ids[score_from:]]
+                    out.write(json.dumps(record) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
     return 0
 
 
@@ -165,11 +186,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eopd-teacher: {exc}", file=sys.stderr)
             return 2
         return serve(settings)
-    if args.command == "info":
-        with _client(args, args.timeout) as client:
-            print(json.dumps(client.wait_ready(args.timeout).__dict__, indent=2))
-        return 0
-    return _cmd_score(args)
+    import grpc
+
+    try:
+        if args.command == "info":
+            with _client(args, args.timeout) as client:
+                print(json.dumps(client.wait_ready(args.timeout).__dict__, indent=2))
+            return 0
+        return _cmd_score(args)
+    except _ScoreFailed as exc:
+        print(f"eopd-teacher {args.command}: {exc}", file=sys.stderr)
+    except grpc.RpcError as err:
+        print(f"eopd-teacher {args.command}: {args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
+    except TimeoutError as exc:
+        print(f"eopd-teacher {args.command}: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
