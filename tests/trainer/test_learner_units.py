@@ -105,3 +105,44 @@ def test_step_metrics_over_ranks_equal_the_whole_minibatch():
     assert (got["loss"], got["pg_loss"]) == pytest.approx((3.0, 1.0))
     alone = step_metrics_from_tensor(step_metrics_tensor(rank0, losses[0], keys, loss_keys), keys, loss_keys, world=1)
     assert alone == pytest.approx({**token_weighted_mean(rank0), **losses[0]})
+
+
+# The learner's loss path: fused hidden-state loss only where lm_head(hidden) is the logits -------
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "granite", "cohere"])
+def test_loss_path_keeps_the_students_logit_transform(kind):
+    """Gemma 2 soft-capping, Granite's logits_scaling and Cohere's logit_scale are applied after the
+    output projection: the fused hidden-state loss would compute the student's log-probs without
+    them, so its ratio against the worker's old log-probs (which apply them) would not start at 1.
+    The learner takes the model's logits for those students, and the ratio is 1 on either path it
+    takes; the fused path is shown to be wrong for them, so the choice is needed."""
+    from eopd_trainer.config import TrainConfig
+    from eopd_trainer.learner import fused_loss_path
+    from eopd_trainer.objective import LossConfig, compute_loss, compute_loss_from_hidden
+    from eopd_trainer.sampling import sequence_logprobs
+    from tests.trainer.test_pipeline_units import RAGGED_PROMPTS, RAGGED_RESPONSES, tiny_causal_lm
+
+    model = tiny_causal_lm(kind)
+    fused, why = fused_loss_path(TrainConfig(), model)
+    assert fused == (kind == "llama")
+    assert (why == "") == (kind == "llama") and (kind == "llama" or type(model).__name__ in why)
+    assert fused_loss_path(TrainConfig(loss_from_hidden=False), model) == (False, "")
+
+    p, r = RAGGED_PROMPTS[0], RAGGED_RESPONSES[0]
+    old = torch.tensor(sequence_logprobs(model, [p], [r], temperature=1.0, pad_id=0)[0], dtype=torch.float32)
+    ids = torch.tensor([list(p) + list(r)])
+    pos = torch.arange(len(p) - 1, len(p) + len(r) - 1)
+    n = len(r)
+    args = dict(sampled_ids=torch.tensor(r), old_logprobs=old, teacher_logprobs=old - 0.1,
+                teacher_entropy=torch.ones(n), teacher_topk_ids=torch.tensor(r)[:, None],
+                teacher_topk_logprobs=torch.zeros(n, 1), config=LossConfig(variant="opd"))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, pos]
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, pos]
+        head = model.get_output_embeddings()
+        _, via_logits = compute_loss(logits, **args)
+        _, via_hidden = compute_loss_from_hidden(hidden, head.weight, bias=head.bias, **args)
+    chosen = via_hidden if fused else via_logits
+    assert chosen["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and abs(chosen["approx_kl"]) < 1e-4
+    if not fused:  # what the fused path would have trained on
+        assert abs(via_hidden["ratio_mean"] - 1.0) > 1e-2 or abs(via_hidden["approx_kl"]) > 1e-2

@@ -236,7 +236,7 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clipping (0 disables).")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision (bf16 keeps fp32 master weights).")
-    loss_from_hidden: bool = Field(True, description="Use the fused hidden-state loss (no [N, V] logits); ZeRO-3 always uses logits.")
+    loss_from_hidden: bool = Field(True, description="Use the fused hidden-state loss (no [N, V] logits); ZeRO-3, and students whose logits are transformed after the output projection (Gemma 2 soft-capping, Cohere, Granite), always use the logits.")
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config merged over the generated one.")
     dist_backend: str = Field("", description="torch.distributed backend; default gloo on CPU, nccl on GPU.")
 

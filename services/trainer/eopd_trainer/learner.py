@@ -64,6 +64,25 @@ EXIT_REJECTED = 5
 EXIT_LEASE_LOST = 6
 
 
+def fused_loss_path(train_cfg, model) -> tuple[bool, str]:
+    """Whether the learner takes the fused hidden-state loss (`compute_loss_from_hidden`, no
+    [N, V] logits), and why not when `train.loss_from_hidden` asks for it but it cannot: ZeRO-3
+    (the output projection's weight is partitioned), or a student whose logits are not
+    `lm_head(hidden)` (Gemma 2 soft-capping, Cohere's logit_scale, Granite's logits_scaling): the
+    fused path would compute its log-probs without the transform, so the ratio against the
+    worker's old log-probs (which apply it) would be wrong. Those take `model(...).logits`."""
+    from .sampling import logit_transforms
+
+    if not train_cfg.loss_from_hidden:
+        return False, ""
+    if train_cfg.zero_stage >= 3:
+        return False, ""  # documented with the setting: ZeRO-3 always uses the logits
+    transforms = logit_transforms(model)
+    if transforms:
+        return False, (f"train.loss_from_hidden: {type(model).__name__} transforms its logits after the output "
+                       f"projection ({', '.join(transforms)}); the loss uses the model's logits instead of the fused path")
+    return True, ""
+
 class LearnerAbort(RuntimeError):
     """Training cannot go on; `code` is the exit status (every rank raises it)."""
 
@@ -137,6 +156,9 @@ class Learner:
         model = loaded.model
         model.train()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.fused_loss, why = fused_loss_path(cfg.train, model)
+        if why:
+            log.warning("%s", why)
         total_steps = self.total_iterations * cfg.steps_per_iteration
         ds_config = build_ds_config(cfg, self.world, total_steps, on_cpu=on_cpu)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
@@ -331,7 +353,7 @@ class Learner:
             generator=generator,
         )
         module = self.engine.module
-        if self.cfg.train.loss_from_hidden and self.cfg.train.zero_stage < 3:
+        if self.fused_loss:
             hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
             head = module.get_output_embeddings()

@@ -101,6 +101,13 @@ def _text_config(model):
     return getattr(cfg, "text_config", None) or cfg
 
 
+def logit_transforms(model) -> list[str]:
+    """The logit transforms (of `_LOGIT_TRANSFORMS`) this model's config turns on, e.g.
+    `["final_logit_softcapping"]` for Gemma 2; empty when `lm_head(hidden)` is the logits."""
+    cfg = _text_config(model)
+    return [name for name in _LOGIT_TRANSFORMS if getattr(cfg, name, None)]
+
+
 def final_logits(model, raw: torch.Tensor) -> torch.Tensor:
     """`model(...).logits` from the output projection `raw = lm_head(hidden)` (float32 out)."""
     cfg = _text_config(model)
