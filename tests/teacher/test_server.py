@@ -432,3 +432,26 @@ def test_async_client_stream_timeout_is_a_deadline_for_the_whole_stream(tiny_tea
     code, elapsed = asyncio.run(unreachable())
     assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert elapsed < 30, elapsed  # not the 300 s retry budget
+
+
+def test_failed_load_is_reported_by_readyz_then_exits_1(tmp_path):
+    """A model that cannot be loaded: /readyz answers 503 with the error for load_failure_grace_s,
+    then the process exits 1."""
+    missing = tmp_path / "no-such-model"
+    proc = start_teacher(str(missing), "--load-failure-grace-s", "5", wait=False)
+    try:
+        body = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.alive():
+            if _port_open(proc.http_port):
+                status, text = _http(f"{proc.http}/readyz")
+                if status == 503 and "error" in json.loads(text):
+                    body = json.loads(text)
+                    break
+            time.sleep(0.2)
+        assert body is not None, proc.log()[-3000:]
+        assert body["ready"] is False and "no-such-model" in body["error"], body
+        assert proc.wait(60) == 1
+        assert "loading the model failed" in proc.log()
+    finally:
+        proc.stop()

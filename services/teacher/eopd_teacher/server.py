@@ -528,9 +528,11 @@ class TeacherServer:
         try:
             info = await loop.run_in_executor(None, self.state.engine.load)
         except Exception as exc:  # noqa: BLE001 - reported, then the process exits non-zero
-            log.exception("loading the model failed")
+            grace = self.settings.load_failure_grace_s
+            log.exception("loading the model failed; /readyz reports the error for %.0fs, then the process exits 1", grace)
             self.state.load_error = f"{type(exc).__name__}: {exc}"
-            self.state.stop_event.set()
+            # Keep the HTTP side up a little so that /readyz shows why (503 with the error).
+            loop.call_later(grace, self.state.stop_event.set)
             return
         s = self.settings
         batcher = DynamicBatcher(

@@ -39,6 +39,9 @@ class TeacherSettings(ServiceSettings):
     max_connection_age_grace_s: float = Field(
         3600.0, ge=0, description="after max_connection_age_s, time the connection's open calls and streams get to finish"
     )
+    load_failure_grace_s: float = Field(
+        10.0, ge=0, description="after a failed model load, how long /readyz keeps answering 503 with the error before the process exits 1"
+    )
     grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight work gets to finish")
 
     # Security (see docs/reliability.md). Tokens and keys are read from files or env vars and never logged.
