@@ -170,14 +170,18 @@ def test_max_sequences_per_request(teacher):
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert e.value.details() == (f"sequences: {MAX_SEQUENCES + 1} sequences exceed the limit of {MAX_SEQUENCES} "
                                      "per request (request_id 'five')")
-        # On a stream: the earlier request is answered, then the stream ends with the status.
-        got = []
-        with pytest.raises(grpc.RpcError) as e:
-            for resp in stub.ScoreStream(iter([req("ok"), req("too-many", n_seqs=MAX_SEQUENCES + 1)]), timeout=60):
-                got.append(resp.request_id)
-        assert got == ["ok"]
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"exceed the limit of {MAX_SEQUENCES} per request (request_id 'too-many')" in e.value.details()
+        # On a stream: a per-request limit is answered in band (ScoreResponse.error, not
+        # retryable) and the stream goes on serving the requests before and after it.
+        answers = {}
+        for resp in stub.ScoreStream(iter([req("ok"), req("too-many", n_seqs=MAX_SEQUENCES + 1), req("after")]),
+                                     timeout=60):
+            answers[resp.request_id] = resp
+        assert set(answers) == {"ok", "too-many", "after"}
+        assert len(answers["ok"].results) == 1 and len(answers["after"].results) == 1
+        bad = answers["too-many"]
+        assert not bad.results and bad.HasField("error") and not bad.error.retryable
+        assert bad.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert f"exceed the limit of {MAX_SEQUENCES} per request (request_id 'too-many')" in bad.error.message
     assert_serves(teacher.target)
 
 
