@@ -263,7 +263,10 @@ def test_stalled_learner_backpressure_bounds_stream_and_worker_memory(tmp_path, 
         run_dir, ns = tmp_path / "run", "backpressure"
         mport = free_port()
         ov = overrides(run_dir, server.url, tiny_teacher.target, ns, "mode=async", "max_staleness=3",
-                       f"queue.max_backlog={max_backlog}", f"train.iterations={iterations}")
+                       f"queue.max_backlog={max_backlog}", f"train.iterations={iterations}",
+                       # A learner stopped longer than its lease loses the namespace by design (it
+                       # exits 6 on SIGCONT: test_learner_guards.py); this stall is up to ~2 min.
+                       "queue.lease_ttl_s=600")
         client = server.client()
         learner = spawn_learner(ov)
         worker = spawn_worker(["--prometheus-port", str(mport), *ov], "w0")
