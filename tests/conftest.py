@@ -19,3 +19,20 @@ def tiny_teacher():
 
     with running_teacher("tiny-random", "--max-batch-wait-ms", "20") as proc:
         yield proc
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A private one-process gloo group for the module (DeepSpeed caches its groups: one init).
+    The env is set through a MonkeyPatch and restored: nothing leaks into the environment of
+    subprocesses other tests start."""
+    import deepspeed
+
+    from tests.procs import free_port
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(free_port())}.items():
+            mp.setenv(k, v)
+        deepspeed.init_distributed(dist_backend="gloo")
+        yield

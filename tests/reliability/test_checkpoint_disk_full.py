@@ -13,22 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import free_port
 from tests.trainer.pipeline_helpers import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
-
-@pytest.fixture(scope="module")
-def process_group():
-    import deepspeed
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(free_port())}.items():
-            mp.setenv(k, v)
-        deepspeed.init_distributed(dist_backend="gloo")
-        yield
 
 
 def _engine(seed: int):

@@ -11,7 +11,6 @@ import torch
 from eopd_trainer.config import load_config
 from eopd_trainer.distributed import build_ds_config, lr_at, lr_scheduler_factory
 
-from tests.procs import free_port
 from tests.trainer.pipeline_helpers import TINY
 
 
@@ -47,20 +46,6 @@ def test_ds_config_has_no_scheduler_and_refuses_one():
     with pytest.raises(ValueError, match="train.deepspeed.scheduler"):
         build_ds_config(bad, world_size=1, total_steps=8, on_cpu=True)
 
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A private one-process gloo group for the module (DeepSpeed caches its groups: one init).
-    The env is set through a MonkeyPatch and restored: nothing leaks into the environment of
-    subprocesses other tests start."""
-    import deepspeed
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(free_port())}.items():
-            mp.setenv(k, v)
-        deepspeed.init_distributed(dist_backend="gloo")
-        yield
 
 
 def _engine(cfg, total_steps: int):
