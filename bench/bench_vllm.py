@@ -30,14 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.child import ChildProc, cpu_seconds, reset_peak, serve, status_mib
+
 PATHS = ("vllm_engine", "transformers_engine", "vllm_prompt_logprobs")
 WORKLOADS = {
     "full": {"short": {"seqs": 16, "length": 128}, "long": {"seqs": 2, "length": 1024}},
@@ -45,32 +43,11 @@ WORKLOADS = {
 }
 TOP_K = 16
 KV_CACHE_GIB = 1.0
-MARK = "BENCH_VLLM_RESULT "
 
 
 # ----------------------------------------------------------------------------------------------
 # Child side: one path, loaded once, every workload.
 # ----------------------------------------------------------------------------------------------
-def _status_mib(key: str) -> float:
-    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process (all threads): less sensitive than wall time to
-    other work on a shared machine."""
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def _sequences(seqs: int, length: int, seed: int = 0) -> list:
     import numpy as np
 
@@ -128,20 +105,20 @@ class _Child:
         self.path, self.workloads = path, workloads
         self.score, self.load_s = _engine_runner(path, dtype)
         self.seqs = {name: _sequences(w["seqs"], w["length"]) for name, w in workloads.items()}
-        self.peak = _status_mib("VmHWM")  # load included; kept across the resets below
+        self.peak = status_mib("VmHWM")  # load included; kept across the resets below
 
     def run(self, name: str) -> dict:
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        before = _status_mib("VmRSS")
-        self.peak = max(self.peak, _status_mib("VmHWM"))
-        _reset_peak()
-        t, cpu = time.perf_counter(), _cpu_seconds()
+        before = status_mib("VmRSS")
+        self.peak = max(self.peak, status_mib("VmHWM"))
+        reset_peak()
+        t, cpu = time.perf_counter(), cpu_seconds()
         lp, ent = self.score(self.seqs[name])
-        seconds, cpu = time.perf_counter() - t, _cpu_seconds() - cpu
-        hwm = _status_mib("VmHWM")
+        seconds, cpu = time.perf_counter() - t, cpu_seconds() - cpu
+        hwm = status_mib("VmHWM")
         self.peak = max(self.peak, hwm)
         return {"seconds": seconds, "cpu_seconds": cpu, "extra_peak_mib": hwm - before, "token_logprobs": lp, "entropies": ent,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
@@ -149,48 +126,13 @@ class _Child:
 
 def child_loop(path: str, dtype: str, workloads: dict) -> None:
     c = _Child(path, dtype, workloads)
-    print(MARK + json.dumps({"load_s": c.load_s}), flush=True)
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "run":
-            print(MARK + json.dumps(c.run(arg)), flush=True)
-        elif cmd == "quit":
-            print(MARK + json.dumps({"peak_rss_mib": c.peak}), flush=True)
-            return
+    serve({"load_s": c.load_s}, lambda cmd, arg: c.run(arg), lambda: {"peak_rss_mib": c.peak})
 
 
 # ----------------------------------------------------------------------------------------------
 # Parent side: every path loaded in its own process, timed rounds interleaved across paths (the
 # machine is shared: interleaving spreads whatever else runs over all paths alike).
 # ----------------------------------------------------------------------------------------------
-class _Proc:
-    def __init__(self, path: str, args: list[str]):
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false"}
-        self.path = path
-        self.popen = subprocess.Popen([sys.executable, "-m", "bench.bench_vllm", *args, "--child", path], cwd=ROOT, env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.hello = self._reply()
-
-    def _reply(self) -> dict:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        raise RuntimeError(f"bench child {self.path} exited with {self.popen.wait()}")
-
-    def ask(self, command: str) -> dict:
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(command + "\n")
-        self.popen.stdin.flush()
-        return self._reply()
-
-    def close(self) -> dict:
-        out = self.ask("quit")
-        self.popen.wait(60)
-        return out
-
-
 def _max_diff(a, b) -> float | None:
     if a is None or b is None:
         return None
@@ -215,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     common = [*(["--quick"] if args.quick else []), "--dtype", args.dtype]
     print(f"vLLM benchmark: SmolLM2-135M-Instruct {args.dtype}, workloads {workloads}, top-{TOP_K}, {args.reps} rounds", flush=True)
     t0, load_before = time.perf_counter(), os.getloadavg()[0]
-    procs: dict[str, _Proc] = {}
+    procs: dict[str, ChildProc] = {}
     loads: dict[str, float] = {}
     try:
         for path in paths:  # loaded one after another
-            procs[path] = _Proc(path, common)
+            procs[path] = ChildProc("bench.bench_vllm", path, common)
             loads[path] = procs[path].hello["load_s"]
             print(f"  {path:22s} loaded in {loads[path]:.1f} s", flush=True)
         runs: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in workloads} for p in paths}
@@ -238,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         peaks = {path: procs.pop(path).close()["peak_rss_mib"] for path in list(procs)}
     finally:
         for proc in procs.values():
-            proc.popen.kill()
+            proc.kill()
     wall, load_after = time.perf_counter() - t0, os.getloadavg()[0]
 
     results: dict[str, dict] = {}

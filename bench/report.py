@@ -61,9 +61,26 @@ def cpu_model() -> str:
     return cpu
 
 
+# What the benchmarks write: a run rewrites them section by section, so a change there is not a
+# change to what the numbers were measured with (else every section after the first of an
+# `eopd bench all` run would call its checkout dirty).
+BENCH_OUTPUTS = ("docs/benchmarks.md", "bench/results")
+
+
+def dirty_files() -> list[str]:
+    """Tracked files changed in the checkout, the benchmarks' own outputs excluded."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              *(f":(exclude){p}" for p in BENCH_OUTPUTS)], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):  # pragma: no cover
+        return []
+    return [line[3:] for line in out.stdout.splitlines() if len(line) > 3] if out.returncode == 0 else []
+
+
 def provenance() -> dict:
-    """This machine and checkout: CPU model, cores, memory, torch, `git describe --always --dirty`
-    and the full commit hash. Stored in every results JSON."""
+    """This machine and checkout: CPU model, cores, memory, torch, `git describe --always` (with
+    `-dirty` when tracked files other than the benchmarks' outputs are changed, which are listed
+    in `dirty_files`) and the full commit hash. Stored in every results JSON."""
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     if "torch" in sys.modules:  # the benchmark ran torch: its version and thread count
         torch = sys.modules["torch"]
@@ -75,8 +92,11 @@ def provenance() -> dict:
             tv = f"torch {version('torch')}"
         except Exception:  # pragma: no cover
             tv = "no torch"
+    dirty = dirty_files()
+    describe = _git("describe", "--always")
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "torch": tv,
-            "commit": _git("rev-parse", "HEAD") or "?", "describe": _git("describe", "--always", "--dirty") or "?"}
+            "commit": _git("rev-parse", "HEAD") or "?", "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
+            "dirty_files": dirty[:20]}
 
 
 def machine_description(prov: dict | None = None) -> str:

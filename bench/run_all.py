@@ -56,6 +56,7 @@ BENCHES = [
     Bench("load", "bench.load_test", [], ["--clients", "16", "--seconds", "10", "--overload-seconds", "5"]),
     Bench("trl_peer", "bench.bench_trl_peer", quick_out=True),
     Bench("pipeline", "bench.bench_pipeline", quick_out=True),
+    Bench("rollout", "bench.bench_rollout", python=VLLM_PY, quick_out=True),
 ]
 
 # Per-token FLOPs of the paper's models (2 x parameters for a forward pass, 6 x for training).
@@ -272,24 +273,34 @@ on the target hardware to replace the CPU basis.{measured}
 # Summary and main.
 # ----------------------------------------------------------------------------------------------
 def summary(status: list[dict], benches: list[Bench], minutes: float, results: Path) -> str:
+    """The summary section: every benchmark of the registry, those of this run (`status`) with what
+    happened to them, the others (an `--only` run) with when they were last measured."""
     prov = report.provenance()
+    ran = {s["bench"]: s for s in status}
+    scope = "every benchmark" if len(ran) == len(benches) else f"only {', '.join(ran)}"
     lines = ["## Summary of the last `eopd bench all` run", "",
-             f"On {report.machine_description(prov)}; {minutes:.1f} min in all, finished "
+             f"On {report.machine_description(prov)}; {scope}; {minutes:.1f} min in all, finished "
              f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}.", ""]
     rows = []
-    by = {b.name: b for b in benches}
-    for s in status:
-        for sec in by[s["bench"]].outputs:
+    for b in benches:
+        s = ran.get(b.name)
+        for sec in b.outputs:
             d = _load(results, sec)
-            when = report.provenance_of(d)["time"] if d else "never"
-            state = "re-run" if s["status"] == "ok" else f"{s['status']} ({s['reason']}): stale, last measured {when}"
+            p = report.provenance_of(d) if d else None
+            when = f"{p['time']} (eopd@{p['describe']})" if p else "never"
+            if s is None:
+                state = f"not in this run: last measured {when}"
+            elif s["status"] == "ok":
+                state = "re-run"
+            else:
+                state = f"{s['status']} ({s['reason']}): stale, last measured {when}"
             ts = targets(sec, d) if d else []
             tt = "; ".join(f"{t['target']}: {t['value']} ({'met' if t['met'] else '**not met**'})" for t in ts) or "-"
-            rows.append([sec, state, s.get("seconds", "-"), tt])
+            rows.append([sec, state, s.get("seconds", "-") if s else "-", tt])
     lines.append(markdown_table(["section", "this run", "seconds", "targets"], rows))
     bad = [r[0] for r in rows if "**not met**" in r[3]]
     lines += ["", f"Targets not met: {', '.join(bad)}." if bad else "Every target of the sections above is met.",
-              "Targets of stale sections are those of their last run."]
+              "Targets of sections not re-run in this run are those of their last run."]
     return "\n".join(lines) + "\n"
 
 
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None, benches: list[Bench] | None = None) -> i
     if data:
         report.write_results("projection", data)
         report.write_section("projection", text)
-    report.write_section("summary", summary(status, chosen, minutes, results))
+    report.write_section("summary", summary(status, benches, minutes, results))
     print(text)
     return 1 if failed else 0
 

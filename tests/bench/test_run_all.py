@@ -60,9 +60,9 @@ def test_full_run_marks_skipped_and_failed_sections_stale_and_writes_a_summary(e
     assert data["value"] == 2 and len(data["commit"]) == 40 and data["describe"] and data["cpu"]
     summary = report.read_section("summary")
     assert "| fake_ok | re-run |" in summary
-    assert "| fake_skip | skipped (" in summary and "stale, last measured 2026-01-02T03:04:05Z" in summary
+    assert "| fake_skip | skipped (" in summary and "stale, last measured 2026-01-02T03:04:05Z (eopd@abc1234)" in summary
     assert "| fake_fail | failed (exit code 3): stale, last measured never" in summary
-    assert report.provenance()["describe"] in summary and "min in all" in summary
+    assert report.provenance()["describe"] in summary and "min in all" in summary and "every benchmark" in summary
 
     # A second run replaces the stale note rather than stacking another one.
     run_all.main(["all"], benches=env["benches"])
@@ -76,6 +76,11 @@ def test_require_all_fails_before_running_anything(env):
     # Without the skippable bench, --require-all runs normally.
     assert run_all.main(["all", "--require-all", "--only", "fake_ok"], benches=env["benches"]) == 0
     assert "fresh numbers" in report.read_section("fake_ok")
+    # The summary of an --only run still lists every section, the others with their last measurement.
+    summary = report.read_section("summary")
+    assert "only fake_ok" in summary and "| fake_ok | re-run |" in summary
+    assert "| fake_skip | not in this run: last measured 2026-01-02T03:04:05Z (eopd@abc1234) |" in summary
+    assert "| fake_fail | not in this run: last measured never |" in summary
 
 
 def test_quick_never_touches_the_doc_or_published_results(env, capsys):
@@ -122,3 +127,34 @@ def test_targets_and_projection_from_json(tmp_path):
     assert rows[4]["teacher_busy"] == pytest.approx(min(1.0, rows[4]["teacher_s_per_iteration"] / rows[4]["learner_s_per_iteration"]))
     empty, nodata = run_all.projection(tmp_path / "nothing")
     assert nodata == {} and "Not computed" in empty
+
+
+def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
+    """A run writes docs/benchmarks.md and bench/results/ section by section: that alone must not
+    make the next section's checkout `-dirty`; any other tracked change must (and is listed)."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "bench" / "results").mkdir(parents=True)
+    (repo / "docs").mkdir()
+    (repo / "src.py").write_text("x = 1\n")
+    (repo / "docs" / "benchmarks.md").write_text("# Benchmarks\n")
+    (repo / "bench" / "results" / "a.json").write_text("{}\n")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "init")
+    monkeypatch.setattr(report, "ROOT", repo)
+    assert not report.provenance()["describe"].endswith("-dirty")
+    (repo / "docs" / "benchmarks.md").write_text("# Benchmarks\n\nnew section\n")
+    (repo / "bench" / "results" / "a.json").write_text('{"v": 1}\n')
+    p = report.provenance()
+    assert not p["describe"].endswith("-dirty") and p["dirty_files"] == []
+    (repo / "src.py").write_text("x = 2\n")
+    p = report.provenance()
+    assert p["describe"].endswith("-dirty") and p["dirty_files"] == ["src.py"]
+    shutil.rmtree(repo)

@@ -149,3 +149,32 @@ def test_serve_help_renders_factory_defaults():
 
     help_of_cache_dir = " ".join(out.stdout.split("  --cache-dir CACHE_DIR", 1)[1].split("  --threads", 1)[0].split())
     assert f"(default: {default_cache_dir()})" in help_of_cache_dir, help_of_cache_dir
+
+
+def _readme_python_blocks(section: str) -> list[str]:
+    """The ```python blocks of one `## section` of the README, in order."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {section}\n")
+    end = text.find("\n## ", start + 1)
+    body = text[start:end if end != -1 else None]
+    blocks = body.split("```python\n")[1:]
+    return [b.split("\n```", 1)[0] for b in blocks]
+
+
+def test_readme_python_examples_run(tiny_teacher, capsys):
+    """The README's Python examples as written (only the address changed), against a real server:
+    the sync score and the async stream with on_error="yield" and two streams."""
+    blocks = _readme_python_blocks("Use the teacher")
+    assert len(blocks) == 2, "README's 'Use the teacher' section should hold the sync and the streaming example"
+    env: dict = {}
+    for block in blocks:
+        assert "127.0.0.1:50051" in block
+        exec(compile(block.replace("127.0.0.1:50051", tiny_teacher.target), "README.md", "exec"), env)  # noqa: S102
+    s = env["s"]
+    n = len(env["token_ids"]) - env["prompt_len"]
+    assert s.token_logprobs.shape == (n,) and s.entropies.shape == (n,) and s.topk_ids.shape == (n, 16)
+    assert env["info"].vocab_size == 49152
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[0] for line in lines) == sorted(f"req-{i}" for i in range(8))
+    # Every request answered with scores (no RequestFailed: the example's requests are valid).
+    assert all(float(line.split()[1]) > 0 for line in lines), lines
