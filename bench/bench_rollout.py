@@ -44,8 +44,8 @@ WORKLOADS = {
     "full": {
         "preset": {"student": "smollm2-135m[layers=0:30:3]", "prompts": 16, "max_new_tokens": 48,
                    "what": "the smollm2-cpu preset: its 10-layer student, B = 16 rollouts of <= 48 tokens"},
-        "smollm2": {"student": "smollm2-135m", "prompts": 8, "max_new_tokens": 128,
-                    "what": "SmolLM2-135M-Instruct whole (30 layers), 8 rollouts of <= 128 tokens"},
+        "smollm2": {"student": "smollm2-135m", "prompts": 8, "max_new_tokens": 64,
+                    "what": "SmolLM2-135M-Instruct whole (30 layers), 8 rollouts of <= 64 tokens"},
     },
     "quick": {
         "tiny": {"student": "tiny-random@1", "prompts": 4, "max_new_tokens": 16, "what": "tiny random student"},

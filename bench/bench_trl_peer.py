@@ -264,7 +264,7 @@ def first_sequence(answer, k: int) -> dict:
     [n] (None where the format does not carry it: TRL's JSON format)."""
     if isinstance(answer, list):  # CompletionsPath: one dict of arrays per sequence
         return {"logprobs": answer[0]["logprobs"], "token_logprob": answer[0]["actual_logprobs"]}
-    if "logprobs_b64" in answer or isinstance(answer.get("logprobs"), np.ndarray):  # binary, decoded (padded)
+    if isinstance(answer.get("logprobs"), np.ndarray):  # binary, decoded by HttpPath (padded)
         return {"logprobs": answer["logprobs"][0], "token_logprob": answer["actual_logprobs"][0, :, 0]}
     return {"logprobs": np.asarray([row[:k] for row in answer["logprobs"][0]], dtype=np.float32), "token_logprob": None}
 

