@@ -1,7 +1,7 @@
 """Student rollouts side by side: what a rollout worker spends per batch of prompts with each
 sampling engine, on the `smollm2-cpu` preset's student and on the whole SmolLM2-135M.
 
-    .venv-vllm/bin/python -m bench.bench_rollout            # ~10 min on 2 cores
+    .venv-vllm/bin/python -m bench.bench_rollout            # ~4 min on 2 cores
     .venv-vllm/bin/python -m bench.bench_rollout --quick    # tiny random student, a minute, writes nothing
     .venv-vllm/bin/python -m bench.bench_rollout --render   # the docs section from bench/results/rollout.json
 
