@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.child import ChildProc, cpu_seconds, serve, status_mib
+from bench.child import ChildProc, cpu_seconds, rotated, serve, status_mib
 
 PATHS = ("transformers", "vllm", "vllm_own_logprobs")
 PRESET_CONFIG = "smollm2-cpu.yaml"  # prompts (generator, suffix, chat template) and the preset student
@@ -57,41 +57,45 @@ RELOAD_REPS = 3
 # ----------------------------------------------------------------------------------------------
 # Child side: one sampler, loaded once.
 # ----------------------------------------------------------------------------------------------
-def _prompts(tokenizer, n: int, round_index: int) -> list[list[int]]:
-    """The round's prompts, rendered as the rollout worker renders them (fresh ones each round)."""
+def _config(student: str, path: str, dtype: str, max_new_tokens: int):
+    """The preset's run config with this student and the path's rollout engine: what a worker loads."""
     from eopd_trainer.config import load_config
-    from eopd_trainer.data import render_prompt
-    from eopd_trainer.tasks import generate
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / PRESET_CONFIG)
-    problems = generate(n * (round_index + 2), seed=cfg.data.generate.seed)[n * (round_index + 1):]
-    return [render_prompt(tokenizer, p["prompt"], suffix=cfg.data.suffix, chat_template=cfg.data.chat_template,
-                          max_length=cfg.data.max_prompt_length) for p in problems[:n]]
-
-
-def _sampler(path: str, student: str, dtype: str):
-    if path == "transformers":
-        from eopd_trainer.sampling import TransformersSampler
-
-        return TransformersSampler(student, dtype=dtype)
-    from eopd_trainer.vllm_sampling import VllmSampler
-
-    return VllmSampler(student, student_dtype=dtype, old_logprobs="vllm" if path == "vllm_own_logprobs" else "transformers")
+    engine = "transformers" if path == "transformers" else "vllm"
+    old = "vllm" if path == "vllm_own_logprobs" else "transformers"
+    return load_config(Path(__file__).resolve().parents[1] / "configs" / PRESET_CONFIG,
+                       [f"student.model={student}", f"student.dtype={dtype}", f"rollout.engine={engine}",
+                        f"rollout.old_logprobs={old}", f"rollout.max_response_length={max_new_tokens}"])
 
 
 class _Child:
     def __init__(self, path: str, student: str, dtype: str, prompts: int, max_new_tokens: int, pv: dict):
         from eopd_trainer.messages import PolicyVersion
+        from eopd_trainer.sampling import make_sampler
+        from eopd_trainer.tasks import generate
 
+        self.cfg = _config(student, path, dtype, max_new_tokens)
         t0 = time.perf_counter()
-        self.sampler = _sampler(path, student, dtype)
+        self.sampler = make_sampler(self.cfg)  # the worker's own sampler, as the worker builds it
         self.load_s = time.perf_counter() - t0
         self.n, self.max_new = prompts, max_new_tokens
+        self.problems = generate(64 * prompts, seed=self.cfg.data.generate.seed)  # rounds -1.. take n each
         self.pv = PolicyVersion(**pv)
         self.peak = status_mib("VmHWM")
 
+    def _prompts(self, round_index: int) -> list[list[int]]:
+        """The round's prompts (fresh ones each round), rendered as the rollout worker renders them."""
+        from eopd_trainer.data import render_prompt
+
+        d = self.cfg.data
+        batch = self.problems[self.n * (round_index + 1): self.n * (round_index + 2)]
+        if len(batch) < self.n:
+            raise ValueError(f"round {round_index}: only {len(self.problems)} problems generated")
+        return [render_prompt(self.sampler.tokenizer, p["prompt"], suffix=d.suffix, chat_template=d.chat_template,
+                              max_length=d.max_prompt_length) for p in batch]
+
     def run(self, round_index: int) -> dict:
-        prompts = _prompts(self.sampler.tokenizer, self.n, round_index)
+        prompts = self._prompts(round_index)
         seeds = [1000 * round_index + i for i in range(len(prompts))]
         t, cpu = time.perf_counter(), cpu_seconds()
         samples = self.sampler.sample(prompts, seeds, temperature=1.0, top_p=1.0, max_new_tokens=self.max_new)
@@ -154,10 +158,10 @@ def measure(name: str, w: dict, paths: list[str], dtype: str, reps: int, tmp: Pa
         for path in paths:
             out[path]["warmup"] = procs[path].ask("run 0")
         for r in range(reps):
-            for path in paths[r % len(paths):] + paths[: r % len(paths)]:  # rotate who goes first
+            for path in rotated(paths, r):
                 out[path]["rounds"].append(procs[path].ask(f"run {r + 1}"))
         for r in range(RELOAD_REPS + 1):
-            for path in paths[r % len(paths):] + paths[: r % len(paths)]:
+            for path in rotated(paths, r):
                 got = procs[path].ask("reload")["reload_s"]
                 if r:
                     out[path]["reloads"].append(got)

@@ -80,11 +80,9 @@ class _Server:
     def engine_seconds(self) -> float:
         """Seconds the server's engine has spent scoring so far (its /metrics batch latency sum:
         the same `engine.score(items)` call the bench times in process, timed inside the server)."""
-        import re
-        import urllib.request
+        from bench.bench_pipeline import teacher_counters
 
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.hp}/metrics", timeout=10).read().decode()
-        return float(re.search(r"^eopd_teacher_batch_latency_seconds_sum (\S+)", text, re.M).group(1))
+        return teacher_counters(self.hp)["engine_s"]
 
     def wire_bytes(self, seqs, top_k: int) -> tuple[int, int]:
         from eopd_teacher.client import TeacherClient, build_request

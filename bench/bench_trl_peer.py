@@ -8,8 +8,8 @@ The TRL-shape side is `bench/trl_peer.py`, a labelled RE-IMPLEMENTATION of that 
 by eopd's engine (TRL 1.16.0, the current release, no longer serves the endpoint: see that file),
 so the API and wire format are compared on the same compute. With .venv-vllm, two external servers
 follow, each in a phase of its own: TRL's own server of release 1.1.0 (the last with the endpoint,
-its code unchanged, installed by scripts/vllm_env.sh) and vLLM's OpenAI server as TRL 1.16 uses it. Both servers run as
-subprocesses on free ports with the same engine settings (SmolLM2-135M-Instruct, float32,
+its code unchanged, installed by scripts/vllm_env.sh) and vLLM's OpenAI server as TRL 1.16 uses it.
+The eopd teacher and the TRL-shape server run as subprocesses on free ports with the same engine settings (SmolLM2-135M-Instruct, float32,
 exact fp32 statistics); `clients` threads each send `requests` requests of one batch of sequences
 (random token ids, a prompt then scored positions), paths measured in interleaved rounds.
 
@@ -276,12 +276,12 @@ def _external_phase(label, work, rounds, results, sizes, agree, paths_run, grpc_
     its rows are missing (the rows are optional: the reason is published instead)."""
     from eopd_trainer.run import Supervisor, free_port, wait_http_ready
 
+    port = free_port()
+    paths = make_paths(f"http://127.0.0.1:{port}")
     sup = Supervisor(work / "logs")
     try:
-        port = free_port()
         child = start(sup, port)
         wait_http_ready(child, f"http://127.0.0.1:{port}{health}", timeout=900)
-        paths = make_paths(f"http://127.0.0.1:{port}")
         n = grpc_first.token_logprobs.shape[0]
         for name, pth in paths.items():
             sizes[name] = pth.sizes()  # also the warm-up
@@ -302,7 +302,7 @@ def _external_phase(label, work, rounds, results, sizes, agree, paths_run, grpc_
         paths_run.extend(paths)
         return ""
     except Exception as exc:  # noqa: BLE001 - the rows are optional: say why they are missing
-        for name in make_paths("http://unused"):
+        for name in paths:
             results.pop(name, None)
         err = f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"[trl_peer] {label} rows skipped: {err}", flush=True)
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                          "engine behind it: the rate difference is engine and API together).")
     vs = next((x for x in summary if x["path"] == VLLM_PATH), None)
     if vs is not None:
-        vllm_reading = (f" The vLLM-server row differs in the engine, not only the API: vLLM's forward is cheaper on this CPU "
+        vllm_reading += (f" The vLLM-server row differs in the engine, not only the API: vLLM's forward is cheaper on this CPU "
                         f"({vs['server_cpu_s_per_1k']:.2f} vs {summary[0]['server_cpu_s_per_1k']:.2f} server CPU s per 1k tokens, "
                         "in this run; eopd's teacher serves the same engine with `--engine vllm`, "
                         f"exact entropy included), while its response is {vs['response_bytes_per_token']:.0f} bytes per scored "

@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from bench.child import ChildProc, cpu_seconds, reset_peak, serve, status_mib
+from bench.child import ChildProc, cpu_seconds, reset_peak, rotated, serve, status_mib
 
 PATHS = ("vllm_engine", "transformers_engine", "vllm_prompt_logprobs")
 WORKLOADS = {
@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in paths:
                 warm[path][name] = procs[path].ask(f"run {name}")
             for r in range(args.reps):
-                order = paths[r % len(paths):] + paths[: r % len(paths)]  # rotate who goes first
-                for path in order:
+                for path in rotated(paths, r):
                     runs[path][name].append(procs[path].ask(f"run {name}"))
             for path in paths:
                 w = workloads[name]

@@ -43,6 +43,12 @@ def reset_peak() -> None:
         pass
 
 
+def rotated(items: list, r: int) -> list:
+    """`items` starting at index r (mod len): round r's order, so who goes first rotates."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def reply(payload: dict) -> None:
     print(MARK + json.dumps(payload), flush=True)
 
