@@ -1,18 +1,39 @@
 """Answer extraction, grading and the pass@k estimator (pure functions).
 
-- `extract_boxed(text)`: the content of the LAST `\\boxed{...}` (or `\\fbox{...}`), braces
-  balanced, or None.
-- `is_correct(response, answer)`: math-verify equivalence of the extracted answer and the gold one.
-- `pass_at_k(n, c, k)`: the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k),
-  computed as a stable product.
+Two extractions of a response's answer, both graded by math-verify against the gold answer and
+both computed for every sample (`grade`); `eval.headline` names the one the headline metrics use:
+
+- **strict** (`extract_boxed`): the content of the LAST `\\boxed{...}` (or `\\fbox{...}`), braces
+  balanced, or None. The format the prompts ask for; a response without a box is wrong.
+- **flexible** (`extract_last_number`): the final number of the response, as lm-evaluation-harness's
+  GSM8K `flexible-extract` filter does (regex `(-?[$0-9.,]{2,})|(-?[0-9]+)`, last match; its
+  exact-match metric then drops `,` and `$` and a trailing `.`). So "1,234" -> 1234, "$5" -> 5,
+  "12." -> 12, "-3" -> -3, "12.5" -> 12.5. One difference, towards the intended "last number":
+  a match with no digit at all (the harness's regex also matches "..." or ",,") is skipped rather
+  than taken as the answer. It credits a small model that states the right number without the box,
+  and it is honest about the rest: a response that only echoes the question ("What is 7 + 5?")
+  extracts 5 and is wrong; a response with no number is wrong.
+
+`is_correct(response, answer, mode)`: math-verify equivalence of the extracted answer and the
+gold one ("12" and "12.0" are equal), with a whitespace/`$`-insensitive string comparison as a
+fallback for what math-verify cannot parse.
+
+`pass_at_k(n, c, k)`: the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k),
+computed as a stable product; `avg_at_k`: the mean accuracy over one prompt's samples.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Literal
+
+Mode = Literal["strict", "flexible"]
+MODES: tuple[Mode, ...] = ("strict", "flexible")
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# lm-evaluation-harness, lm_eval/tasks/gsm8k/gsm8k.yaml, filter `flexible-extract` (group_select -1).
+_NUMBER = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -31,11 +52,38 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def is_correct(response: str, answer: str) -> bool:
-    """True when the response's boxed answer equals `answer` mathematically (math-verify)."""
-    pred = extract_boxed(response)
-    if pred is None or not pred:
-        return False
+def extract_last_number(text: str) -> str | None:
+    """The response's final number, cleaned (`$` and thousands separators dropped, trailing periods
+    removed); None when the response holds no digit."""
+    for m in reversed(list(_NUMBER.finditer(text))):
+        s = m.group(0).replace("$", "").replace(",", "").rstrip(".")
+        if any(ch.isdigit() for ch in s):
+            return s
+    return None
+
+
+def extract(response: str, mode: Mode = "strict") -> str | None:
+    """The answer `mode` extracts from `response` (None: nothing to grade)."""
+    if mode == "strict":
+        return extract_boxed(response)
+    if mode == "flexible":
+        return extract_last_number(response)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def is_correct(response: str, answer: str, mode: Mode = "strict") -> bool:
+    """True when the answer `mode` extracts from the response equals `answer` mathematically."""
+    pred = extract(response, mode)
+    return bool(pred) and equivalent(pred, answer)
+
+
+def grade(response: str, answer: str) -> dict[str, bool]:
+    """Both gradings of one response: {"strict": bool, "flexible": bool}."""
+    return {mode: is_correct(response, answer, mode) for mode in MODES}
+
+
+def equivalent(pred: str, answer: str) -> bool:
+    """math-verify equivalence of an extracted answer and the gold one (string fallback)."""
     from math_verify import parse, verify
 
     try:
