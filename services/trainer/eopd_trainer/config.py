@@ -251,7 +251,7 @@ class CheckpointConfig(_Section):
 class EvalConfig(_Section):
     """`eopd eval` / the evaluation at the end of `eopd run` (paper: temperature 1.0, top-p 0.8)."""
 
-    enabled: bool = Field(True, description="`eopd run` evaluates the final student on data.eval_files at the end.")
+    enabled: bool = Field(True, description="`eopd run` evaluates eval.models on data.eval_files at the end.")
     n_samples: int = Field(4, ge=1, description="Samples per held-out prompt (the k of Avg@k; Pass@k for k <= n).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0).")
     top_p: float = Field(0.8, gt=0, le=1.0, description="Nucleus sampling (paper: 0.8).")
@@ -259,8 +259,13 @@ class EvalConfig(_Section):
     max_prompts: int = Field(0, ge=0, description="Use at most this many held-out prompts (0: all).")
     batch_size: int = Field(8, ge=1, description="Sequences generated / scored together.")
     high_entropy: float = Field(0.8, ge=0, description="Teacher-entropy threshold of the high-entropy KL (paper tau).")
-    models: list[str] = Field(default_factory=lambda: ["initial", "final"],
-                              description="What `eopd run` evaluates: initial (student before training), final, teacher.")
+    headline: Literal["strict", "flexible"] = Field(
+        "strict", description="The answer extraction behind the headline metrics (avg_at_k, pass_at_k, the report's "
+        "Avg@n / Pass@k): strict = the last \\boxed{}, flexible = the response's last number (lm-evaluation-harness "
+        "GSM8K flexible-extract). Both are always computed and stored.")
+    models: list[str] = Field(default_factory=lambda: ["teacher", "initial", "final"],
+                              description="What `eopd run` evaluates: teacher (the ceiling, once per run), initial "
+                              "(student before training), final.")
 
 
 class LoggingConfig(_Section):

@@ -4,17 +4,27 @@
 
 For each model, on every held-out prompt (records with `prompt` and `answer`, e.g. from
 `eopd_trainer.tasks`), `eval.n_samples` responses at temperature 1.0 and top-p 0.8 (the paper's
-evaluation), graded by `grading.is_correct` (last `\\boxed{}`, math-verify):
+evaluation), each graded twice by `grading.grade` (math-verify against the gold answer):
+**strict** (the last `\\boxed{}`) and **flexible** (the response's last number, as
+lm-evaluation-harness's GSM8K flexible-extract).
 
-- `avg_at_k`: mean accuracy over all samples; `pass_at_k[k]`: the unbiased estimator, k = 1, 2,
-  4, ..., n, averaged over prompts;
+- `strict` / `flexible`: `avg_at_k` (mean accuracy over all samples) and `pass_at_k[k]` (the
+  unbiased estimator, k = 1, 2, 4, ..., n, averaged over prompts) of each grading; `strict` also
+  has `boxed_frac`, and `number_frac` is the share of responses with any number;
+- `avg_at_k` / `pass_at_k` at the top level: those of the headline grading (`headline`, from
+  `eval.headline`, "strict" by default), what the report and older consumers read;
+- `samples`: for the first 8 prompts, the prompt text, the gold answer, the model's first
+  response and its gradings (the report's side-by-side table); `examples`: the first 3 (kept for
+  older consumers);
 - on the first sample of each prompt (the model's own response), at every response position, the
   exact next-token entropies of the model and of the teacher (`evaluate.position_log_probs`, full
   vocabulary): their histograms (paper fig. 3), the share of tokens with entropy >= 1.0, the
   forward KL(teacher || model) averaged over positions where the teacher's entropy >= tau
-  (`eval.high_entropy`), and the reverse/forward KL over all positions.
+  (`eval.high_entropy`), and the reverse/forward KL over all positions. When the model evaluated
+  is the teacher itself, its model object is reused and run once (KL 0, the same entropies).
 
-Results are merged into `<run_dir>/eval.json` under the model's name.
+Sampling is seeded (`seed + 1234`, per batch), so an evaluation is repeatable. Results are merged
+into `<run_dir>/eval.json` under the model's name.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, EvalConfig, RunConfig, load_config
+from .grading import avg_at_k, pass_at_k
 
 HIST_BINS = np.linspace(0.0, 10.0, 51)  # nats
 
@@ -41,11 +52,41 @@ def ks_for(n: int) -> list[int]:
     return ks + [n]
 
 
+N_SAMPLES_SHOWN = 8  # prompts whose first response is stored under `samples`
+
+
+def _accuracy(correct: list[bool], n: int) -> dict:
+    """Avg@n and Pass@k (k = 1, 2, 4, ..., n) of per-sample outcomes, n samples per prompt in a row."""
+    per_prompt = [correct[i : i + n] for i in range(0, len(correct), n)]
+    return {"avg_at_k": float(np.mean([avg_at_k(c) for c in per_prompt])),
+            "pass_at_k": {str(k): float(np.mean([pass_at_k(n, sum(c), k) for c in per_prompt])) for k in ks_for(n)}}
+
+
+def _log_probs(model, teacher, samples, pad_id: int, batch_size: int):
+    """`evaluate.position_log_probs(model, teacher, ...)`; when the model IS the teacher, one
+    forward pass per chunk whose log-probs serve as both."""
+    from .batching import pack_sequences
+    from .evaluate import position_log_probs
+
+    if model is not teacher:
+        yield from position_log_probs(model, teacher, samples, pad_id, temperature=1.0, batch_size=batch_size)
+        return
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        packed = pack_sequences([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        ls = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[packed.positions].double(), dim=-1)
+        yield ls, ls
+
+
 @torch.no_grad()
 def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers: list[str], ecfg: EvalConfig, *,
-                   seed: int = 1234) -> dict:
-    from .evaluate import _pad, position_log_probs
-    from .grading import avg_at_k, is_correct, pass_at_k
+                   seed: int = 1234, prompt_texts: list[str] | None = None) -> dict:
+    """The evaluation of one model (see the module docstring). `teacher` may be None (no entropy
+    or KL statistics) or `model` itself (run once). `prompt_texts` label `samples` (default: the
+    decoded prompts)."""
+    from .evaluate import _pad
+    from .grading import extract_last_number, grade
     from .sampling import generate
 
     n = ecfg.n_samples
@@ -55,24 +96,35 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
         samples.extend(generate(model, tokenizer, flat[start : start + ecfg.batch_size], temperature=ecfg.temperature,
                                 top_p=ecfg.top_p, max_new_tokens=ecfg.max_new_tokens, seed=seed + start))
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    correct = [is_correct(t, answers[i // n]) for i, t in enumerate(texts)]
-    per_prompt = [correct[i * n : (i + 1) * n] for i in range(len(prompts))]
+    grades = [grade(t, answers[i // n]) for i, t in enumerate(texts)]
+    strict = _accuracy([g["strict"] for g in grades], n)
+    flexible = _accuracy([g["flexible"] for g in grades], n)
+    boxed_frac = float(np.mean(["\\boxed" in t for t in texts]))
+    head = ecfg.headline
+    shown = []
+    for i in range(min(N_SAMPLES_SHOWN, len(prompts))):
+        g = grades[i * n]
+        text = prompt_texts[i] if prompt_texts else tokenizer.decode(prompts[i], skip_special_tokens=True)
+        shown.append({"prompt": text, "answer": answers[i], "response": texts[i * n], "correct": g[head],
+                      "correct_strict": g["strict"], "correct_flexible": g["flexible"]})
     out: dict = {
         "n_samples": n, "prompts": len(prompts),
-        "avg_at_k": float(np.mean([avg_at_k(c) for c in per_prompt])),
-        "pass_at_k": {str(k): float(np.mean([pass_at_k(n, sum(c), k) for c in per_prompt])) for k in ks_for(n)},
+        "headline": head,
+        **(strict if head == "strict" else flexible),
+        "strict": {**strict, "boxed_frac": boxed_frac},
+        "flexible": flexible,
+        "number_frac": float(np.mean([extract_last_number(t) is not None for t in texts])),
         "response_length_mean": float(np.mean([len(s.response_ids) for s in samples])),
         "truncated_frac": float(np.mean([s.truncated for s in samples])),
-        "boxed_frac": float(np.mean(["\\boxed" in t for t in texts])),
-        "examples": [{"response": texts[i * n], "answer": answers[i], "correct": correct[i * n]}
-                     for i in range(min(3, len(prompts)))],
+        "boxed_frac": boxed_frac,
+        "samples": shown,
+        "examples": [{k: s[k] for k in ("response", "answer", "correct")} for s in shown[:3]],
     }
     if teacher is None:
         return out
     firsts = samples[::n]
     hs_all, ht_all, fkl_all, rkl_all = [], [], [], []
-    for ls, lt in position_log_probs(model, teacher, firsts, _pad(tokenizer), temperature=1.0,
-                                     batch_size=max(1, ecfg.batch_size // 2)):
+    for ls, lt in _log_probs(model, teacher, firsts, _pad(tokenizer), max(1, ecfg.batch_size // 2)):
         ps, pt = ls.exp(), lt.exp()
         hs_all.append(-(ps * ls).sum(-1))
         ht_all.append(-(pt * lt).sum(-1))
@@ -95,6 +147,21 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
         "forward_kl": float(fkl.mean()), "reverse_kl": float(rkl.mean()),
     })
     return out
+
+
+def summary_line(name: str, r: dict) -> str:
+    """One line for a model's result: headline avg@n and pass@n, the other grading's avg@n, the
+    high-entropy FKL and the reverse KL (keys missing from older eval.json files are skipped)."""
+    n = r["n_samples"]
+    head = r.get("headline", "strict")
+    other = "flexible" if head == "strict" else "strict"
+    line = f"{name}: avg@{n} {r['avg_at_k']:.3f} pass@{n} {r['pass_at_k'][str(n)]:.3f} ({head}"
+    line += f"; {other} avg@{n} {r[other]['avg_at_k']:.3f})" if other in r else ")"
+    if "fkl_high_entropy" in r:
+        line += f" fkl(H_T>={r.get('high_entropy_threshold', float('nan'))}) {r['fkl_high_entropy']:.3f}"
+    if "reverse_kl" in r:
+        line += f" reverse KL {r['reverse_kl']:.3f}"
+    return line
 
 
 def committed_export(run_dir: Path) -> Path:
@@ -138,25 +205,26 @@ def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *,
         records = records[: ecfg.max_prompts]
     if not records or "answer" not in records[0]:
         raise ConfigError("eval needs held-out records with an `answer` field (data.eval_files)")
-    teacher = load_causal_lm(cfg.teacher.model).model if cfg.teacher.model else None
+    teacher = load_causal_lm(cfg.teacher.model) if cfg.teacher.model else None
     path = run_dir / "eval.json"
     result = json.loads(path.read_text()) if path.is_file() else {"models": {}}
     result["eval"] = ecfg.model_dump(mode="json")
     for i, name in enumerate(models):
         label = names[i] if names else name
         spec = resolve_model(name, run_dir, cfg)
-        loaded = load_causal_lm(spec)
+        is_teacher = teacher is not None and (name == "teacher" or spec == cfg.teacher.model)
+        loaded = teacher if is_teacher else load_causal_lm(spec)  # the teacher is loaded (and run) once
         tok = loaded.tokenizer
         prompts = [render_prompt(tok, r[cfg.data.field], suffix=cfg.data.suffix, chat_template=cfg.data.chat_template,
                                  max_length=cfg.data.max_prompt_length) for r in records]
         t0 = time.monotonic()
-        r = evaluate_model(loaded.model, tok, teacher, prompts, [str(r["answer"]) for r in records], ecfg,
-                           seed=cfg.seed + 1234)
+        r = evaluate_model(loaded.model, tok, teacher.model if teacher else None, prompts,
+                           [str(r["answer"]) for r in records], ecfg, seed=cfg.seed + 1234,
+                           prompt_texts=[str(r[cfg.data.field]) for r in records])
         r.update(model=spec, eval_s=time.monotonic() - t0)
         result["models"][label] = r
         path.write_text(json.dumps(result, indent=1))
-        print(f"eopd eval: {label}: avg@{r['n_samples']} {r['avg_at_k']:.3f} pass@k {r['pass_at_k']} "
-              f"fkl(high H) {r.get('fkl_high_entropy', float('nan')):.3f} ({r['eval_s']:.0f} s)", file=sys.stderr)
+        print(f"eopd eval: {summary_line(label, r)} ({r['eval_s']:.0f} s)", file=sys.stderr)
     return result
 
 

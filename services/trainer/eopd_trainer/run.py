@@ -395,10 +395,10 @@ def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teach
         t0 = time.monotonic()
         result = evaluate_run(run_dir, cfg.eval.models)
         summary["eval_s"] = time.monotonic() - t0
-        for name, r in result["models"].items():
-            say(f"eval {name}: avg@{r['n_samples']} {r['avg_at_k']:.3f} pass@{r['n_samples']} "
-                f"{r['pass_at_k'][str(r['n_samples'])]:.3f} fkl(H_T>={cfg.eval.high_entropy}) "
-                f"{r['fkl_high_entropy']:.3f} reverse KL {r['reverse_kl']:.3f}")
+        from .evaluation import summary_line
+
+        for name, r in result["models"].items():  # headline avg@n / pass@n, the other grading's avg@n, KL
+            say(f"eval {summary_line(name, r)}")
     summary["total_s"] = time.monotonic() - t_start
     (run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     say(f"finished in {summary['total_s']:.0f} s; see {run_dir}")

@@ -1,0 +1,117 @@
+"""`eopd eval`'s evaluation: both gradings per sample, the headline choice, stored samples, the
+teacher evaluated as itself in one pass, determinism (tiny models or a scripted sampler)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eopd_trainer.config import EvalConfig
+from eopd_trainer.sampling import Sample
+
+# prompt 0 (gold 12): boxed and right, then right without a box; prompt 1 (gold 3): no number,
+# then only the question's numbers echoed back (its last number, 2, is wrong).
+RESPONSES = ["7 + 5 = \\boxed{12}", "7 + 5 = 12", "I do not know", "What is 1 + 2?"]
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return RESPONSES[ids[0]] if ids and ids[0] < len(RESPONSES) else f"prompt {ids}"
+
+
+def _scripted_generate(model, tokenizer, prompts, *, temperature, top_p, max_new_tokens, seed):
+    return [Sample(list(p), [seed + i], False) for i, p in enumerate(prompts)]  # response i decodes RESPONSES[i]
+
+
+@pytest.mark.parametrize("headline", ["strict", "flexible"])
+def test_both_gradings_and_the_headline(monkeypatch, headline):
+    import eopd_trainer.sampling
+    from eopd_trainer.evaluation import evaluate_model, summary_line
+
+    monkeypatch.setattr(eopd_trainer.sampling, "generate", _scripted_generate)
+    ecfg = EvalConfig(n_samples=2, batch_size=8, headline=headline)
+    r = evaluate_model(None, _Tok(), None, [[101], [102]], ["12", "3"], ecfg, seed=0,
+                       prompt_texts=["What is 7 + 5?", "What is 1 + 2?"])
+    assert r["strict"] == {"avg_at_k": 0.25, "pass_at_k": {"1": 0.25, "2": 0.5}, "boxed_frac": 0.25}
+    assert r["flexible"] == {"avg_at_k": 0.5, "pass_at_k": {"1": 0.5, "2": 0.5}}
+    assert r["headline"] == headline
+    assert (r["avg_at_k"], r["pass_at_k"]) == (r[headline]["avg_at_k"], r[headline]["pass_at_k"])
+    assert r["number_frac"] == 0.75 and r["boxed_frac"] == 0.25
+    assert r["samples"] == [
+        {"prompt": "What is 7 + 5?", "answer": "12", "response": RESPONSES[0], "correct": True,
+         "correct_strict": True, "correct_flexible": True},
+        {"prompt": "What is 1 + 2?", "answer": "3", "response": RESPONSES[2], "correct": False,
+         "correct_strict": False, "correct_flexible": False},
+    ]
+    assert [e["response"] for e in r["examples"]] == [RESPONSES[0], RESPONSES[2]]
+    assert "tokens" not in r  # no teacher: no entropy / KL statistics
+    other = "flexible" if headline == "strict" else "strict"
+    assert summary_line("m", r) == (f"m: avg@2 {r['avg_at_k']:.3f} pass@2 0.500 ({headline}; {other} avg@2 "
+                                    f"{r[other]['avg_at_k']:.3f})")
+
+
+def test_samples_are_the_first_eight_prompts(monkeypatch):
+    import eopd_trainer.sampling
+    from eopd_trainer.evaluation import evaluate_model
+
+    monkeypatch.setattr(eopd_trainer.sampling, "generate", _scripted_generate)
+    r = evaluate_model(None, _Tok(), None, [[100 + i] for i in range(10)], ["1"] * 10,
+                       EvalConfig(n_samples=1, batch_size=4), seed=0)
+    assert len(r["samples"]) == 8 and len(r["examples"]) == 3
+    assert r["samples"][5]["prompt"] == "prompt [105]"  # no prompt_texts: the decoded prompt
+
+
+def test_summary_line_reads_old_results():
+    from eopd_trainer.evaluation import summary_line
+
+    old = {"n_samples": 4, "avg_at_k": 0.25, "pass_at_k": {"1": 0.25, "4": 0.5}}
+    assert summary_line("final", old) == "final: avg@4 0.250 pass@4 0.500 (strict)"
+
+
+def test_the_teacher_evaluated_as_itself_runs_once_and_is_deterministic(monkeypatch):
+    import eopd_trainer.evaluate
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.data import render_prompt
+    from eopd_trainer.evaluation import evaluate_model
+
+    teacher = load_causal_lm("tiny-random@0")
+    prompts = [render_prompt(teacher.tokenizer, q) for q in ("What is 2 + 2?", "What is 3 * 3?")]
+    ecfg = EvalConfig(n_samples=2, max_new_tokens=6, batch_size=4)
+
+    def two_models(*a, **k):
+        raise AssertionError("the teacher as its own teacher must take the one-model path")
+
+    monkeypatch.setattr(eopd_trainer.evaluate, "position_log_probs", two_models)
+    r = evaluate_model(teacher.model, teacher.tokenizer, teacher.model, prompts, ["4", "9"], ecfg)
+    assert r["forward_kl"] == 0.0 and r["reverse_kl"] == 0.0 and r["tokens"] > 0
+    assert r["entropy_hist_student"] == r["entropy_hist_teacher"]
+    assert r["entropy_mean_student"] == r["entropy_mean_teacher"]
+    again = evaluate_model(teacher.model, teacher.tokenizer, teacher.model, prompts, ["4", "9"], ecfg)
+    assert json.dumps(again, sort_keys=True) == json.dumps(r, sort_keys=True)  # seeded: repeatable
+
+
+def test_evaluate_run_loads_the_teacher_once(tmp_path, monkeypatch):
+    import eopd_common.models
+    from eopd_trainer.evaluation import evaluate_run
+
+    from tests.procs import ROOT
+
+    (tmp_path / "run.yaml").write_text(
+        "teacher:\n  model: tiny-random@0\nstudent:\n  model: tiny-random@1\n"
+        f"data:\n  train_files: [{ROOT / 'tests/data/tiny_prompts.jsonl'}]\n"
+        f"  eval_files: [{ROOT / 'tests/data/tiny_heldout.jsonl'}]\n  field: prompt\n"
+        "eval:\n  n_samples: 1\n  max_new_tokens: 4\n  max_prompts: 2\n")
+    loads = []
+    real = eopd_common.models.load_causal_lm
+    monkeypatch.setattr(eopd_common.models, "load_causal_lm", lambda spec, **k: loads.append(spec) or real(spec, **k))
+    result = evaluate_run(tmp_path, ["teacher", "initial", "tiny-random@0"], names=["teacher", "initial", "t2"])
+    assert loads == ["tiny-random@0", "tiny-random@1"]  # the teacher (also named by its spec) once
+    models = result["models"]
+    assert list(models) == ["teacher", "initial", "t2"]
+    assert models["teacher"]["reverse_kl"] == 0.0 and models["t2"]["forward_kl"] == 0.0
+    assert models["initial"]["reverse_kl"] > 0
+    assert models["teacher"]["samples"][0]["prompt"] == "What is 10 + 38?"
+    assert json.loads((tmp_path / "eval.json").read_text())["models"].keys() == models.keys()
