@@ -1,10 +1,16 @@
 """`eopd report RUN_DIR [RUN_DIR ...] [--out report.html]`: one self-contained HTML file.
 
 From each run directory: the learner's `train_metrics.jsonl` (iteration records) and the
-evaluation's `eval.json`. Figures (PNG, embedded as base64): training curves (loss terms, gate
-ratio, FKL at high-entropy positions, student and teacher entropy), entropy histograms of teacher
-and students (paper fig. 3), Pass@k curves; and a table shaped like the paper's Table 2 (Avg@k,
-Pass@k per model, with the high-entropy statistics).
+evaluation's `eval.json`. Figures (PNG, embedded as base64): training curves (loss terms, the gate
+ratio of the paper's appendix E, FKL at high-entropy positions, student and teacher entropy, and
+training health: PPO clip fraction and approximate KL to the rollout policy, each with a reference
+line), entropy histograms of teacher and students (paper fig. 3), Pass@k curves (the teacher
+included); a table shaped like the paper's Table 2 (the headline Avg@n / Pass@k per model, the
+teacher's row first, strict and flexible Avg@n beside them, the high-entropy statistics); and the
+sample responses of teacher, initial and final student side by side on the same prompts.
+
+Every field is read with a default, so the eval.json and train_metrics.jsonl of older runs render
+(with "–" or empty curves where a key is missing).
 """
 
 from __future__ import annotations
@@ -21,10 +27,22 @@ from pathlib import Path
 
 CURVES = (
     ("Loss terms", ("iter/loss", "iter/pg_loss", "iter/fkl_loss")),
-    ("FKL gate ratio (share of positions with teacher entropy >= tau)", ("iter/gate_ratio",)),
+    ("Gate ratio (paper appendix E): share of response tokens with teacher entropy ≥ τ", ("iter/gate_ratio",)),
     ("FKL at high-entropy positions", ("iter/fkl_gated_mean",)),
     ("Entropy (nats)", ("iter/student_entropy", "iter/teacher_entropy")),
+    ("Training health: PPO clip fraction (share of tokens whose ratio was clipped)", ("iter/clip_frac",)),
+    ("Training health: approximate KL(rollout policy ‖ current student), per token", ("iter/approx_kl",
+                                                                                      "iter/approx_kl_k3")),
 )
+#: Reference lines (y, label) of some curves: rules of thumb for PPO-style updates, not limits the
+#: learner enforces. Clip fraction above ~0.2 and approximate KL above ~0.01 (Spinning Up's PPO
+#: target_kl) mean the updates move the policy far from the one that sampled the rollouts.
+REFERENCES = {
+    CURVES[4][0]: (0.2, "reference 0.2"),
+    CURVES[5][0]: (0.01, "reference 0.01 (a common PPO target_kl)"),
+}
+#: Column order of the side-by-side sample table; other evaluated models follow.
+SAMPLE_MODELS = ("teacher", "initial", "final")
 
 
 def read_iterations(run_dir: Path) -> list[dict]:
@@ -36,7 +54,9 @@ def read_iterations(run_dir: Path) -> list[dict]:
 
 def read_eval(run_dir: Path) -> dict:
     path = Path(run_dir) / "eval.json"
-    return json.loads(path.read_text()) if path.is_file() else {"models": {}}
+    ev = json.loads(path.read_text()) if path.is_file() else {}
+    ev.setdefault("models", {})
+    return ev
 
 
 def _png(fig) -> str:
@@ -65,12 +85,15 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for run, recs in iters.items():
             for key in keys:
-                xs = [r["iteration"] for r in recs if key in r]
-                ys = [r[key] for r in recs if key in r]
+                xs = [r["iteration"] for r in recs if key in r and "iteration" in r]
+                ys = [r[key] for r in recs if key in r and "iteration" in r]
                 if xs:
                     ax.plot(xs, ys, marker=".", label=f"{_label(run)} {key.removeprefix('iter/')}")
+        if title in REFERENCES:
+            y, label = REFERENCES[title]
+            ax.axhline(y, color="grey", linestyle=":", linewidth=1.2, label=label)
         ax.set_xlabel("iteration")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
@@ -101,14 +124,15 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for run, ev in evals.items():
-        for name, m in ev["models"].items():
+        for name, m in _ordered(ev["models"]):
             ks = sorted(int(k) for k in m.get("pass_at_k", {}))
-            if ks:
-                ax.plot(ks, [m["pass_at_k"][str(k)] for k in ks], marker="o", label=f"{_label(run)}/{name}")
+            if ks:  # the teacher (the ceiling) dashed
+                ax.plot(ks, [m["pass_at_k"][str(k)] for k in ks], marker="o", linestyle="--" if name == "teacher"
+                        else "-", label=f"{_label(run)}/{name} ({m.get('headline', 'strict')})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
-    ax.set_ylabel("Pass@k")
-    ax.set_title("Pass@k on held-out prompts (temperature 1.0, top-p 0.8)")
+    ax.set_ylabel("Pass@k (headline grading)")
+    ax.set_title("Pass@k on held-out prompts (temperature 1.0, top-p 0.8), teacher dashed")
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=7)
@@ -116,48 +140,123 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
     return out
 
 
-def _fmt(v) -> str:
-    if v is None:
+def _ordered(models: dict) -> list[tuple[str, dict]]:
+    """The teacher, initial and final first, then the other models in eval.json order."""
+    return sorted(models.items(), key=lambda kv: SAMPLE_MODELS.index(kv[0]) if kv[0] in SAMPLE_MODELS else 3)
+
+
+def _pct(v) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
         return "–"
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{100 * v:.1f}" if abs(v) <= 1.0 else f"{v:.3f}"
-    return html.escape(str(v))
+    return "nan" if math.isnan(v) else f"{100 * v:.1f}"
+
+
+def _nats(v) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "–"
+    return "nan" if math.isnan(v) else f"{v:.3f}"
+
+
+def _text(v) -> str:
+    return "–" if v is None or v == "" else html.escape(str(v))
+
+
+def _variant(run: Path) -> str:
+    cfg_path = Path(run) / "run.yaml"
+    if not cfg_path.is_file():
+        return ""
+    import yaml
+
+    return ((yaml.safe_load(cfg_path.read_text()) or {}).get("loss") or {}).get("variant", "")
+
+
+#: (header, formatter, getter) of the Table-2 columns after "run / model" and "loss".
+_COLUMNS = (
+    ("headline", _text, lambda m, n: m.get("headline", "strict")),  # eval.json before eval.headline: strict
+    ("Avg@n", _pct, lambda m, n: m.get("avg_at_k")),
+    ("Pass@1", _pct, lambda m, n: m.get("pass_at_k", {}).get("1")),
+    ("Pass@n", _pct, lambda m, n: m.get("pass_at_k", {}).get(str(n))),
+    ("strict Avg@n", _pct, lambda m, n: m.get("strict", {}).get("avg_at_k")),
+    ("flexible Avg@n", _pct, lambda m, n: m.get("flexible", {}).get("avg_at_k")),
+    ("with a number", _pct, lambda m, n: m.get("number_frac")),
+    ("H≥1 share student", _pct, lambda m, n: m.get("high_entropy_share_student")),
+    ("H≥1 share teacher", _pct, lambda m, n: m.get("high_entropy_share_teacher")),
+    ("FKL at H_T≥τ", _nats, lambda m, n: m.get("fkl_high_entropy")),
+    ("reverse KL", _nats, lambda m, n: m.get("reverse_kl")),
+    ("n × prompts", _text, lambda m, n: f"{n} × {m.get('prompts', '?')}" if n else None),
+)
 
 
 def table(runs: list[Path]) -> str:
-    """Rows: run/model; columns: Avg@k, Pass@k (percent), then entropy and KL statistics."""
-    head = ("run / model", "loss", "Avg@n", "Pass@1", "Pass@n", "H≥1 share student", "H≥1 share teacher",
-            "FKL at H_T≥τ", "reverse KL", "n × prompts")
+    """Rows: run/model (the teacher first); columns: the headline Avg@n, Pass@1, Pass@n (percent),
+    strict and flexible Avg@n, then entropy and KL statistics."""
+    head = ("run / model", "loss") + tuple(h for h, _, _ in _COLUMNS)
     rows = []
     for run in runs:
-        ev = read_eval(run)
-        variant = ""
-        cfg_path = Path(run) / "run.yaml"
-        if cfg_path.is_file():
-            import yaml
+        variant = _variant(run)
+        for name, m in _ordered(read_eval(run)["models"]):
+            n = m.get("n_samples")
+            cells = [_text(f"{_label(run)} / {name}"), _text(variant if name != "teacher" else "– (teacher)")]
+            cells += [fmt(get(m, n)) for _, fmt, get in _COLUMNS]
+            rows.append("<tr" + (" class='teacher'" if name == "teacher" else "") + ">"
+                        + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" + "".join(rows)
+            + "</table><p>Avg@n, Pass@1 and Pass@n are the <b>headline</b> metrics, graded as the <i>headline</i> "
+            "column says (<code>eval.headline</code>): <i>strict</i> reads the last <code>\\boxed{}</code>, "
+            "<i>flexible</i> the response's last number (lm-evaluation-harness's GSM8K flexible-extract); both are "
+            "graded by math-verify, and both Avg@n are shown beside the headline. The teacher's row is the ceiling "
+            "(its KL to itself is 0). Percentages: Avg@n, Pass@k, the share of responses with a number and the "
+            "entropy shares; KL in nats (exact, full vocabulary, on the model's own first sample per prompt).</p>")
 
-            variant = (yaml.safe_load(cfg_path.read_text()) or {}).get("loss", {}).get("variant", "")
-        for name, m in ev["models"].items():
-            n = m["n_samples"]
-            rows.append((f"{_label(run)} / {name}", variant if name != "teacher" else "–", m["avg_at_k"],
-                         m["pass_at_k"].get("1"), m["pass_at_k"].get(str(n)), m.get("high_entropy_share_student"),
-                         m.get("high_entropy_share_teacher"), m.get("fkl_high_entropy"), m.get("reverse_kl"),
-                         f"{n} × {m['prompts']}"))
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" + body + "</table>"
-            + "<p>Avg@n, Pass@k and the shares in percent; KL in nats (exact, full vocabulary, on the model's own "
-            "first sample per prompt).</p>")
+
+def _sample_cell(s: dict | None) -> str:
+    if s is None:
+        return "<td class='text'>–</td>"
+    ok = bool(s.get("correct"))
+    detail = " · ".join(f"{mode} {'✓' if s[f'correct_{mode}'] else '✗'}" for mode in ("strict", "flexible")
+                        if f"correct_{mode}" in s)
+    mark = f"<span class='mark'>{'✓ correct' if ok else '✗ wrong'}</span>"
+    if detail:
+        mark += f" <span class='detail'>({html.escape(detail)})</span>"
+    return f"<td class='text {'ok' if ok else 'bad'}'>{mark}<br>{html.escape(str(s.get('response', '')))}</td>"
+
+
+def samples_table(run: Path) -> str:
+    """Teacher / initial / final (and any other evaluated model) side by side on the same prompts:
+    each model's first response to the first held-out prompts, marked by the headline grading."""
+    models = [(name, m["samples"]) for name, m in _ordered(read_eval(run)["models"]) if m.get("samples")]
+    if not models:
+        return "<p>No sample responses in eval.json (written by an older <code>eopd eval</code>).</p>"
+    prompts: dict[tuple[str, str], dict[str, dict]] = {}  # (prompt, answer) -> model -> sample, in order
+    for name, samples in models:
+        for s in samples:
+            prompts.setdefault((str(s.get("prompt", "")), str(s.get("answer", ""))), {})[name] = s
+    head = ["prompt", "gold answer"] + [name for name, _ in models]
+    rows = []
+    for (prompt, answer), by_model in prompts.items():
+        rows.append(f"<tr><td class='text'>{_text(prompt)}</td><td>{_text(answer)}</td>"
+                    + "".join(_sample_cell(by_model.get(name)) for name, _ in models) + "</tr>")
+    return ("<table class='samples'><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+            + "".join(rows) + "</table>")
 
 
 def render(runs: list[Path]) -> str:
     figs = figures(runs)
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>eopd report</title>",
-             ("<style>body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse}"
-              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"),
+             ("<style>body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse}"
+              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}tr.teacher{background:#f4f4f4}"
+              "table.samples td{vertical-align:top}td.text{text-align:left;white-space:pre-wrap;font-size:85%}"
+              "td.ok .mark{color:#17702b;font-weight:bold}td.bad .mark{color:#a31515;font-weight:bold}"
+              ".detail{color:#666}</style></head><body>"),
              "<h1>eopd report</h1><p>Runs: " + ", ".join(html.escape(str(r)) for r in runs) + "</p>",
              "<h2>Held-out evaluation (shaped like the paper's Table 2)</h2>", table(runs), "<h2>Figures</h2>"]
     for title, data in figs:
         parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>")
+    parts.append("<h2>Sample responses</h2><p>Each model's first sampled response to the first held-out prompts "
+                 "(temperature and top-p of the evaluation), marked by the headline grading, the strict and "
+                 "flexible gradings in brackets.</p>")
+    for run in runs:
+        parts.append(f"<h3>{html.escape(_label(run))}</h3>{samples_table(run)}")
     parts.append("</body></html>")
     return "\n".join(parts)
 
