@@ -44,7 +44,7 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert "redis-server" in summary["queue"] and summary["train_s"] > 0
     ev = json.loads((run_dir / "eval.json").read_text())
-    assert set(ev["models"]) == {"initial", "final"}
+    assert set(ev["models"]) == {"teacher", "initial", "final"}
     for m in ev["models"].values():
         assert m["n_samples"] == 2 and set(m["pass_at_k"]) == {"1", "2"} and m["prompts"] == 8
         assert m["tokens"] > 0 and m["fkl_high_entropy"] == m["fkl_high_entropy"]  # not NaN
@@ -58,7 +58,7 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     res = eopd("report", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]
     text = (run_dir / "report.html").read_text()
-    assert len(re.findall(r"<img alt='[^']+' src='data:image/png;base64,", text)) == 6
+    assert len(re.findall(r"<img alt='[^']+' src='data:image/png;base64,", text)) == 8
     assert "run / teacher" in text
 
 
