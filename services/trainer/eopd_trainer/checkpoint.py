@@ -6,8 +6,10 @@ Layout under `<run_dir>/checkpoints/`:
         mp_rank_00_model_states.pt   (DeepSpeed's own files: module, optimizer, scheduler)
         ...
         hf/                          save_pretrained export of the student (+ tokenizer)
+        rng_state_rank<R>.json       each rank's random generators (python, numpy, torch, CUDA)
         trainer_state.json           iteration, policy version, ledger of trained rollout ids,
-                                     stream entry ids of the iteration, counters
+                                     stream entry ids of the iteration, counters, tasks published,
+                                     the iteration's metric records
     COMMITTED                        the tag of the newest *complete* checkpoint
 
 Commit protocol: every rank writes its DeepSpeed shard (`save_latest=False`), a barrier, then
@@ -15,6 +17,10 @@ rank 0 writes the HF export and `trainer_state.json`, fsyncs them and atomically
 `COMMITTED`. A crash at any point before that rename leaves the previous checkpoint committed;
 resume always loads the tag named by `COMMITTED` (never DeepSpeed's own `latest`). Only after the
 commit does the learner acknowledge the iteration's stream entries.
+
+DeepSpeed's checkpoint holds the module, optimizer and scheduler but not the random generators;
+each rank writes its own (JSON, base64) and `load` restores them, so what draws from them after a
+resume (dropout, anything seeded once at start) continues as if the run had not stopped.
 
 Our own state is JSON; DeepSpeed's files are torch.save archives written and read only by this
 learner on its own disk (they never cross a trust boundary).
@@ -54,6 +60,48 @@ def _atomic_write(path: Path, text: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators as JSON-able data (no pickle)."""
+    import base64
+    import random
+
+    import numpy as np
+    import torch
+
+    def b64(t) -> str:
+        return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, py_gauss = random.getstate()
+    return {"python": [version, list(internal), py_gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            "torch": b64(torch.get_rng_state()),
+            "cuda": [b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import base64
+    import random
+
+    import numpy as np
+    import torch
+
+    def tensor(s: str):
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    version, internal, py_gauss = state["python"]
+    random.setstate((version, tuple(internal), py_gauss))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(tensor(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+
+
+def rng_file(ckpt_dir: Path, tag: str, rank: int) -> Path:
+    return Path(ckpt_dir) / tag / f"rng_state_rank{rank}.json"
 
 
 def committed_tag(ckpt_dir: Path) -> str | None:
@@ -100,6 +148,9 @@ class CheckpointManager:
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.dir / tag}")
         state = read_state(self.dir, tag)
+        rng = rng_file(self.dir, tag, self.rank)
+        if rng.is_file():  # absent in checkpoints from before they were saved
+            set_rng_state(json.loads(rng.read_text()))
         log.info("resumed from %s (iteration %s)", self.dir / tag, state["iteration"])
         return state
 
@@ -116,6 +167,7 @@ class CheckpointManager:
         self.barrier()
         try:
             engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
+            _atomic_write(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
             if self.faults is not None:  # fault point: the disk fills up with the shards half written
                 from .faults import InjectedFault
 

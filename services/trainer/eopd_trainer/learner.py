@@ -109,7 +109,10 @@ def fresh_state() -> dict[str, Any]:
             # A snapshot at each commit; stale_dropped, duplicates and dead_letters are read from the exact
             # totals in Redis (<ns>:counts, counted in the same transaction as each ack), never lost by a crash.
             "counters": {"stale_dropped": 0, "duplicates": 0, "dead_letters": 0, "replacement_tasks": 0},
-            "last_entry_ids": []}
+            "last_entry_ids": [],
+            # What rebuilds a lost queue (rebuild.py): the task counter at the commit, and the rollout
+            # ids dropped without training (stale, future); plus the commit iteration's metric records.
+            "tasks_published": None, "settled": [], "metrics": []}
 
 
 class Learner:
@@ -167,12 +170,27 @@ class Learner:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                       export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier,
                                       faults=self.faults)
-        self.state = self.ckpt.load(self.engine) or fresh_state()
+        self.state = {**fresh_state(), **(self.ckpt.load(self.engine) or {})}
         self.ledger = Ledger.from_json(self.state["ledger"])
-        self.metrics = MetricsSink(self.run_dir, "train", tensorboard=cfg.logging.tensorboard,
-                                   prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0)
+        self._open_metrics()
         if self.rank == 0:
             self._setup_queues()
+
+    def _open_metrics(self) -> None:
+        """The metrics sink; after a restart, without the records of iterations that are trained
+        again (and with those of the committed iteration if the crash came before they were
+        written: they are in the checkpoint)."""
+        from .metrics import trim_records
+
+        cfg, path = self.cfg, self.run_dir / "train_metrics.jsonl"
+        earlier = self.rank == 0 and path.exists()  # an earlier attempt logged: continue after the committed steps
+        has_committed = trim_records(path, self.state["iteration"]) if earlier else True
+        self.metrics = MetricsSink(self.run_dir, "train", tensorboard=cfg.logging.tensorboard,
+                                   prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0,
+                                   purge_step=self.state["optimizer_steps"] + 1 if earlier else None)
+        if not has_committed:
+            for rec in self.state["metrics"]:
+                self.metrics.log(rec["step"], rec["values"], iteration=rec["iteration"], kind=rec["kind"])
 
     def _acquire_lease(self) -> None:
         """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""
@@ -198,6 +216,14 @@ class Learner:
         self.rollouts.ensure_group()
         self.tasks.ensure_group()
         self.redis.delete(self.keys.done)
+        from .data import prompt_index
+        from .rebuild import rebuild_if_lost
+
+        rebuilt = rebuild_if_lost(self.redis, self.keys, self.state, n_samples=cfg.rollout.n_samples,
+                                  prompt_of=lambda seq: prompt_index(seq, self.num_prompts, seed=cfg.seed,
+                                                                     shuffle=cfg.data.shuffle))
+        if rebuilt:
+            log.warning("%s", rebuilt)
         # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
         self.rollouts.claim_idle(0, 1_000_000)
         self._pending = collections.deque(self.rollouts.read_pending(1_000_000))
@@ -307,6 +333,7 @@ class Learner:
                 self.rollouts.drop(e, d.kind.value, rollout_id=r.rollout_id, policy_version=r.policy_version,
                                    staleness=d.staleness)
                 if d.kind is not Admit.DUPLICATE:
+                    self.state["settled"].append(r.rollout_id)  # its task is not republished by a rebuild
                     self._rejected(f"{d.kind.value} {r.rollout_id}: sampled by policy version {r.policy_version}, "
                                    f"learner at {version} (max staleness {cfg.effective_max_staleness})")
         self._sync_counters()
@@ -442,6 +469,11 @@ class Learner:
             if iteration % cfg.checkpoint.every == 0 or iteration == self.total_iterations:
                 # Commit: the ledger, the weights and the optimizer state describe the same instant.
                 self.state["last_entry_ids"] = list(unacked)
+                if self.rank == 0:  # for a rebuild of the queue, and the metrics if the crash comes before the log
+                    self.state["tasks_published"] = int(self.redis.get(self.keys.tasks_next) or 0)
+                    self.state["metrics"] = [
+                        {"step": st, "values": v, **extra} for st, v, extra in
+                        self._iteration_records(iteration, steps, stats, t_collect, time.monotonic() - t0)]
                 self.faults.hit("learner.before_commit", iteration=iteration)
                 self._check_lease()  # fencing: a learner that lost the namespace commits nothing
                 self.ckpt.save(self.engine, iteration, self.state, export_fn=self._export_hf)
@@ -506,17 +538,24 @@ class Learner:
                                                    safe_serialization=True)
                 self.tokenizer.save_pretrained(str(path))
 
-    def _log_iteration(self, iteration: int, steps: list[dict[str, float]], stats: dict[str, float],
-                       t_collect: float, t_total: float, progress) -> None:
+    def _iteration_records(self, iteration: int, steps: list[dict[str, float]], stats: dict[str, float],
+                           t_collect: float, t_total: float) -> list[tuple[int, dict[str, float], dict]]:
+        """(step, values, extra) of every metrics record of an iteration: its steps, then the summary."""
         base = self.state["optimizer_steps"] - len(steps)
         per_step = {k: stats[k] for k in ("queue_backlog", "staleness_mean", "staleness_max")}
-        for i, m in enumerate(steps, 1):
-            self.metrics.log(base + i, {**m, **per_step}, iteration=iteration, kind="step")
+        out = [(base + i, {**m, **per_step}, {"iteration": iteration, "kind": "step"}) for i, m in enumerate(steps, 1)]
         summary = {k: sum(s[k] for s in steps if k in s) / len(steps) for k in steps[0]}
         summary.update(stats, collect_s=t_collect, iteration_s=t_total,
                        idle_frac=stats.get("queue_wait_s", 0.0) / t_total if t_total > 0 else 0.0)
-        self.metrics.log(self.state["optimizer_steps"], {f"iter/{k}": v for k, v in summary.items()},
-                         iteration=iteration, kind="iteration")
+        out.append((self.state["optimizer_steps"], {f"iter/{k}": v for k, v in summary.items()},
+                    {"iteration": iteration, "kind": "iteration"}))
+        return out
+
+    def _log_iteration(self, iteration: int, steps: list[dict[str, float]], stats: dict[str, float],
+                       t_collect: float, t_total: float, progress) -> None:
+        for step, values, extra in self._iteration_records(iteration, steps, stats, t_collect, t_total):
+            self.metrics.log(step, values, **extra)
+        summary = {k: sum(s[k] for s in steps if k in s) / len(steps) for k in steps[0]}
         msg = (f"iter {iteration}/{self.total_iterations} loss {summary['loss']:.4f} pg {summary['pg_loss']:.4f} "
                f"fkl {summary['fkl_loss']:.4f} gate {summary.get('gate_ratio', 0):.3f} "
                f"stale {stats['staleness_mean']:.2f} backlog {int(stats['queue_backlog'])}")

@@ -3,6 +3,11 @@
 `MetricsSink.log(step, values)` writes one record to `<run_dir>/<name>_metrics.jsonl` (the data
 of `eopd report`), TensorBoard scalars under `<run_dir>/tb/<name>` and Prometheus gauges named
 `eopd_<name>_<key>` (served on `logging.prometheus_port` when set).
+
+A resumed learner continues them without duplicated steps: `trim_records` drops the JSONL records
+of iterations after the committed one (a crash left them; they are trained again), and the
+TensorBoard writer is opened with `purge_step` (the first step it will write), which hides the
+events a crashed attempt wrote from that step on.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ def _prom_name(prefix: str, key: str) -> str:
 
 class MetricsSink:
     def __init__(self, run_dir: Path, name: str, *, tensorboard: bool = True, prometheus_port: int = 0,
-                 enabled: bool = True):
+                 enabled: bool = True, purge_step: int | None = None):
         self.name = name
         self.enabled = enabled
         self._gauges: dict[str, object] = {}
@@ -38,7 +43,8 @@ class MetricsSink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tb" / name))
+                # purge_step: a resumed run hides what an interrupted attempt logged from this step on
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tb" / name), purge_step=purge_step)
             except ImportError:  # pragma: no cover - tensorboard is a trainer dependency
                 log.warning("tensorboard is not installed: no TensorBoard events")
         if prometheus_port:
@@ -74,6 +80,32 @@ class MetricsSink:
             self._tb.close()
         if self._fh is not None:
             self._fh.close()
+
+
+def trim_records(path: Path, iteration: int) -> bool:
+    """Removes the records of iterations after `iteration` (the committed one) from a JSONL metrics
+    file, atomically; returns whether the file holds the `"kind": "iteration"` record of `iteration`
+    itself (a learner killed between its commit and its log line has not written it). A partial
+    last line (killed mid-write) goes too."""
+    import os
+
+    path = Path(path)
+    if not path.is_file():
+        return iteration == 0
+    keep, has = [], iteration == 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if int(rec.get("iteration", 0)) > iteration:
+            continue
+        has = has or (rec.get("kind") == "iteration" and int(rec.get("iteration", 0)) == iteration)
+        keep.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+    return has
 
 
 def token_weighted_mean(rows: list[tuple[dict[str, float], int]]) -> dict[str, float]:

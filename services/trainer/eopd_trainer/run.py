@@ -1,270 +1,83 @@
 """`eopd run`: the whole job on one machine, from nothing pre-started.
 
-    eopd run --config configs/smollm2-cpu.yaml [key=value ...] [--validate-only] [--no-eval] [--overwrite]
+    eopd run --config configs/smollm2-cpu.yaml [key=value ...] [--validate-only] [--no-eval]
+             [--overwrite | --resume]
 
 1. validates the config; materialises what it names (a layer-subset student into
    `<run_dir>/student-init`, generated task splits into `<run_dir>/data`) and writes the effective
    config the processes load to `<run_dir>/run.yaml`;
-2. picks the queue (`queue.backend`, default auto): the Redis at `$REDIS_URL` if it answers, else a
-   `redis-server` started on a free port (if the binary is installed), else the embedded in-memory
-   queue (`embedded_queue.py`: a Redis-protocol server in a thread of this process, lost if this
-   process dies); it says which one;
+2. picks the queue (`queue.backend`, default auto; `local_queue.py`): the Redis at `$REDIS_URL` if it
+   answers, else a `redis-server` started on a free port with its append-only file in
+   `<run_dir>/redis` (if the binary is installed), else the embedded in-memory queue
+   (`embedded_queue.py`: a Redis-protocol server in a thread of this process, lost if this process
+   dies); it says which one;
 3. starts the teacher (`eopd-teacher serve --model teacher.model`, free ports, waits for /readyz),
-   one rollout worker and the learner as separate processes, logs in `<run_dir>/logs/`;
+   one rollout worker and the learner as separate processes, logs in `<run_dir>/logs/`
+   (`supervisor.py`);
 4. supervises them: a progress bar from the learner's `train_metrics.jsonl`; Ctrl-C / SIGTERM stop
    every process cleanly (the learner keeps its last committed checkpoint); a process that dies
    makes the run exit 1 with the tail of its log;
-5. evaluates (`eopd eval`) the initial and the final student on the held-out prompts into
-   `<run_dir>/eval.json` unless `--no-eval` / `eval.enabled=false`.
+5. evaluates (`eopd eval`) `eval.models` on the held-out prompts into `<run_dir>/eval.json` unless
+   `--no-eval` / `eval.enabled=false`, model by model, each recorded in `run_summary.json`.
+
+A run directory holding a committed checkpoint is refused unless `--resume` (continue it: same
+namespace, same queue or one rebuilt from the checkpoint, only safe config changes; `resume.py`)
+or `--overwrite` (delete it). A resumed run whose training is complete evaluates what is left.
+`run_summary.json` records every invocation (`run_record.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
+import shutil  # noqa: F401 - tests patch eopd_trainer.run.shutil.which
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .config import ConfigError, QueueConfig, RunConfig, dump_config, load_config
+from .config import ConfigError, RunConfig, dump_config, load_config
+from .local_queue import EMBEDDED_NOTE, QueueChoice, choose_queue, redis_ping, shown_url  # noqa: F401 - interface
 from .prepare import prepare, validate  # noqa: F401 - part of this module's interface (bench/ uses prepare)
-
-if TYPE_CHECKING:
-    from .embedded_queue import EmbeddedQueue
+from .resume import (
+    RunDirBusy,
+    RunLock,
+    Start,
+    check_extent,
+    clear_attempt,
+    clear_run_dir,
+    plan_start,
+    queue_state,
+    write_requested,
+)
+from .run_record import RunRecord
+from .supervisor import (  # noqa: F401 - part of this module's interface (bench/ and tests use them)
+    Child,
+    RunError,
+    Supervisor,
+    free_port,
+    log_tail,
+    wait_http_ready,
+    wait_teacher,
+)
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
 
-class RunError(RuntimeError):
-    """A process of the run failed; the message names it and carries its log's tail."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    if not path.exists():
-        return "(no log)"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def failure(self, what: str) -> RunError:
-        return RunError(f"{self.name} {what} (exit code {self.popen.poll()}); last lines of {self.log_path}:\n"
-                        f"{log_tail(self.log_path)}")
-
-
-@dataclass
-class Supervisor:
-    """Starts child processes (own sessions, logs in `log_dir`) and stops them in reverse order;
-    the embedded queue, when the run uses it, lives in this process and is stopped after them."""
-
-    log_dir: Path
-    children: list[Child] = field(default_factory=list)
-    embedded: EmbeddedQueue | None = None
-    drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with a queue started here)
-
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
-        """Starts a child in its own session. When this process dies without stopping its children
-        (SIGKILL, OOM, a crash), the kernel sends each of them SIGTERM (PR_SET_PDEATHSIG, set by
-        util-linux's `setpriv` before it execs the child; without setpriv they would outlive it)."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        path = self.log_dir / f"{name}.log"
-        full_env = {**{k: v for k, v in os.environ.items() if k not in self.drop_env}, "PYTHONUNBUFFERED": "1",
-                    **(env or {})}
-        setpriv = shutil.which("setpriv")
-        if setpriv:
-            args = [setpriv, "--pdeathsig", "TERM", "--", *args]
-        with open(path, "ab") as fh:
-            popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-        child = Child(name, popen, path)
-        self.children.append(child)
-        return child
-
-    def check(self, *, allowed_done: tuple[str, ...] = ()) -> None:
-        """Raises RunError if a child has exited, unless it exited 0 and is in `allowed_done`."""
-        for c in self.children:
-            rc = c.popen.poll()
-            if rc is None or (rc == 0 and c.name in allowed_done):
-                continue
-            raise c.failure("exited unexpectedly" if rc == 0 else "failed")
-        if self.embedded is not None and not self.embedded.alive():
-            raise RunError("the embedded queue's server thread stopped")
-
-    def stop_all(self, timeout: float = 30.0) -> None:
-        """SIGTERM each child in reverse start order, waiting for it before the next: the learner
-        and the workers stop while the queue and the teacher they talk to are still up."""
-        for c in reversed(self.children):
-            if not c.alive():
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                c.popen.send_signal(signal.SIGTERM)
-            try:  # the learner stops after the optimizer step in progress: give it longer
-                c.popen.wait(timeout * 4 if c.name == "learner" else timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(c.popen.pid, signal.SIGKILL)
-                c.popen.wait(10)
-        if self.embedded is not None:  # the queue last: nothing is left to talk to it
-            self.embedded.stop()
-
-
-def redis_ping(url: str, timeout: float = 1.0, *, password: str | None = None) -> bool:
-    import redis
-
-    try:
-        kwargs = {"password": password} if password else {}
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **kwargs).ping())
-    except Exception:  # noqa: BLE001 - unreachable, refused, auth...: not usable
-        return False
-
-
-def shown_url(url: str) -> str:
-    """A Redis URL for messages: a password in it is replaced by ***."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-EMBEDDED_NOTE = ("in memory in this eopd run process: not persistent, lost if this process dies; local processes only")
-
-
-@dataclass(frozen=True)
-class QueueChoice:
-    url: str
-    backend: str  # "redis" (an existing Redis), "redis-server" (started here) or "embedded"
-    message: str  # the sentence `eopd run` prints and records in run_summary.json
-
-
-def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child]:
-    port = free_port()
-    data_dir = run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    child = sup.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                "--dir", str(data_dir)])
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 20
-    while not redis_ping(url):
-        if not child.alive():
-            raise child.failure("failed to start")
-        if time.monotonic() > deadline:
-            raise child.failure("did not answer PING within 20 s")
-        time.sleep(0.05)
-    return url, child
-
-
-def _start_embedded(sup: Supervisor) -> str:
-    from .embedded_queue import EmbeddedQueue
-
-    try:
-        sup.embedded = EmbeddedQueue().start()
-    except (RuntimeError, OSError) as exc:
-        raise RunError(f"the embedded queue did not start: {exc}") from None
-    return sup.embedded.url
-
-
-def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None) -> QueueChoice:
-    """The queue of the run, by `queue.backend`:
-
-    auto          the Redis at $REDIS_URL if it answers PING, else a redis-server started here if the
-                  binary is on PATH, else the embedded queue;
-    redis         $REDIS_URL (or queue.redis_url when it is unset), which must answer;
-    redis-server  a redis-server started here (error if not installed);
-    embedded      the embedded in-memory queue (embedded_queue.py).
-
-    A queue started here has no password: REDIS_PASSWORD (meant for the Redis at $REDIS_URL) is then
-    not passed to the children."""
-    qcfg = qcfg or QueueConfig()
-    backend = qcfg.backend
-    env_url = os.environ.get("REDIS_URL", "")
-    password = os.environ.get("REDIS_PASSWORD") or None
-    if backend == "redis":
-        url = env_url or qcfg.redis_url
-        source = "REDIS_URL" if env_url else "queue.redis_url"
-        if not redis_ping(url, password=password):
-            raise RunError(f"no queue: queue.backend=redis and the Redis at {source} ({shown_url(url)}) does not "
-                           "answer PING")
-        return QueueChoice(url, "redis", f"queue: the Redis at {source} ({shown_url(url)}) (queue.backend=redis)")
-    if backend == "auto" and env_url and redis_ping(env_url, password=password):
-        return QueueChoice(env_url, "redis", f"queue: the Redis at REDIS_URL ({shown_url(env_url)})")
-    sup.drop_env = ("REDIS_PASSWORD",)
-    if backend == "auto":
-        why = f"REDIS_URL={shown_url(env_url)} does not answer" if env_url else "REDIS_URL is not set"
-    else:
-        why = f"queue.backend={backend}"
-    binary = shutil.which("redis-server")
-    if backend in ("auto", "redis-server") and binary is not None:
-        url, child = _start_redis_server(sup, run_dir, binary)
-        return QueueChoice(url, "redis-server",
-                           f"queue: {why}; started redis-server on {url.split('/')[2]} (log {child.log_path})")
-    if backend == "redis-server":
-        raise RunError("no queue: queue.backend=redis-server and redis-server is not on PATH (apt-get install "
-                       "redis-server, or queue.backend=auto|embedded)")
-    if backend == "auto":
-        why += "; redis-server is not installed"
-    url = _start_embedded(sup)
-    return QueueChoice(url, "embedded", f"queue: {why}; using the embedded queue (fakeredis) on "
-                       f"{url.split('/')[2]}, {EMBEDDED_NOTE}")
-
-
-def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2) -> None:
-    """Waits until `url` answers 200 while `child` is alive; raises the child's failure otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise child.failure("failed to start")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(poll_s)
-    raise child.failure(f"was not ready after {timeout:.0f} s")
-
-
-def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
-    wait_http_ready(child, f"http://127.0.0.1:{http_port}/readyz", timeout)
-
-
-# Preparing the run directory: prepare.py (also `eopd prepare`) ------------------------------------
-
-# The run ---------------------------------------------------------------------------------------
-
 class _Progress:
-    """Follows `<run_dir>/train_metrics.jsonl` into a tqdm bar."""
+    """Follows `<run_dir>/train_metrics.jsonl` into a tqdm bar, from iteration `initial` (a resumed
+    run: the file was trimmed to the committed iteration before the learner started)."""
 
-    def __init__(self, path: Path, total: int):
+    def __init__(self, path: Path, total: int, initial: int = 0):
         from tqdm import tqdm
 
-        self.path, self.offset, self.done = path, 0, 0
+        self.path, self.done = path, initial
+        self.offset = path.stat().st_size if initial and path.exists() else 0
         self.last: dict = {}
-        self.bar = tqdm(total=total, desc="eopd run", unit="it", dynamic_ncols=True, file=sys.stderr)
+        self.bar = tqdm(total=total, initial=initial, desc="eopd run", unit="it", dynamic_ncols=True, file=sys.stderr)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -276,7 +89,7 @@ class _Progress:
         self.offset += len(complete.encode())
         for line in complete.splitlines():
             rec = json.loads(line)
-            if rec.get("kind") != "iteration":
+            if rec.get("kind") != "iteration" or int(rec["iteration"]) <= self.done:
                 continue
             self.last = rec
             self.bar.set_postfix(loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
@@ -293,42 +106,137 @@ def say(msg: str) -> None:
     print(f"eopd run: {msg}", file=sys.stderr, flush=True)
 
 
-def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teacher_timeout: float = 600.0,
-        learner_timeout: float | None = None) -> int:
+def _raise_interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _effective(cfg: RunConfig, *, target: str, queue: dict) -> RunConfig:
+    """The config the processes load: the teacher and queue this invocation uses, no console bars."""
+    return cfg.model_copy(update={
+        "teacher": cfg.teacher.model_copy(update={"target": target}),
+        "queue": cfg.queue.model_copy(update=queue),
+        "logging": cfg.logging.model_copy(update={"progress": False}),
+    })
+
+
+def _write_run_yaml(run_dir: Path, cfg: RunConfig) -> Path:
+    path = run_dir / "run.yaml"
+    path.write_text(dump_config(cfg))
+    load_config(path)  # what the children will load must validate
+    return path
+
+
+def run(cfg: RunConfig, *, overwrite: bool = False, resume: bool = False, evaluate: bool = True,
+        teacher_timeout: float = 600.0, learner_timeout: float | None = None) -> int:
     problems = validate(cfg)
     if problems:
         raise ConfigError("cannot run:\n" + "\n".join(f"  {p}" for p in problems))
     t_start = time.monotonic()
-    cfg, facts = prepare(cfg, overwrite=overwrite)
-    run_dir = Path(cfg.run_dir)
-    sup = Supervisor(run_dir / "logs")
+    lock = RunLock(Path(cfg.run_dir).resolve())
+    try:  # waits for the processes of a killed invocation of this run directory
+        lock.acquire(note=say)
+    except RunDirBusy as exc:
+        say(str(exc))
+        return EXIT_FAILED
+    try:
+        return _run(cfg, lock, t_start, overwrite=overwrite, resume=resume, evaluate=evaluate,
+                    teacher_timeout=teacher_timeout, learner_timeout=learner_timeout)
+    finally:
+        lock.release()
+
+
+def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resume: bool, evaluate: bool,
+         teacher_timeout: float, learner_timeout: float | None) -> int:
+    from .data import load_prompts
+
+    start = plan_start(cfg, resume=resume, overwrite=overwrite)  # ConfigError: refused, with the reason
+    run_dir = lock.run_dir
+    if overwrite:
+        clear_run_dir(run_dir)
+    elif not start.resumed:
+        clear_attempt(run_dir)
+    if start.note:
+        say(start.note)
+    requested = cfg
+    cfg, facts = prepare(cfg, keep_trained=start.resumed)
+    total = cfg.total_iterations(len(load_prompts(cfg.data.train_files, cfg.data.field)))
+    check_extent(start, total)
+    write_requested(run_dir, requested)
+    record = RunRecord(run_dir, keep=start.resumed)
+    resumed_at = ({"iteration": start.iteration, "policy_version": start.policy_version,
+                   "optimizer_steps": start.optimizer_steps} if start.resumed else None)
+    summary = record.begin(mode="resume" if start.resumed else "new", facts=facts, config=run_dir / "run.yaml",
+                           resumed_at=resumed_at)
+    if start.resumed:
+        say(f"resuming {run_dir} at iteration {start.iteration} of {total} (policy version {start.policy_version}, "
+            f"optimizer step {start.optimizer_steps})" + (f"; changed: {'; '.join(start.changed)}" if start.changed else ""))
+    if not start.resumed or start.iteration < total:
+        code, cfg = _train(cfg, run_dir, start, total, lock, record, teacher_timeout=teacher_timeout,
+                           learner_timeout=learner_timeout)
+        if code:
+            record.end(summary["outcome"], time.monotonic() - t_start)
+            return code
+        say(f"training done in {summary['train_s']:.0f} s")
+    else:  # trained to the end before: evaluate what is left, with this invocation's eval settings
+        prev = start.previous
+        cfg = _effective(cfg, target=prev.teacher.target, queue={"redis_url": prev.queue.redis_url, "namespace":
+                                                                  prev.queue.namespace, "backend": prev.queue.backend})
+        _write_run_yaml(run_dir, cfg)
+        say(f"training is complete ({total} iterations committed): nothing to train")
+    if evaluate and cfg.eval.enabled and cfg.data.eval_files:
+        t0 = time.monotonic()
+        old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            result = _evaluate(run_dir, cfg, record)
+        except KeyboardInterrupt:
+            summary["eval_s"] = time.monotonic() - t0
+            say("interrupted during the evaluation: `eopd run ... --resume` evaluates the models left (no training)")
+            record.end("interrupted during the evaluation", time.monotonic() - t_start)
+            return EXIT_INTERRUPTED
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        summary["eval_s"] = time.monotonic() - t0
+        from .evaluation import summary_line
+
+        for name, r in result["models"].items():  # headline avg@n / pass@n, the other grading's avg@n, KL
+            say(f"eval {summary_line(name, r)}")
+    record.end("completed", time.monotonic() - t_start)
+    say(f"finished in {summary['total_s']:.0f} s; see {run_dir}")
+    return 0
+
+
+def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLock, record: RunRecord, *,
+           teacher_timeout: float, learner_timeout: float | None) -> tuple[int, RunConfig]:
+    """Queue, teacher, rollout worker and learner until the learner has committed iteration `total`.
+    Returns (exit code, the effective config); 0 when trained."""
+    from .metrics import trim_records
+
+    summary = record.current
+    sup = Supervisor(run_dir / "logs", pass_fds=(lock.fd,))  # they hold the run directory's lock until they exit
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
         stop["signal"] = signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    summary: dict = {"config": str(run_dir / "run.yaml"), **facts}
     progress = None
     try:
         cpu0 = time.process_time()
         queue = choose_queue(sup, run_dir, cfg.queue)
-        redis_url = queue.url
         say(queue.message)
         summary["queue"], summary["queue_backend"] = queue.message, queue.backend
         gp, hp = free_port(), free_port()
-        ns = f"{cfg.queue.namespace}:run:{run_dir.name}:{time.time_ns()}"
-        cfg = cfg.model_copy(update={
-            "teacher": cfg.teacher.model_copy(update={"target": f"127.0.0.1:{gp}"}),
-            "queue": cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": ns, "backend": queue.backend}),
-            "logging": cfg.logging.model_copy(update={"progress": False}),
-        })
-        config_path = run_dir / "run.yaml"
-        config_path.write_text(dump_config(cfg))
-        load_config(config_path)  # what the children will load must validate
+        ns = start.namespace or f"{cfg.queue.namespace}:run:{run_dir.name}:{time.time_ns()}"
+        if start.resumed:  # recovered (redis-server's append-only file, an external Redis) or rebuilt
+            summary["queue_state"], message = queue_state(queue.url, ns, start, queue.backend)
+            say(message)
+        cfg = _effective(cfg, target=f"127.0.0.1:{gp}",
+                         queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend})
+        config_path = _write_run_yaml(run_dir, cfg)
         py = sys.executable
         teacher = sup.start("teacher", [py, "-m", "eopd_teacher.cli", "serve", "--model", cfg.teacher.model, "--host",
-                                        "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)])
+                                        "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)], hold=False)
         say(f"teacher {cfg.teacher.model} starting on 127.0.0.1:{gp} (log {teacher.log_path})")
         deadline = time.monotonic() + teacher_timeout
         while True:  # interruptible wait for readiness
@@ -345,21 +253,27 @@ def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teach
         say(f"teacher ready; run directory {run_dir}")
         env: dict[str, str] = {}  # torch's default threads: in sync mode the processes mostly take turns
         sup.start("rollout-w0", [py, "-m", "eopd_trainer.rollout", "--config", str(config_path), "--worker-id", "w0"], env)
+        metrics = run_dir / "train_metrics.jsonl"
+        if start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
+            trim_records(metrics, start.iteration)
         learner = sup.start("learner", [py, "-m", "eopd_trainer.learner", "--config", str(config_path)], env)
-        from .data import load_prompts
-
-        total = cfg.total_iterations(len(load_prompts(cfg.data.train_files, cfg.data.field)))
-        progress = _Progress(run_dir / "train_metrics.jsonl", total)
+        lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in sup.children}})
+        progress = _Progress(metrics, total, initial=start.iteration if start.resumed else 0)
         t_learn = time.monotonic()
         while learner.alive():
             if stop["signal"] is not None:
                 raise KeyboardInterrupt
             sup.check(allowed_done=("rollout-w0",))  # a worker exits 0 only once the learner set <ns>:done
+            seen = progress.done
             progress.poll()
+            if progress.done != seen:
+                record.trained(progress.done, time.monotonic() - t_learn)
             if learner_timeout and time.monotonic() - t_learn > learner_timeout:
                 raise learner.failure(f"did not finish within {learner_timeout:.0f} s")
             time.sleep(0.5)
         progress.close()
+        if progress.done:
+            record.trained(progress.done, time.monotonic() - t_learn)
         progress = None
         if learner.popen.returncode != 0:
             raise learner.failure("failed")
@@ -372,37 +286,50 @@ def run(cfg: RunConfig, *, overwrite: bool = False, evaluate: bool = True, teach
             time.sleep(0.2)
         sup.check(allowed_done=("learner", "rollout-w0"))
     except KeyboardInterrupt:
-        say(f"interrupted ({signal.Signals(stop['signal'] or signal.SIGINT).name}): stopping every process "
-            "(the learner keeps its last committed checkpoint)")
+        name = signal.Signals(stop["signal"] or signal.SIGINT).name
+        say(f"interrupted ({name}): stopping every process (the learner keeps its last committed checkpoint; "
+            "`eopd run ... --resume` continues from it)")
         if progress is not None:
             progress.bar.close()
         sup.stop_all()
-        return EXIT_INTERRUPTED
+        summary["outcome"] = f"interrupted ({name})"
+        return EXIT_INTERRUPTED, cfg
     except RunError as exc:
         if progress is not None:
             progress.bar.close()
         say(str(exc))
         sup.stop_all()
-        return EXIT_FAILED
+        summary["outcome"] = f"failed: {str(exc).splitlines()[0]}"
+        return EXIT_FAILED, cfg
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     sup.stop_all()
-    say(f"training done in {summary['train_s']:.0f} s")
-    if evaluate and cfg.eval.enabled and cfg.data.eval_files:
-        from .evaluation import evaluate_run
+    return 0, cfg
 
-        t0 = time.monotonic()
-        result = evaluate_run(run_dir, cfg.eval.models)
-        summary["eval_s"] = time.monotonic() - t0
-        from .evaluation import summary_line
 
-        for name, r in result["models"].items():  # headline avg@n / pass@n, the other grading's avg@n, KL
-            say(f"eval {summary_line(name, r)}")
-    summary["total_s"] = time.monotonic() - t_start
-    (run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    say(f"finished in {summary['total_s']:.0f} s; see {run_dir}")
-    return 0
+def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
+    """`eopd eval` of `eval.models`, one model at a time, each recorded when done: a run
+    interrupted during the evaluation evaluates only the models left when resumed (and a model
+    evaluated already with the same settings is not evaluated again)."""
+    from .evaluation import evaluate_run, resolve_model
+    from .faults import Faults
+
+    settings = cfg.eval.model_dump(mode="json", exclude={"models", "enabled"})
+    resolved = {m: resolve_model(m, run_dir, cfg) for m in cfg.eval.models}
+    todo = record.to_evaluate(cfg.eval.models, resolved, settings)
+    done = [m for m in cfg.eval.models if m not in todo]
+    if done:
+        say(f"evaluation: {', '.join(done)} evaluated already in this run (same model, same eval settings)")
+    faults, result = Faults(cfg.faults), None
+    for i, name in enumerate(todo):
+        faults.hit("run.evaluate", count=i)  # fault point: before the i-th model (tests interrupt the evaluation)
+        result = evaluate_run(run_dir, [name])
+        record.evaluated(name, resolved[name], settings)
+    if result is None:
+        path = run_dir / "eval.json"
+        result = json.loads(path.read_text()) if path.is_file() else {"models": {}}
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -412,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate-only", action="store_true", help="validate the config and the specs it names, then exit")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
     p.add_argument("--overwrite", action="store_true", help="delete an existing trained run in run_dir first")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run_dir from its last committed checkpoint (or evaluate what is left); "
+                   "only safe config changes are accepted (train.iterations to extend it, eval.*, logging.*, ...); "
+                   "starts a new run when run_dir holds none")
     p.add_argument("--learner-timeout", type=float, default=None, help="fail if training takes longer (seconds)")
     p.add_argument("overrides", nargs="*", help="key=value overrides with dotted paths (e.g. train.iterations=4)")
     return p
@@ -428,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eopd run: {args.config} is valid ({cfg.total_iterations(1) if cfg.train.iterations else 'epochs'} "
                   f"iterations; teacher {cfg.teacher.model}, student {cfg.student.model}, loss {cfg.loss.variant})")
             return 0
-        return run(cfg, overwrite=args.overwrite, evaluate=not args.no_eval, learner_timeout=args.learner_timeout)
+        return run(cfg, overwrite=args.overwrite, resume=args.resume, evaluate=not args.no_eval,
+                   learner_timeout=args.learner_timeout)
     except ConfigError as exc:
         print(f"eopd run: {exc}", file=sys.stderr)
         return EXIT_CONFIG
