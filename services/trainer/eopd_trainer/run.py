@@ -138,6 +138,9 @@ def run(cfg: RunConfig, *, overwrite: bool = False, resume: bool = False, evalua
     except RunDirBusy as exc:
         say(str(exc))
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        say("interrupted while waiting for the run directory")
+        return EXIT_INTERRUPTED
     try:
         return _run(cfg, lock, t_start, overwrite=overwrite, resume=resume, evaluate=evaluate,
                     teacher_timeout=teacher_timeout, learner_timeout=learner_timeout)
@@ -257,7 +260,7 @@ def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLoc
         if start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
             trim_records(metrics, start.iteration)
         learner = sup.start("learner", [py, "-m", "eopd_trainer.learner", "--config", str(config_path)], env)
-        lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in sup.children}})
+        lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in sup.children if c.holds}})
         progress = _Progress(metrics, total, initial=start.iteration if start.resumed else 0)
         t_learn = time.monotonic()
         while learner.alive():

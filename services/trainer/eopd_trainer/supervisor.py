@@ -46,6 +46,7 @@ class Child:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    holds: bool = False  # inherited the run directory's lock (Supervisor.pass_fds)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -81,7 +82,7 @@ class Supervisor:
         with open(path, "ab") as fh:
             popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
                                      pass_fds=self.pass_fds if hold else ())
-        child = Child(name, popen, path)
+        child = Child(name, popen, path, holds=hold and bool(self.pass_fds))
         self.children.append(child)
         return child
 
