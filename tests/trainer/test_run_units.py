@@ -58,6 +58,25 @@ def test_layer_subset_student(tmp_path):
     assert materialise_spec("tiny-random@0[layers=1]", tmp_path / "s") == path  # reused, deterministic
 
 
+def test_pruned_student_drops_the_named_layers(tmp_path):
+    import torch
+    from eopd_common.models import DroppedLayers, load_causal_lm, materialise_spec, parse_layer_subset
+
+    assert parse_layer_subset("smollm2-135m[drop=14]") == ("smollm2-135m", DroppedLayers((14,)))
+    assert parse_layer_subset("x[drop=20, 4,4]") == ("x", DroppedLayers((4, 20)))
+    assert DroppedLayers((1, 3)).keep(5) == [0, 2, 4]
+    for bad in ("x[drop=a]", "x[drop=]"):
+        with pytest.raises(ValueError, match="drop="):
+            parse_layer_subset(bad)
+    with pytest.raises(ValueError, match="out of range"):
+        materialise_spec("tiny-random@0[drop=2]", tmp_path / "bad")
+    path = materialise_spec("tiny-random@0[drop=0]", tmp_path / "s")
+    sub, full = load_causal_lm(path).model, load_causal_lm("tiny-random@0").model
+    assert sub.config.num_hidden_layers == 1
+    assert torch.equal(sub.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                       full.state_dict()["model.layers.1.self_attn.q_proj.weight"])
+
+
 def test_evaluate_model_on_tiny_models():
     from eopd_common.models import load_causal_lm
     from eopd_trainer.config import EvalConfig

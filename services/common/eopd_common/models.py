@@ -251,12 +251,34 @@ def describe_tokenizer_difference(a, b) -> str:
 # Spec form (understood by `eopd run` / `eopd eval`, which materialise it into a directory first):
 #     BASE[layers=START:STOP:STEP]   e.g. smollm2-135m[layers=0:30:3]  (layers 0, 3, ..., 27)
 #     BASE[layers=0,2,4,29]          explicit layer indices
+#     BASE[drop=14]                  every layer but these (a pruned copy: smollm2-135m[drop=14,20])
 
 _SUBSET_SUFFIX = "[layers="
+_DROP_SUFFIX = "[drop="
 
 
-def parse_layer_subset(spec: str) -> tuple[str, list[int] | slice] | None:
-    """`BASE[layers=...]` -> (BASE, indices or slice); None for any other spec."""
+@dataclass(frozen=True)
+class DroppedLayers:
+    """The layers a `[drop=...]` spec removes; every other layer is kept, in order."""
+
+    indices: tuple[int, ...]
+
+    def keep(self, n_layers: int) -> list[int]:
+        return [i for i in range(n_layers) if i not in self.indices]
+
+
+def parse_layer_subset(spec: str) -> tuple[str, list[int] | slice | DroppedLayers] | None:
+    """`BASE[layers=...]` / `BASE[drop=...]` -> (BASE, indices, slice or dropped layers); None for
+    any other spec."""
+    if spec.endswith("]") and _DROP_SUFFIX in spec:
+        base, _, sel = spec[:-1].partition(_DROP_SUFFIX)
+        try:
+            dropped = tuple(sorted({int(x) for x in sel.split(",") if x.strip()}))
+        except ValueError:
+            raise ValueError(f"model {spec!r}: drop= takes comma-separated layer indices") from None
+        if not dropped:
+            raise ValueError(f"model {spec!r}: drop= names no layer")
+        return base, DroppedLayers(dropped)
     if not spec.endswith("]") or _SUBSET_SUFFIX not in spec:
         return None
     base, _, sel = spec[:-1].partition(_SUBSET_SUFFIX)
@@ -271,7 +293,8 @@ def parse_layer_subset(spec: str) -> tuple[str, list[int] | slice] | None:
         raise ValueError(f"model {spec!r}: layers= takes START:STOP[:STEP] or comma-separated indices") from None
 
 
-def build_layer_subset(spec: str, layers: list[int] | slice, out_dir: Path, *, cache_dir: Path | None = None) -> Path:
+def build_layer_subset(spec: str, layers: list[int] | slice | DroppedLayers, out_dir: Path, *,
+                       cache_dir: Path | None = None) -> Path:
     """Saves to `out_dir` (a Hugging Face directory) the model `spec` keeping only the decoder
     layers `layers` (in order), with its embeddings, final norm, head and tokenizer: a smaller
     student sharing the teacher's tokenizer. Deterministic (a copy of weights, no randomness);
@@ -282,10 +305,15 @@ def build_layer_subset(spec: str, layers: list[int] | slice, out_dir: Path, *, c
     marker = out_dir / ".layer-subset.json"
     loaded = None
     n_layers = None
-    if isinstance(layers, slice):
+    if isinstance(layers, slice | DroppedLayers):
         loaded = load_causal_lm(spec, dtype="float32", cache_dir=cache_dir)
         n_layers = len(loaded.model.model.layers)
-        keep = list(range(n_layers))[layers]
+        if isinstance(layers, DroppedLayers):
+            if any(not 0 <= i < n_layers for i in layers.indices):
+                raise ValueError(f"drop={list(layers.indices)} out of range for {spec} ({n_layers} layers)")
+            keep = layers.keep(n_layers)
+        else:
+            keep = list(range(n_layers))[layers]
     else:
         keep = list(layers)
     desc = {"base": spec, "layers": keep}

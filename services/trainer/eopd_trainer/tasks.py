@@ -1,10 +1,18 @@
-"""A deterministic dataset of arithmetic and word problems with verifiable `\\boxed{}` answers,
-for the CPU presets (the teacher is a 135M model: problems are one or two steps, small numbers).
+"""A deterministic family of short-answer arithmetic problems for the CPU presets.
 
-    python -m eopd_trainer.tasks --out data/arith --train 512 --heldout 128 --seed 0
+The teacher of the CPU preset is SmolLM2-135M-Instruct: it solves one-digit addition,
+subtraction and multiplication, two-digit addition and one-step word problems well enough (with
+the preset's few-shot prompt, see docs/run.md) and little beyond, so the family is exactly that.
+Every record is {"id", "prompt", "answer", "kind", "expr"}: `expr` is the arithmetic the prompt
+asks for ("7 + 5"), so a test can check `answer` independently of the generator.
 
-writes `train.jsonl` and `heldout.jsonl` with records {"id", "prompt", "answer", "kind"}. The two
-splits never share a prompt. Generation depends only on the seed (Python's `random.Random`).
+    python -m eopd_trainer.tasks --out data/arith --train 512 --heldout 64 --seed 0
+
+writes `train.jsonl` and `heldout.jsonl`. The splits are disjoint by *problem*, not only by
+wording: a held-out problem's operation and operands (7 + 5, in any phrasing or story) never occur
+in the training split, so held-out accuracy cannot come from remembering a training answer.
+Generation depends only on the seed (Python's `random.Random`). Several phrasings per kind, so a
+student trained on them is not tied to one wording.
 """
 
 from __future__ import annotations
@@ -13,63 +21,82 @@ import argparse
 import json
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 NAMES = ["Tom", "Anna", "Ben", "Maria", "Sam", "Lily", "Omar", "Zoe", "Leo", "Mia"]
 ITEMS = ["apples", "books", "pencils", "marbles", "cookies", "stickers", "coins", "cards"]
-CONTAINERS = ["boxes", "bags", "baskets", "shelves", "jars"]
+
+# Phrasings of a bare operation; {a} {op} {b} with op one of the symbols below.
+ASK = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "Calculate {a} {op} {b}.", "How much is {a} {op} {b}?"]
 
 
-def _add(r: random.Random) -> tuple[str, int]:
-    a, b = r.randint(2, 60), r.randint(2, 60)
-    return f"What is {a} + {b}?", a + b
+@dataclass(frozen=True)
+class Problem:
+    kind: str
+    a: int
+    op: str  # "+", "-" or "*"
+    b: int
+    prompt: str
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """The problem's identity, whatever its wording: the split is disjoint on this."""
+        return (self.op, self.a, self.b)
+
+    @property
+    def expr(self) -> str:
+        return f"{self.a} {self.op} {self.b}"
 
 
-def _sub(r: random.Random) -> tuple[str, int]:
-    a = r.randint(10, 90)
-    b = r.randint(1, a - 1)
-    return f"What is {a} - {b}?", a - b
+def _ask(r: random.Random, kind: str, a: int, op: str, b: int) -> Problem:
+    return Problem(kind, a, op, b, r.choice(ASK).format(a=a, op=op, b=b))
 
 
-def _mul(r: random.Random) -> tuple[str, int]:
-    a, b = r.randint(2, 12), r.randint(2, 12)
-    return f"What is {a} * {b}?", a * b
+def _add1(r: random.Random) -> Problem:
+    return _ask(r, "add1", r.randint(1, 9), "+", r.randint(1, 9))
 
 
-def _groups(r: random.Random) -> tuple[str, int]:
-    n, c, k, it = r.choice(NAMES), r.choice(CONTAINERS), r.randint(2, 9), r.choice(ITEMS)
-    m = r.randint(2, 9)
-    return f"{n} has {k} {c} with {m} {it} in each. How many {it} does {n} have?", k * m
+def _sub1(r: random.Random) -> Problem:
+    a = r.randint(2, 9)
+    return _ask(r, "sub1", a, "-", r.randint(1, a))
 
 
-def _more(r: random.Random) -> tuple[str, int]:
-    n, it = r.choice(NAMES), r.choice(ITEMS)
-    a, b = r.randint(3, 40), r.randint(2, 30)
-    return f"{n} has {a} {it} and buys {b} more. How many {it} does {n} have now?", a + b
+def _mul1(r: random.Random) -> Problem:
+    return _ask(r, "mul1", r.randint(2, 9), "*", r.randint(2, 9))
 
 
-def _left(r: random.Random) -> tuple[str, int]:
-    n, it = r.choice(NAMES), r.choice(ITEMS)
-    a = r.randint(10, 60)
-    b = r.randint(1, a - 1)
-    return f"{n} had {a} {it} and gave away {b}. How many {it} are left?", a - b
+def _add2(r: random.Random) -> Problem:
+    return _ask(r, "add2", r.randint(10, 49), "+", r.randint(10, 49))
 
 
-def _two_step(r: random.Random) -> tuple[str, int]:
-    n, it = r.choice(NAMES), r.choice(ITEMS)
-    k, m, b = r.randint(2, 6), r.randint(2, 9), r.randint(1, 10)
-    return f"{n} buys {k} packs of {m} {it} and then finds {b} more. How many {it} does {n} have?", k * m + b
+def _more(r: random.Random) -> Problem:
+    n, it, a, b = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 9), r.randint(2, 9)
+    text = r.choice(["{n} has {a} {it} and buys {b} more. How many {it} does {n} have now?",
+                     "{n} has {a} {it}. A friend gives {n} {b} more. How many {it} does {n} have?"])
+    return Problem("more", a, "+", b, text.format(n=n, a=a, it=it, b=b))
 
 
-KINDS: dict[str, Callable[[random.Random], tuple[str, int]]] = {
-    "add": _add, "sub": _sub, "mul": _mul, "groups": _groups, "more": _more, "left": _left, "two_step": _two_step,
+KINDS: dict[str, Callable[[random.Random], Problem]] = {
+    "add1": _add1, "sub1": _sub1, "mul1": _mul1, "add2": _add2, "more": _more,
 }
 
 
-def generate(n: int, seed: int, *, exclude: set[str] | None = None) -> list[dict]:
-    """`n` distinct problems (none in `exclude`), cycling through the kinds."""
+def evaluate_expr(expr: str) -> int:
+    """The value of "A OP B" (the `expr` of a record), computed without the generator."""
+    a, op, b = expr.split()
+    x, y = int(a), int(b)
+    return {"+": x + y, "-": x - y, "*": x * y}[op]
+
+
+def generate(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = None,
+             distinct_keys: bool = True) -> list[dict]:
+    """`n` problems, none whose key is in `exclude`, cycling through the kinds. Prompts are always
+    distinct; with `distinct_keys` so are the problems (else one problem may come in several
+    wordings: the one-digit kinds have only 44 to 81 problems each)."""
     r = random.Random(seed)
-    seen = set(exclude or ())
+    excluded = set(exclude or ())
+    seen: set = set()
     kinds = list(KINDS)
     out: list[dict] = []
     attempts = 0
@@ -78,17 +105,25 @@ def generate(n: int, seed: int, *, exclude: set[str] | None = None) -> list[dict
         if attempts > 100 * n + 1000:
             raise ValueError(f"cannot generate {n} distinct problems with seed {seed}")
         kind = kinds[len(out) % len(kinds)]
-        prompt, answer = KINDS[kind](r)
-        if prompt in seen:
+        p = KINDS[kind](r)
+        ident = p.key if distinct_keys else p.prompt
+        if p.key in excluded or ident in seen:
             continue
-        seen.add(prompt)
-        out.append({"id": f"{kind}-{seed}-{len(out)}", "prompt": prompt, "answer": str(answer), "kind": kind})
+        seen.add(ident)
+        out.append({"id": f"{kind}-{seed}-{len(out)}", "prompt": p.prompt, "answer": str(evaluate_expr(p.expr)),
+                    "kind": kind, "expr": p.expr})
     return out
 
 
+def _key(record: dict) -> tuple[str, int, int]:
+    a, op, b = record["expr"].split()
+    return (op, int(a), int(b))
+
+
 def make_splits(train: int, heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Held-out first (its own seed), then the training split without any held-out problem."""
     held = generate(heldout, seed + 1_000_003)
-    return generate(train, seed, exclude={h["prompt"] for h in held}), held
+    return generate(train, seed, exclude={_key(h) for h in held}, distinct_keys=False), held
 
 
 def write_splits(out_dir: Path, train: int, heldout: int, seed: int = 0) -> tuple[Path, Path]:
@@ -104,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="generate the arithmetic/word-problem dataset")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--train", type=int, default=512)
-    p.add_argument("--heldout", type=int, default=128)
+    p.add_argument("--heldout", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for path in write_splits(args.out, args.train, args.heldout, args.seed):
