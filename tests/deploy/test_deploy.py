@@ -1163,7 +1163,7 @@ def _env_refs(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_cpu_dev_overlay_prepares_the_run_directory_before_the_pipeline_starts():
-    """The rollout worker and the learner of cpu-dev cannot load `smollm2-135m[layers=0:30:3]` or find
+    """The rollout worker and the learner of cpu-dev cannot load `smollm2-135m[drop=14]` or find
     `data.generate`'s files by themselves: an init container runs `eopd prepare` into the shared
     volume first, and the main container loads the run.yaml it writes; compose does the same."""
     objs = objects("cpu-dev")
@@ -1188,7 +1188,7 @@ def test_cpu_dev_overlay_prepares_the_run_directory_before_the_pipeline_starts()
     # The overlay's run config is one that needs it.
     run_config = find(objs, "ConfigMap", "eopd-run")["data"]["RUN_CONFIG"]
     text = find(objs, "ConfigMap", "eopd-run-configs")["data"][run_config]
-    assert "[layers=" in text and "generate:" in text
+    assert "[drop=" in text and "generate:" in text
     # compose: prepare-cpu completes before the rollout worker and the learner, which load its run.yaml.
     services = compose_config("cpu")["services"]
     run_dir = _arg(services["prepare-cpu"]["command"], "run_dir")
@@ -1273,9 +1273,12 @@ def test_the_prepare_steps_work_for_real(run_config, tmp_path):
         outputs = {_finish(p, w) for w, p in procs}
         assert outputs == {str(run_dir / "run.yaml")}
         layers = json.loads((run_dir / "student-init" / "config.json").read_text())["num_hidden_layers"]
-        assert layers == 10  # smollm2-135m[layers=0:30:3]
-        assert len((run_dir / "data" / "train.jsonl").read_text().splitlines()) == 256
-        assert len((run_dir / "data" / "heldout.jsonl").read_text().splitlines()) == 32
+        preset = yaml.safe_load((ROOT / "configs" / "smollm2-cpu.yaml").read_text())
+        dropped = preset["student"]["model"].partition("[drop=")[2].rstrip("]").split(",")
+        assert layers == 30 - len(dropped)  # smollm2-135m[drop=...]: SmolLM2 has 30 decoder layers
+        generated = preset["data"]["generate"]
+        assert len((run_dir / "data" / "train.jsonl").read_text().splitlines()) == generated["train"]
+        assert len((run_dir / "data" / "heldout.jsonl").read_text().splitlines()) == generated["heldout"]
     else:
         where, step = steps[0]
         assert _finish(_start_prepare(_k8s_expand(step["command"][1:] + step["args"], values), tmp_path), where) == \

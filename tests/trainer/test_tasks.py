@@ -63,3 +63,21 @@ def test_write_splits_writes_jsonl(tmp_path):
     rows = [json.loads(line) for line in a.read_text().splitlines()]
     assert len(rows) == 10 and len(b.read_text().splitlines()) == 4
     assert set(rows[0]) == {"id", "prompt", "answer", "kind", "expr"}
+
+
+def test_variants_are_written_differently_and_in_neither_split(tmp_path):
+    from eopd_trainer.tasks import ASK
+
+    tr, he, v = make_splits(512, 64, seed=0, variants=40)
+    assert (tr, he, v) == make_splits(512, 64, seed=0, variants=40) and len(v) == 40
+    assert not {key(r) for r in v} & {key(r) for r in tr + he}
+    assert make_splits(512, 64, seed=0, variants=40)[1] == make_splits(512, 64, seed=0)[1]  # same held-out
+    generator_forms = [re.compile(re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{op\}", ".").replace(r"\{b\}", r"\d+"))
+                       for t in ASK]
+    for r in v:
+        assert int(r["answer"]) == independent_value(r["expr"]), r
+        assert not any(f.fullmatch(r["prompt"]) for f in generator_forms), r  # none of the generator's wordings
+        assert not re.search(r"\d [-+*] \d", r["prompt"]), r  # operators in words or stories
+    paths = write_splits(tmp_path, 20, 10, variants=6)
+    assert [p.name for p in paths] == ["train.jsonl", "heldout.jsonl", "heldout_variants.jsonl"]
+    assert len(paths[2].read_text().splitlines()) == 6

@@ -130,6 +130,9 @@ class TasksConfig(_Section):
 
     train: int = Field(512, ge=1, description="Training prompts.")
     heldout: int = Field(64, ge=1, description="Held-out prompts (never shared with the training split).")
+    variants: int = Field(0, ge=0, description="Also this many held-out problems written differently (other wordings, "
+                          "stories and number ranges; none in either split): `eopd run` evaluates them as a second "
+                          "set into eval-variants.json.")
     seed: int = Field(0, ge=0, description="Generator seed.")
 
 

@@ -192,7 +192,15 @@ def run_config(run_dir: Path, overrides: list[str] = ()) -> RunConfig:
     raise ConfigError(f"{run_dir}: no run.yaml (written by eopd run) or config.yaml")
 
 
-def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *, names: list[str] | None = None) -> dict:
+def eval_path(run_dir: Path, set_name: str | None = None) -> Path:
+    """`<run_dir>/eval.json` for the run's held-out split; `eval-<set>.json` for another set."""
+    return Path(run_dir) / ("eval.json" if set_name is None else f"eval-{set_name}.json")
+
+
+def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *, names: list[str] | None = None,
+                 data_files: list[Path] | None = None, set_name: str | None = None) -> dict:
+    """Evaluates `models` on the run's held-out files (or on `data_files`, results then in
+    `eval-<set_name>.json`: e.g. an independent held-out set written differently)."""
     from eopd_common.models import load_causal_lm
 
     from .data import read_records, render_prompt
@@ -200,14 +208,19 @@ def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *,
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides)
     ecfg = cfg.eval
-    records = [r for f in cfg.data.eval_files for r in read_records(f)]
+    if (data_files is None) != (set_name is None):
+        raise ConfigError("give both a data file and a set name (--data FILE --set NAME), or neither")
+    if set_name is not None and (not set_name or not all(c.isalnum() or c in "-_" for c in set_name)):
+        raise ConfigError(f"set name {set_name!r}: use letters, digits, '-' and '_'")
+    records = [r for f in (data_files or cfg.data.eval_files) for r in read_records(f)]
     if ecfg.max_prompts:
         records = records[: ecfg.max_prompts]
     if not records or "answer" not in records[0]:
         raise ConfigError("eval needs held-out records with an `answer` field (data.eval_files)")
     teacher = load_causal_lm(cfg.teacher.model) if cfg.teacher.model else None
-    path = run_dir / "eval.json"
+    path = eval_path(run_dir, set_name)
     result = json.loads(path.read_text()) if path.is_file() else {"models": {}}
+    result["data"] = [str(f) for f in (data_files or cfg.data.eval_files)]
     result["eval"] = ecfg.model_dump(mode="json")
     for i, name in enumerate(models):
         label = names[i] if names else name
@@ -235,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=None,
                    help="final (default), initial, teacher, a local model directory or a spec; repeatable")
     p.add_argument("--name", action="append", default=None, help="label of each --model in eval.json")
+    p.add_argument("--data", type=Path, action="append", default=None,
+                   help="evaluate on these JSONL files (records with the run's prompt field and `answer`) instead of "
+                   "the run's held-out split; needs --set")
+    p.add_argument("--set", dest="set_name", default=None,
+                   help="name of that set: results go to <run_dir>/eval-<set>.json (the report shows them)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run config (e.g. eval.n_samples=8)")
     args = p.parse_args(argv)
     models = args.model or ["final"]
@@ -242,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print("eopd eval: give one --name per --model", file=sys.stderr)
         return 2
     try:
-        evaluate_run(args.run_dir, models, args.overrides, names=args.name)
+        evaluate_run(args.run_dir, models, args.overrides, names=args.name, data_files=args.data,
+                     set_name=args.set_name)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"eopd eval: {exc}", file=sys.stderr)
         return 2

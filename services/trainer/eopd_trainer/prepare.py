@@ -106,7 +106,7 @@ def _generate_data(cfg: RunConfig, data_dir: Path) -> tuple[Path, Path]:
     tmp = Path(tempfile.mkdtemp(dir=data_dir, prefix=".generate-"))
     try:
         out = []
-        for path in write_splits(tmp, gen.train, gen.heldout, gen.seed):
+        for path in write_splits(tmp, gen.train, gen.heldout, gen.seed, variants=gen.variants):
             final = data_dir / path.name
             os.replace(path, final)
             out.append(final)

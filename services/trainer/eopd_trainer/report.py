@@ -52,11 +52,18 @@ def read_iterations(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "iteration"]
 
 
-def read_eval(run_dir: Path) -> dict:
-    path = Path(run_dir) / "eval.json"
+def read_eval(run_dir: Path, set_name: str | None = None) -> dict:
+    """`eval.json` (the run's held-out split) or `eval-<set_name>.json` (another set, e.g. the
+    variants written differently)."""
+    path = Path(run_dir) / ("eval.json" if set_name is None else f"eval-{set_name}.json")
     ev = json.loads(path.read_text()) if path.is_file() else {}
     ev.setdefault("models", {})
     return ev
+
+
+def extra_sets(run_dir: Path) -> list[str]:
+    """Names of the other evaluated sets of a run (`eval-<name>.json`), sorted."""
+    return sorted(p.name[len("eval-"):-len(".json")] for p in Path(run_dir).glob("eval-*.json"))
 
 
 def _png(fig) -> str:
@@ -192,11 +199,12 @@ def table(runs: list[Path]) -> str:
     strict and flexible Avg@n, then entropy and KL statistics."""
     head = ("run / model", "loss") + tuple(h for h, _, _ in _COLUMNS)
     rows = []
-    for run in runs:
+    for run, set_name in [(r, s) for r in runs for s in [None, *extra_sets(r)]]:
         variant = _variant(run)
-        for name, m in _ordered(read_eval(run)["models"]):
+        for name, m in _ordered(read_eval(run, set_name)["models"]):
             n = m.get("n_samples")
-            cells = [_text(f"{_label(run)} / {name}"), _text(variant if name != "teacher" else "– (teacher)")]
+            where = f"{_label(run)} / {name}" + (f" [{set_name} set]" if set_name else "")
+            cells = [_text(where), _text(variant if name != "teacher" else "– (teacher)")]
             cells += [fmt(get(m, n)) for _, fmt, get in _COLUMNS]
             rows.append("<tr" + (" class='teacher'" if name == "teacher" else "") + ">"
                         + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
@@ -205,7 +213,8 @@ def table(runs: list[Path]) -> str:
             "column says (<code>eval.headline</code>): <i>strict</i> reads the last <code>\\boxed{}</code>, "
             "<i>flexible</i> the response's last number (lm-evaluation-harness's GSM8K flexible-extract); both are "
             "graded by math-verify, and both Avg@n are shown beside the headline. The teacher's row is the ceiling "
-            "(its KL to itself is 0). Percentages: Avg@n, Pass@k, the share of responses with a number and the "
+            "(its KL to itself is 0). Rows marked [<i>set</i>] are another held-out set (<code>eval-&lt;set&gt;.json</code>; "
+            "[variants set]: the same problems' family written differently from the generator). Percentages: Avg@n, Pass@k, the share of responses with a number and the "
             "entropy shares; KL in nats (exact, full vocabulary, on the model's own first sample per prompt).</p>")
 
 

@@ -81,6 +81,36 @@ KINDS: dict[str, Callable[[random.Random], Problem]] = {
     "add1": _add1, "sub1": _sub1, "mul1": _mul1, "add2": _add2, "more": _more,
 }
 
+# The same family written differently (`generate_variants`): wordings the generator above never
+# uses, operators in words, other stories, and other number ranges within the family. A check that
+# what a student learns is the arithmetic, not the generator's phrasing.
+_VARIANT_ASK = {
+    "+": ["What do you get when you add {a} and {b}?", "What is the sum of {a} and {b}?", "Find {a} plus {b}."],
+    "-": ["What is {a} minus {b}?", "Subtract {b} from {a}.", "What do you get when you take {b} away from {a}?"],
+    "*": ["What is {a} times {b}?", "Multiply {a} by {b}.", "What is the product of {a} and {b}?"],
+}
+_VARIANT_STORY = ["There are {a} birds on a tree and {b} more land on it. How many birds are on the tree now?",
+                  "A shelf holds {a} cups. Someone puts {b} more cups on it. How many cups are on the shelf?",
+                  "{n} walked {a} km in the morning and {b} km in the afternoon. How many km did {n} walk?"]
+
+
+def _variant(r: random.Random, kind: str) -> Problem:
+    if kind == "add1":
+        a, b = r.randint(1, 9), r.randint(1, 9)
+        return Problem(kind, a, "+", b, r.choice(_VARIANT_ASK["+"]).format(a=a, b=b))
+    if kind == "sub1":  # answers up to 9, first operand up to 18 (the generator's stops at 9)
+        b = r.randint(1, 9)
+        a = b + r.randint(0, 9)
+        return Problem(kind, a, "-", b, r.choice(_VARIANT_ASK["-"]).format(a=a, b=b))
+    if kind == "mul1":  # one factor may be 10 (the generator's stop at 9)
+        a, b = r.randint(2, 10), r.randint(2, 9)
+        return Problem(kind, a, "*", b, r.choice(_VARIANT_ASK["*"]).format(a=a, b=b))
+    if kind == "add2":  # two-digit sums up to 99 (the generator's operands stop at 49)
+        a, b = r.randint(10, 69), r.randint(10, 29)
+        return Problem(kind, a, "+", b, r.choice(_VARIANT_ASK["+"]).format(a=a, b=b))
+    a, b = r.randint(2, 12), r.randint(2, 9)
+    return Problem("more", a, "+", b, r.choice(_VARIANT_STORY).format(n=r.choice(NAMES), a=a, b=b))
+
 
 def evaluate_expr(expr: str) -> int:
     """The value of "A OP B" (the `expr` of a record), computed without the generator."""
@@ -115,24 +145,55 @@ def generate(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = N
     return out
 
 
+def generate_variants(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = None) -> list[dict]:
+    """`n` distinct problems of the same kinds written as the generator never writes them (see
+    `_VARIANT_ASK`), none whose key is in `exclude`."""
+    r = random.Random(seed)
+    seen = set(exclude or ())
+    kinds = list(KINDS)
+    out: list[dict] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise ValueError(f"cannot generate {n} distinct variant problems with seed {seed}")
+        kind = kinds[len(out) % len(kinds)]
+        p = _variant(r, kind)
+        if p.key in seen:
+            continue
+        seen.add(p.key)
+        out.append({"id": f"variant-{kind}-{seed}-{len(out)}", "prompt": p.prompt,
+                    "answer": str(evaluate_expr(p.expr)), "kind": kind, "expr": p.expr})
+    return out
+
+
 def _key(record: dict) -> tuple[str, int, int]:
     a, op, b = record["expr"].split()
     return (op, int(a), int(b))
 
 
-def make_splits(train: int, heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Held-out first (its own seed), then the training split without any held-out problem."""
+def make_splits(train: int, heldout: int, seed: int = 0, *, variants: int = 0) -> tuple[list[dict], ...]:
+    """(train, held-out) or, with `variants`, (train, held-out, variants): the held-out problems
+    first (their own seed), then the variants (none of them held-out), then the training split
+    without any of either. Every split is disjoint from the others by problem."""
     held = generate(heldout, seed + 1_000_003)
-    return generate(train, seed, exclude={_key(h) for h in held}, distinct_keys=False), held
+    reserved = {_key(h) for h in held}
+    var = generate_variants(variants, seed + 2_000_003, exclude=reserved) if variants else []
+    reserved |= {_key(v) for v in var}
+    tr = generate(train, seed, exclude=reserved, distinct_keys=False)
+    return (tr, held, var) if variants else (tr, held)
 
 
-def write_splits(out_dir: Path, train: int, heldout: int, seed: int = 0) -> tuple[Path, Path]:
+def write_splits(out_dir: Path, train: int, heldout: int, seed: int = 0, *, variants: int = 0) -> tuple[Path, ...]:
+    """train.jsonl and heldout.jsonl; with `variants`, also heldout_variants.jsonl: that many
+    problems written differently (`generate_variants`), in neither other split."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tr, he = make_splits(train, heldout, seed)
-    paths = (out_dir / "train.jsonl", out_dir / "heldout.jsonl")
-    for path, rows in zip(paths, (tr, he), strict=True):
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return paths
+    names = ["train.jsonl", "heldout.jsonl"] + (["heldout_variants.jsonl"] if variants else [])
+    paths = []
+    for name, rows in zip(names, make_splits(train, heldout, seed, variants=variants), strict=True):
+        (out_dir / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths.append(out_dir / name)
+    return tuple(paths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=int, default=512)
     p.add_argument("--heldout", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", type=int, default=0, help="also write this many problems written differently")
     args = p.parse_args(argv)
-    for path in write_splits(args.out, args.train, args.heldout, args.seed):
+    for path in write_splits(args.out, args.train, args.heldout, args.seed, variants=args.variants):
         print(path)
     return 0
 
