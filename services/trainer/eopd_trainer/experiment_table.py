@@ -1,0 +1,114 @@
+"""Aggregates finished runs into the markdown tables of docs/results.md: mean and spread over
+seeds, per loss variant and model (teacher / initial / final), on every evaluated set.
+
+    python -m eopd_trainer.experiment_table runs/exp/eopd-s0 runs/exp/eopd-s1 ... [--json out.json]
+
+Runs are grouped by their `loss.variant` (run.yaml); the spread is the min-max range over the
+group's runs. Columns: the headline Avg@k and Pass@k (k = 1, 2, 4, ..., n), strict and flexible
+Avg@n, the share of response tokens with entropy >= 1 (student, and the teacher on the same
+positions), FKL at teacher entropy >= tau, and, from `train_metrics.jsonl`, the gate ratio, clip
+fraction and approx KL averaged over the last quarter of training; run time from
+`run_summary.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from .report import extra_sets, read_eval, read_iterations
+
+
+def last_quarter(run_dir: Path, key: str) -> float | None:
+    """Mean of `iter/<key>` over the last quarter of the run's iterations."""
+    values = [r[f"iter/{key}"] for r in read_iterations(run_dir) if f"iter/{key}" in r]
+    if not values:
+        return None
+    tail = values[len(values) - max(1, len(values) // 4):]
+    return sum(tail) / len(tail)
+
+
+def run_facts(run_dir: Path) -> dict:
+    """Everything the tables need of one run, as plain numbers."""
+    cfg = yaml.safe_load((run_dir / "run.yaml").read_text()) or {}
+    facts: dict = {"run": str(run_dir), "variant": cfg.get("loss", {}).get("variant", "?"), "seed": cfg.get("seed"),
+                   "sets": {}}
+    for set_name in [None, *extra_sets(run_dir)]:
+        models = {}
+        for name, m in read_eval(run_dir, set_name)["models"].items():
+            row = {f"pass@{k}": v for k, v in m.get("pass_at_k", {}).items()}
+            row.update({"avg": m.get("avg_at_k"), "strict": m.get("strict", {}).get("avg_at_k"),
+                        "flexible": m.get("flexible", {}).get("avg_at_k"),
+                        "h1_student": m.get("high_entropy_share_student"),
+                        "h1_teacher": m.get("high_entropy_share_teacher"), "fkl_high": m.get("fkl_high_entropy")})
+            models[name] = row
+        facts["sets"][set_name or "held-out"] = models
+    for key in ("gate_ratio", "clip_frac", "approx_kl"):
+        facts[key] = last_quarter(run_dir, key)
+    summary = run_dir / "run_summary.json"
+    facts["total_s"] = json.loads(summary.read_text()).get("total_s") if summary.is_file() else None
+    return facts
+
+
+def spread(values: list[float | None]) -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "–"
+    mean = statistics.fmean(vals)
+    return f"{mean:.3f}" if len(vals) == 1 else f"{mean:.3f} ({min(vals):.3f}–{max(vals):.3f})"
+
+
+def tables(facts: list[dict]) -> str:
+    groups: dict[str, list[dict]] = {}
+    for f in facts:
+        groups.setdefault(f["variant"], []).append(f)
+    out = []
+    sets = sorted({s for f in facts for s in f["sets"]}, key=lambda s: (s != "held-out", s))
+    for set_name in sets:
+        ks = sorted({int(k.split("@")[1]) for f in facts for m in f["sets"].get(set_name, {}).values()
+                     for k in m if k.startswith("pass@")})
+        cols = ["avg", *[f"pass@{k}" for k in ks], "strict", "flexible", "h1_student", "h1_teacher", "fkl_high"]
+        out.append(f"### {set_name} set: mean (min–max) over seeds\n")
+        out.append("| variant / model | runs | " + " | ".join(cols) + " |")
+        out.append("|---" * (len(cols) + 2) + "|")
+        for variant, runs in groups.items():
+            for model in ("teacher", "initial", "final"):
+                rows = [f["sets"].get(set_name, {}).get(model) for f in runs]
+                rows = [r for r in rows if r is not None]
+                if rows:
+                    out.append(f"| {variant} / {model} | {len(rows)} | "
+                               + " | ".join(spread([r.get(c) for r in rows]) for c in cols) + " |")
+        out.append("")
+    out.append("### training, last quarter of iterations: mean (min–max) over seeds\n")
+    out.append("| variant | runs | gate ratio | clip fraction | approx KL | run time (s) |")
+    out.append("|---|---|---|---|---|---|")
+    for variant, runs in groups.items():
+        out.append(f"| {variant} | {len(runs)} | " + " | ".join(
+            spread([f[k] for f in runs]) for k in ("gate_ratio", "clip_frac", "approx_kl", "total_s")) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eopd_trainer.experiment_table",
+                                description="Markdown tables (mean and range over seeds) of finished runs.")
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--json", type=Path, default=None, help="also write the per-run facts here")
+    args = p.parse_args(argv)
+    missing = [r for r in args.runs if not (r / "run.yaml").is_file()]
+    if missing:
+        print(f"not a run directory (no run.yaml): {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    facts = [run_facts(r) for r in args.runs]
+    if args.json:
+        args.json.write_text(json.dumps(facts, indent=1))
+    print(tables(facts), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
