@@ -250,6 +250,17 @@ class Run:
             kill_tree(self.proc.pid)
             raise
 
+    def freeze(self, seconds: float) -> None:
+        """SIGSTOP to eopd run and every process it started, SIGCONT `seconds` later."""
+        procs = descendants(self.proc.pid)
+        for sig in (signal.SIGSTOP, signal.SIGCONT):
+            for p in procs:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(seconds if sig == signal.SIGSTOP else 0)
+
     def kill_all(self) -> None:
         """SIGKILL to eopd run and every process it started, all stopped (SIGSTOP) first."""
         kill_tree(self.proc.pid)
@@ -413,7 +424,8 @@ def test_sigkilled_at_every_point_then_resumed_on_redis_server(tmp_path, referen
 @pytest.mark.chaos
 def test_embedded_queue_sigkill_then_ctrl_c_then_extended(tmp_path, reference):
     """The embedded queue dies with eopd run: the resumed learner rebuilds what it needs from its
-    checkpoint. Then Ctrl-C (SIGINT) and a resume that extends train.iterations from 4 to 5."""
+    checkpoint. Then a freeze of every process (a sleeping laptop), Ctrl-C (SIGINT) and a resume
+    that extends train.iterations from 4 to 5."""
     run_dir = tmp_path / "run"
     common = ("queue.backend=embedded", "--no-eval")
 
@@ -424,9 +436,14 @@ def test_embedded_queue_sigkill_then_ctrl_c_then_extended(tmp_path, reference):
     r.kill_all()
     assert committed_state(run_dir)["iteration"] == 1
 
-    # 2. resumed: the queue is rebuilt; then Ctrl-C once iteration 3 is trained
-    r = Run(run_dir, "train.iterations=4", *common, "--resume", name="2")
-    r.wait_for('"iteration": 3', lambda: (run_dir / "train_metrics.jsonl").read_text())
+    # 2. resumed: the queue is rebuilt. Every process frozen for 6 s (a laptop asleep: longer than
+    # queue.lease_ttl_s, which Redis counts in wall-clock time; eopd run's learner holds its lease for
+    # days), then Ctrl-C once iteration 3 is trained
+    r = Run(run_dir, "train.iterations=4", *common, "--resume", "queue.lease_ttl_s=2", name="2")
+    metrics = lambda: (run_dir / "train_metrics.jsonl").read_text()  # noqa: E731
+    r.wait_for('"iteration": 2', metrics)
+    r.freeze(6)
+    r.wait_for('"iteration": 3', metrics)
     err = r.stderr()
     assert "queue rebuilt: the embedded queue lives in the eopd run process and went with the interrupted one" in err
     assert "republished 0 tasks not yet trained" in r.learner() and "task counter set to 4" in r.learner()
@@ -439,7 +456,7 @@ def test_embedded_queue_sigkill_then_ctrl_c_then_extended(tmp_path, reference):
     # 3. resumed with more iterations: trains to 5
     r = Run(run_dir, f"train.iterations={ITERATIONS}", *common, "--resume", name="3")
     assert r.wait() == 0, r.stderr()[-4000:]
-    assert f"changed: train.iterations: 4 -> {ITERATIONS}" in r.stderr()
+    assert f"; train.iterations: 4 -> {ITERATIONS}" in r.stderr()  # after queue.lease_ttl_s: 2 -> 15.0
 
     summary = assert_completed_exactly_once(run_dir, reference)
     assert [inv["outcome"] for inv in summary["invocations"]] == [

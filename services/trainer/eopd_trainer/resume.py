@@ -260,12 +260,14 @@ def _pid_alive(pid: Any) -> bool:
 def queue_state(url: str, ns: str, start: Start, backend: str) -> tuple[str, str]:
     """What a resumed run's queue holds: ("recovered" | "behind" | "rebuilt", the sentence to print).
     Clears `<ns>:done` (set when an earlier invocation finished training; a worker started while it
-    is set would stop at once, e.g. when train.iterations was raised)."""
+    is set would stop at once, e.g. when train.iterations was raised) and `<ns>:lease`: the run
+    directory's lock, held here, proves that the learner holding it has exited (eopd run gives its
+    learner a lease of days, which must not keep the resumed one out)."""
     from .queue import GROUP_LEARNER, Keys, connect
 
     r = connect(url)
     keys = Keys(ns)
-    r.delete(keys.done)
+    r.delete(keys.done, keys.lease)
     raw = r.get(keys.tasks_next)
     published = start.tasks_published
     if raw is None:

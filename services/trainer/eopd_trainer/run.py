@@ -65,6 +65,7 @@ from .supervisor import (  # noqa: F401 - part of this module's interface (bench
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
+RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see _train)
 
 
 class _Progress:
@@ -234,13 +235,23 @@ def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLoc
         if start.resumed:  # recovered (redis-server's append-only file, an external Redis) or rebuilt
             summary["queue_state"], message = queue_state(queue.url, ns, start, queue.backend)
             say(message)
+        # The learner's lease outlives a sleeping laptop: its TTL runs on Redis' wall clock, so a short one
+        # expired while the machine slept and the learner refused to commit after waking up (exit 6).
+        # On one machine the run directory's lock already keeps a second learner out.
         cfg = _effective(cfg, target=f"127.0.0.1:{gp}",
-                         queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend})
+                         queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
+                                "lease_ttl_s": max(cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})
         config_path = _write_run_yaml(run_dir, cfg)
         py = sys.executable
         teacher = sup.start("teacher", [py, "-m", "eopd_teacher.cli", "serve", "--model", cfg.teacher.model, "--host",
                                         "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)], hold=False)
         say(f"teacher {cfg.teacher.model} starting on 127.0.0.1:{gp} (log {teacher.log_path})")
+        metrics = run_dir / "train_metrics.jsonl"
+        if start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
+            trim_records(metrics, start.iteration)
+        # The learner never talks to the teacher: it loads while the teacher does. The worker waits for it.
+        env: dict[str, str] = {}  # torch's default threads: in sync mode the processes mostly take turns
+        learner = sup.start("learner", [py, "-m", "eopd_trainer.learner", "--config", str(config_path)], env)
         deadline = time.monotonic() + teacher_timeout
         while True:  # interruptible wait for readiness
             if stop["signal"] is not None:
@@ -251,15 +262,11 @@ def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLoc
             except RunError:
                 if not teacher.alive():
                     raise teacher.failure("failed to start") from None
+                sup.check()  # the learner failing meanwhile
                 if time.monotonic() > deadline:
                     raise
         say(f"teacher ready; run directory {run_dir}")
-        env: dict[str, str] = {}  # torch's default threads: in sync mode the processes mostly take turns
         sup.start("rollout-w0", [py, "-m", "eopd_trainer.rollout", "--config", str(config_path), "--worker-id", "w0"], env)
-        metrics = run_dir / "train_metrics.jsonl"
-        if start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
-            trim_records(metrics, start.iteration)
-        learner = sup.start("learner", [py, "-m", "eopd_trainer.learner", "--config", str(config_path)], env)
         lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in sup.children if c.holds}})
         progress = _Progress(metrics, total, initial=start.iteration if start.resumed else 0)
         t_learn = time.monotonic()
@@ -311,6 +318,9 @@ def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLoc
     return 0, cfg
 
 
+VARIANTS_FILE = "heldout_variants.jsonl"  # written by data.generate.variants (tasks.write_splits)
+
+
 def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
     """`eopd eval` of `eval.models`, one model at a time, each recorded when done: a run
     interrupted during the evaluation evaluates only the models left when resumed (and a model
@@ -325,9 +335,13 @@ def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
     if done:
         say(f"evaluation: {', '.join(done)} evaluated already in this run (same model, same eval settings)")
     faults, result = Faults(cfg.faults), None
+    gen = cfg.data.generate
+    variants = run_dir / "data" / VARIANTS_FILE if gen is not None and gen.variants else None
     for i, name in enumerate(todo):
         faults.hit("run.evaluate", count=i)  # fault point: before the i-th model (tests interrupt the evaluation)
         result = evaluate_run(run_dir, [name])
+        if variants is not None:  # the same family written differently: eval-variants.json
+            evaluate_run(run_dir, [name], data_files=[variants], set_name="variants")
         record.evaluated(name, resolved[name], settings)
     if result is None:
         path = run_dir / "eval.json"

@@ -97,9 +97,11 @@ class Supervisor:
             raise RunError("the embedded queue's server thread stopped")
 
     def stop_all(self, timeout: float = 30.0) -> None:
-        """SIGTERM each child in reverse start order, waiting for it before the next: the learner
-        and the workers stop while the queue and the teacher they talk to are still up."""
-        for c in reversed(self.children):
+        """SIGTERM each child, the learner first (it finishes its optimizer step and stops without
+        starting another), then the others in reverse start order, waiting for each before the next:
+        the learner and the workers stop while the queue and the teacher they talk to are still up."""
+        order = [c for c in reversed(self.children) if c.name == "learner"]
+        for c in order + [c for c in reversed(self.children) if c.name != "learner"]:
             if not c.alive():
                 continue
             with contextlib.suppress(ProcessLookupError):
