@@ -20,7 +20,8 @@ done under an exclusive lock on `<run_dir>/.prepare.lock`, the student is rebuil
 selection changed, data files and run.yaml are replaced atomically (a process reading them sees
 the old or the new file, never a partial one), and a run directory that already holds a trained
 run is kept as it is (its checkpoints are what a restarted learner resumes from); `--overwrite`
-deletes it first. `eopd run` refuses such a directory instead, unless `--overwrite`.
+deletes it first. `eopd run` refuses such a directory instead, unless `--resume` (resume.py) or
+`--overwrite`.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = Fal
     `prepare_and_write`).
 
     A run directory holding a committed checkpoint: deleted with `overwrite`; else kept with
-    `keep_trained` (`eopd prepare`); else refused (`eopd run`)."""
+    `keep_trained` (`eopd prepare`, `eopd run --resume`); else refused."""
     from eopd_common.models import materialise_spec
 
     run_dir = Path(cfg.run_dir).resolve()
@@ -129,7 +130,8 @@ def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = Fal
         if overwrite:
             shutil.rmtree(run_dir)
         elif not keep_trained:
-            raise ConfigError(f"{run_dir} already holds a trained run; pass --overwrite or another run_dir=")
+            raise ConfigError(f"{run_dir} already holds a trained run; pass --resume to continue it, --overwrite "
+                              "or another run_dir=")
     run_dir.mkdir(parents=True, exist_ok=True)
     data = cfg.data
     updates: dict = {"run_dir": run_dir}
