@@ -3,7 +3,8 @@
     eopd train   --config FILE [key=value ...]     the learner (same as eopd-train)
     eopd rollout --config FILE [--worker-id ID] [key=value ...]   a rollout worker (eopd-rollout)
     eopd config  --config FILE [key=value ...]     validate and print the effective config
-    eopd run     --config FILE [key=value ...] [--validate-only] [--no-eval]   the whole job on one machine
+    eopd run     --config FILE [key=value ...] [--validate-only] [--no-eval] [--resume | --overwrite]
+                                                   the whole job on one machine (--resume: continue run_dir)
     eopd prepare --config FILE [key=value ...] [--overwrite]   materialise the run directory (student, data, run.yaml)
     eopd eval    --run-dir DIR [--model final|initial|teacher|SPEC ...]        Avg@k, Pass@k, entropies, KL
     eopd report  RUN_DIR [RUN_DIR ...] [--out FILE.html]                       HTML report with figures

@@ -48,7 +48,7 @@ from .faults import Faults
 from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
 from .messages import PoisonMessage, PromptTask, Rollout, check_rollout_metadata, decode_rollout, encode_task
 from .distributed import all_reduce_step_metrics
-from .metrics import MetricsSink
+from .metrics import resumed_sink
 from .objective import METRIC_KEYS, step_generator
 
 log = logging.getLogger("eopd.learner")
@@ -172,25 +172,11 @@ class Learner:
                                       faults=self.faults)
         self.state = {**fresh_state(), **(self.ckpt.load(self.engine) or {})}
         self.ledger = Ledger.from_json(self.state["ledger"])
-        self._open_metrics()
+        # After a restart: without the records of iterations trained again, with the committed one's.
+        self.metrics = resumed_sink(self.run_dir, "train", self.state, tensorboard=cfg.logging.tensorboard,
+                                    prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0)
         if self.rank == 0:
             self._setup_queues()
-
-    def _open_metrics(self) -> None:
-        """The metrics sink; after a restart, without the records of iterations that are trained
-        again (and with those of the committed iteration if the crash came before they were
-        written: they are in the checkpoint)."""
-        from .metrics import trim_records
-
-        cfg, path = self.cfg, self.run_dir / "train_metrics.jsonl"
-        earlier = self.rank == 0 and path.exists()  # an earlier attempt logged: continue after the committed steps
-        has_committed = trim_records(path, self.state["iteration"]) if earlier else True
-        self.metrics = MetricsSink(self.run_dir, "train", tensorboard=cfg.logging.tensorboard,
-                                   prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0,
-                                   purge_step=self.state["optimizer_steps"] + 1 if earlier else None)
-        if not has_committed:
-            for rec in self.state["metrics"]:
-                self.metrics.log(rec["step"], rec["values"], iteration=rec["iteration"], kind=rec["kind"])
 
     def _acquire_lease(self) -> None:
         """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""

@@ -108,6 +108,22 @@ def trim_records(path: Path, iteration: int) -> bool:
     return has
 
 
+def resumed_sink(run_dir: Path, name: str, state: dict, *, enabled: bool = True, **kwargs) -> MetricsSink:
+    """The learner's sink, continuing what an earlier attempt logged: the records of iterations after
+    the committed one (`state["iteration"]`) are removed, TensorBoard purges from the first step
+    this attempt will write, and the committed iteration's records are written from the checkpoint
+    (`state["metrics"]`) if the crash came between the commit and its log line."""
+    path = Path(run_dir) / f"{name}_metrics.jsonl"
+    earlier = enabled and path.exists()
+    has_committed = trim_records(path, state["iteration"]) if earlier else True
+    sink = MetricsSink(run_dir, name, enabled=enabled, purge_step=state["optimizer_steps"] + 1 if earlier else None,
+                       **kwargs)
+    if not has_committed:
+        for rec in state.get("metrics") or []:
+            sink.log(rec["step"], rec["values"], iteration=rec["iteration"], kind=rec["kind"])
+    return sink
+
+
 def token_weighted_mean(rows: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """Averages metric dicts weighted by their token counts (keys missing in a row are skipped)."""
     sums: dict[str, float] = {}

@@ -201,10 +201,14 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
             for s, h in old.items():
                 signal.signal(s, h)
         summary["eval_s"] = time.monotonic() - t0
-        from .evaluation import summary_line
+        from .evaluation import eval_path, summary_line
 
         for name, r in result["models"].items():  # headline avg@n / pass@n, the other grading's avg@n, KL
             say(f"eval {summary_line(name, r)}")
+        variants = eval_path(run_dir, "variants")
+        if variants.is_file():  # the same family written differently (data.generate.variants)
+            for name, r in json.loads(variants.read_text())["models"].items():
+                say(f"eval [variants] {summary_line(name, r)}")
     record.end("completed", time.monotonic() - t_start)
     say(f"finished in {summary['total_s']:.0f} s; see {run_dir}")
     return 0
@@ -282,7 +286,7 @@ def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLoc
                 raise learner.failure(f"did not finish within {learner_timeout:.0f} s")
             time.sleep(0.5)
         progress.close()
-        if progress.done:
+        if progress.done > (start.iteration if start.resumed else 0):
             record.trained(progress.done, time.monotonic() - t_learn)
         progress = None
         if learner.popen.returncode != 0:
