@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: distil SmolLM2-135M-Instruct into a 10-layer student on one machine, end to end
+# The main job: distil SmolLM2-135M-Instruct into a pruned copy of itself on one machine, end to end
 # (`eopd run --config configs/smollm2-cpu.yaml`: queue, teacher, rollout worker, learner, then the
 # held-out evaluation and an HTML report). Extra args go to `eopd run` (e.g. train.iterations=4).
 set -euo pipefail
@@ -14,5 +14,8 @@ if [ -z "${REDIS_URL:-}" ] && ! command -v redis-server >/dev/null; then
     sudo apt-get update -q && sudo apt-get install -y -q redis-server
   fi
 fi
-eopd run --config configs/smollm2-cpu.yaml --overwrite "$@"
+# A fresh run each time (--overwrite); `bash scripts/main.sh --resume` continues an interrupted one.
+fresh=--overwrite
+for arg in "$@"; do [ "$arg" = "--resume" ] && fresh=""; done
+eopd run --config configs/smollm2-cpu.yaml $fresh "$@"
 if [ -f runs/smollm2-cpu/eval.json ]; then eopd report runs/smollm2-cpu; fi
