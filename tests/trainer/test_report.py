@@ -144,3 +144,20 @@ def test_old_runs_without_the_new_keys_render(tmp_path):
     row = next(r for r in _rows(text) if r and r[0] == "old / final")
     assert row[2:8] == ["strict", "25.0", "25.0", "60.0", "–", "–"]
     assert "No sample responses in eval.json" in text
+
+
+def test_other_sets_get_their_rows_and_figures_can_be_written(tmp_path):
+    from eopd_trainer.cli import main
+
+    run = _write_run(tmp_path / "run")
+    variants = {"models": {"final": _model(0.5), "teacher": _model(0.75, kl=0.0)}}
+    (run / "eval-variants.json").write_text(json.dumps(variants))
+    text = _render(tmp_path, run)
+    labels = [r[0] for r in _rows(text) if r]
+    assert "run / teacher [variants set]" in labels and "run / final [variants set]" in labels
+    assert labels.index("run / final") < labels.index("run / teacher [variants set]")  # held-out set first
+    figs = tmp_path / "figs"
+    assert main(["report", str(run), "--out", str(tmp_path / "r2.html"), "--figures", str(figs), "--prefix", "x_"]) == 0
+    names = sorted(p.name for p in figs.iterdir())
+    assert len(names) == 8 and all(n.startswith("x_") and n.endswith(".png") for n in names)
+    assert "x_pass_k.png" in names and (figs / "x_pass_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

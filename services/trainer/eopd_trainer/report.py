@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="eopd report", description="One HTML report (embedded PNG figures) of runs.")
     p.add_argument("runs", nargs="+", type=Path, help="run directories")
     p.add_argument("--out", type=Path, default=None, help="output file (default: <first run>/report.html)")
+    p.add_argument("--figures", type=Path, default=None,
+                   help="also write every figure as a PNG file into this directory (e.g. for docs/)")
+    p.add_argument("--prefix", default="", help="file-name prefix of those PNG files")
     args = p.parse_args(argv)
     missing = [r for r in args.runs if not r.is_dir()]
     if missing:
@@ -282,4 +285,24 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.runs[0] / "report.html"
     out.write_text(render(args.runs))
     print(out)
+    if args.figures is not None:
+        for path in write_figures(args.runs, args.figures, args.prefix):
+            print(path)
     return 0
+
+
+def figure_name(title: str) -> str:
+    """A file name for a figure title: lower case, words joined by '_', at most 6 words."""
+    words = "".join(c.lower() if c.isalnum() else " " for c in title).split()
+    return "_".join(words[:6]) or "figure"
+
+
+def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Path]:
+    """Every figure of the report as `<out_dir>/<prefix><name>.png`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for title, data in figures(runs):
+        path = out_dir / f"{prefix}{figure_name(title)}.png"
+        path.write_bytes(base64.b64decode(data))
+        paths.append(path)
+    return paths
