@@ -124,6 +124,17 @@ def generate(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = N
     """`n` problems, none whose key is in `exclude`, cycling through the kinds. Prompts are always
     distinct; with `distinct_keys` so are the problems (else one problem may come in several
     wordings: the one-digit kinds have only 44 to 81 problems each)."""
+    return _draw(n, seed, lambda r, kind: KINDS[kind](r), exclude=exclude, distinct_keys=distinct_keys)
+
+
+def generate_variants(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = None) -> list[dict]:
+    """`n` distinct problems of the same kinds written as the generator never writes them (see
+    `_VARIANT_ASK`), none whose key is in `exclude`."""
+    return _draw(n, seed, _variant, exclude=exclude, distinct_keys=True, id_prefix="variant-")
+
+
+def _draw(n: int, seed: int, make: Callable[[random.Random, str], Problem], *,
+          exclude: set[tuple[str, int, int]] | None, distinct_keys: bool, id_prefix: str = "") -> list[dict]:
     r = random.Random(seed)
     excluded = set(exclude or ())
     seen: set = set()
@@ -133,36 +144,14 @@ def generate(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = N
     while len(out) < n:
         attempts += 1
         if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot generate {n} distinct problems with seed {seed}")
+            raise ValueError(f"cannot generate {n} distinct {id_prefix}problems with seed {seed}")
         kind = kinds[len(out) % len(kinds)]
-        p = KINDS[kind](r)
+        p = make(r, kind)
         ident = p.key if distinct_keys else p.prompt
         if p.key in excluded or ident in seen:
             continue
         seen.add(ident)
-        out.append({"id": f"{kind}-{seed}-{len(out)}", "prompt": p.prompt, "answer": str(evaluate_expr(p.expr)),
-                    "kind": kind, "expr": p.expr})
-    return out
-
-
-def generate_variants(n: int, seed: int, *, exclude: set[tuple[str, int, int]] | None = None) -> list[dict]:
-    """`n` distinct problems of the same kinds written as the generator never writes them (see
-    `_VARIANT_ASK`), none whose key is in `exclude`."""
-    r = random.Random(seed)
-    seen = set(exclude or ())
-    kinds = list(KINDS)
-    out: list[dict] = []
-    attempts = 0
-    while len(out) < n:
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot generate {n} distinct variant problems with seed {seed}")
-        kind = kinds[len(out) % len(kinds)]
-        p = _variant(r, kind)
-        if p.key in seen:
-            continue
-        seen.add(p.key)
-        out.append({"id": f"variant-{kind}-{seed}-{len(out)}", "prompt": p.prompt,
+        out.append({"id": f"{id_prefix}{kind}-{seed}-{len(out)}", "prompt": p.prompt,
                     "answer": str(evaluate_expr(p.expr)), "kind": kind, "expr": p.expr})
     return out
 
