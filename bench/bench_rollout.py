@@ -79,7 +79,8 @@ class _Child:
         self.sampler = make_sampler(self.cfg)  # the worker's own sampler, as the worker builds it
         self.load_s = time.perf_counter() - t0
         self.n, self.max_new = prompts, max_new_tokens
-        self.problems = generate(64 * prompts, seed=self.cfg.data.generate.seed)  # rounds -1.. take n each
+        # rounds -1.. take n each; several wordings of one problem allowed (the one-digit kinds are small)
+        self.problems = generate(64 * prompts, seed=self.cfg.data.generate.seed, distinct_keys=False)
         self.pv = PolicyVersion(**pv)
         self.peak = status_mib("VmHWM")
 
