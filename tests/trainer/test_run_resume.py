@@ -468,7 +468,7 @@ def test_embedded_queue_sigkill_then_ctrl_c_then_extended(tmp_path, reference):
 @pytest.mark.integration
 @pytest.mark.chaos
 def test_smollm2_cpu_sigkilled_mid_iteration_then_resumed(tmp_path):
-    """The main preset (SmolLM2-135M teacher, its 10-layer student, the cosine schedule with warm-up),
+    """The main preset (SmolLM2-135M teacher, its pruned 29-layer student, the lr schedule with warm-up),
     two iterations committed one by one: every process killed during iteration 2 (committed: 1),
     resumed, evaluated; the weights are those of an uninterrupted run. About 4 minutes on 2 cores."""
     preset = ROOT / "configs" / "smollm2-cpu.yaml"
