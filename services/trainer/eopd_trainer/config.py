@@ -266,6 +266,8 @@ class EvalConfig(_Section):
         "strict", description="The answer extraction behind the headline metrics (avg_at_k, pass_at_k, the report's "
         "Avg@n / Pass@k): strict = the last \\boxed{}, flexible = the response's last number (lm-evaluation-harness "
         "GSM8K flexible-extract). Both are always computed and stored.")
+    variants: bool = Field(True, description="Also evaluate the variants set (data.generate.variants) into "
+                           "eval-variants.json.")
     models: list[str] = Field(default_factory=lambda: ["teacher", "initial", "final"],
                               description="What `eopd run` evaluates: teacher (the ceiling, once per run), initial "
                               "(student before training), final.")

@@ -340,7 +340,7 @@ def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
         say(f"evaluation: {', '.join(done)} evaluated already in this run (same model, same eval settings)")
     faults, result = Faults(cfg.faults), None
     gen = cfg.data.generate
-    variants = run_dir / "data" / VARIANTS_FILE if gen is not None and gen.variants else None
+    variants = run_dir / "data" / VARIANTS_FILE if gen is not None and gen.variants and cfg.eval.variants else None
     for i, name in enumerate(todo):
         faults.hit("run.evaluate", count=i)  # fault point: before the i-th model (tests interrupt the evaluation)
         result = evaluate_run(run_dir, [name])
