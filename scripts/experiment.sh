@@ -1,36 +1,83 @@
 #!/usr/bin/env bash
-# The experiment of docs/results.md (paper sections 5.5-5.6 on the CPU preset): OPD, EOPD,
+# The experiment of docs/results.md (paper sections 5.5-5.6 on the CPU preset): EOPD, OPD,
 # full_fkl (forward KL at every position) and random_fkl (forward KL at random positions, the gate's
 # share) on the smollm2-cpu preset, seeds 0 1 2, one run after the other (each run uses the whole
 # machine), then one report over every run and the tables of docs/results.md.
+#
 # Per seed the variants share data, prompt order and sampling seeds; only loss.variant differs.
-# The evaluation samples 8 answers per prompt (Avg@8, Pass@k for k = 1, 2, 4, 8, as the paper).
-# The teacher and the initial student are the same model for every variant of a seed: only the
-# first variant of a seed evaluates them (and the variants set); the others evaluate their final
-# student on the held-out set. About 17 minutes for the first variant of a seed and 9 for each other
-# on an idle 2-core machine (12 runs: about 2 hours); EVAL_ALL=1 evaluates everything in every run.
-# Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] bash scripts/experiment.sh [SEED ...]
+# Order: the first two variants (EOPD and OPD) for every seed, then the others, so that a partial
+# experiment answers the main question first. The evaluation samples 8 answers per prompt (Avg@8,
+# Pass@k for k = 1, 2, 4, 8, as the paper). The teacher and the initial student are the same models
+# in every run: the first run evaluates them (held-out and variants sets); the first variant's run of
+# each seed evaluates its final student on both sets, every other run on the held-out set
+# (EVAL_ALL=1: everything in every run).
+#
+# Resumable across machines: with ARCHIVE=DIR each finished run's small files (run.yaml, eval*.json,
+# train_metrics.jsonl, run_summary.json: what the report and the tables read) are copied to
+# DIR/<variant>-s<seed>/, and a run already finished in OUT or archived in DIR is not run again.
+# A run takes 10-25 minutes on 2 CPU cores (docs/results.md has the measured times).
+# DRY_RUN=1 prints the runs it would start.
+# Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] [ARCHIVE=docs/results/runs]
+#        bash scripts/experiment.sh [SEED ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
-seeds=("${@:-0 1 2}")
+seeds=(${@:-0 1 2})
 variants=(${VARIANTS:-eopd opd full_fkl random_fkl})
 out=${OUT:-runs/exp}
+archive=${ARCHIVE:-}
 mkdir -p "$out"
-dirs=()
-for seed in ${seeds[@]}; do
-  first=1
-  for v in "${variants[@]}"; do
-    evals=(eval.n_samples=8)
-    if [ "$first" = 0 ] && [ -z "${EVAL_ALL:-}" ]; then evals+=("eval.models=[final]" eval.variants=false); fi
-    first=0
-    start=$(date +%s)
-    rc=0
-    eopd run --config configs/smollm2-cpu.yaml "run_dir=$out/$v-s$seed" "seed=$seed" "loss.variant=$v" \
-      "${evals[@]}" ${OVERRIDES:-} --overwrite > "$out/$v-s$seed.log" 2>&1 || rc=$?
-    echo "$v seed=$seed rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
-    dirs+=("$out/$v-s$seed")
+
+finished() {  # a run whose training and evaluation completed
+  [ -f "$1/eval.json" ] && [ -f "$1/run_summary.json" ] && python - "$1" <<'PY'
+import json, sys
+from pathlib import Path
+s = json.loads((Path(sys.argv[1]) / "run_summary.json").read_text())
+e = json.loads((Path(sys.argv[1]) / "eval.json").read_text())
+last = (s.get("invocations") or [{}])[-1]
+sys.exit(0 if last.get("outcome") == "completed" and "final" in e.get("models", {}) else 1)
+PY
+}
+
+archive_run() {  # what the report and the tables read, a few hundred KB per run
+  mkdir -p "$2" && cp "$1"/run.yaml "$1"/eval*.json "$1"/train_metrics.jsonl "$1"/run_summary.json "$2/"
+}
+
+order=()
+for group in "${variants[*]:0:2}" "${variants[*]:2}"; do
+  for seed in "${seeds[@]}"; do
+    for v in $group; do order+=("$v:$seed"); done
   done
 done
-eopd report "${dirs[@]}" --out "$out/report.html" --figures "$out/figures" --prefix exp-
-python -m eopd_trainer.experiment_table "${dirs[@]}" --json "$out/facts.json" | tee "$out/table.md"
+
+dirs=()
+for i in "${!order[@]}"; do
+  v=${order[$i]%%:*} seed=${order[$i]##*:}
+  name=$v-s$seed dir=$out/$v-s$seed
+  dirs+=("$dir")
+  if [ -n "$archive" ] && ! finished "$dir" && finished "$archive/$name"; then
+    rm -rf "$dir" && mkdir -p "$dir" && cp -r "$archive/$name/." "$dir/"
+  fi
+  if finished "$dir"; then
+    echo "$name: finished already ($dir)"
+    if [ -n "$archive" ] && ! finished "$archive/$name"; then archive_run "$dir" "$archive/$name"; fi
+    continue
+  fi
+  evals=(eval.n_samples=8)
+  if [ -z "${EVAL_ALL:-}" ]; then
+    if [ "$i" != 0 ]; then evals+=("eval.models=[final]"); fi
+    if [ "$v" != "${variants[0]}" ]; then evals+=(eval.variants=false); fi
+  fi
+  if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name ${evals[*]}"; continue; fi
+  start=$(date +%s)
+  rc=0
+  eopd run --config configs/smollm2-cpu.yaml "run_dir=$dir" "seed=$seed" "loss.variant=$v" \
+    "${evals[@]}" ${OVERRIDES:-} --overwrite > "$out/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
+  if [ "$rc" = 0 ] && [ -n "$archive" ]; then archive_run "$dir" "$archive/$name"; fi
+done
+if [ -n "${DRY_RUN:-}" ]; then exit 0; fi
+done_dirs=()
+for d in "${dirs[@]}"; do if finished "$d"; then done_dirs+=("$d"); fi; done
+eopd report "${done_dirs[@]}" --out "$out/report.html" --figures "$out/figures" --prefix exp-
+python -m eopd_trainer.experiment_table "${done_dirs[@]}" --json "$out/facts.json" | tee "$out/table.md"
