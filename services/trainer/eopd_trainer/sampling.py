@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from eopd_common.logits import LOGIT_TRANSFORMS, final_logits
+
 from .batching import pack_sequences
 
 if TYPE_CHECKING:
@@ -90,45 +92,11 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     return samples
 
 
-# The logit transforms transformers' causal LMs apply after the output projection, by config
-# attribute: Gemma 2/3 soft-capping (cap * tanh(z / cap)), Cohere's logit_scale (z * s), Granite's
-# logits_scaling (z / s). `final_logits` applies them, so `lm_head(hidden)` gives `model(...).logits`.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def _text_config(model):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def logit_transforms(model) -> list[str]:
-    """The logit transforms (of `_LOGIT_TRANSFORMS`) this model's config turns on, e.g.
-    `["final_logit_softcapping"]` for Gemma 2; empty when `lm_head(hidden)` is the logits."""
-    cfg = _text_config(model)
-    return [name for name in _LOGIT_TRANSFORMS if getattr(cfg, name, None)]
-
-
-def final_logits(model, raw: torch.Tensor) -> torch.Tensor:
-    """`model(...).logits` from the output projection `raw = lm_head(hidden)` (float32 out)."""
-    cfg = _text_config(model)
-    z = raw.float()
-    cap = getattr(cfg, "final_logit_softcapping", None)
-    if cap:
-        z = torch.tanh(z / cap) * cap
-    scale = getattr(cfg, "logit_scale", None)
-    if scale:
-        z = z * scale
-    scaling = getattr(cfg, "logits_scaling", None)
-    if scaling:
-        z = z / scaling
-    return z
-
-
 @torch.no_grad()
 def check_head_reproduces_logits(model, probe_length: int = 8) -> None:
     """Checks once, on a short probe sequence, that `final_logits(lm_head(decoder(x)))` is
-    `model(x).logits`: a causal LM with a logit transform not in `_LOGIT_TRANSFORMS` is refused at
-    start instead of silently getting wrong old log-probs."""
+    `model(x).logits` (`eopd_common.logits`): a causal LM with a logit transform not in that table
+    is refused at start instead of silently getting wrong old log-probs."""
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(1, probe_length + 1, dtype=torch.long) * 7919 % vocab)[None].to(device)
@@ -136,14 +104,15 @@ def check_head_reproduces_logits(model, probe_length: int = 8) -> None:
     want = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[0].float(), dim=-1)
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state[0]
     head = model.get_output_embeddings()
-    got = torch.log_softmax(final_logits(model, torch.nn.functional.linear(hidden, head.weight, head.bias)), dim=-1)
+    raw = torch.nn.functional.linear(hidden, head.weight, head.bias)
+    got = torch.log_softmax(final_logits(model.config, raw), dim=-1)
     err = float((got - want).abs().max())
     tol = 1e-3 if head.weight.dtype in (torch.float32, torch.float64) else 0.1
     if not err <= tol:
         raise SamplerUnavailable(
             f"{type(model).__name__}: the output projection of the final hidden states does not reproduce the "
             f"model's logits (max log-prob difference {err:.3g} > {tol}); its logit transform is not one the "
-            f"old-log-prob pass knows ({', '.join(_LOGIT_TRANSFORMS)})")
+            f"old-log-prob pass knows ({', '.join(LOGIT_TRANSFORMS)})")
 
 
 @torch.no_grad()
@@ -153,8 +122,8 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
 
     The decoder body runs once over the right-padded batch; only the final hidden states at the
     positions that predict response tokens are kept, and the output projection (with the model's
-    logit transform, `final_logits`), the temperature and the log-softmax are applied to
-    `chunk_size` of them at a time: at most one `[chunk_size, V]` float32 block of logits is alive,
+    logit transform, `eopd_common.logits.final_logits`), the temperature and the log-softmax are
+    applied to `chunk_size` of them at a time: at most one `[chunk_size, V]` float32 block of logits is alive,
     never `[batch, seq, V]` (64 sequences x 5k tokens x 152k vocabulary would be ~100 GB)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -169,7 +138,7 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     lp = torch.empty(h.shape[0], dtype=torch.float32)
     for start in range(0, h.shape[0], chunk_size):
         stop = min(start + chunk_size, h.shape[0])
-        z = final_logits(model, torch.nn.functional.linear(h[start:stop], head.weight, head.bias)) / temperature
+        z = final_logits(model.config, torch.nn.functional.linear(h[start:stop], head.weight, head.bias)) / temperature
         lp[start:stop] = (z.gather(1, targets[start:stop, None])[:, 0] - torch.logsumexp(z, dim=-1)).cpu()
         del z
     lp = lp.numpy()

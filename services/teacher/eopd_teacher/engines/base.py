@@ -49,12 +49,18 @@ def scores_from_hidden(
     bias: torch.Tensor | None,
     settings: TeacherSettings,
     stats_fn: StatsFn,
+    logit_factor: float = 1.0,
 ) -> list[SequenceScores]:
     """The engines' shared tail: exact statistics from the final hidden states at the scored
     positions of `items` (`hidden [sum(num_scored), d]`, in item order; the row for position t is
-    the hidden state at t - 1) and the output projection, split back per sequence."""
+    the hidden state at t - 1) and the output projection, split back per sequence.
+
+    `logit_factor` is the model's logit scaling (`eopd_common.logits.scoring_logit_factor`: the
+    model's logits are `logit_factor * (hidden @ weight.T + bias)`); it is folded into each
+    position's inverse temperature, so the statistics are those of `model(...).logits` at the
+    item's temperature."""
     targets = torch.cat([torch.from_numpy(it.token_ids[it.score_from :]) for it in items])
-    inv_t = torch.cat([torch.full((it.num_scored,), 1.0 / it.temperature) for it in items])
+    inv_t = torch.cat([torch.full((it.num_scored,), logit_factor / it.temperature) for it in items])
     stats = token_statistics(
         hidden,
         weight,

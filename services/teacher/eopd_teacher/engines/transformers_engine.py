@@ -2,7 +2,9 @@
 
 The decoder runs over right-padded sequences; only the hidden states at scored positions go
 through the output projection, in chunks (`stats.token_statistics`), so no `[batch, seq, vocab]`
-tensor is ever built.
+tensor is ever built. A logit scaling after the projection (Granite's `logits_scaling`, Cohere's
+`logit_scale`) is folded into the inverse temperature; soft-capping is refused at load
+(`eopd_common.logits.scoring_logit_factor`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import numpy as np
 import torch
 
+from eopd_common.logits import scoring_logit_factor
 from eopd_common.models import LoadedModel, load_causal_lm, tokenizer_fingerprint
 
 from .. import __version__
@@ -31,6 +34,7 @@ class TransformersEngine(ScoringEngine):
         self._device = "cpu"
         self._lock = threading.Lock()
         self._stats_fn = ChunkStats(compile=False)
+        self._logit_factor = 1.0
         self._healthy = False
 
     def load(self) -> ModelInfo:
@@ -38,11 +42,9 @@ class TransformersEngine(ScoringEngine):
         if s.threads:
             torch.set_num_threads(s.threads)
         self._device = s.resolved_device()
-        self._lm = load_causal_lm(s.model, dtype=s.dtype, device=self._device, cache_dir=s.cache_dir)
-        cfg = self._lm.model.config
-        for attr in ("final_logit_softcapping", "logit_scale"):
-            if getattr(cfg, attr, None):
-                raise ValueError(f"model {s.model}: {attr} is not supported (logits must be lm_head(hidden))")
+        lm = load_causal_lm(s.model, dtype=s.dtype, device=self._device, cache_dir=s.cache_dir)
+        self._logit_factor = scoring_logit_factor(lm.model.config, s.model)  # refuses soft-capping
+        self._lm = lm
         # Compiled statistics, or the eager path if compiling fails (at the warm-up below or later).
         self._stats_fn = ChunkStats(compile=s.compile_statistics)
         vocab = self._lm.model.get_output_embeddings().weight.shape[0]
@@ -103,4 +105,5 @@ class TransformersEngine(ScoringEngine):
         h = hidden[rows.to(dev), cols.to(dev)]
         del hidden
         head = model.get_output_embeddings()
-        return scores_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn)
+        return scores_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn,
+                                  self._logit_factor)

@@ -14,7 +14,10 @@ How (checked against vLLM 0.32, the pinned version; see docs/vllm.md):
   served dtype, on the statistics device; nothing reaches into vLLM internals.
 - The hidden states at the scored positions go through `stats.token_statistics`, the same chunked
   float32 code as the transformers engine (exact entropy over the whole vocabulary, per-sequence
-  temperature applied exactly to the logits, top-k under the full distribution).
+  temperature applied exactly to the logits, top-k under the full distribution). A logit scaling
+  after the projection (Granite's `logits_scaling`, Cohere's `logit_scale`, read from config.json)
+  is folded into the inverse temperature, as in the transformers engine; soft-capping is refused
+  before vLLM starts (`eopd_common.logits.scoring_logit_factor`, the same table).
 - Results do not depend on caching or batching: prefix caching is off (a cached prefix would
   not be recomputed, so its hidden states would be missing) and chunked prefill is off (a
   sequence is always computed in one step); vLLM's attention is per sequence, so neighbours in a
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eopd_common.logits import scoring_logit_factor
 from eopd_common.models import (
     SMOLLM2_GGUF,
     dir_revision,
@@ -116,6 +120,19 @@ def _tiny_random_dir(spec: str, seed: int, cache_dir: Path) -> Path:
     return target
 
 
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """The model directory's parsed `config.json`."""
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def model_dir_logit_factor(model_dir: Path, model: str) -> float:
+    """The factor the statistics multiply the output projection by to get the model's logits, from
+    the directory's config.json (`eopd_common.logits.scoring_logit_factor`, `text_config` included):
+    1.0 for most models, `1 / logits_scaling` for Granite. Raises `UnsupportedLogitTransform`
+    (a ValueError naming `model` and the attribute) for soft-capping."""
+    return scoring_logit_factor(read_model_config(model_dir), model)
+
+
 def load_output_projection(model_dir: Path, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(weight [V, d], bias [V] or None)` of the output projection, from the safetensors files.
 
@@ -123,11 +140,8 @@ def load_output_projection(model_dir: Path, dtype: torch.dtype) -> tuple[torch.T
     ties them (checkpoints of tied models usually store only the embedding)."""
     from safetensors import safe_open
 
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_model_config(model_dir)
     text_config = config.get("text_config") or {}
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if config.get(attr) or text_config.get(attr):
-            raise ValueError(f"{model_dir}: {attr} is not supported (logits must be lm_head(hidden))")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files (the vLLM engine reads the output projection from them)")
@@ -162,6 +176,7 @@ class VllmEngine(ScoringEngine):
         self._device = "cpu"
         self._lock = threading.Lock()
         self._stats_fn = ChunkStats(compile=False)
+        self._logit_factor = 1.0
         self._healthy = False
         self._dead_error: tuple[type[BaseException], ...] = ()  # (vLLM's EngineDeadError,) once loaded
         self.model_dir: Path | None = None
@@ -189,6 +204,7 @@ class VllmEngine(ScoringEngine):
         cache_dir = Path(s.cache_dir)
         cache_dir.mkdir(parents=True, exist_ok=True)
         model_dir, name, revision = materialise_model_dir(s.model, cache_dir)
+        self._logit_factor = model_dir_logit_factor(model_dir, s.model)  # refuses soft-capping before vLLM starts
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(s.model, cache_dir)
         on_cpu = current_platform.is_cpu()
@@ -286,4 +302,4 @@ class VllmEngine(ScoringEngine):
         # Row t - 1 predicts token t: keep rows [score_from - 1, len - 1).
         h = torch.cat([hs[it.score_from - 1 :] for it, hs in zip(items, hidden)]).to(self._device)
         del hidden
-        return scores_from_hidden(items, h, self._weight, self._bias, self.settings, self._stats_fn)
+        return scores_from_hidden(items, h, self._weight, self._bias, self.settings, self._stats_fn, self._logit_factor)
