@@ -35,3 +35,26 @@ def test_tables_aggregate_over_seeds(tmp_path, capsys):
     assert "### variants set" in out and "| eopd | 2 | 0.300 (0.200–0.400) | 0.050 (0.050–0.050)" in out
     assert len(json.loads((tmp_path / "f.json").read_text())) == 3
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_teacher_and_initial_pooled_and_variants_paired_by_seed(tmp_path, capsys):
+    runs = [fake_run(tmp_path / "e0", "eopd", 0, 0.40, [0.3] * 4), fake_run(tmp_path / "o0", "opd", 0, 0.30, [0.3] * 4),
+            fake_run(tmp_path / "e1", "eopd", 1, 0.20, [0.3] * 4), fake_run(tmp_path / "o1", "opd", 1, 0.25, [0.3] * 4)]
+    assert main([str(r) for r in runs]) == 0
+    out = capsys.readouterr().out
+    # one teacher row over the four runs, not one per variant
+    assert "| teacher | 4 | 0.600 (0.600–0.600) |" in out and "eopd / teacher" not in out
+    # eopd - opd per seed: +0.10 (seed 0), -0.05 (seed 1); Pass@4 = 2 * avg: +0.20, -0.10
+    assert "| eopd − opd | 2 | 0.025 (-0.050–0.100) | 0.050 (-0.100–0.200) |" in out
+
+
+def test_experiment_figures_written(tmp_path):
+    from eopd_trainer.experiment_figures import band, main as figures_main
+
+    assert band([[1.0, 2.0, 3.0], [3.0, 4.0]]) == ([2.0, 3.0], [1.0, 2.0], [3.0, 4.0])
+    runs = [fake_run(tmp_path / f"{v}{s}", v, s, 0.3 + 0.05 * s, [0.4, 0.3, 0.2]) for v in ("eopd", "opd") for s in (0, 1)]
+    assert figures_main([*map(str, runs), "--out", str(tmp_path / "figs"), "--prefix", "exp_"]) == 0
+    names = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert names == ["exp_entropy_share.png", "exp_pass_at_k.png", "exp_training.png"]
+    assert all((tmp_path / "figs" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+    assert figures_main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2

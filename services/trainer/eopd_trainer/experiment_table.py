@@ -1,5 +1,6 @@
 """Aggregates finished runs into the markdown tables of docs/results.md: mean and spread over
-seeds, per loss variant and model (teacher / initial / final), on every evaluated set.
+seeds, per loss variant (its final student), with the teacher and the initial student (the same
+models in every run: one row each, pooled over the runs that evaluated them), on every evaluated set.
 
     python -m eopd_trainer.experiment_table runs/exp/eopd-s0 runs/exp/eopd-s1 ... [--json out.json]
 
@@ -74,16 +75,19 @@ def tables(facts: list[dict]) -> str:
                      for k in m if k.startswith("pass@")})
         cols = ["avg", *[f"pass@{k}" for k in ks], "strict", "flexible", "h1_student", "h1_teacher", "fkl_high"]
         out.append(f"### {set_name} set: mean (min–max) over seeds\n")
-        out.append("| variant / model | runs | " + " | ".join(cols) + " |")
+        out.append("| model | runs | " + " | ".join(cols) + " |")
         out.append("|---" * (len(cols) + 2) + "|")
-        for variant, runs in groups.items():
-            for model in ("teacher", "initial", "final"):
-                rows = [f["sets"].get(set_name, {}).get(model) for f in runs]
-                rows = [r for r in rows if r is not None]
-                if rows:
-                    out.append(f"| {variant} / {model} | {len(rows)} | "
-                               + " | ".join(spread([r.get(c) for r in rows]) for c in cols) + " |")
+        # The teacher and the initial student are the same models in every run: one row each,
+        # pooled over the runs that evaluated them; then each variant's final student.
+        rows_of = [("teacher", facts, "teacher"), ("initial", facts, "initial")]
+        rows_of += [(f"{variant} / final", runs, "final") for variant, runs in groups.items()]
+        for label, runs, model in rows_of:
+            rows = [f["sets"].get(set_name, {}).get(model) for f in runs]
+            rows = [r for r in rows if r is not None]
+            if rows:
+                out.append(f"| {label} | {len(rows)} | " + " | ".join(spread([r.get(c) for r in rows]) for c in cols) + " |")
         out.append("")
+    out.extend(paired_differences(groups))
     out.append("### training, last quarter of iterations: mean (min–max) over seeds\n")
     out.append("| variant | runs | gate ratio | clip fraction | approx KL | run time (s) |")
     out.append("|---|---|---|---|---|---|")
@@ -91,6 +95,33 @@ def tables(facts: list[dict]) -> str:
         out.append(f"| {variant} | {len(runs)} | " + " | ".join(
             spread([f[k] for f in runs]) for k in ("gate_ratio", "clip_frac", "approx_kl", "total_s")) + " |")
     return "\n".join(out) + "\n"
+
+
+def paired_differences(groups: dict[str, list[dict]], reference: str = "opd") -> list[str]:
+    """Each variant's final student minus the reference variant's (OPD) on the same seed, held-out
+    set: Avg@n and Pass@n differences, mean (min–max) over the seeds both ran. Runs of one seed
+    share data, prompt order and sampling seeds, so the pairing removes the seed's own luck."""
+    if reference not in groups or len(groups) < 2:
+        return []
+
+    def finals(runs):
+        return {f["seed"]: f["sets"].get("held-out", {}).get("final") for f in runs}
+
+    ref = finals(groups[reference])
+    out = [f"### paired by seed: final student minus {reference}'s (held-out set)\n",
+           "| variant | seeds | Avg@n difference | Pass@n difference |", "|---|---|---|---|"]
+    for variant, runs in groups.items():
+        if variant == reference:
+            continue
+        pairs = [(m, ref[seed]) for seed, m in finals(runs).items() if m and ref.get(seed)]
+        if not pairs:
+            continue
+        n = max(int(k.split("@")[1]) for k in pairs[0][0] if k.startswith("pass@"))
+        out.append(f"| {variant} − {reference} | {len(pairs)} | "
+                   + spread([a.get("avg") - b.get("avg") for a, b in pairs]) + " | "
+                   + spread([a.get(f"pass@{n}") - b.get(f"pass@{n}") for a, b in pairs]) + " |")
+    out.append("")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
