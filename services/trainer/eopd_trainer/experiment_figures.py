@@ -134,6 +134,7 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
 
 
 def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
