@@ -43,13 +43,12 @@ def band(series: list[list[float]]) -> tuple[list[float], list[float], list[floa
     return ([statistics.fmean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
 
 
-def group_facts(runs: list[Path]) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+def group_facts(facts_of: dict[Path, dict]) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
     """(variant -> held-out eval rows of its final students, model -> rows of the teacher and the
-    initial student pooled over every run that evaluated them)."""
+    initial student pooled over every run that evaluated them), from each run's `run_facts`."""
     finals: dict[str, list[dict]] = {}
     shared: dict[str, list[dict]] = {"teacher": [], "initial": []}
-    for run in runs:
-        facts = run_facts(run)
+    for facts in facts_of.values():
         models = facts["sets"].get("held-out", {})
         if "final" in models:
             finals.setdefault(facts["variant"], []).append(models["final"])
@@ -74,7 +73,8 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    finals, shared = group_facts(runs)
+    facts_of = {run: run_facts(run) for run in runs}
+    finals, shared = group_facts(facts_of)
     written = []
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -96,7 +96,7 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
 
     by_variant: dict[str, list[Path]] = {}
     for run in runs:
-        by_variant.setdefault(run_facts(run)["variant"], []).append(run)
+        by_variant.setdefault(facts_of[run]["variant"], []).append(run)
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.4))
     for ax, (title, key) in zip(axes.flat, TRAINING_PANELS):
         for variant, group in by_variant.items():
