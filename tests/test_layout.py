@@ -1,0 +1,304 @@
+"""The layout rules of services/ (docs/dev/rooms-plan.md §1), checked on the source with `ast`:
+nothing is imported, so this runs in a second and needs neither torch nor the services' extras.
+
+The import graph has one node per module under services/ and one edge per import statement,
+labelled by where the statement sits:
+- "top": module level (class bodies and `try:` blocks included: they run at import);
+- "local": inside a function (runs when the function is called);
+- "typecheck": inside `if TYPE_CHECKING:` at module level (never runs).
+Runtime rules use the "top" and "local" edges; `TYPE_CHECKING` blocks are skipped.
+
+A rule that the tree breaks today is marked `xfail(strict=True)` with the step of issue 16 that
+fixes it; that step removes the marker (strict: an unexpected pass fails).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ROOT / "services"
+PACKAGES = {
+    "eopd_trainer": SERVICES / "trainer" / "eopd_trainer",
+    "eopd_teacher": SERVICES / "teacher" / "eopd_teacher",
+    "eopd_common": SERVICES / "common" / "eopd_common",
+    "eopd": SERVICES / "common" / "eopd",
+}
+MAX_LINES = 450
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str  # importing module
+    dst: str  # imported module (`from pkg import mod` names pkg.mod when that is a module)
+    kind: str  # "top", "local" or "typecheck"
+    line: int
+    function: str | None  # the enclosing function of a "local" import
+
+    def __str__(self) -> str:
+        where = f" in {self.function}()" if self.function else ""
+        return f"{self.src}:{self.line}{where} imports {self.dst} ({self.kind})"
+
+
+def _module_name(package: str, directory: Path, path: Path) -> str:
+    parts = [package, *path.relative_to(directory).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Every module under services/, by dotted name."""
+    out = {}
+    for package, directory in PACKAGES.items():
+        for path in sorted(directory.rglob("*.py")):
+            out[_module_name(package, directory, path)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            base = base.rpartition(".")[0]
+        source = f"{base}.{node.module}" if node.module else base
+    else:
+        source = node.module or ""
+    known = modules()
+    return [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
+
+
+def _walk(tree: ast.Module):
+    """(import node, kind, enclosing function) for every import statement of a module."""
+    def visit(node: ast.AST, kind: str, function: str | None):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, kind, function
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                yield from visit(child, "local", function or getattr(child, "name", "<lambda>"))
+            elif isinstance(child, ast.If) and kind == "top" and _is_type_checking(child.test):
+                for stmt in child.body:
+                    yield from visit(ast.Module(body=[stmt], type_ignores=[]), "typecheck", function)
+                for stmt in child.orelse:  # the else branch runs
+                    yield from visit(ast.Module(body=[stmt], type_ignores=[]), kind, function)
+            else:
+                yield from visit(child, kind, function)
+
+    yield from visit(tree, "top", None)
+
+
+@cache
+def edges() -> tuple[Edge, ...]:
+    out: dict[Edge, None] = {}  # one edge per statement and target, in order
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node, kind, function in _walk(tree):
+            for dst in _targets(module, is_package, node):
+                out[Edge(module, dst, kind, node.lineno, function)] = None
+    return tuple(out)
+
+
+def _under(name: str, prefix: str) -> bool:
+    """`name` is the module or package `prefix` or inside it."""
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _report(problems: list) -> str:
+    return "\n".join(str(p) for p in problems)
+
+
+def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+# -- the rules --------------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="issue 16: step 3 (sampling <-> vllm_sampling, removed by rollout/samplers/)")
+def test_no_import_cycle():
+    """The runtime import graph of services/ (module-level and function-local imports) is acyclic."""
+    known = modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in edges():
+        if e.kind != "typecheck" and e.dst in known and e.dst != e.src:
+            graph[e.src].add(e.dst)
+            graph[e.dst]  # noqa: B018 - every node is a key
+    cycles = _sccs(graph)
+    detail = [e for e in edges() if any(e.src in c and e.dst in c for c in cycles) and e.kind != "typecheck"]
+    assert not cycles, f"import cycles {cycles}:\n{_report(detail)}"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: step 4J (`eopd bench` imports bench.run_all; becomes python -m bench.run_all)")
+def test_services_never_import_bench_or_tests():
+    """The installed packages never import the checkout's bench/ or tests/."""
+    bad = [e for e in edges() if _under(e.dst, "bench") or _under(e.dst, "tests")]
+    assert not bad, _report(bad)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: steps 2T (server.py), 2C (client.py) and 3 (rollout.py, learner.py, "
+                                       "queue.py, config.py) split the files over 450 lines")
+def test_no_file_over_450_lines():
+    """No file under services/ is over 450 lines (generated `*_pb2*.py` excepted)."""
+    too_long = []
+    for path in sorted(p for p in SERVICES.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        if path.suffix == ".py" and "_pb2" in path.name:
+            continue
+        try:
+            n = len(path.read_text().splitlines())
+        except UnicodeDecodeError:
+            continue
+        if n > MAX_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert not too_long, "\n".join(too_long)
+
+
+def _room(module: str) -> str | None:
+    for room in ("rollout", "learner"):
+        if _under(module, f"eopd_trainer.{room}"):
+            return room
+    return None
+
+
+def test_rollout_and_learner_never_import_each_other():
+    """eopd_trainer.rollout(.*) and eopd_trainer.learner(.*) meet only in queue/ and the shared root
+    modules; neither imports the other, not even for type checking."""
+    bad = [e for e in edges() if _room(e.src) and _room(e.dst) and _room(e.src) != _room(e.dst)]
+    assert not bad, _report(bad)
+
+
+TEACHER_API = ("eopd_teacher.client", "eopd_teacher.convert", "eopd_teacher.types")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: step 1, trainer side, with step 3 (vllm_sampling takes "
+                                       "materialise_model_dir from eopd_common.model_dirs)")
+def test_trainer_imports_the_teacher_only_through_its_client():
+    """The trainer uses the teacher through eopd_teacher.client (plus convert and types)."""
+    bad = [e for e in edges() if _under(e.src, "eopd_trainer") and _under(e.dst, "eopd_teacher")
+           and not any(_under(e.dst, api) for api in TEACHER_API)]
+    assert not bad, _report(bad)
+
+
+def _direct_imports(module: str, forbidden: tuple[str, ...]) -> list[Edge]:
+    """`module`'s own runtime imports of `forbidden` (direct: the shared root modules it may use,
+    such as `config`, are not followed)."""
+    if "eopd_trainer.learner.feed" not in modules():
+        pytest.skip("eopd_trainer/learner/feed.py does not exist yet: issue 16 step 4L splits the learner into "
+                    "feed (Redis) and trainer (DeepSpeed)")
+    assert module in modules(), f"{module} is missing"
+    return [e for e in edges() if e.src == module and e.kind != "typecheck"
+            and any(_under(e.dst, f) for f in forbidden)]
+
+
+def test_learner_feed_is_torch_free():
+    """learner/feed.py (rank 0, Redis) never imports torch, DeepSpeed, the objective, the trainer
+    side of the learner or the weight files."""
+    bad = _direct_imports("eopd_trainer.learner.feed", (
+        "torch", "deepspeed", "eopd_trainer.objective", "eopd_trainer.learner.trainer",
+        "eopd_trainer.learner.distributed", "eopd_trainer.queue.weights"))
+    assert not bad, _report(bad)
+
+
+def test_learner_trainer_is_redis_free():
+    """learner/trainer.py (DeepSpeed) never imports Redis or the queue's Redis modules."""
+    bad = _direct_imports("eopd_trainer.learner.trainer", (
+        "redis", "eopd_trainer.queue.streams", "eopd_trainer.queue.lease", "eopd_trainer.queue.announce"))
+    assert not bad, _report(bad)
+
+
+# Function-local imports allowed anywhere (plan §3.3): optional extras and heavy packages.
+LAZY_ANYWHERE = (
+    "vllm",  # optional extra
+    "deepspeed",  # heavy; probes CUDA ops at import
+    "matplotlib",  # figures only
+    "math_verify",  # imports sympy: seconds
+    "pyarrow",  # parquet only
+    "torch.utils.tensorboard",  # TensorBoard
+    "torch._dynamo",  # only on a compile failure
+    "fakeredis",  # `eopd run` works without it when a Redis answers
+)
+# Allowed only in modules that must import without the extras (a client-only install).
+LAZY_IN = {
+    "eopd_common": ("torch", "transformers", "safetensors"),
+    "eopd_teacher.settings": ("torch",),
+    "eopd_teacher.engines": ("eopd_teacher.engines.transformers_engine", "eopd_teacher.engines.vllm_engine"),
+}
+
+
+def _lazy_allowed(e: Edge) -> bool:
+    if any(_under(e.dst, p) for p in LAZY_ANYWHERE):
+        return True
+    for where, packages in LAZY_IN.items():
+        module_ok = e.src == where or (where == "eopd_common" and _under(e.src, where))
+        if module_ok and any(_under(e.dst, p) for p in packages):
+            return True
+    return False
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: steps 2T, 2C, 3, 4R, 4L, 4J and 4E move in-package and light "
+                                       "imports to the top")
+def test_function_local_imports_only_for_lazy_packages():
+    """In-package and light imports are at the top; function-local imports only for the heavy or
+    optional packages of the allow-list (vLLM, DeepSpeed, matplotlib, ...)."""
+    bad = [e for e in edges() if e.kind == "local" and not _lazy_allowed(e)]
+    assert not bad, f"{len(bad)} function-local imports to move to the top:\n{_report(bad)}"
+
+
+def test_the_graph_sees_the_packages():
+    """The walk finds the services' modules and their imports (guards the rules above against
+    passing on an empty graph)."""
+    names = modules()
+    assert {"eopd_common.models", "eopd_teacher.client", "eopd_trainer.objective"} <= set(names)
+    kinds = {e.kind for e in edges()}
+    assert kinds == {"top", "local", "typecheck"}, kinds
