@@ -232,6 +232,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id a batch of the tokenizer's sequences is padded with: its pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def describe_tokenizer_difference(a, b) -> str:
     """A human-readable summary of how two tokenizers differ (for fingerprint mismatches)."""
     va, vb = a.get_vocab(), b.get_vocab()

