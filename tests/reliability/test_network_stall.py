@@ -6,14 +6,11 @@ every rollout trained exactly once."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 
 import pytest
 
-from tests.procs import free_port
+from tests.stalling_proxy import StallingProxy
 from tests.trainer.pipeline_helpers import (
     committed_state,
     describe,
@@ -27,70 +24,6 @@ from tests.trainer.pipeline_helpers import (
 from tests.trainer.redis_helpers import running_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
-
-
-class StallingProxy:
-    """127.0.0.1:<port> -> upstream. `stall()` stops forwarding in both directions (connections stay
-    open, new ones are accepted and left silent); `restore()` resumes forwarding."""
-
-    def __init__(self, upstream: tuple[str, int]):
-        self.upstream = upstream
-        self.port = free_port()
-        self.forwarding = threading.Event()
-        self.forwarding.set()
-        self.closed = threading.Event()
-        self.sock = socket.create_server(("127.0.0.1", self.port))
-        self.conns: list[socket.socket] = []
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stall(self) -> None:
-        self.forwarding.clear()
-
-    def restore(self) -> None:
-        self.forwarding.set()
-
-    def close(self) -> None:
-        self.closed.set()
-        self.forwarding.set()
-        for s in [self.sock, *self.conns]:
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            try:
-                server = socket.create_connection(self.upstream)
-            except OSError:
-                client.close()
-                continue
-            self.conns += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while not self.closed.is_set():
-                self.forwarding.wait()
-                data = src.recv(65536)
-                if not data:
-                    break
-                self.forwarding.wait()  # a chunk read just before the stall is held, not forwarded
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
 
 
 def test_stalled_teacher_path_deadline_fires_and_run_recovers(tmp_path, tiny_teacher):

@@ -155,13 +155,13 @@ def test_teacher_max_in_flight_bounds_unanswered_requests(worker, monkeypatch):
     yet answered (built, not yet resolved, over all streams) are at most teacher.max_in_flight, and
     the bound is reached (pipelining). (The worker's own `sent` book-keeping may count one more:
     the client frees a slot when an answer arrives, before the worker has taken that answer.)"""
-    from eopd_teacher import client as teacher_client
+    from eopd_teacher.client import stream as teacher_stream
 
     w = worker
     assert w.cfg.teacher.streams >= 2  # spread over several streams, bounded in total
     live = [0]
     outstanding: list[int] = []
-    build, resolved = teacher_client.build_request, teacher_client._StreamRun._resolved
+    build, resolved = teacher_stream.build_request, teacher_stream._StreamRun._resolved
 
     def counting_build(*args, **kwargs):
         live[0] += 1
@@ -172,8 +172,8 @@ def test_teacher_max_in_flight_bounds_unanswered_requests(worker, monkeypatch):
         live[0] -= 1
         return resolved(self, lane, rid)
 
-    monkeypatch.setattr(teacher_client, "build_request", counting_build)
-    monkeypatch.setattr(teacher_client._StreamRun, "_resolved", counting_resolved)
+    monkeypatch.setattr(teacher_stream, "build_request", counting_build)
+    monkeypatch.setattr(teacher_stream._StreamRun, "_resolved", counting_resolved)
     for seq in range(8):
         w.tasks.add(task(seq))
     w.redis.set(w.keys.done, b"1")  # the worker stops once the tasks are done

@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from eopd_teacher.client import LOST_STATUS_DETAILS, AsyncTeacherClient
+from eopd_teacher.client import AsyncTeacherClient
+from eopd_teacher.client.channel import LOST_STATUS_DETAILS
 
 
 def _err(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
@@ -73,7 +74,8 @@ def test_call_plan_budget_and_attempt_timeouts():
     """Pure logic: the attempt timeout shrinks with the time spent; None means no deadline."""
     import time
 
-    from eopd_teacher.client import TeacherClient, _CallPlan
+    from eopd_teacher.client import TeacherClient
+    from eopd_teacher.client.channel import _CallPlan
 
     with TeacherClient(_dead_target(), timeout=None, retry_timeout=60) as c:
         assert _CallPlan(c, None, None).attempt_timeout() is None
