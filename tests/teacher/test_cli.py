@@ -6,11 +6,14 @@ import json
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from eopd_teacher.client import TeacherClient
 from tests.procs import ROOT, TeacherProc, free_port, spawn, wait_teacher_ready
 
 pytestmark = pytest.mark.integration
@@ -115,6 +118,38 @@ def test_readme_commands_on_smollm2():
             assert rec["token_ids"] == row["token_ids"][row["score_from"]:]
         else:
             assert "".join(rec["tokens"]).strip() == row["response"].strip()
+
+
+def test_serve_on_port_zero_reports_its_ports(tmp_path):
+    """`serve` on port 0 for both servers with --ports-file: once bound, the file holds both ports
+    and the pid (written atomically: no temp file left beside it), the teacher answers on them
+    (GetModelInfo over gRPC, /healthz and /readyz over HTTP) and its log names the same ports."""
+    exe = _console_script()
+    ports_file = tmp_path / "teacher.ports.json"
+    base = spawn([exe, "serve", "--model", "tiny-random", "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
+                  "--ports-file", str(ports_file)], name="teacher-port0")
+    try:
+        deadline = time.monotonic() + 120
+        while not ports_file.exists():
+            assert base.alive(), f"teacher exited with {base.popen.returncode}:\n{base.log()[-4000:]}"
+            assert time.monotonic() < deadline, f"no ports file after 120 s:\n{base.log()[-4000:]}"
+            time.sleep(0.1)
+        ports = json.loads(ports_file.read_text())
+        assert set(ports) == {"grpc_port", "http_port", "pid"} and ports["pid"] == base.popen.pid, ports
+        gp, hp = ports["grpc_port"], ports["http_port"]
+        assert gp > 0 and hp > 0 and gp != hp, ports
+        assert [p.name for p in tmp_path.iterdir()] == [ports_file.name]
+        proc = TeacherProc(base.popen, base.log_path, gp, hp)
+        wait_teacher_ready(proc, timeout=120)  # /readyz 200 on the reported HTTP port
+        with urllib.request.urlopen(f"{proc.http}/healthz", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "alive"}
+        with TeacherClient(proc.target, timeout=30) as client:
+            info = client.info()
+        assert info.model_name == "tiny-random" and info.vocab_size == 49152
+        assert f"listening grpc=127.0.0.1:{gp} " in base.log() and f" http=127.0.0.1:{hp} " in base.log(), base.log()
+    finally:
+        code = base.stop()
+    assert code == 0, base.log()[-4000:]
 
 
 def test_score_rpc_error_names_the_input_line_without_traceback(tiny_teacher, tmp_path):

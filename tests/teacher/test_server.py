@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_common.models import load_causal_lm
 from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, TeacherClient
+from eopd_teacher.server import write_ports_file
 from tests.procs import free_port, start_teacher, wait_teacher_ready
 
 from .reference import assert_topk_match, reference_scores
@@ -455,3 +457,13 @@ def test_failed_load_is_reported_by_readyz_then_exits_1(tmp_path):
         assert "loading the model failed" in proc.log()
     finally:
         proc.stop()
+
+
+def test_write_ports_file_replaces_the_file_whole(tmp_path):
+    """The ports file is written beside and renamed over (a reader sees the old file or the new
+    one, never half of one), holds the ports and this pid, and leaves no temp file behind."""
+    path = tmp_path / "teacher.ports.json"
+    path.write_text("stale")
+    write_ports_file(path, 50123, 8123)
+    assert json.loads(path.read_text()) == {"grpc_port": 50123, "http_port": 8123, "pid": os.getpid()}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
+import grpc
+
+from eopd_common.models import default_cache_dir, load_tokenizer, tokenizer_fingerprint
 from eopd_common.settings import SettingsError, add_arguments, settings_from_args
+
+from .client import TeacherClient
+from .settings import TeacherSettings
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .settings import TeacherSettings
-
     p = argparse.ArgumentParser(prog="eopd-teacher", description="eopd teacher scoring service")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (and HTTP probes/metrics)")
@@ -61,10 +66,6 @@ def _client_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args, timeout: float):
-    import os
-
-    from .client import TeacherClient
-
     token = args.auth_token_file.read_text().strip() if args.auth_token_file else os.environ.get("EOPD_TEACHER_AUTH_TOKEN")
     return TeacherClient(args.target, timeout=timeout, auth_token=token, tls_ca_file=args.tls_ca_file,
                          tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
@@ -74,8 +75,6 @@ def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
     """The tokenizer that encodes text rows: `tokenizer_spec`, else the served model's looked up by
     its name on this machine; it must match the served tokenizer's fingerprint. Exits with a
     message naming `--tokenizer` when it cannot be found or does not match."""
-    from eopd_common.models import load_tokenizer, tokenizer_fingerprint
-
     spec = tokenizer_spec or info.model_name
     try:
         tok = load_tokenizer(spec, cache_dir)
@@ -131,10 +130,6 @@ class _ScoreFailed(Exception):
 
 
 def _cmd_score(args) -> int:
-    import grpc
-
-    from eopd_common.models import default_cache_dir
-
     numbered = [(n, line) for n, line in enumerate(args.input.read_text().splitlines(), start=1) if line.strip()]
     linenos = [n for n, _ in numbered]
     rows = [json.loads(line) for _, line in numbered]
@@ -177,8 +172,9 @@ def _cmd_score(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
+        # Here, not at the top: the server needs the teacher extra (fastapi, uvicorn,
+        # prometheus-client), and `info` and `score` run on the core install.
         from .server import serve
-        from .settings import TeacherSettings
 
         try:
             settings = settings_from_args(TeacherSettings, args)
@@ -186,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eopd-teacher: {exc}", file=sys.stderr)
             return 2
         return serve(settings)
-    import grpc
-
     try:
         if args.command == "info":
             with _client(args, args.timeout) as client:

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-if TYPE_CHECKING:
-    from .server import ServerState
+from .state import ServerState
 
 
-def create_app(state: "ServerState", token: str | None = None) -> FastAPI:
+def create_app(state: ServerState, token: str | None = None) -> FastAPI:
     """Probes are open (orchestrators call them without credentials); with a bearer token
     configured, every other path (/metrics, /openapi.json) requires it."""
     app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)

@@ -29,6 +29,11 @@ class TeacherSettings(ServiceSettings):
     host: str = Field("127.0.0.1", description="address both servers bind to (0.0.0.0 in containers)")
     grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port for /healthz, /readyz, /metrics (0: pick a free one)")
+    ports_file: Path | None = Field(
+        None,
+        description='once both servers are bound, write {"grpc_port", "http_port", "pid"} here as JSON (atomically: a temp '
+        "file, then a rename); for supervisors that start the teacher on port 0",
+    )
     max_message_bytes: int = Field(64 * MiB, ge=MiB, description="gRPC max send/receive message size")
     max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
     max_connection_age_s: float = Field(

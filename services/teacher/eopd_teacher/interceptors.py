@@ -1,0 +1,155 @@
+"""gRPC server interceptors: the status policy applied to TeacherService handlers (statuses,
+logs, per-method metrics) and the bearer-token check."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from .convert import NOT_RETRYABLE_KEY, InvalidRequest, RequestTooLarge
+from .metrics import TeacherMetrics
+from .status import SERVICE_NAME, describe
+
+log = logging.getLogger("eopd_teacher")
+
+
+def _decoder(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object]:
+    """Protobuf decoding inside the handler, so malformed bytes get INVALID_ARGUMENT with the
+    reason instead of gRPC's generic UNKNOWN."""
+    if deserializer is None:
+        return lambda raw: raw
+
+    def decode(raw: bytes) -> object:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise InvalidRequest(f"request: not a valid protobuf message of the method's request type ({exc})") from None
+
+    return decode
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions of TeacherService handlers to statuses (never a dead stream or a bare
+    UNKNOWN), logs unexpected ones, and counts every RPC by method and code."""
+
+    def __init__(self, metrics: TeacherMetrics):
+        self.metrics = metrics
+
+    def _finish(self, method: str, code: grpc.StatusCode, started: float | None) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+        if code != grpc.StatusCode.OK:
+            self.metrics.errors.labels(code.name).inc()
+        if started is not None:
+            self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+        code, message = describe(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("unexpected error in %s", method, exc_info=exc)
+        self._finish(method, code, None)
+        # A request over a per-request limit fails the same way every time: say so, so that clients
+        # that retry RESOURCE_EXHAUSTED (a full queue, too many streams) do not retry this one.
+        trailing = ((NOT_RETRYABLE_KEY, "0"),) if isinstance(exc, RequestTooLarge) else ()
+        await context.abort(code, message, trailing_metadata=trailing)
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+            decode = _decoder(handler.request_deserializer)
+
+            async def unary_unary(raw, context):
+                started = time.perf_counter()
+                try:
+                    response = await inner_uu(decode(raw), context)
+                except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
+                    self._finish(method, grpc.StatusCode.CANCELLED, None)
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await self._abort(context, method, exc)
+                    raise AssertionError("unreachable") from exc
+                self._finish(method, grpc.StatusCode.OK, started)
+                return response
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+            decode_ss = _decoder(handler.request_deserializer)
+
+            async def decoded(raw_iterator):
+                async for raw in raw_iterator:
+                    yield decode_ss(raw)
+
+            async def stream_stream(request_iterator, context):
+                try:
+                    async for response in inner_ss(decoded(request_iterator), context):
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
+                    self._finish(method, grpc.StatusCode.CANCELLED, None)
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await self._abort(context, method, exc)
+                    return
+                self._finish(method, grpc.StatusCode.OK, None)
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=handler.response_serializer)
+        return handler
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on every call except grpc.health.v1 (probes
+    cannot send metadata). Compared in constant time; the token is never logged."""
+
+    EXEMPT = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str, metrics: TeacherMetrics):
+        self._expected = f"Bearer {token}".encode()
+        self.metrics = metrics
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if details.method.startswith(self.EXEMPT) or self._authorized(details):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        self.metrics.requests.labels(method, "UNAUTHENTICATED").inc()
+        self.metrics.errors.labels("UNAUTHENTICATED").inc()
+        message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+        return grpc.stream_unary_rpc_method_handler(deny_unary, **kw)

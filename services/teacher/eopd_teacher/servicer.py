@@ -1,0 +1,105 @@
+"""`eopd.v1.TeacherService`: validate, queue on the batcher, convert back. The ScoreStream loop
+itself is `stream_session.StreamSession`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from eopd.v1 import teacher_pb2 as pb
+from eopd.v1 import teacher_pb2_grpc as pb_grpc
+
+from .batcher import Overloaded
+from .convert import STREAM_ENDING_KEY, info_to_pb, items_from_request, scores_to_pb
+from .state import ServerState
+from .status import NotReady, describe
+from .stream_session import StreamSession
+
+log = logging.getLogger("eopd_teacher")
+
+
+def wants_stream_ending(context: grpc.aio.ServicerContext) -> bool:
+    return any(k == STREAM_ENDING_KEY and v == "1" for k, v in context.invocation_metadata() or ())
+
+
+CLIENT_ID_HEADER = "x-eopd-client"
+
+
+def client_key(context: grpc.aio.ServicerContext) -> str:
+    """Who a request is from, for per-client limits: the x-eopd-client metadata, else the peer
+    address without its port."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_HEADER and value:
+            return f"id:{value}"[:128]
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0]
+
+
+class TeacherServicer(pb_grpc.TeacherServiceServicer):
+    """Short delegations: validate, queue on the batcher, convert back."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
+        info, batcher = self.state.check_ready()
+        items = items_from_request(request, info, require_request_id=stream, max_response_bytes=self.state.settings.max_message_bytes)
+        tokens = sum(it.num_tokens for it in items)
+        inflight = self.state.inflight_tokens
+        limit = self.state.settings.max_inflight_tokens_per_client
+        if inflight.get(client, 0) + tokens > limit and inflight.get(client, 0) > 0:
+            raise Overloaded(f"client {client!r} has {inflight[client]} tokens in flight; this request adds {tokens}, limit {limit}")
+        inflight[client] = inflight.get(client, 0) + tokens
+        self.state.metrics.inflight.inc()
+        try:
+            results = await batcher.submit(items)
+        finally:
+            self.state.metrics.inflight.dec()
+            inflight[client] -= tokens
+            if inflight[client] <= 0:
+                del inflight[client]
+        m = self.state.metrics
+        m.sequences.inc(len(items))
+        m.tokens_scored.inc(sum(it.num_scored for it in items))
+        return pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
+
+    def _in_band_error(self, request_id: str, exc: BaseException) -> pb.ScoreResponse:
+        """The in-band answer of a ScoreStream request that failed on its own; counted like an RPC
+        error (eopd_teacher_errors_total) and in eopd_teacher_stream_requests_total."""
+        code, message = describe(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("ScoreStream request %r failed: %s", request_id, message, exc_info=exc)
+        self.state.metrics.stream_requests.labels(code.name).inc()
+        self.state.metrics.errors.labels(code.name).inc()
+        return pb.ScoreResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message, retryable=False))
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        return await self._score(request, client_key(context), stream=False)
+
+    async def ScoreStream(
+        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ScoreResponse]:
+        """Serves requests concurrently as they arrive (at most
+        stream_session.MAX_INFLIGHT_PER_STREAM at once: beyond that, reading pauses and HTTP/2
+        flow control pushes back on the client). A request that fails on its own (invalid, over a
+        per-request limit, an engine error, a request_id already in flight) is answered in band
+        (`ScoreResponse.error`) and the stream goes on. A stream-level failure (overload,
+        draining) ends the stream with its error without waiting for the client to send more,
+        after the requests already in flight are answered (and, for a client that asked with
+        `eopd-stream-ending: 1`, after announcing the end and letting it half-close)."""
+        if self.state.open_streams >= self.state.settings.max_streams:
+            raise Overloaded(f"{self.state.open_streams} streams open, limit {self.state.settings.max_streams}; retry later")
+        self.state.open_streams += 1
+        try:
+            session = StreamSession(self, client_key(context), announce=wants_stream_ending(context))
+            async for response in session.responses(request_iterator):
+                yield response
+        finally:
+            self.state.open_streams -= 1
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if self.state.info is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return info_to_pb(self.state.info)

@@ -1,0 +1,44 @@
+"""What the servicer, the HTTP side and the server lifecycle share: the settings, metrics, engine,
+batcher and the served model, and whether requests are accepted now."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .batcher import Draining, DynamicBatcher
+from .metrics import TeacherMetrics
+from .settings import TeacherSettings
+from .status import NotReady
+from .types import ModelInfo
+
+if TYPE_CHECKING:
+    from .engines.base import ScoringEngine
+
+
+@dataclass
+class ServerState:
+    settings: TeacherSettings
+    metrics: TeacherMetrics
+    engine: ScoringEngine
+    info: ModelInfo | None = None
+    batcher: DynamicBatcher | None = None
+    draining: bool = False
+    load_error: str | None = None
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+    inflight_tokens: dict[str, int] = field(default_factory=dict)
+    open_streams: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.info is not None and self.batcher is not None and self.batcher.alive and not self.draining and self.engine.health()
+        )
+
+    def check_ready(self) -> tuple[ModelInfo, DynamicBatcher]:
+        if self.draining:
+            raise Draining("the server is shutting down; retry on another replica")
+        if self.info is None or self.batcher is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return self.info, self.batcher

@@ -1,0 +1,51 @@
+"""The status policy: which gRPC status each exception of a TeacherService handler is answered
+with, and which failures end a ScoreStream rather than one request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from eopd.v1 import teacher_pb2 as pb
+
+from .batcher import Draining, Overloaded
+from .convert import InvalidRequest, RequestTooLarge
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
+
+
+class NotReady(Exception):
+    """The model is still loading: UNAVAILABLE."""
+
+
+# Exceptions the servicer raises, and the status each maps to.
+STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    RequestTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    NotReady: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+# Failures that end a ScoreStream (the server, not the request, is the problem); every other
+# failure of a request is answered in band and the stream goes on.
+STREAM_LEVEL: tuple[type[Exception], ...] = (Overloaded, Draining, NotReady)
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in STATUS_OF.items():
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL
+
+
+def describe(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a handler's exception is answered with."""
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        return code, f"internal error: {type(exc).__name__}: {exc}"
+    return code, str(exc)

@@ -1,0 +1,144 @@
+"""One ScoreStream call: a reader task reads requests and starts one handler task per request;
+handlers put their answers (results or an in-band error) on a queue that `responses` hands to
+gRPC.
+
+A slot (of MAX_INFLIGHT_PER_STREAM) is held from reading a request until its answer is handed to
+gRPC, so a client that stops reading answers is pushed back on too. A handler meeting a
+stream-level failure (or a broken request stream) marks the stream failed at once, so the error
+does not wait for the client to send or close anything: requests read after it are dropped, the
+requests already in flight are answered, then the stream ends with the first error. With
+`announce`, a `StreamEnding` message goes first and the end waits (at most STREAM_ENDING_GRACE_S)
+for the client to half-close. If the call itself ends (cancelled by the client, deadline), every
+task is cancelled, which withdraws their sequences from the batcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from eopd.v1 import teacher_pb2 as pb
+
+from .convert import InvalidRequest
+from .status import STREAM_LEVEL, describe
+
+if TYPE_CHECKING:
+    from .servicer import TeacherServicer
+
+# Requests of one stream served at once; beyond that, reading pauses.
+MAX_INFLIGHT_PER_STREAM = 64
+
+# How long a ScoreStream that announced its end (StreamEnding) waits for the client to half-close.
+STREAM_ENDING_GRACE_S = 5.0
+
+# Markers on the answer queue: the stream failed (first failure only), the reader is done.
+_FAILED, _END = object(), object()
+
+
+class StreamSession:
+    """The loop of one ScoreStream call for `client` (the per-client limit's key)."""
+
+    def __init__(self, servicer: TeacherServicer, client: str, *, announce: bool = False):
+        self._servicer = servicer
+        self._client = client
+        self._announce = announce
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._slots = asyncio.Semaphore(MAX_INFLIGHT_PER_STREAM)
+        self._failure: list[tuple[BaseException, str]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._inflight_ids: set[str] = set()  # request ids read and not yet answered
+        self._read_all = asyncio.Event()  # the client half-closed (or its request stream broke)
+        self._latency = servicer.state.metrics.latency.labels("ScoreStream")
+
+    async def responses(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> AsyncIterator[pb.ScoreResponse]:
+        """The answers, in the order they are ready; raises the stream's failure at its end."""
+        read_task = asyncio.get_running_loop().create_task(self._read(request_iterator))
+        try:
+            while (item := await self._out.get()) is not _END and item is not _FAILED:
+                yield item
+                self._slots.release()
+            if self._failure:
+                async with contextlib.aclosing(self._after_failure()) as rest:
+                    async for item in rest:
+                        yield item
+        finally:
+            read_task.cancel()
+            self._cancel_all()
+
+    def _fail(self, exc: BaseException, request_id: str) -> None:
+        self._failure.append((exc, request_id))
+        if len(self._failure) == 1:
+            self._out.put_nowait(_FAILED)
+
+    def _answer_error(self, request_id: str, exc: BaseException) -> None:
+        """A request-level failure, answered in band (its slot is released once sent)."""
+        self._out.put_nowait(self._servicer._in_band_error(request_id, exc))
+
+    async def _handle(self, req: pb.ScoreRequest) -> None:
+        started = time.perf_counter()
+        try:
+            response = await self._servicer._score(req, self._client, stream=True)
+        except STREAM_LEVEL as exc:  # load, draining, not ready: the stream's status
+            self._slots.release()
+            self._fail(exc, req.request_id)
+            return
+        except Exception as exc:  # noqa: BLE001 - this request's own failure: in band
+            self._answer_error(req.request_id, exc)
+            return
+        finally:
+            self._inflight_ids.discard(req.request_id)
+        self._latency.observe(time.perf_counter() - started)
+        self._servicer.state.metrics.stream_requests.labels("OK").inc()
+        self._out.put_nowait(response)  # its slot is released once the answer is sent
+
+    async def _read(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for req in request_iterator:
+                if self._failure:
+                    continue  # the stream is ending: drop what arrives until the client half-closes
+                await self._slots.acquire()
+                if self._failure:
+                    self._slots.release()
+                    continue
+                if req.request_id and req.request_id in self._inflight_ids:
+                    self._answer_error(req.request_id, InvalidRequest(
+                        f"request_id: {req.request_id!r} is already in flight on this stream; "
+                        "request ids must be unique among the unanswered requests of a stream"))
+                    continue
+                if req.request_id:
+                    self._inflight_ids.add(req.request_id)
+                task = loop.create_task(self._handle(req))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        except Exception as exc:  # noqa: BLE001 - a broken client stream
+            self._fail(exc, "")
+        finally:
+            self._read_all.set()
+        if self._tasks:  # asyncio.wait, not gather: cancelling the reader must not cancel these
+            await asyncio.wait(set(self._tasks))
+        self._out.put_nowait(_END)
+
+    async def _after_failure(self) -> AsyncIterator[pb.ScoreResponse]:
+        """The answers of the requests in flight before the failure, then (with `announce`) the
+        StreamEnding and the wait for the half-close; then raises the first failure."""
+        if self._tasks:  # in flight before the failure: answered before the error
+            await asyncio.wait(set(self._tasks))
+        while not self._out.empty():
+            item = self._out.get_nowait()
+            if isinstance(item, pb.ScoreResponse):
+                yield item
+        exc, request_id = self._failure[0]
+        if self._announce and not self._read_all.is_set():
+            code, message = describe(exc)
+            yield pb.ScoreResponse(ending=pb.StreamEnding(request_id=request_id, code=code.value[0], message=message))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._read_all.wait(), STREAM_ENDING_GRACE_S)
+        raise exc
+
+    def _cancel_all(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
