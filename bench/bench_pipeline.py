@@ -4,7 +4,7 @@ share in `sync` and `async` modes, with one and two teacher processes.
     .venv/bin/python -m bench.bench_pipeline [--quick] [--rounds R] [--iterations N] [--out FILE]
 
 Real processes, as `eopd run` starts them (its helpers: `Supervisor`, `choose_queue`, `prepare`,
-`wait_teacher` from `eopd_trainer.run`): a Redis (REDIS_URL, else a redis-server on a free port),
+`wait_teacher` from `eopd_trainer.job`): a Redis (REDIS_URL, else a redis-server on a free port),
 one or two `eopd-teacher serve` processes, two `eopd-rollout` workers and one `eopd-train`
 DeepSpeed learner, on the `smollm2-cpu` preset (teacher SmolLM2-135M-Instruct, student
 `smollm2-135m[layers=0:30:3]`) or, with `--quick`, the `tiny` preset (tiny random models).
@@ -102,7 +102,7 @@ def teacher_counters(http_port: int) -> dict[str, float]:
 
 @dataclass
 class Teacher:
-    child: object  # eopd_trainer.run.Child
+    child: object  # eopd_trainer.job.supervisor.Child
     grpc_port: int
     http_port: int
 
@@ -145,7 +145,7 @@ def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher],
     """One configuration: fresh workers and learner on the shared Redis and teachers; returns its
     measurements (see the module docstring)."""
     from eopd_trainer.config import dump_config, load_config
-    from eopd_trainer.run import Supervisor
+    from eopd_trainer.job.supervisor import Supervisor
 
     run_dir = work / tag
     cfg = base_cfg.model_copy(update={
@@ -351,7 +351,7 @@ def _reading(by: dict, cores: int) -> str:
 def _queue(sup, work: Path, base) -> tuple[str, str]:
     """(redis_url, message) from `eopd run`'s queue choice: the Redis at $REDIS_URL, else a
     redis-server started here. The benchmark wants a real Redis (not the embedded stand-in)."""
-    from eopd_trainer.run import choose_queue
+    from eopd_trainer.job.local_queue import choose_queue
 
     res = choose_queue(sup, work, base.queue)
     if res.backend == "embedded":
@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
 
     from eopd_trainer.config import load_config
-    from eopd_trainer.run import Supervisor, free_port, prepare, wait_teacher
+    from eopd_trainer.job.prepare import prepare
+    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_teacher
 
     work = Path(tempfile.mkdtemp(prefix="eopd-bench-pipeline-"))
     base, _facts = prepare(load_config(config_file, [f"run_dir={work / 'prepared'}"]))

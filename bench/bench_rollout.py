@@ -6,7 +6,7 @@ sampling engine, on the `smollm2-cpu` preset's student and on the whole SmolLM2-
     .venv-vllm/bin/python -m bench.bench_rollout --render   # the docs section from bench/results/rollout.json
 
 Runs inside the vLLM environment (bash scripts/vllm_env.sh --setup-only). Paths, each the
-worker's own sampler class (`eopd_trainer.sampling`) in its own process:
+worker's own sampler class (`eopd_trainer.rollout.samplers`) in its own process:
 
 * transformers: `TransformersSampler` - `model.generate`, then a transformers forward for the old
   log-probs (`rollout.engine: transformers`, the default);
@@ -70,9 +70,9 @@ def _config(student: str, path: str, dtype: str, max_new_tokens: int):
 
 class _Child:
     def __init__(self, path: str, student: str, dtype: str, prompts: int, max_new_tokens: int, pv: dict):
-        from eopd_trainer.messages import PolicyVersion
-        from eopd_trainer.sampling import make_sampler
-        from eopd_trainer.tasks import generate
+        from eopd_trainer.eval.tasks import generate
+        from eopd_trainer.queue.messages import PolicyVersion
+        from eopd_trainer.rollout.samplers import make_sampler
 
         self.cfg = _config(student, path, dtype, max_new_tokens)
         t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def _publish(student: str, dtype: str, out_dir: Path) -> dict:
     from dataclasses import asdict
 
     from eopd_common.models import load_causal_lm
-    from eopd_trainer.weights import save_weights
+    from eopd_trainer.queue.weights import save_weights
 
     model = load_causal_lm(student, dtype=dtype).model
     pv = save_weights(model, out_dir, version=1, iteration=1)

@@ -65,7 +65,7 @@ class _Server:
     """`eopd-teacher serve` in a subprocess and a way to drive it with `c` concurrent clients."""
 
     def __init__(self, engine: str, dtype: str, max_batch_tokens: int):
-        from eopd_trainer.run import Supervisor, free_port, wait_teacher
+        from eopd_trainer.job.supervisor import Supervisor, free_port, wait_teacher
 
         self.gp, hp = free_port(), free_port()
         self.sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))

@@ -274,7 +274,7 @@ def _external_phase(label, work, rounds, results, sizes, agree, paths_run, grpc_
     """One external server (TRL's own, vLLM's) in a phase of its own: start, warm up, check its
     values against the eopd teacher's, measure its paths in interleaved rounds. Returns "" or why
     its rows are missing (the rows are optional: the reason is published instead)."""
-    from eopd_trainer.run import Supervisor, free_port, wait_http_ready
+    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_http_ready
 
     port = free_port()
     paths = make_paths(f"http://127.0.0.1:{port}")
@@ -315,7 +315,7 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
     """Starts the servers, measures every path; (results, sizes, agreement, paths measured, vLLM error)."""
     import tempfile
 
-    from eopd_trainer.run import Supervisor, free_port, wait_http_ready, wait_teacher
+    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_http_ready, wait_teacher
 
     work = Path(tempfile.mkdtemp(prefix="eopd-bench-trl-"))
     sup = Supervisor(work / "logs")

@@ -80,5 +80,5 @@ if [ -n "${DRY_RUN:-}" ]; then exit 0; fi
 done_dirs=()
 for d in "${dirs[@]}"; do if finished "$d"; then done_dirs+=("$d"); fi; done
 eopd report "${done_dirs[@]}" --out "$out/report.html"
-python -m eopd_trainer.experiment_figures "${done_dirs[@]}" --out "$out/figures" --prefix exp_
-python -m eopd_trainer.experiment_table "${done_dirs[@]}" --json "$out/facts.json" | tee "$out/table.md"
+python -m eopd_trainer.eval.experiment_figures "${done_dirs[@]}" --out "$out/figures" --prefix exp_
+python -m eopd_trainer.eval.experiment_table "${done_dirs[@]}" --json "$out/facts.json" | tee "$out/table.md"

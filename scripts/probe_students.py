@@ -21,9 +21,9 @@ import torch
 from eopd_common.models import load_causal_lm
 from eopd_trainer.config import load_config
 from eopd_trainer.data import render_prompt
-from eopd_trainer.grading import is_correct
-from eopd_trainer.sampling import generate
-from eopd_trainer.tasks import make_splits
+from eopd_trainer.eval.grading import is_correct
+from eopd_trainer.eval.tasks import make_splits
+from eopd_trainer.rollout.samplers.transformers_sampler import generate
 
 
 def pruned(model, dropped: list[int]):

@@ -23,7 +23,7 @@ def test_trl_own_server_answers_and_agrees_with_the_eopd_teacher(tmp_path):
     from eopd_teacher.engines.vllm_engine import materialise_model_dir
     from eopd_teacher.settings import TeacherSettings
     from eopd_teacher.types import ScoreItem
-    from eopd_trainer.run import Supervisor, free_port, wait_http_ready
+    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_http_ready
 
     python = Path(sys.executable)
     assert (trl_own_dir(python) / "trl" / "scripts" / "vllm_serve.py").is_file(), "scripts/vllm_env.sh installs trl 1.1.0"

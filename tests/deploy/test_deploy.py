@@ -52,7 +52,7 @@ class Names:
     # EOPD_* variables read directly by code rather than through a settings object: name -> module.
     direct_env: dict[str, str] = field(default_factory=lambda: {"EOPD_CACHE_DIR": "eopd_common.models"})
     # Plain variables the pipeline reads: name -> module that reads it.
-    pipeline_env: dict[str, str] = field(default_factory=lambda: {"REDIS_PASSWORD": "eopd_trainer.queue"})
+    pipeline_env: dict[str, str] = field(default_factory=lambda: {"REDIS_PASSWORD": "eopd_trainer.queue.streams"})
     # Images: name -> the Dockerfile that builds it.
     images: dict[str, str] = field(default_factory=lambda: {
         "eopd-teacher": "deploy/docker/teacher.Dockerfile",

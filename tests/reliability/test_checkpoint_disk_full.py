@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 def _engine(seed: int):
     import deepspeed
     from eopd_trainer.config import load_config
-    from eopd_trainer.distributed import build_ds_config, lr_scheduler_factory
+    from eopd_trainer.learner.distributed import build_ds_config, lr_scheduler_factory
 
     cfg = load_config(TINY, ["train.zero_stage=0", "train.grad_clip=0"])
     torch.manual_seed(seed)
@@ -50,9 +50,9 @@ def _digest(root: Path) -> dict[str, str]:
 
 
 def test_enospc_inside_the_checkpoint_writer_keeps_the_previous_checkpoint(process_group, tmp_path):
-    from eopd_trainer.checkpoint import CheckpointError, CheckpointManager, committed_tag
     from eopd_trainer.config import FaultConfig
     from eopd_trainer.faults import Faults
+    from eopd_trainer.learner.checkpoint import CheckpointError, CheckpointManager, committed_tag
 
     ckpt = tmp_path / "checkpoints"
     faults = Faults([FaultConfig(point="checkpoint.write", action="raise", iteration=2)])

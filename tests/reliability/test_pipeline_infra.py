@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from eopd_trainer.queue import Keys
+from eopd_trainer.queue.streams import Keys
 
 from tests.procs import free_port
 from tests.trainer.pipeline_helpers import (
@@ -168,7 +168,7 @@ def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_te
     after DeepSpeed wrote its shards (runs everywhere). Either way: a clear error (exit status 4),
     the partial directory removed, the first checkpoint committed and byte-identical, and a
     restart with space resumes from it."""
-    from eopd_trainer.checkpoint import read_state
+    from eopd_trainer.learner.checkpoint import read_state
 
     with running_private_redis() as server:
         run_dir, ns = tmp_path / "run", "disk-full"

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 from eopd.v1 import rollout_pb2 as pb
-from eopd_trainer.messages import PoisonMessage, Rollout, decode_rollout, encode_rollout
+from eopd_trainer.queue.messages import PoisonMessage, Rollout, decode_rollout, encode_rollout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,13 +141,7 @@ def _corrupt(raw: bytes, at: int, junk: bytes) -> bytes:
 def test_poison_entry_dead_lettered_in_real_redis():
     """The learner's path for one entry: decode -> PoisonMessage -> StreamQueue.dead_letter, in a real
     redis-server: the entry leaves the stream and the pending list, the dead letter keeps reason and bytes."""
-    from eopd_trainer.queue import (
-        GROUP_LEARNER,
-        Keys,
-        StreamQueue,
-        connect,
-        read_dead_letters,
-    )
+    from eopd_trainer.queue.streams import GROUP_LEARNER, Keys, StreamQueue, connect, read_dead_letters
 
     from tests.trainer.redis_helpers import running_redis
 

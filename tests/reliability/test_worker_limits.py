@@ -20,10 +20,10 @@ import time
 
 import grpc
 import pytest
-from eopd_trainer import rollout
 from eopd_trainer.config import load_config
-from eopd_trainer.messages import PromptTask, encode_task
-from eopd_trainer.queue import GROUP_ROLLOUT, Entry, StreamQueue, read_dead_letters
+from eopd_trainer.queue.messages import PromptTask, encode_task
+from eopd_trainer.queue.streams import GROUP_ROLLOUT, Entry, StreamQueue, read_dead_letters
+from eopd_trainer.rollout.worker import RolloutWorker
 
 from tests.procs import free_port
 from tests.trainer.pipeline_helpers import TINY
@@ -49,7 +49,7 @@ def make_worker(cfg, worker_id: str):
     set_aside = ours()
     for c in set_aside:
         REGISTRY.unregister(c)
-    w = rollout.RolloutWorker(cfg, worker_id)
+    w = RolloutWorker(cfg, worker_id)
     try:
         yield w
     finally:
@@ -251,7 +251,8 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
     mode: the worker keeps sampling with the version it holds, then loads the new one once fixed).
     The failures are counted; nothing raises."""
     import torch
-    from eopd_trainer.weights import announce, save_weights
+    from eopd_trainer.queue.announce import announce
+    from eopd_trainer.queue.weights import save_weights
 
     w = worker
     model = w.sampler.model

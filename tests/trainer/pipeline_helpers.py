@@ -49,7 +49,7 @@ def describe(*procs: Proc) -> str:
 
 
 def committed_state(run_dir: Path) -> dict:
-    from eopd_trainer.checkpoint import read_state
+    from eopd_trainer.learner.checkpoint import read_state
 
     state = read_state(Path(run_dir) / "checkpoints")
     assert state is not None, f"no committed checkpoint in {run_dir}"
@@ -87,8 +87,8 @@ def rollout_accounting(client, ns: str, state: dict, n_samples: int = 2) -> dict
     the end) and `dropped` (none of these: acknowledged without training, i.e. stale or future).
     Fails unless every `dropped` id is recorded in `<ns>:dropped` as stale or future (`recorded`):
     no rollout leaves the stream unaccounted for."""
-    from eopd_trainer.messages import PoisonMessage, decode_rollout
-    from eopd_trainer.queue import Keys, read_dead_letters, read_dropped
+    from eopd_trainer.queue.messages import PoisonMessage, decode_rollout
+    from eopd_trainer.queue.streams import Keys, read_dead_letters, read_dropped
 
     keys = Keys(ns)
     published = int(client.get(keys.tasks_next) or 0)

@@ -78,7 +78,7 @@ def running_redis(*extra: str) -> Iterator[RedisProc]:
 def running_embedded_queue() -> Iterator:
     """The embedded queue of `eopd run` (a Redis-protocol server in a thread of this process);
     it has a `url` like RedisProc."""
-    from eopd_trainer.embedded_queue import EmbeddedQueue
+    from eopd_trainer.job.embedded_queue import EmbeddedQueue
 
     with EmbeddedQueue() as server:
         yield server

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from eopd_trainer.config import EvalConfig
-from eopd_trainer.sampling import Sample
+from eopd_trainer.rollout.samplers.base import Sample
 
 # prompt 0 (gold 12): boxed and right, then right without a box; prompt 1 (gold 3): no number,
 # then only the question's numbers echoed back (its last number, 2, is wrong).
@@ -28,10 +28,10 @@ def _scripted_generate(model, tokenizer, prompts, *, temperature, top_p, max_new
 
 @pytest.mark.parametrize("headline", ["strict", "flexible"])
 def test_both_gradings_and_the_headline(monkeypatch, headline):
-    import eopd_trainer.sampling
-    from eopd_trainer.evaluation import evaluate_model, summary_line
+    import eopd_trainer.rollout.samplers.transformers_sampler
+    from eopd_trainer.eval.evaluate import evaluate_model, summary_line
 
-    monkeypatch.setattr(eopd_trainer.sampling, "generate", _scripted_generate)
+    monkeypatch.setattr(eopd_trainer.rollout.samplers.transformers_sampler, "generate", _scripted_generate)
     ecfg = EvalConfig(n_samples=2, batch_size=8, headline=headline)
     r = evaluate_model(None, _Tok(), None, [[101], [102]], ["12", "3"], ecfg, seed=0,
                        prompt_texts=["What is 7 + 5?", "What is 1 + 2?"])
@@ -54,10 +54,10 @@ def test_both_gradings_and_the_headline(monkeypatch, headline):
 
 
 def test_samples_are_the_first_eight_prompts(monkeypatch):
-    import eopd_trainer.sampling
-    from eopd_trainer.evaluation import evaluate_model
+    import eopd_trainer.rollout.samplers.transformers_sampler
+    from eopd_trainer.eval.evaluate import evaluate_model
 
-    monkeypatch.setattr(eopd_trainer.sampling, "generate", _scripted_generate)
+    monkeypatch.setattr(eopd_trainer.rollout.samplers.transformers_sampler, "generate", _scripted_generate)
     r = evaluate_model(None, _Tok(), None, [[100 + i] for i in range(10)], ["1"] * 10,
                        EvalConfig(n_samples=1, batch_size=4), seed=0)
     assert len(r["samples"]) == 8 and len(r["examples"]) == 3
@@ -65,17 +65,17 @@ def test_samples_are_the_first_eight_prompts(monkeypatch):
 
 
 def test_summary_line_reads_old_results():
-    from eopd_trainer.evaluation import summary_line
+    from eopd_trainer.eval.evaluate import summary_line
 
     old = {"n_samples": 4, "avg_at_k": 0.25, "pass_at_k": {"1": 0.25, "4": 0.5}}
     assert summary_line("final", old) == "final: avg@4 0.250 pass@4 0.500 (strict)"
 
 
 def test_the_teacher_evaluated_as_itself_runs_once_and_is_deterministic(monkeypatch):
-    import eopd_trainer.evaluate
+    import eopd_trainer.eval.kl
     from eopd_common.models import load_causal_lm
     from eopd_trainer.data import render_prompt
-    from eopd_trainer.evaluation import evaluate_model
+    from eopd_trainer.eval.evaluate import evaluate_model
 
     teacher = load_causal_lm("tiny-random@0")
     prompts = [render_prompt(teacher.tokenizer, q) for q in ("What is 2 + 2?", "What is 3 * 3?")]
@@ -84,7 +84,7 @@ def test_the_teacher_evaluated_as_itself_runs_once_and_is_deterministic(monkeypa
     def two_models(*a, **k):
         raise AssertionError("the teacher as its own teacher must take the one-model path")
 
-    monkeypatch.setattr(eopd_trainer.evaluate, "position_log_probs", two_models)
+    monkeypatch.setattr(eopd_trainer.eval.kl, "position_log_probs", two_models)
     r = evaluate_model(teacher.model, teacher.tokenizer, teacher.model, prompts, ["4", "9"], ecfg)
     assert r["forward_kl"] == 0.0 and r["reverse_kl"] == 0.0 and r["tokens"] > 0
     assert r["entropy_hist_student"] == r["entropy_hist_teacher"]
@@ -95,7 +95,7 @@ def test_the_teacher_evaluated_as_itself_runs_once_and_is_deterministic(monkeypa
 
 def test_evaluate_run_loads_the_teacher_once(tmp_path, monkeypatch):
     import eopd_common.models
-    from eopd_trainer.evaluation import evaluate_run
+    from eopd_trainer.eval.evaluate import evaluate_run
 
     from tests.procs import ROOT
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from eopd_trainer.experiment_table import last_quarter, main
+from eopd_trainer.eval.experiment_table import last_quarter, main
 
 
 def fake_run(path, variant, seed, final_avg, gates):
@@ -49,7 +49,7 @@ def test_teacher_and_initial_pooled_and_variants_paired_by_seed(tmp_path, capsys
 
 
 def test_experiment_figures_written(tmp_path):
-    from eopd_trainer.experiment_figures import band, main as figures_main
+    from eopd_trainer.eval.experiment_figures import band, main as figures_main
 
     assert band([[1.0, 2.0, 3.0], [3.0, 4.0]]) == ([2.0, 3.0], [1.0, 2.0], [3.0, 4.0])
     runs = [fake_run(tmp_path / f"{v}{s}", v, s, 0.3 + 0.05 * s, [0.4, 0.3, 0.2]) for v in ("eopd", "opd") for s in (0, 1)]

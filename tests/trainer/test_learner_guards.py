@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from eopd_trainer.messages import Rollout, encode_rollout
-from eopd_trainer.queue import Keys, Lease, connect, read_counts, read_dead_letters, read_dropped
+from eopd_trainer.queue.lease import Lease
+from eopd_trainer.queue.messages import Rollout, encode_rollout
+from eopd_trainer.queue.streams import Keys, connect, read_counts, read_dead_letters, read_dropped
 
 from tests.trainer.pipeline_helpers import describe, overrides, spawn_learner, wait_exit
 from tests.trainer.redis_helpers import running_redis

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from eopd_trainer.config import load_config
-from eopd_trainer.distributed import build_ds_config, lr_at, lr_scheduler_factory
+from eopd_trainer.learner.distributed import build_ds_config, lr_at, lr_scheduler_factory
 
 from tests.trainer.pipeline_helpers import TINY
 

@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from eopd_trainer.ledger import RejectStreak
-from eopd_trainer.messages import PoisonMessage, Rollout, check_rollout_metadata, decode_rollout, encode_rollout
+from eopd_trainer.learner.ledger import RejectStreak
+from eopd_trainer.queue.messages import PoisonMessage, Rollout, check_rollout_metadata, decode_rollout, encode_rollout
 
 
 def rollout(rid: str = "t3-s1", n: int = 4, k: int = 8, **changes) -> Rollout:
@@ -89,8 +89,8 @@ def test_random_fkl_draws_differ_by_step_and_repeat_on_resume():
 def test_step_metrics_over_ranks_equal_the_whole_minibatch():
     """The all-reduced step metrics (sum of each rank's tensor) equal the token-weighted means
     over every micro-batch of every rank, and the loss terms the mean of the ranks' shares."""
-    from eopd_trainer.distributed import step_metrics_from_tensor, step_metrics_tensor
-    from eopd_trainer.metrics import token_weighted_mean
+    from eopd_trainer.learner.distributed import step_metrics_from_tensor, step_metrics_tensor
+    from eopd_trainer.learner.metrics import token_weighted_mean
 
     keys, loss_keys = ("clip_frac", "approx_kl", "student_entropy"), ("loss", "pg_loss")
     rank0 = [({"clip_frac": 0.1, "approx_kl": 0.02, "student_entropy": 3.0}, 10),
@@ -117,9 +117,9 @@ def test_loss_path_keeps_the_students_logit_transform(kind):
     The learner takes the model's logits for those students, and the ratio is 1 on either path it
     takes; the fused path is shown to be wrong for them, so the choice is needed."""
     from eopd_trainer.config import TrainConfig
-    from eopd_trainer.learner import fused_loss_path
+    from eopd_trainer.learner.trainer import fused_loss_path
     from eopd_trainer.objective import LossConfig, compute_loss, compute_loss_from_hidden
-    from eopd_trainer.sampling import sequence_logprobs
+    from eopd_trainer.rollout.samplers.transformers_sampler import sequence_logprobs
     from tests.trainer.test_pipeline_units import RAGGED_PROMPTS, RAGGED_RESPONSES, tiny_causal_lm
 
     model = tiny_causal_lm(kind)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from eopd_trainer.queue import Keys
+from eopd_trainer.queue.streams import Keys
 
 from tests.trainer.pipeline_helpers import (
     committed_state,

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from eopd_trainer.queue import Keys, read_dead_letters
+from eopd_trainer.queue.streams import Keys, read_dead_letters
 
 from tests.procs import free_port
 from tests.trainer.pipeline_helpers import (
@@ -49,7 +49,7 @@ def kl_probe():
     from eopd_common.models import load_causal_lm
     from eopd_trainer.config import load_config
     from eopd_trainer.data import load_prompts, render_prompt
-    from eopd_trainer.evaluate import kl_on_samples, kl_to_teacher, sample_contexts
+    from eopd_trainer.eval.kl import kl_on_samples, kl_to_teacher, sample_contexts
 
     cfg = load_config(TINY)
     teacher = load_causal_lm("tiny-random@0").model
@@ -94,7 +94,7 @@ def poison(redis_url: str, ns: str) -> None:
 
 def held_tasks(client, ns: str, consumer: str) -> list[int]:
     """The task numbers of the tasks `consumer` holds (delivered, not acknowledged)."""
-    from eopd_trainer.messages import decode_task
+    from eopd_trainer.queue.messages import decode_task
 
     keys = Keys(ns)
     rows = client.xpending_range(keys.tasks, "rollout", "-", "+", 100, consumername=consumer)
@@ -176,7 +176,7 @@ def test_end_to_end_run_brings_student_closer(mode, tmp_path, redis_server, tiny
     assert [r["step"] for r in steps] == list(range(1, 2 * ITERATIONS + 1))
     # Each step logs the lr it ran at: the schedule's (tiny.yaml: constant, min_lr_ratio 1), never 0.
     from eopd_trainer.config import load_config
-    from eopd_trainer.distributed import lr_at
+    from eopd_trainer.learner.distributed import lr_at
 
     t = load_config(TINY).train
     assert [r["lr"] for r in steps] == pytest.approx(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from eopd_trainer.queue import Keys, read_dead_letters
+from eopd_trainer.queue.streams import Keys, read_dead_letters
 
 from tests.procs import free_port, start_teacher
 from tests.trainer.pipeline_helpers import (

@@ -8,11 +8,9 @@ import threading
 import time
 
 import pytest
-from eopd_trainer.queue import (
+from eopd_trainer.queue.lease import Lease, LeaseHeld, LeaseLost
+from eopd_trainer.queue.streams import (
     Keys,
-    Lease,
-    LeaseHeld,
-    LeaseLost,
     StreamQueue,
     connect,
     read_counts,

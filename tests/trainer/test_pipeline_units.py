@@ -18,15 +18,9 @@ from eopd_trainer.batching import (
 )
 from eopd_trainer.config import ConfigError, apply_overrides, load_config
 from eopd_trainer.data import DataError, load_prompts, prompt_index
-from eopd_trainer.distributed import build_ds_config
-from eopd_trainer.ledger import (
-    Admit,
-    Ledger,
-    admit,
-    replacement_tasks_needed,
-    tasks_to_publish,
-)
-from eopd_trainer.messages import (
+from eopd_trainer.learner.distributed import build_ds_config
+from eopd_trainer.learner.ledger import Admit, Ledger, admit, replacement_tasks_needed, tasks_to_publish
+from eopd_trainer.queue.messages import (
     PoisonMessage,
     PolicyVersion,
     PromptTask,
@@ -38,7 +32,7 @@ from eopd_trainer.messages import (
     encode_rollout,
     encode_task,
 )
-from eopd_trainer.sampling import cut_response
+from eopd_trainer.rollout.samplers.base import cut_response
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -300,7 +294,7 @@ def test_parquet_prompts(tmp_path):
 # Weight sync -----------------------------------------------------------------------------------
 
 def test_weights_roundtrip_tied_and_verified(tmp_path):
-    from eopd_trainer.weights import load_weights, prune_weights, save_weights
+    from eopd_trainer.queue.weights import load_weights, prune_weights, save_weights
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -325,7 +319,7 @@ def test_unreadable_weights_are_transient_and_leave_the_model_untouched(tmp_path
     """WeightsUnavailable (a ValueError, retried by the worker) for a missing file, a sha256
     mismatch, a truncated file and a file replaced between the check and the read; a file with
     the wrong tensors is a plain ValueError. In every case the model keeps its weights."""
-    from eopd_trainer import weights as W
+    from eopd_trainer.queue import weights as W
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -359,10 +353,10 @@ def test_unreadable_weights_are_transient_and_leave_the_model_untouched(tmp_path
         tmp.replace(path)
         return out
 
-    monkeypatch.setattr("safetensors.torch.load_file", load_then_replace)
+    monkeypatch.setattr("eopd_trainer.queue.weights.load_file", load_then_replace)
     with pytest.raises(W.WeightsUnavailable, match="changed while it was read"):
         W.load_weights(dst, pv)
-    monkeypatch.setattr("safetensors.torch.load_file", real_load)
+    monkeypatch.setattr("eopd_trainer.queue.weights.load_file", real_load)
     assert untouched()
     from safetensors.torch import save_file
 
@@ -376,7 +370,7 @@ def test_unreadable_weights_are_transient_and_leave_the_model_untouched(tmp_path
 
 
 def test_token_remap_both_ways():
-    from eopd_trainer.rollout import remap_ids
+    from eopd_trainer.rollout.requests import remap_ids
 
     ids = np.array([1, 2, 3, 2])
     assert remap_ids(ids, {2: 7}).tolist() == [1, 7, 3, 7]
@@ -387,7 +381,7 @@ def test_token_remap_both_ways():
 def test_token_remap_applies_to_response_tokens_only():
     """The remap translates what the student generates: a prompt's own special tokens (the chat
     template's end of turn, id 2 here) reach the teacher unchanged, the response's are remapped."""
-    from eopd_trainer.rollout import teacher_tokens
+    from eopd_trainer.rollout.requests import teacher_tokens
 
     sent = teacher_tokens([1, 2, 5], [6, 2], {2: 7})
     assert sent.dtype == np.int64 and sent.tolist() == [1, 2, 5, 6, 7]
@@ -459,7 +453,7 @@ def test_tokenizer_check_modulo_the_token_remap(smol_tokenizer):
     from types import SimpleNamespace
 
     from eopd_common.models import tokenizer_fingerprint
-    from eopd_trainer.rollout import TokenizerMismatch, _TokenizerView, check_tokenizer
+    from eopd_trainer.rollout.teacher_checks import TokenizerMismatch, _TokenizerView, check_tokenizer
 
     student = smol_tokenizer  # eos <|im_end|> (id 2), pad <|im_end|>, unk <|endoftext|> (id 0)
     roles = {r: getattr(student, f"{r}_token") for r in ("bos", "eos", "unk", "pad")}
@@ -543,7 +537,7 @@ def test_sequence_logprobs_equal_the_full_logits(kind, chunk_size):
     """Ragged batch (right padding inside the packed batch), temperature 0.7, chunk sizes that do
     and do not divide the 16 response tokens: equal to each sequence's full logits (fp32, 1e-5),
     logit transforms (soft-capping, scaling) included."""
-    from eopd_trainer.sampling import check_head_reproduces_logits, sequence_logprobs
+    from eopd_trainer.rollout.samplers.transformers_sampler import check_head_reproduces_logits, sequence_logprobs
 
     model = tiny_causal_lm(kind)
     check_head_reproduces_logits(model)
@@ -562,7 +556,7 @@ def test_sequence_logprobs_never_build_batch_seq_vocab_logits():
     [B, T, V] tensor (the recorder sees what it should)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from eopd_trainer.sampling import sequence_logprobs
+    from eopd_trainer.rollout.samplers.transformers_sampler import sequence_logprobs
 
     model = tiny_causal_lm("llama")
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -598,7 +592,8 @@ def test_an_unknown_logit_transform_is_refused_at_start():
     from types import SimpleNamespace
 
     from eopd_common.models import tiny_random_config
-    from eopd_trainer.sampling import SamplerUnavailable, TransformersSampler
+    from eopd_trainer.rollout.samplers.base import SamplerUnavailable
+    from eopd_trainer.rollout.samplers.transformers_sampler import TransformersSampler
     from transformers import LlamaForCausalLM
 
     class OddLogits(LlamaForCausalLM):
@@ -621,7 +616,7 @@ def test_an_unknown_logit_transform_is_refused_at_start():
 def test_check_teacher_limits_names_every_config_key():
     from types import SimpleNamespace
 
-    from eopd_trainer.rollout import TeacherIncompatible, check_teacher_limits
+    from eopd_trainer.rollout.teacher_checks import TeacherIncompatible, check_teacher_limits
 
     info = SimpleNamespace(model_name="t", max_context_length=1000, max_top_k=16, max_sequences_per_request=2,
                            vocab_size=100)
@@ -645,7 +640,7 @@ def test_check_teacher_limits_names_every_config_key():
 def test_answer_problems_match_ids_and_positions():
     from types import SimpleNamespace
 
-    from eopd_trainer.rollout import answer_problems
+    from eopd_trainer.rollout.requests import answer_problems
 
     def pending(rid, n):
         return SimpleNamespace(rollout_id=rid, response_ids=[1] * n)
@@ -664,7 +659,7 @@ def test_answer_problems_match_ids_and_positions():
 
 
 def test_request_groups_respect_sequences_and_tokens():
-    from eopd_trainer.rollout import request_groups
+    from eopd_trainer.rollout.requests import request_groups
 
     def groups(lengths, seqs, tokens):
         return [list(g) for g in request_groups(lengths, seqs, tokens)]

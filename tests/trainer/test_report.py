@@ -94,7 +94,7 @@ def test_samples_table_side_by_side_and_escaped(tmp_path):
 
 
 def test_training_health_curves_with_reference_lines(tmp_path, monkeypatch):
-    from eopd_trainer import report
+    from eopd_trainer.eval import report
 
     drawn = []
 
@@ -127,7 +127,7 @@ def test_training_health_curves_with_reference_lines(tmp_path, monkeypatch):
 def test_old_runs_without_the_new_keys_render(tmp_path):
     """An eval.json and train_metrics.jsonl from before strict/flexible, samples, the teacher row
     and the clip / approx-KL metrics: every section renders, with "–" and empty curves."""
-    from eopd_trainer.report import CURVES
+    from eopd_trainer.eval.report import CURVES
 
     old = tmp_path / "old"
     old.mkdir()

@@ -51,7 +51,7 @@ def _committed(run_dir: Path, iteration: int, **state) -> None:
 
 def test_resume_accepts_safe_config_changes_and_names_the_others(tmp_path):
     from eopd_trainer.config import ConfigError, dump_config, load_config
-    from eopd_trainer.resume import check_extent, plan_start, write_requested
+    from eopd_trainer.job.resume import check_extent, plan_start, write_requested
 
     run_dir = tmp_path / "run"
 
@@ -89,7 +89,7 @@ def test_resume_accepts_safe_config_changes_and_names_the_others(tmp_path):
 
 
 def test_trim_records_keeps_the_committed_iterations(tmp_path):
-    from eopd_trainer.metrics import trim_records
+    from eopd_trainer.learner.metrics import trim_records
 
     path = tmp_path / "train_metrics.jsonl"
     rows = [{"step": 2 * i - 1 + j, "iteration": i, "kind": "step"} for i in (1, 2, 3) for j in (0, 1)]
@@ -104,9 +104,9 @@ def test_trim_records_keeps_the_committed_iterations(tmp_path):
 
 def test_rebuild_republishes_the_untrained_tasks_with_their_ids():
     import fakeredis
-    from eopd_trainer.messages import decode_task
-    from eopd_trainer.queue import Keys
-    from eopd_trainer.rebuild import rebuild_if_lost
+    from eopd_trainer.learner.rebuild import rebuild_if_lost
+    from eopd_trainer.queue.messages import decode_task
+    from eopd_trainer.queue.streams import Keys
 
     keys, r = Keys("ns"), fakeredis.FakeRedis()
     ids = lambda *seqs: [f"t{t}-s{j}" for t in seqs for j in (0, 1)]  # noqa: E731
@@ -146,7 +146,7 @@ def test_rng_states_round_trip_as_json():
 
     import numpy as np
     import torch
-    from eopd_trainer.checkpoint import rng_state, set_rng_state
+    from eopd_trainer.learner.checkpoint import rng_state, set_rng_state
 
     saved = json.loads(json.dumps(rng_state()))
     first = (random.random(), float(np.random.rand()), float(torch.rand(1)))
@@ -155,8 +155,8 @@ def test_rng_states_round_trip_as_json():
 
 
 def test_run_lock_is_held_until_the_last_child_exits(tmp_path):
-    from eopd_trainer.resume import RunDirBusy, RunLock
-    from eopd_trainer.supervisor import Supervisor
+    from eopd_trainer.job.resume import RunDirBusy, RunLock
+    from eopd_trainer.job.supervisor import Supervisor
 
     lock = RunLock(tmp_path)
     lock.acquire(wait_s=0)
@@ -179,7 +179,7 @@ def test_run_lock_is_held_until_the_last_child_exits(tmp_path):
 
 
 def test_run_record_keeps_every_invocation(tmp_path):
-    from eopd_trainer.run_record import RunRecord
+    from eopd_trainer.job.run_record import RunRecord
 
     rec = RunRecord(tmp_path, keep=True)
     inv = rec.begin(mode="new", facts={"student_init": "s"}, config=tmp_path / "run.yaml", resumed_at=None)

@@ -81,7 +81,7 @@ def test_evaluate_model_on_tiny_models():
     from eopd_common.models import load_causal_lm
     from eopd_trainer.config import EvalConfig
     from eopd_trainer.data import render_prompt
-    from eopd_trainer.evaluation import evaluate_model, ks_for
+    from eopd_trainer.eval.evaluate import evaluate_model, ks_for
 
     assert ks_for(1) == [1] and ks_for(4) == [1, 2, 4] and ks_for(6) == [1, 2, 4, 6]
     student, teacher = load_causal_lm("tiny-random@1"), load_causal_lm("tiny-random@0")
@@ -115,7 +115,7 @@ def _fake_run(run_dir, variant):
 
 def test_report_embeds_every_figure(tmp_path):
     from eopd_trainer.cli import main
-    from eopd_trainer.report import CURVES
+    from eopd_trainer.eval.report import CURVES
 
     _fake_run(tmp_path / "opd", "opd")
     _fake_run(tmp_path / "eopd", "eopd")
@@ -143,13 +143,14 @@ def test_choose_queue_fallback_chain(tmp_path, monkeypatch):
     Redis at REDIS_URL" (it speaks RESP over TCP); redis-server is hidden by making `which` fail."""
     import redis
     from eopd_trainer.config import QueueConfig
-    from eopd_trainer.embedded_queue import EmbeddedQueue
-    from eopd_trainer.run import RunError, Supervisor, choose_queue
+    from eopd_trainer.job.embedded_queue import EmbeddedQueue
+    from eopd_trainer.job.local_queue import choose_queue
+    from eopd_trainer.job.supervisor import RunError, Supervisor
 
     from tests.procs import free_port
 
     dead_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    monkeypatch.setattr("eopd_trainer.run.shutil.which", lambda name: None)
+    monkeypatch.setattr("eopd_trainer.job.local_queue.shutil.which", lambda name: None)
     monkeypatch.setenv("REDIS_PASSWORD", "for-the-external-redis")
 
     def pick(backend):

@@ -88,7 +88,8 @@ def test_rollout_engine_config_fields_and_validation():
 
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the error where vLLM is missing; vLLM is installed here")
 def test_clear_error_without_vllm():
-    from eopd_trainer.sampling import SamplerUnavailable, make_sampler
+    from eopd_trainer.rollout.samplers import make_sampler
+    from eopd_trainer.rollout.samplers.base import SamplerUnavailable
 
     with pytest.raises(SamplerUnavailable, match=r"rollout.engine=vllm, but vLLM is not installed.*scripts/vllm_env.sh"):
         make_sampler(load_config(TINY, ["rollout.engine=vllm"]))
@@ -106,8 +107,8 @@ def student():
 def sampler():
     """The worker's sampler as `make_sampler` builds it for rollout.engine=vllm (default
     old_logprobs=transformers: vLLM plus a transformers copy of the student), fp32."""
-    from eopd_trainer.sampling import make_sampler
-    from eopd_trainer.vllm_sampling import VllmSampler
+    from eopd_trainer.rollout.samplers import make_sampler
+    from eopd_trainer.rollout.samplers.vllm_sampler import VllmSampler
 
     t0 = time.monotonic()
     s = make_sampler(load_config(TINY, ["rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_GIB}"]))
@@ -127,7 +128,7 @@ def prompts(student):
 
 
 def _forward_logprobs(model, samples, temperature: float) -> list[np.ndarray]:
-    from eopd_trainer.sampling import sequence_logprobs
+    from eopd_trainer.rollout.samplers.transformers_sampler import sequence_logprobs
 
     return sequence_logprobs(model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                              temperature=temperature, pad_id=2)
@@ -221,7 +222,7 @@ def test_old_logprobs_agree_with_transformers_fp32(sampler, student, prompts, te
 @needs_vllm
 def test_reload_published_weights_in_place(sampler, student, prompts, tmp_path):
     from eopd_common.models import load_causal_lm
-    from eopd_trainer.weights import file_sha256, save_weights
+    from eopd_trainer.queue.weights import file_sha256, save_weights
     from safetensors.torch import save_file
 
     llm = sampler._llm

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .messages import Rollout
+from .queue.messages import Rollout
 
 
 @dataclass(frozen=True)

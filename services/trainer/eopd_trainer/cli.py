@@ -42,27 +42,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        from .learner import main as train_main
+        from .learner.cli import main as train_main
 
         return train_main(rest)
     if cmd == "rollout":
-        from .rollout import main as rollout_main
+        from .rollout.cli import main as rollout_main
 
         return rollout_main(rest)
     if cmd == "run":
-        from .run import main as run_main
+        from .job.run import main as run_main
 
         return run_main(rest)
     if cmd == "prepare":
-        from .prepare import main as prepare_main
+        from .job.prepare import main as prepare_main
 
         return prepare_main(rest)
     if cmd == "eval":
-        from .evaluation import main as eval_main
+        from .eval.evaluate import main as eval_main
 
         return eval_main(rest)
     if cmd == "report":
-        from .report import main as report_main
+        from .eval.report import main as report_main
 
         return report_main(rest)
     if cmd == "bench":

@@ -169,7 +169,7 @@ class CheckpointManager:
             engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
             _atomic_write(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
             if self.faults is not None:  # fault point: the disk fills up with the shards half written
-                from .faults import InjectedFault
+                from ..faults import InjectedFault
 
                 try:
                     self.faults.hit("checkpoint.write", iteration=iteration)

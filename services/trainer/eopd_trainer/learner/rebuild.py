@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .messages import PromptTask, encode_task
+from ..queue.messages import PromptTask, encode_task
 
 
 def task_seq(rollout_id: str) -> int:

@@ -16,8 +16,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .batching import pack_sequences
-from .sampling import Sample, generate
+from ..batching import pack_sequences
+from ..rollout.samplers.base import Sample
+from ..rollout.samplers.transformers_sampler import generate
 
 
 def _pad(tokenizer) -> int:

@@ -5,7 +5,7 @@ The `redis-server` it starts keeps its data in `<run_dir>/redis` with an append-
 (`appendfsync everysec`, the policy the deployments use; no RDB snapshots), so a `--resume` starts
 it again on the same directory and finds the run's streams, consumer groups, pending lists and task
 counter as they were. The embedded queue keeps nothing: a `--resume` rebuilds what the learner
-needs from its checkpoint (`rebuild.py`).
+needs from its checkpoint (`learner/rebuild.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import QueueConfig
+from ..config import QueueConfig
 from .supervisor import Child, RunError, Supervisor, free_port
 
 PING_WAIT_S = 120

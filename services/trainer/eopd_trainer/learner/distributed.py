@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .batching import gradient_accumulation_steps
-from .config import RunConfig
+from ..batching import gradient_accumulation_steps
+from ..config import RunConfig
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

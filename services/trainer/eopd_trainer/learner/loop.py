@@ -18,16 +18,13 @@ One iteration i (Algorithm 1), starting from policy version v = i - 1:
    rollout ids), then the new weights are published as version i, then the iteration's stream
    entries are acknowledged and deleted.
 
-    eopd-train --config configs/tiny.yaml [key=value ...]
-    torchrun --nproc-per-node 2 -m eopd_trainer.learner --config ... train.zero_stage=2
+The command line is `cli.py` (`eopd-train`, `python -m eopd_trainer.learner`).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -35,9 +32,7 @@ from typing import Any
 
 import torch
 
-from eopd_common.logits import logit_transforms
-
-from .batching import (
+from ..batching import (
     PackedBatch,
     gradient_accumulation_steps,
     pack_rollouts,
@@ -45,19 +40,16 @@ from .batching import (
     shuffle_for_iteration,
     split,
 )
-from .config import RunConfig, config_for_process, dump_config
-from .faults import Faults
-from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
-from .messages import PoisonMessage, PromptTask, Rollout, check_rollout_metadata, decode_rollout, encode_task
+from ..config import RunConfig, dump_config
+from ..faults import Faults
+from ..objective import step_generator
+from ..queue.messages import PoisonMessage, PromptTask, Rollout, check_rollout_metadata, decode_rollout, encode_task
 from .distributed import all_reduce_step_metrics
+from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
 from .metrics import resumed_sink
-from .objective import METRIC_KEYS, step_generator
+from .trainer import LOSS_TERMS, STEP_METRIC_KEYS, _quiet_libraries, fused_loss_path
 
 log = logging.getLogger("eopd.learner")
-
-LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss")
-# Token-weighted per-step metrics (the loss's own keys, plus those it adds with vocab metrics).
-STEP_METRIC_KEYS = tuple(k for k in (*METRIC_KEYS, "student_entropy", "topk_overlap") if k not in LOSS_TERMS)
 
 # Exit statuses of eopd-train: 0 done (or stopped by a signal), 2 configuration error or another
 # learner holds the namespace's lease, 4 checkpoint write failed, 5 systematic rejection of
@@ -66,42 +58,12 @@ EXIT_REJECTED = 5
 EXIT_LEASE_LOST = 6
 
 
-def fused_loss_path(train_cfg, model) -> tuple[bool, str]:
-    """Whether the learner takes the fused hidden-state loss (`compute_loss_from_hidden`, no
-    [N, V] logits), and why not when `train.loss_from_hidden` asks for it but it cannot: ZeRO-3
-    (the output projection's weight is partitioned), or a student whose logits are not
-    `lm_head(hidden)` (Gemma 2 soft-capping, Cohere's logit_scale, Granite's logits_scaling): the
-    fused path would compute its log-probs without the transform, so the ratio against the
-    worker's old log-probs (which apply it) would be wrong. Those take `model(...).logits`."""
-    if not train_cfg.loss_from_hidden:
-        return False, ""
-    if train_cfg.zero_stage >= 3:
-        return False, ""  # documented with the setting: ZeRO-3 always uses the logits
-    transforms = logit_transforms(model.config)
-    if transforms:
-        return False, (f"train.loss_from_hidden: {type(model).__name__} transforms its logits after the output "
-                       f"projection ({', '.join(transforms)}); the loss uses the model's logits instead of the fused path")
-    return True, ""
-
 class LearnerAbort(RuntimeError):
     """Training cannot go on; `code` is the exit status (every rank raises it)."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-def _quiet_libraries() -> None:
-    """No per-file progress bars from transformers / huggingface_hub in the learner's log."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def fresh_state() -> dict[str, Any]:
@@ -134,8 +96,8 @@ class Learner:
         import deepspeed
         from eopd_common.models import load_causal_lm
 
+        from ..data import load_prompts
         from .checkpoint import CheckpointManager
-        from .data import load_prompts
         from .distributed import barrier, build_ds_config, init_process_group, lr_scheduler_factory
 
         cfg = self.cfg
@@ -180,7 +142,8 @@ class Learner:
 
     def _acquire_lease(self) -> None:
         """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""
-        from .queue import Keys, Lease, connect
+        from ..queue.lease import Lease
+        from ..queue.streams import Keys, connect
 
         cfg = self.cfg
         self.keys = Keys(cfg.queue.namespace)
@@ -190,7 +153,7 @@ class Learner:
         self.lease.acquire(wait_s=cfg.queue.lease_wait_s)
 
     def _setup_queues(self) -> None:
-        from .queue import GROUP_LEARNER, GROUP_ROLLOUT, StreamQueue
+        from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, StreamQueue
 
         cfg = self.cfg
         consumer = "learner"
@@ -202,7 +165,7 @@ class Learner:
         self.rollouts.ensure_group()
         self.tasks.ensure_group()
         self.redis.delete(self.keys.done)
-        from .data import prompt_index
+        from ..data import prompt_index
         from .rebuild import rebuild_if_lost
 
         rebuilt = rebuild_if_lost(self.redis, self.keys, self.state, n_samples=cfg.rollout.n_samples,
@@ -218,8 +181,9 @@ class Learner:
 
     # Weight sync ------------------------------------------------------------------------------
     def publish_weights(self, version: int) -> None:
+        from ..queue.announce import announce
+        from ..queue.weights import prune_weights, save_weights
         from .distributed import full_parameters
-        from .weights import announce, prune_weights, save_weights
 
         with full_parameters(self.engine, self.cfg.train.zero_stage):
             if self.rank == 0:
@@ -230,7 +194,7 @@ class Learner:
                 log.info("published policy version %d (%.1f MB, %.2fs)", version, pv.num_bytes / 1e6, time.monotonic() - t0)
 
     def _announced_version(self) -> int:
-        from .weights import current_announcement
+        from ..queue.announce import current_announcement
 
         pv = current_announcement(self.redis, self.keys.policy)
         return -1 if pv is None or not Path(pv.uri).is_file() else pv.version
@@ -239,7 +203,7 @@ class Learner:
     def publish_tasks(self, iteration: int, replacements: int = 0) -> int:
         """Publishes the tasks `iteration` needs (and `replacements` more), atomically with the
         task counter: a restarted learner never publishes the same task twice."""
-        from .data import prompt_index
+        from ..data import prompt_index
 
         cfg = self.cfg
         published = int(self.redis.get(self.keys.tasks_next) or 0)
@@ -344,7 +308,7 @@ class Learner:
 
     def _sync_counters(self) -> None:
         """The drop and dead-letter totals from Redis (exact across crashes) into the state."""
-        from .queue import read_counts
+        from ..queue.streams import read_counts
 
         c = read_counts(self.redis, self.keys.counts)
         self.state["counters"].update(stale_dropped=c.get("stale", 0) + c.get("future", 0),
@@ -353,7 +317,7 @@ class Learner:
     # Training ----------------------------------------------------------------------------------
     def micro_loss(self, packed: PackedBatch, denominator: float,
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        from .objective import compute_loss, compute_loss_from_hidden
+        from ..objective import compute_loss, compute_loss_from_hidden
 
         dev = self.device
         ids, am = packed.input_ids.to(dev), packed.attention_mask.to(dev)
@@ -487,8 +451,8 @@ class Learner:
         return 0
 
     def _check_lease(self) -> None:
+        from ..queue.lease import LeaseLost
         from .distributed import broadcast_int
-        from .queue import LeaseLost
 
         lost = None
         if self.rank == 0:
@@ -501,7 +465,7 @@ class Learner:
                                EXIT_LEASE_LOST)
 
     def _ack_fenced(self, entry_ids: list[str]) -> None:
-        from .queue import LeaseLost
+        from ..queue.lease import LeaseLost
 
         try:
             self.lease.fenced(lambda pipe: self.rollouts.queue_ack(pipe, entry_ids))
@@ -518,7 +482,7 @@ class Learner:
 
         with full_parameters(self.engine, self.cfg.train.zero_stage):
             if self.rank == 0:
-                from .weights import export_state_dict
+                from ..queue.weights import export_state_dict
 
                 self.engine.module.save_pretrained(str(path), state_dict=export_state_dict(self.engine.module),
                                                    safe_serialization=True)
@@ -550,48 +514,3 @@ class Learner:
             progress.set_postfix(loss=f"{summary['loss']:.4f}", gate=f"{summary.get('gate_ratio', 0):.2f}",
                                  stale=f"{stats['staleness_mean']:.1f}", backlog=int(stats["queue_backlog"]))
             progress.update(1)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eopd-train", description="EOPD learner: DeepSpeed training on scored rollouts from Redis.")
-    p.add_argument("--config", type=str, default=None, help="run config YAML")
-    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted paths (e.g. train.lr=1e-5)")
-    # The `deepspeed` launcher passes --local_rank; torchrun sets LOCAL_RANK. Both are read from env.
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = config_for_process("eopd-train", args.config, args.overrides, "learner")
-    if cfg is None:
-        return 2
-    learner = Learner(cfg)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, learner.request_stop)
-    from .checkpoint import CheckpointError
-    from .queue import LeaseHeld
-
-    try:
-        try:
-            learner.setup()
-        except (ValueError, LeaseHeld) as exc:
-            log.error("%s", exc)
-            print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
-            return 2
-        try:
-            return learner.run()
-        except CheckpointError as exc:
-            log.error("%s", exc)
-            print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
-            return 4
-        except LearnerAbort as exc:
-            log.error("%s", exc)
-            print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
-            return exc.code
-    finally:
-        learner.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,8 +22,10 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-from .messages import PolicyVersion, decode_policy, encode_policy, now_ns
+from .messages import PolicyVersion, now_ns
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,6 @@ def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_weights(model: torch.nn.Module, weights_dir: Path, version: int, iteration: int) -> PolicyVersion:
     """Writes the model's weights atomically; returns the announcement to publish."""
-    from safetensors.torch import save_file
-
     weights_dir = Path(weights_dir)
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = weights_path(weights_dir, version)
@@ -72,15 +72,6 @@ def save_weights(model: torch.nn.Module, weights_dir: Path, version: int, iterat
     _fsync_dir(weights_dir)
     return PolicyVersion(version=version, uri=str(final.resolve()), sha256=file_sha256(final),
                          num_bytes=final.stat().st_size, iteration=iteration, created_unix_ns=now_ns())
-
-
-def announce(client, key: str, pv: PolicyVersion) -> None:
-    client.set(key, encode_policy(pv))
-
-
-def current_announcement(client, key: str) -> PolicyVersion | None:
-    raw = client.get(key)
-    return decode_policy(raw) if raw else None
 
 
 def prune_weights(weights_dir: Path, keep: int, protect: int) -> None:
@@ -125,9 +116,6 @@ def read_weights(pv: PolicyVersion, *, verify: bool = True) -> dict[str, torch.T
     """The announced tensors, read once: sha256 verified first (unless `verify=False`, when the
     caller verified it), and the file's identity checked again after reading, so a file replaced
     between the check and the read (a re-announced version number) is never loaded unverified."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(pv.uri)
     if verify:
         path, ident = verify_weights(pv)

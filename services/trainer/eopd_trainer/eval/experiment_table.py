@@ -2,7 +2,7 @@
 seeds, per loss variant (its final student), with the teacher and the initial student (the same
 models in every run: one row each, pooled over the runs that evaluated them), on every evaluated set.
 
-    python -m eopd_trainer.experiment_table runs/exp/eopd-s0 runs/exp/eopd-s1 ... [--json out.json]
+    python -m eopd_trainer.eval.experiment_table runs/exp/eopd-s0 runs/exp/eopd-s1 ... [--json out.json]
 
 Runs are grouped by their `loss.variant` (run.yaml); the spread is the min-max range over the
 group's runs. Columns: the headline Avg@k and Pass@k (k = 1, 2, 4, ..., n), strict and flexible
@@ -125,7 +125,7 @@ def paired_differences(groups: dict[str, list[dict]], reference: str = "opd") ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eopd_trainer.experiment_table",
+    p = argparse.ArgumentParser(prog="python -m eopd_trainer.eval.experiment_table",
                                 description="Markdown tables (mean and range over seeds) of finished runs.")
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--json", type=Path, default=None, help="also write the per-run facts here")

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, dump_config, load_config
+from ..config import ConfigError, RunConfig, dump_config, load_config
 
 LOCK_NAME = ".prepare.lock"
 CONFIG_NAME = "run.yaml"
@@ -100,7 +100,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 def _generate_data(cfg: RunConfig, data_dir: Path) -> tuple[Path, Path]:
     """The generator's splits into `data_dir`, each file replaced atomically."""
-    from .tasks import write_splits
+    from ..eval.tasks import write_splits
 
     gen = cfg.data.generate
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The figures of an experiment (docs/results.md): runs grouped by loss variant, each curve the
 mean over the group's seeds with its min–max band.
 
-    python -m eopd_trainer.experiment_figures runs/exp/eopd-s0 runs/exp/opd-s0 ... --out DIR [--prefix P]
+    python -m eopd_trainer.eval.experiment_figures runs/exp/eopd-s0 runs/exp/opd-s0 ... --out DIR [--prefix P]
 
 Writes three PNG files into DIR:
 - `<P>pass_at_k.png`: Pass@k (headline grading, held-out set) of each variant's final student
@@ -141,7 +141,7 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eopd_trainer.experiment_figures",
+    p = argparse.ArgumentParser(prog="python -m eopd_trainer.eval.experiment_figures",
                                 description="Figures of an experiment: runs grouped by loss variant, mean and "
                                 "min-max over seeds.")
     p.add_argument("runs", nargs="+", type=Path)

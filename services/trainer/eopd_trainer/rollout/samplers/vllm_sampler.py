@@ -7,21 +7,21 @@ the pinned vLLM 0.32 (docs/vllm.md, "Student rollouts with vLLM"):
 - **Sampling**: `LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)])`, one
   `SamplingParams` per sequence with its own seed (a rollout's randomness depends on the run
   seed, its task and its sample index, not on which other sequences share the batch), the
-  student's stop tokens (those `sampling.generate` stops at: the generation config's and the
+  student's stop tokens (those `transformers_sampler.generate` stops at: the generation config's and the
   tokenizer's EOS), `top_k=0`, `detokenize=False`. The engine runs with
   `generation_config="vllm"`, so no sampling default of the model's `generation_config.json`
   leaks in, and `logprobs_mode="processed_logprobs"`, so the log-prob vLLM returns with each
   sampled token (`Sample.logprobs`, always requested: one gather per step) is taken after
   temperature (and after top-p, when top_p < 1).
 - **Old log-probs**: by default (`rollout.old_logprobs: transformers`) from the same
-  transformers forward pass as the transformers sampler (`sampling.sequence_logprobs`) over the
+  transformers forward pass as the transformers sampler (`transformers_sampler.sequence_logprobs`) over the
   vLLM-sampled sequence: exactly the computation the learner's ratio is taken against, whatever
   kernels vLLM uses. `rollout.old_logprobs: vllm` uses vLLM's log-prob of each sampled token
   instead (no second forward pass, no transformers copy of the student); with top-p = 1 it is
   log_softmax(logits / T) over the whole vocabulary, the learner's definition, and agrees with
   the transformers forward to float rounding in fp32 (measured in
   tests/trainer/test_vllm_rollout.py), not in bf16.
-- **Weights**: a published version (`weights.py`: one safetensors file with the student's
+- **Weights**: a published version (`queue/weights.py`: one safetensors file with the student's
   state-dict names) is reloaded in place, without restarting the engine:
   `llm.collective_rpc("reload_weights", kwargs={"weights_path": DIR})` on every vLLM worker,
   where DIR is a per-version directory holding the student's `config.json` and a symlink
@@ -52,11 +52,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .sampling import Sample, SamplerUnavailable, TransformersSampler, cut_response, stop_ids
+from .base import Sample, SamplerUnavailable, cut_response, stop_ids
+from .transformers_sampler import TransformersSampler
 
 if TYPE_CHECKING:
-    from .config import RunConfig, VllmRolloutConfig
-    from .messages import PolicyVersion
+    from ...config import RunConfig, VllmRolloutConfig
+    from ...queue.messages import PolicyVersion
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def require_vllm() -> None:
 
 
 def _stop_ids_of_dir(model_dir: Path, tokenizer) -> set[int]:
-    """The stop tokens `sampling.generate` uses (generation config EOS + tokenizer EOS), from a
+    """The stop tokens `transformers_sampler.generate` uses (generation config EOS + tokenizer EOS), from a
     model directory, for when no transformers copy of the student is loaded."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -111,7 +112,7 @@ class VllmSampler:
     def __init__(self, spec: str, *, settings: VllmRolloutConfig | None = None, student_dtype: str = "float32",
                  device: str = "cpu", old_logprobs: str = "transformers", seed: int = 0,
                  min_model_len: int | None = None, cache_dir: Path | None = None, logprob_chunk_size: int = 1024):
-        from .config import VllmRolloutConfig
+        from ...config import VllmRolloutConfig
 
         require_vllm()
         self.settings = s = settings or VllmRolloutConfig()
@@ -241,7 +242,7 @@ class VllmSampler:
         """Loads a published version into vLLM in place (and into the transformers copy)."""
         from safetensors import safe_open
 
-        from .weights import verify_weights
+        from ...queue.weights import verify_weights
 
         t0 = time.monotonic()
         path = Path(pv.uri).resolve()

@@ -3,7 +3,7 @@
     eopd eval --run-dir RUN_DIR [--model final|initial|teacher|SPEC ...] [key=value ...]
 
 For each model, on every held-out prompt (records with `prompt` and `answer`, e.g. from
-`eopd_trainer.tasks`), `eval.n_samples` responses at temperature 1.0 and top-p 0.8 (the paper's
+`eopd_trainer.eval.tasks`), `eval.n_samples` responses at temperature 1.0 and top-p 0.8 (the paper's
 evaluation), each graded twice by `grading.grade` (math-verify against the gold answer):
 **strict** (the last `\\boxed{}`) and **flexible** (the response's last number, as
 lm-evaluation-harness's GSM8K flexible-extract).
@@ -17,7 +17,7 @@ lm-evaluation-harness's GSM8K flexible-extract).
   response and its gradings (the report's side-by-side table); `examples`: the first 3 (kept for
   older consumers);
 - on the first sample of each prompt (the model's own response), at every response position, the
-  exact next-token entropies of the model and of the teacher (`evaluate.position_log_probs`, full
+  exact next-token entropies of the model and of the teacher (`kl.position_log_probs`, full
   vocabulary): their histograms (paper fig. 3), the share of tokens with entropy >= 1.0, the
   forward KL(teacher || model) averaged over positions where the teacher's entropy >= tau
   (`eval.high_entropy`), and the reverse/forward KL over all positions. When the model evaluated
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, EvalConfig, RunConfig, load_config
+from ..config import ConfigError, EvalConfig, RunConfig, load_config
 from .grading import avg_at_k, pass_at_k
 
 HIST_BINS = np.linspace(0.0, 10.0, 51)  # nats
@@ -63,10 +63,10 @@ def _accuracy(correct: list[bool], n: int) -> dict:
 
 
 def _log_probs(model, teacher, samples, pad_id: int, batch_size: int):
-    """`evaluate.position_log_probs(model, teacher, ...)`; when the model IS the teacher, one
+    """`kl.position_log_probs(model, teacher, ...)`; when the model IS the teacher, one
     forward pass per chunk whose log-probs serve as both."""
-    from .batching import pack_sequences
-    from .evaluate import position_log_probs
+    from ..batching import pack_sequences
+    from .kl import position_log_probs
 
     if model is not teacher:
         yield from position_log_probs(model, teacher, samples, pad_id, temperature=1.0, batch_size=batch_size)
@@ -85,9 +85,9 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
     """The evaluation of one model (see the module docstring). `teacher` may be None (no entropy
     or KL statistics) or `model` itself (run once). `prompt_texts` label `samples` (default: the
     decoded prompts)."""
-    from .evaluate import _pad
+    from ..rollout.samplers.transformers_sampler import generate
     from .grading import extract_last_number, grade
-    from .sampling import generate
+    from .kl import _pad
 
     n = ecfg.n_samples
     flat = [p for p in prompts for _ in range(n)]
@@ -203,7 +203,7 @@ def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *,
     `eval-<set_name>.json`: e.g. an independent held-out set written differently)."""
     from eopd_common.models import load_causal_lm
 
-    from .data import read_records, render_prompt
+    from ..data import read_records, render_prompt
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides)

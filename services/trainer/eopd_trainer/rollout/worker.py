@@ -3,7 +3,7 @@
 Loop: take PromptTasks from `<ns>:tasks` (group "rollout": first its own pending entries after a
 restart, then entries idle on dead workers via XAUTOCLAIM, then new ones); make sure it holds the
 policy version the task asks for (reloading announced weights); sample `num_samples` responses
-per prompt (`rollout.engine`: transformers or vLLM, `sampling.make_sampler`); compute the old
+per prompt (`rollout.engine`: transformers or vLLM, `samplers.make_sampler`); compute the old
 log-probs (by default with a transformers forward pass); send the sequences
 to the teacher over `teacher.streams` pipelined `ScoreStream`s (re-sent after a teacher restart by
 the client); publish each ScoredRollout on `<ns>:rollouts` (waiting while the stream is over
@@ -11,38 +11,30 @@ the client); publish each ScoredRollout on `<ns>:rollouts` (waiting while the st
 the reason when the teacher rejected one of its requests or answered it unusably. A task re-done after a crash yields
 the same rollout ids, which the learner recognises as duplicates.
 
-    eopd-rollout --config configs/tiny.yaml [--worker-id w0] [key=value ...]
+The command line is `cli.py` (`eopd-rollout`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
 import logging
-import os
-import signal
-import socket
-import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError, RunConfig, config_for_process
-from .faults import Faults, corrupt_bytes
-from .sampling import SamplerUnavailable
-from .messages import (
+from ..config import RunConfig
+from ..faults import Faults, corrupt_bytes
+from ..queue.messages import (
     PoisonMessage,
     PromptTask,
     Rollout,
     decode_task,
     encode_rollout,
     now_ns,
-    rollout_id,
 )
-from .queue import (
+from ..queue.streams import (
     GROUP_LEARNER,
     GROUP_ROLLOUT,
     Entry,
@@ -51,15 +43,13 @@ from .queue import (
     connect,
     wait_for_room,
 )
+from .metrics import WorkerMetrics
+from .requests import Pending, QueueSource, answer_problems, remap_ids, request_groups, teacher_tokens
+from .teacher_checks import check_teacher_limits, check_tokenizer
 
 log = logging.getLogger("eopd.rollout")
 
-EXIT_TOKENIZER_MISMATCH = 3
 WEIGHTS_RETRY_MAX_S = 5.0  # longest wait between attempts to load an announced file that failed
-
-
-class TokenizerMismatch(RuntimeError):
-    pass
 
 
 class StopRequested(Exception):
@@ -68,252 +58,6 @@ class StopRequested(Exception):
 
 class TeacherRefused(RuntimeError):
     """The teacher rejected the worker's credentials: retrying cannot help."""
-
-
-_SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
-
-
-class _TokenizerView:
-    """What `tokenizer_fingerprint` reads of a tokenizer, with other special tokens."""
-
-    def __init__(self, vocab: dict[str, int], roles: dict[str, str | None], all_special: list[str]):
-        self._vocab = vocab
-        for role, token in roles.items():
-            setattr(self, f"{role}_token", token)
-        self.all_special_tokens = all_special
-
-    def get_vocab(self) -> dict[str, int]:
-        return self._vocab
-
-
-def remapped_tokenizer_match(tokenizer, token_remap: dict[int, int], teacher_fingerprint: str) -> str | None:
-    """Whether the teacher's tokenizer is the student's with special tokens moved by `token_remap`.
-
-    The teacher only publishes a fingerprint of its vocabulary *and* special tokens (ModelInfo), so
-    the candidates are computed here: the student's vocabulary with each subset of its bos/eos/unk/pad
-    tokens whose id is a remap source replaced by the token at the target id (the list of all
-    special tokens with the new tokens added, with or without the replaced ones). A match proves the
-    vocabularies are identical (the vocabulary is inside the hashed payload) and names the special
-    tokens that differ, e.g. "eos '<|endoftext|>' -> '<|im_end|>'"; None if no candidate matches."""
-    from itertools import combinations
-
-    from eopd_common.models import tokenizer_fingerprint
-
-    vocab = tokenizer.get_vocab()
-    token_of = {i: t for t, i in vocab.items()}
-    roles = {r: getattr(tokenizer, f"{r}_token", None) for r in _SPECIAL_ROLES}
-    movable = [r for r in _SPECIAL_ROLES
-               if roles[r] is not None and token_remap.get(vocab.get(roles[r], -1)) in token_of]
-    base = set(tokenizer.all_special_tokens)
-    seen: set[tuple] = set()
-    for n in range(1, len(movable) + 1):
-        for moved in combinations(movable, n):
-            cand = {r: token_of[token_remap[vocab[t]]] if r in moved else t for r, t in roles.items()}
-            added = base | {cand[r] for r in moved}
-            unused = {roles[r] for r in moved} - {t for t in cand.values() if t is not None}
-            for special in (added, added - unused):
-                key = (tuple(cand.items()), tuple(sorted(special)))
-                if key in seen:
-                    continue
-                seen.add(key)
-                if tokenizer_fingerprint(_TokenizerView(vocab, cand, sorted(special))) == teacher_fingerprint:
-                    return ", ".join(f"{r} {roles[r]!r} -> {cand[r]!r}" for r in moved)
-    return None
-
-
-def check_tokenizer(info, tokenizer, student_spec: str, token_remap: dict[int, int] | None = None) -> str | None:
-    """Refuses a teacher whose tokenizer differs from the student's, saying what differs.
-
-    With `teacher.token_remap`, a teacher whose tokenizer is the student's vocabulary with special
-    tokens moved along the remap (a base student ending on <|endoftext|>, an instruct teacher on
-    <|im_end|>) is accepted: returns what differs (None when the fingerprints are equal)."""
-    from eopd_common.models import (
-        describe_tokenizer_difference,
-        load_tokenizer,
-        tokenizer_fingerprint,
-    )
-
-    fp = tokenizer_fingerprint(tokenizer)
-    if fp == info.tokenizer_fingerprint:
-        return None
-    if token_remap:
-        moved = remapped_tokenizer_match(tokenizer, token_remap, info.tokenizer_fingerprint)
-        if moved is not None:
-            return moved
-    details = []
-    try:  # the teacher's model spec is often loadable here too: then name the differences exactly
-        details.append(describe_tokenizer_difference(load_tokenizer(info.model_name), tokenizer))
-    except Exception:  # noqa: BLE001 - best effort: the spec may only exist on the teacher's host
-        if info.vocab_size != len(tokenizer):
-            details.append(f"vocabulary sizes differ (teacher model {info.vocab_size} vs student tokenizer {len(tokenizer)})")
-    if token_remap:
-        details.append(f"not explained by teacher.token_remap {dict(token_remap)} either")
-    raise TokenizerMismatch(
-        f"tokenizer mismatch: teacher {info.model_name!r} has tokenizer fingerprint {info.tokenizer_fingerprint[:16]}..., "
-        f"student {student_spec!r} has {fp[:16]}...: {'; '.join(details) or 'the vocabularies or special tokens differ'}. "
-        "Token ids would mean different strings to the teacher; use a student with the teacher's tokenizer "
-        "(or set teacher.check_tokenizer=false only if you know the ids agree)."
-    )
-
-
-class TeacherIncompatible(RuntimeError):
-    """The teacher cannot serve this run's requests (context, top-k, request size, vocabulary)."""
-
-
-def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
-    """Refuses, before any task is taken, a teacher whose limits (GetModelInfo) every or some
-    request of this run would exceed, naming the config keys; all problems in one message."""
-    problems = []
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    if longest > info.max_context_length:
-        problems.append(f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
-                        f"({cfg.rollout.max_response_length}) = {longest} exceeds the teacher's max_context_length "
-                        f"({info.max_context_length})")
-    if cfg.teacher.top_k > info.max_top_k:
-        problems.append(f"teacher.top_k ({cfg.teacher.top_k}) exceeds the teacher's max_top_k ({info.max_top_k})")
-    if info.max_sequences_per_request and cfg.teacher.sequences_per_request > info.max_sequences_per_request:
-        problems.append(f"teacher.sequences_per_request ({cfg.teacher.sequences_per_request}) exceeds the teacher's "
-                        f"max_sequences_per_request ({info.max_sequences_per_request})")
-    if len(tokenizer) > info.vocab_size:
-        problems.append(f"student.model {cfg.student.model!r}: its tokenizer has {len(tokenizer)} ids, more than the "
-                        f"teacher's vocabulary ({info.vocab_size}): ids the teacher cannot score")
-    outside = sorted(t for t in cfg.teacher.token_remap.values() if t >= info.vocab_size)
-    if outside:
-        problems.append(f"teacher.token_remap: target ids {outside} outside the teacher's vocabulary [0, {info.vocab_size})")
-    if problems:
-        raise TeacherIncompatible(f"the teacher {info.model_name!r} at {cfg.teacher.target} cannot serve this run: "
-                                  + "; ".join(problems))
-
-
-def answer_problems(group, scores) -> list[str | None]:
-    """For each rollout of a request, why the teacher's answer cannot be used (None: it can): the
-    answer must hold one SequenceScores per sequence sent, in order, with the rollout's id and one
-    row per response token in every array."""
-    out: list[str | None] = []
-    for i, p in enumerate(group):
-        if i >= len(scores):
-            out.append(f"the answer holds {len(scores)} sequences for the {len(group)} sent")
-            continue
-        s, n = scores[i], len(p.response_ids)
-        if s.seq_id != p.rollout_id:
-            out.append(f"the answer's sequence {i} has id {s.seq_id!r}, expected {p.rollout_id!r}")
-            continue
-        rows = {name: int(np.shape(getattr(s, name))[0]) for name in
-                ("token_logprobs", "entropies", "topk_ids", "topk_logprobs")}
-        wrong = {k: v for k, v in rows.items() if v != n}
-        out.append(f"the teacher returned {wrong} positions for {n} response tokens" if wrong else None)
-    return out
-
-
-def request_groups(lengths: list[int], max_sequences: int, max_tokens: int | None) -> list[range]:
-    """Consecutive groups of sequences (by index), one ScoreStream request each: at most
-    `max_sequences` sequences and, when `max_tokens` is set (the teacher's max_tokens_per_request),
-    at most `max_tokens` tokens in all. A sequence longer than `max_tokens` on its own goes alone
-    (the teacher rejects it, and only its task is dead-lettered)."""
-    groups, start, tokens = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and (i - start >= max_sequences or (max_tokens and tokens + n > max_tokens)):
-            groups.append(range(start, i))
-            start, tokens = i, 0
-        tokens += n
-    if lengths:
-        groups.append(range(start, len(lengths)))
-    return groups
-
-
-def remap_ids(ids: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
-    if not mapping:
-        return ids
-    out = ids.copy()
-    for src, dst in mapping.items():
-        out[ids == src] = dst
-    return out
-
-
-def teacher_tokens(prompt_ids, response_ids, token_remap: dict[int, int]) -> np.ndarray:
-    """The token ids sent to the teacher: the prompt as rendered, the response with
-    `teacher.token_remap` applied (the remap translates what the student generates, e.g. its
-    end-of-text id to the teacher's end-of-turn id; the prompt's own special tokens are left alone)."""
-    return np.concatenate([np.asarray(prompt_ids, dtype=np.int64),
-                           remap_ids(np.asarray(response_ids, dtype=np.int64), token_remap)])
-
-
-@dataclass
-class Pending:
-    """A sampled response waiting for the teacher's scores."""
-
-    entry_id: str
-    task: PromptTask
-    sample_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    truncated: bool
-    old_logprobs: np.ndarray
-    policy_version: int
-    sampled_unix_ns: int
-
-    @property
-    def rollout_id(self) -> str:
-        return rollout_id(self.task.task_seq, self.sample_index)
-
-
-class WorkerMetrics:
-    """Prometheus metrics of a rollout worker (served with --prometheus-port)."""
-
-    def __init__(self, port: int = 0):
-        from prometheus_client import Counter, Gauge, Histogram
-
-        self.published = Counter("eopd_rollout_published_total", "Scored rollouts published")
-        self.tokens = Counter("eopd_rollout_response_tokens_total", "Response tokens sampled and scored")
-        self.reclaimed = Counter("eopd_rollout_tasks_reclaimed_total", "Tasks taken over from idle workers")
-        self.dead = Counter("eopd_rollout_dead_letters_total", "Tasks sent to the dead-letter stream")
-        self.version = Gauge("eopd_rollout_policy_version", "Policy version the worker samples with")
-        self.sample_seconds = Histogram("eopd_rollout_sample_seconds", "Sampling + old log-probs per task batch")
-        self.backpressure_waits = Counter("eopd_rollout_backpressure_waits_total", "Publishes delayed by a full stream")
-        self.stream_restarts = Counter("eopd_rollout_teacher_stream_restarts_total",
-                                       "Teacher streams abandoned after teacher.timeout_s without an answer")
-        self.unscored = Counter("eopd_rollout_unscored_total", "Rollouts the teacher did not score (their task is "
-                                "dead-lettered), by status code, or bad_answer for an answer that does not match the request",
-                                ["reason"])
-        self.reload_failures = Counter("eopd_rollout_weight_reload_failures_total",
-                                       "Announced weights that could not be loaded (missing, sha256 mismatch, "
-                                       "rewritten while read); retried")
-        self.reload_seconds = Histogram("eopd_rollout_weight_reload_seconds",
-                                        "Loading an announced policy version into the sampler (in place)")
-        if port:
-            from prometheus_client import start_http_server
-
-            start_http_server(port)
-
-
-class QueueSource:
-    """The request source of `score_stream`: an async iterator over a queue (None ends it).
-
-    Not an async generator on purpose: the client cancels its writer while it awaits the next
-    request when a stream breaks; cancelling `Queue.get()` loses nothing, whereas a cancelled
-    async generator is closed and would end the stream early."""
-
-    def __init__(self, queue: asyncio.Queue, sent: dict | None = None, resend: list | None = None, done: bool = False):
-        self.queue = queue
-        self.done = done
-        self.sent = sent if sent is not None else {}  # request_id -> (batch, monotonic time handed out)
-        self.resend = list(resend or [])  # requests of an abandoned stream, handed out first
-
-    def __aiter__(self) -> QueueSource:
-        return self
-
-    async def __anext__(self):
-        if self.resend:
-            item = self.resend.pop(0)
-        else:
-            if self.done:
-                raise StopAsyncIteration
-            item = await self.queue.get()
-            if item is None:
-                self.done = True
-                raise StopAsyncIteration
-        self.sent[item.request_id] = (item, time.monotonic())
-        return item
 
 
 class RolloutWorker:
@@ -335,8 +79,8 @@ class RolloutWorker:
 
     # Set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
-        from .data import load_prompts
-        from .sampling import make_sampler
+        from ..data import load_prompts
+        from .samplers import make_sampler
 
         cfg = self.cfg
         self.redis = connect(cfg.queue.redis_url)
@@ -362,7 +106,7 @@ class RolloutWorker:
             log.info("resuming %d pending tasks of %s", len(self._local), self.worker_id)
 
     def prompt_ids(self, index: int) -> list[int]:
-        from .data import render_prompt
+        from ..data import render_prompt
 
         ids = self._prompt_cache.get(index)
         if ids is None:
@@ -374,7 +118,7 @@ class RolloutWorker:
 
     # Policy versions -------------------------------------------------------------------------
     def _maybe_reload(self) -> None:
-        from .weights import current_announcement
+        from ..queue.announce import current_announcement
 
         pv = current_announcement(self.redis, self.keys.policy)
         # (version, sha256): after a learner rolls back to its last checkpoint, a version number
@@ -396,7 +140,7 @@ class RolloutWorker:
         WEIGHTS_RETRY_MAX_S). Meanwhile, in async mode, a worker whose current weights satisfy the
         tasks keeps sampling with them; in sync mode it waits (the rollouts of the old weights
         would be dropped as stale)."""
-        from .weights import WeightsUnavailable
+        from ..queue.weights import WeightsUnavailable
 
         poll = self.cfg.rollout.weights_poll_s
         delay = poll
@@ -756,51 +500,3 @@ class RolloutWorker:
                 if self.stop.is_set():
                     raise StopRequested from None
                 await asyncio.sleep(0.5)
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eopd-rollout", description="EOPD rollout worker: sample, score with the teacher, publish.")
-    p.add_argument("--config", type=str, default=None, help="run config YAML")
-    p.add_argument("--worker-id", default=None, help="consumer name (default: host-pid); reuse it to resume its pending tasks")
-    p.add_argument("--prometheus-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted paths (e.g. teacher.target=host:50051)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = config_for_process("eopd-rollout", args.config, args.overrides, "rollout")
-    if cfg is None:
-        return 2
-    worker = RolloutWorker(cfg, args.worker_id or default_worker_id(), args.prometheus_port)
-
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stop.set)
-        return await worker.run()
-
-    try:
-        worker.setup()
-        return asyncio.run(run())
-    except TokenizerMismatch as exc:
-        print(f"eopd-rollout: {exc}", file=sys.stderr)
-        return EXIT_TOKENIZER_MISMATCH
-    except SamplerUnavailable as exc:  # e.g. rollout.engine=vllm without vLLM installed
-        print(f"eopd-rollout: {exc}", file=sys.stderr)
-        return 2
-    except (ConfigError, TeacherRefused, TeacherIncompatible) as exc:
-        print(f"eopd-rollout: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        sampler = getattr(worker, "sampler", None)
-        if sampler is not None:
-            sampler.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

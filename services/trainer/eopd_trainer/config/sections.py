@@ -19,10 +19,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .objective import LossConfig
+from ..objective import LossConfig
 
 
 class ConfigError(ValueError):
@@ -126,7 +125,7 @@ class StudentConfig(_Section):
 
 
 class TasksConfig(_Section):
-    """Prompts from the arithmetic/word-problem generator (`eopd_trainer.tasks`), written by `eopd run`."""
+    """Prompts from the arithmetic/word-problem generator (`eopd_trainer.eval.tasks`), written by `eopd run`."""
 
     train: int = Field(512, ge=1, description="Training prompts.")
     heldout: int = Field(64, ge=1, description="Held-out prompts (never shared with the training split).")
@@ -349,136 +348,3 @@ class RunConfig(_Section):
     def effective_max_staleness(self) -> int:
         return 0 if self.mode == "sync" else self.max_staleness
 
-
-# Loading ----------------------------------------------------------------------------------
-
-_PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"))
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML: numbers, booleans, lists...)."""
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} is not of the form key=value (dotted keys, e.g. train.lr=1e-5)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Returns a copy of `data` with each `key=value` applied (intermediate mappings created)."""
-    out = _deep_copy(data)
-    for item in overrides:
-        path, value = parse_override(item)
-        node = out
-        for i, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a mapping")
-            node = child
-        node[path[-1]] = value
-    return out
-
-
-def _deep_copy(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _deep_copy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_deep_copy(v) for v in d]
-    return d
-
-
-def _resolve_paths(data: dict[str, Any], base: Path) -> None:
-    def fix(p: Any) -> Any:
-        if isinstance(p, str) and p and not os.path.isabs(os.path.expanduser(p)):
-            return os.path.normpath(str(base / p))
-        return p
-
-    for path in _PATH_FIELDS:
-        node = data
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or path[-1] not in node:
-            continue
-        value = node[path[-1]]
-        node[path[-1]] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
-
-
-def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-            msg = err["msg"]
-            if err["type"] == "extra_forbidden":
-                msg = "unknown key"
-            lines.append(f"  {loc}: {msg}")
-        raise ConfigError("invalid run config:\n" + "\n".join(lines)) from None
-
-
-def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Loads a run config: YAML file (optional), then `EOPD_RUN_*` environment variables, then
-    `key=value` overrides, then validation.
-
-    Relative paths (run_dir, data files) in the file are relative to the file's directory; in
-    overrides they are relative to the current directory.
-    """
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping")
-        _resolve_paths(loaded, p.resolve().parent)
-        data = loaded
-    data = apply_overrides(data, env_overrides() + list(overrides))
-    return config_from_dict(data)
-
-
-ENV_PREFIX = "EOPD_RUN_"
-
-
-def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
-    """`EOPD_RUN_<SECTION>__<KEY>=value` environment variables as `section.key=value` overrides
-    (`__` separates levels; names are case-insensitive), e.g. `EOPD_RUN_TEACHER__TARGET=teacher:50051`,
-    `EOPD_RUN_SEED=3`. They apply after the file and before command-line overrides."""
-    env = os.environ if environ is None else environ
-    out = []
-    for name in sorted(env):
-        if not name.upper().startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
-            continue
-        key = ".".join(part.lower() for part in name[len(ENV_PREFIX):].split("__"))
-        out.append(f"{key}={env[name]}")
-    return out
-
-
-def dump_config(cfg: RunConfig) -> str:
-    """The effective config as YAML (written into the run directory for provenance)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def config_for_process(prog: str, config_file: str | None, overrides: list[str], role: str) -> RunConfig | None:
-    """The config of a pipeline process started from the command line, with logging set up; None
-    (after printing the error) when the config is invalid, for an exit status of 2."""
-    import logging
-    import sys
-
-    try:
-        cfg = load_config(config_file, overrides)
-    except (ConfigError, ValueError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return None
-    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(levelname)s {role} %(message)s", stream=sys.stderr)
-    return cfg

@@ -4,13 +4,13 @@ process, for machines with neither a reachable Redis nor a `redis-server` binary
 It is `fakeredis` (a Python implementation of the Redis commands) behind its TCP server
 (`fakeredis.TcpFakeServer`, RESP over TCP), bound to 127.0.0.1 on a port the OS picks. The learner
 and the rollout workers are separate processes and talk to it through redis-py exactly as they
-talk to Redis: nothing in `queue.py`, the learner or the workers knows the difference.
+talk to Redis: nothing in `queue/`, the learner or the workers knows the difference.
 
 What it is not:
 
 - **Not persistent.** Every stream, consumer group, pending list and key lives in the memory of
   the `eopd run` process. If that process dies (SIGKILL, OOM, a crash), the queue is gone; its
-  children get SIGTERM from the kernel (run.py: PR_SET_PDEATHSIG) and stop or fail on the lost
+  children get SIGTERM from the kernel (supervisor.py: PR_SET_PDEATHSIG) and stop or fail on the lost
   connection; the learner's last committed checkpoint stays on disk, but a restarted run starts
   from an empty queue. Ctrl-C / SIGTERM are clean: the children are stopped first, the queue last.
 - **Not shared.** It listens on 127.0.0.1 only; processes on other machines cannot use it.

@@ -1,67 +1,27 @@
-"""Sampling responses from the student, and the behaviour ("old") log-probs.
+"""The transformers sampler: the student as a transformers module samples (`generate`), and the
+behaviour ("old") log-probs come from `sequence_logprobs`.
 
 Old log-probs come from a separate forward pass of the sampling policy over the full sequence
 (prompt + response), at the sampling temperature, never from generation scores: generation may
 use kernels, caches or processors (top-p) that make its scores differ from the distribution the
-learner's ratio is taken against.
-
-The rollout worker talks to a `Sampler` (`make_sampler(cfg)` picks one by `rollout.engine`):
-
-- `TransformersSampler` (`transformers`, the default): `generate` with transformers, old log-probs
-  from `sequence_logprobs` (decoder body once, then the output projection in chunks of
-  `rollout.logprob_chunk_size` response positions: no `[batch, seq, vocab]` logits), weights
-  reloaded into the module in place;
-- `VllmSampler` (`vllm`, in `vllm_sampling.py`, imported only when chosen): vLLM samples, old
-  log-probs by default from the same transformers forward pass (see that module).
-"""
+learner's ratio is taken against. `sequence_logprobs` runs the decoder body once, then the output
+projection in chunks of `rollout.logprob_chunk_size` response positions: no `[batch, seq, vocab]`
+logits. Published weights are reloaded into the module in place."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from eopd_common.logits import LOGIT_TRANSFORMS, final_logits
 
-from .batching import pack_sequences
-
-if TYPE_CHECKING:
-    from .config import RunConfig
-    from .messages import PolicyVersion
+from ...batching import pack_sequences
+from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Sample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    truncated: bool
-    # The sampler's own log-prob of each response token (vLLM with rollout.old_logprobs=vllm); None otherwise.
-    logprobs: np.ndarray | None = None
-
-
-def stop_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if src is None:
-            continue
-        ids.update([src] if isinstance(src, int) else list(src))
-    return ids
-
-
-def cut_response(generated: Sequence[int], stop: set[int], max_new: int) -> tuple[list[int], bool]:
-    """The response up to and including the first stop token; truncated if none within max_new."""
-    out: list[int] = []
-    for tok in list(generated)[:max_new]:
-        out.append(int(tok))
-        if int(tok) in stop:
-            return out, False
-    return out, True
 
 
 @torch.no_grad()
@@ -149,36 +109,6 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     return out
 
 
-# The sampler interface of the rollout worker ------------------------------------------------------
-
-
-class SamplerUnavailable(RuntimeError):
-    """The configured rollout engine cannot run in this environment (e.g. vLLM not installed)."""
-
-
-class Sampler(Protocol):
-    """What the rollout worker needs from a sampling engine. Calls come from one thread at a time."""
-
-    engine: str  # "transformers" or "vllm"
-    tokenizer: Any
-
-    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float, top_p: float,
-               max_new_tokens: int) -> list[Sample]:
-        """One response per prompt (repeat a prompt for several samples); `seeds[i]` seeds prompt i
-        (the transformers sampler seeds the whole batch with `seeds[0]`)."""
-        ...
-
-    def old_logprobs(self, samples: Sequence[Sample], *, temperature: float) -> list[np.ndarray]:
-        """log pi_old(token | prefix) at every response token, at `temperature`, as the learner computes it."""
-        ...
-
-    def load_weights(self, pv: PolicyVersion) -> None:
-        """Loads an announced policy version in place (sha256 verified); no restart."""
-        ...
-
-    def close(self) -> None: ...
-
-
 class TransformersSampler:
     """The student as a transformers module: `generate` to sample, `sequence_logprobs` for old
     log-probs, published weights loaded into the module in place."""
@@ -206,19 +136,9 @@ class TransformersSampler:
                                  temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size)
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
-        from .weights import load_weights
+        from ...queue.weights import load_weights
 
         load_weights(self.model, pv, verify=verify)
 
     def close(self) -> None:
         pass
-
-
-def make_sampler(cfg: RunConfig) -> Sampler:
-    """The sampler of `rollout.engine` for the run's student."""
-    if cfg.rollout.engine == "vllm":
-        from .vllm_sampling import VllmSampler  # imports vLLM itself only when the engine starts
-
-        return VllmSampler.from_config(cfg)
-    return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device,
-                               logprob_chunk_size=cfg.rollout.logprob_chunk_size)

@@ -31,15 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil  # noqa: F401 - tests patch eopd_trainer.run.shutil.which
 import signal
 import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, dump_config, load_config
-from .local_queue import EMBEDDED_NOTE, QueueChoice, choose_queue, redis_ping, shown_url  # noqa: F401 - interface
-from .prepare import prepare, validate  # noqa: F401 - part of this module's interface (bench/ uses prepare)
+from ..config import ConfigError, RunConfig, dump_config, load_config
+from .local_queue import choose_queue
+from .prepare import prepare, validate
 from .resume import (
     RunDirBusy,
     RunLock,
@@ -52,15 +51,7 @@ from .resume import (
     write_requested,
 )
 from .run_record import RunRecord
-from .supervisor import (  # noqa: F401 - part of this module's interface (bench/ and tests use them)
-    Child,
-    RunError,
-    Supervisor,
-    free_port,
-    log_tail,
-    wait_http_ready,
-    wait_teacher,
-)
+from .supervisor import RunError, Supervisor, free_port, wait_teacher
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -151,7 +142,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False, resume: bool = False, evalua
 
 def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resume: bool, evaluate: bool,
          teacher_timeout: float, learner_timeout: float | None) -> int:
-    from .data import load_prompts
+    from ..data import load_prompts
 
     start = plan_start(cfg, resume=resume, overwrite=overwrite)  # ConfigError: refused, with the reason
     run_dir = lock.run_dir
@@ -201,7 +192,7 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
             for s, h in old.items():
                 signal.signal(s, h)
         summary["eval_s"] = time.monotonic() - t0
-        from .evaluation import eval_path, summary_line
+        from ..eval.evaluate import eval_path, summary_line
 
         for name, r in result["models"].items():  # headline avg@n / pass@n, the other grading's avg@n, KL
             say(f"eval {summary_line(name, r)}")
@@ -218,7 +209,7 @@ def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLoc
            teacher_timeout: float, learner_timeout: float | None) -> tuple[int, RunConfig]:
     """Queue, teacher, rollout worker and learner until the learner has committed iteration `total`.
     Returns (exit code, the effective config); 0 when trained."""
-    from .metrics import trim_records
+    from ..learner.metrics import trim_records
 
     summary = record.current
     sup = Supervisor(run_dir / "logs", pass_fds=(lock.fd,))  # they hold the run directory's lock until they exit
@@ -329,8 +320,8 @@ def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
     """`eopd eval` of `eval.models`, one model at a time, each recorded when done: a run
     interrupted during the evaluation evaluates only the models left when resumed (and a model
     evaluated already with the same settings is not evaluated again)."""
-    from .evaluation import evaluate_run, resolve_model
-    from .faults import Faults
+    from ..eval.evaluate import evaluate_run, resolve_model
+    from ..faults import Faults
 
     settings = cfg.eval.model_dump(mode="json", exclude={"models", "enabled"})
     resolved = {m: resolve_model(m, run_dir, cfg) for m in cfg.eval.models}

@@ -1,0 +1,3 @@
+"""Where the rollout side and the learner meet: the Redis streams (`streams.py`), the learner's lease
+(`lease.py`), the messages on them (`messages.py`), the published weight files (`weights.py`) and
+their announcement (`announce.py`)."""
