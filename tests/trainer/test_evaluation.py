@@ -28,10 +28,10 @@ def _scripted_generate(model, tokenizer, prompts, *, temperature, top_p, max_new
 
 @pytest.mark.parametrize("headline", ["strict", "flexible"])
 def test_both_gradings_and_the_headline(monkeypatch, headline):
-    import eopd_trainer.rollout.samplers.transformers_sampler
+    import eopd_trainer.eval.evaluate
     from eopd_trainer.eval.evaluate import evaluate_model, summary_line
 
-    monkeypatch.setattr(eopd_trainer.rollout.samplers.transformers_sampler, "generate", _scripted_generate)
+    monkeypatch.setattr(eopd_trainer.eval.evaluate, "generate", _scripted_generate)
     ecfg = EvalConfig(n_samples=2, batch_size=8, headline=headline)
     r = evaluate_model(None, _Tok(), None, [[101], [102]], ["12", "3"], ecfg, seed=0,
                        prompt_texts=["What is 7 + 5?", "What is 1 + 2?"])
@@ -54,10 +54,10 @@ def test_both_gradings_and_the_headline(monkeypatch, headline):
 
 
 def test_samples_are_the_first_eight_prompts(monkeypatch):
-    import eopd_trainer.rollout.samplers.transformers_sampler
+    import eopd_trainer.eval.evaluate
     from eopd_trainer.eval.evaluate import evaluate_model
 
-    monkeypatch.setattr(eopd_trainer.rollout.samplers.transformers_sampler, "generate", _scripted_generate)
+    monkeypatch.setattr(eopd_trainer.eval.evaluate, "generate", _scripted_generate)
     r = evaluate_model(None, _Tok(), None, [[100 + i] for i in range(10)], ["1"] * 10,
                        EvalConfig(n_samples=1, batch_size=4), seed=0)
     assert len(r["samples"]) == 8 and len(r["examples"]) == 3
@@ -95,6 +95,7 @@ def test_the_teacher_evaluated_as_itself_runs_once_and_is_deterministic(monkeypa
 
 def test_evaluate_run_loads_the_teacher_once(tmp_path, monkeypatch):
     import eopd_common.models
+    import eopd_trainer.eval.evaluate
     from eopd_trainer.eval.evaluate import evaluate_run
 
     from tests.procs import ROOT
@@ -106,7 +107,7 @@ def test_evaluate_run_loads_the_teacher_once(tmp_path, monkeypatch):
         "eval:\n  n_samples: 1\n  max_new_tokens: 4\n  max_prompts: 2\n")
     loads = []
     real = eopd_common.models.load_causal_lm
-    monkeypatch.setattr(eopd_common.models, "load_causal_lm", lambda spec, **k: loads.append(spec) or real(spec, **k))
+    monkeypatch.setattr(eopd_trainer.eval.evaluate, "load_causal_lm", lambda spec, **k: loads.append(spec) or real(spec, **k))
     result = evaluate_run(tmp_path, ["teacher", "initial", "tiny-random@0"], names=["teacher", "initial", "t2"])
     assert loads == ["tiny-random@0", "tiny-random@1"]  # the teacher (also named by its spec) once
     models = result["models"]

@@ -38,8 +38,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eopd_common.models import load_causal_lm, materialise_spec, pad_token_id
+
 from ..config import ConfigError, EvalConfig, RunConfig, load_config
-from .grading import avg_at_k, pass_at_k
+from ..data import read_records, render_prompt
+from ..rollout.samplers.transformers_sampler import generate
+from .grading import avg_at_k, extract_last_number, grade, pass_at_k
+from .kl import paired_log_probs
 
 HIST_BINS = np.linspace(0.0, 10.0, 51)  # nats
 
@@ -62,33 +67,12 @@ def _accuracy(correct: list[bool], n: int) -> dict:
             "pass_at_k": {str(k): float(np.mean([pass_at_k(n, sum(c), k) for c in per_prompt])) for k in ks_for(n)}}
 
 
-def _log_probs(model, teacher, samples, pad_id: int, batch_size: int):
-    """`kl.position_log_probs(model, teacher, ...)`; when the model IS the teacher, one
-    forward pass per chunk whose log-probs serve as both."""
-    from ..batching import pack_sequences
-    from .kl import position_log_probs
-
-    if model is not teacher:
-        yield from position_log_probs(model, teacher, samples, pad_id, temperature=1.0, batch_size=batch_size)
-        return
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        packed = pack_sequences([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
-        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        ls = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[packed.positions].double(), dim=-1)
-        yield ls, ls
-
-
 @torch.no_grad()
 def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers: list[str], ecfg: EvalConfig, *,
                    seed: int = 1234, prompt_texts: list[str] | None = None) -> dict:
     """The evaluation of one model (see the module docstring). `teacher` may be None (no entropy
     or KL statistics) or `model` itself (run once). `prompt_texts` label `samples` (default: the
     decoded prompts)."""
-    from ..rollout.samplers.transformers_sampler import generate
-    from .grading import extract_last_number, grade
-    from .kl import _pad
-
     n = ecfg.n_samples
     flat = [p for p in prompts for _ in range(n)]
     samples = []
@@ -124,7 +108,7 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
         return out
     firsts = samples[::n]
     hs_all, ht_all, fkl_all, rkl_all = [], [], [], []
-    for ls, lt in _log_probs(model, teacher, firsts, _pad(tokenizer), max(1, ecfg.batch_size // 2)):
+    for ls, lt in paired_log_probs(model, teacher, firsts, pad_token_id(tokenizer), max(1, ecfg.batch_size // 2)):
         ps, pt = ls.exp(), lt.exp()
         hs_all.append(-(ps * ls).sum(-1))
         ht_all.append(-(pt * lt).sum(-1))
@@ -172,8 +156,6 @@ def committed_export(run_dir: Path) -> Path:
 def resolve_model(name: str, run_dir: Path, cfg: RunConfig) -> str:
     """`final` (the last committed HF export), `initial` (the run's starting student), `teacher`,
     or any model spec (a layer-subset spec is built into <run_dir>/eval-models)."""
-    from eopd_common.models import materialise_spec
-
     if name == "final":
         return str(committed_export(run_dir))
     if name == "initial":
@@ -201,10 +183,6 @@ def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *,
                  data_files: list[Path] | None = None, set_name: str | None = None) -> dict:
     """Evaluates `models` on the run's held-out files (or on `data_files`, results then in
     `eval-<set_name>.json`: e.g. an independent held-out set written differently)."""
-    from eopd_common.models import load_causal_lm
-
-    from ..data import read_records, render_prompt
-
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides)
     ecfg = cfg.eval

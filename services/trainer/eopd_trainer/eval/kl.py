@@ -15,14 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from eopd_common.models import pad_token_id
 
 from ..batching import pack_sequences
 from ..rollout.samplers.base import Sample
 from ..rollout.samplers.transformers_sampler import generate
-
-
-def _pad(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 @torch.no_grad()
@@ -40,15 +37,36 @@ def position_log_probs(student, teacher, samples: Sequence[Sample], pad_id: int,
                        batch_size: int = 8) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per chunk of samples: the student's and the teacher's full next-token log-distributions at
     every response position, `(ls, lt)`, each [positions, V] float64 (response order kept)."""
+    for packed in _packed_chunks(samples, pad_id, batch_size):
+        yield _response_log_probs(student, packed, temperature), _response_log_probs(teacher, packed, temperature)
+
+
+@torch.no_grad()
+def paired_log_probs(model, teacher, samples: Sequence[Sample], pad_id: int,
+                     batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`position_log_probs(model, teacher, ...)` at temperature 1.0; when the model IS the teacher,
+    one forward pass per chunk whose log-probs serve as both."""
+    if model is not teacher:
+        yield from position_log_probs(model, teacher, samples, pad_id, temperature=1.0, batch_size=batch_size)
+        return
+    for packed in _packed_chunks(samples, pad_id, batch_size):
+        ls = _response_log_probs(model, packed, 1.0)
+        yield ls, ls
+
+
+def _packed_chunks(samples: Sequence[Sample], pad_id: int, batch_size: int):
+    """The samples packed (prompt + response) in chunks of `batch_size`."""
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        packed = pack_sequences([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
-        out = []
-        for model in (student, teacher):
-            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-            flat = logits.reshape(-1, logits.shape[-1])[packed.positions].double() / temperature
-            out.append(torch.log_softmax(flat, dim=-1))
-        yield out[0], out[1]
+        yield pack_sequences([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
+
+
+def _response_log_probs(model, packed, temperature: float) -> torch.Tensor:
+    """The model's full next-token log-distribution at every response position of a packed batch,
+    [positions, V] float64."""
+    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+    flat = logits.reshape(-1, logits.shape[-1])[packed.positions].double() / temperature
+    return torch.log_softmax(flat, dim=-1)
 
 
 @torch.no_grad()
@@ -68,4 +86,4 @@ def kl_to_teacher(student, teacher, tokenizer, prompts: Sequence[Sequence[int]],
                   seed: int = 1234, temperature: float = 1.0, batch_size: int = 8) -> dict[str, float]:
     samples = sample_contexts(student, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
                               temperature=temperature, batch_size=batch_size)
-    return kl_on_samples(student, teacher, samples, _pad(tokenizer), temperature=temperature, batch_size=batch_size)
+    return kl_on_samples(student, teacher, samples, pad_token_id(tokenizer), temperature=temperature, batch_size=batch_size)

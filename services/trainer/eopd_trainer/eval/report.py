@@ -25,6 +25,8 @@ import math
 import sys
 from pathlib import Path
 
+import yaml
+
 CURVES = (
     ("Loss terms", ("iter/loss", "iter/pg_loss", "iter/fkl_loss")),
     ("Gate ratio (paper appendix E): share of response tokens with teacher entropy ≥ τ", ("iter/gate_ratio",)),
@@ -172,8 +174,6 @@ def _variant(run: Path) -> str:
     cfg_path = Path(run) / "run.yaml"
     if not cfg_path.is_file():
         return ""
-    import yaml
-
     return ((yaml.safe_load(cfg_path.read_text()) or {}).get("loss") or {}).get("variant", "")
 
 
