@@ -17,7 +17,7 @@ lm-evaluation-harness's GSM8K flexible-extract).
   response and its gradings (the report's side-by-side table); `examples`: the first 3 (kept for
   older consumers);
 - on the first sample of each prompt (the model's own response), at every response position, the
-  exact next-token entropies of the model and of the teacher (`kl.position_log_probs`, full
+  exact next-token entropies of the model and of the teacher (`kl.paired_log_probs`, full
   vocabulary): their histograms (paper fig. 3), the share of tokens with entropy >= 1.0, the
   forward KL(teacher || model) averaged over positions where the teacher's entropy >= tau
   (`eval.high_entropy`), and the reverse/forward KL over all positions. When the model evaluated

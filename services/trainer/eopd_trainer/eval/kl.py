@@ -8,6 +8,9 @@ averaged over positions:
 - `sample_contexts` + `kl_on_samples`: on fixed contexts, e.g. sampled once from the initial
   student, so that two checkpoints are compared on the very same positions (a paired measure,
   much less noisy on small evaluation sets).
+
+`position_log_probs` gives both models' log-distributions at those positions; `paired_log_probs`
+(for `eopd eval`) runs a model that is its own teacher once.
 """
 
 from __future__ import annotations
