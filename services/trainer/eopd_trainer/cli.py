@@ -1,4 +1,4 @@
-"""`eopd`: one command for the pipeline's processes (issue 5 adds `run`, `eval` and `report`).
+"""`eopd`: one command for the pipeline's processes, the whole job on one machine, its evaluation and report.
 
     eopd train   --config FILE [key=value ...]     the learner (same as eopd-train)
     eopd rollout --config FILE [--worker-id ID] [key=value ...]   a rollout worker (eopd-rollout)

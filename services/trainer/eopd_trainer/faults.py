@@ -1,4 +1,4 @@
-"""Fault injection at named points (tests; later the chaos tier of issue 8).
+"""Fault injection at named points (the tests and the chaos tier, docs/reliability.md).
 
 Configured in the run config (`faults: [{point: learner.after_step, iteration: 2, step: 1}]`,
 or as an override `faults=[{point: learner.after_commit, iteration: 1}]`). A fault fires when
