@@ -83,11 +83,11 @@ def _engine_runner(path: str, dtype: str):
     if path == "vllm_engine":
         from eopd_teacher.engines.vllm_engine import VllmEngine
 
-        eng = VllmEngine(TeacherSettings(model="smollm2-135m", engine="vllm", dtype=dtype, vllm_kv_cache_gib=KV_CACHE_GIB))
+        eng = VllmEngine(TeacherSettings(model="smollm2-135m", engine="vllm", dtype=dtype, vllm_kv_cache_gib=KV_CACHE_GIB).engine_settings())
     else:
         from eopd_teacher.engines.transformers_engine import TransformersEngine
 
-        eng = TransformersEngine(TeacherSettings(model="smollm2-135m", dtype=dtype))
+        eng = TransformersEngine(TeacherSettings(model="smollm2-135m", dtype=dtype).engine_settings())
     eng.load()
 
     def score(seqs):

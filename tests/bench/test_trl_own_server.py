@@ -18,9 +18,9 @@ pytestmark = pytest.mark.integration
 
 def test_trl_own_server_answers_and_agrees_with_the_eopd_teacher(tmp_path):
     from bench.bench_trl_peer import HttpPath, first_sequence, start_trl_server, trl_own_dir, workload
+    from eopd_common.model_dirs import materialise_model_dir
     from eopd_common.models import default_cache_dir
     from eopd_teacher.engines.transformers_engine import TransformersEngine
-    from eopd_teacher.engines.vllm_engine import materialise_model_dir
     from eopd_teacher.settings import TeacherSettings
     from eopd_teacher.types import ScoreItem
     from eopd_trainer.job.supervisor import Supervisor, free_port, wait_http_ready
@@ -42,7 +42,7 @@ def test_trl_own_server_answers_and_agrees_with_the_eopd_teacher(tmp_path):
     finally:
         sup.stop_all()
 
-    engine = TransformersEngine(TeacherSettings(model="tiny-random", dtype="float32"))
+    engine = TransformersEngine(TeacherSettings(model="tiny-random", dtype="float32").engine_settings())
     engine.load()
     [ref] = engine.score([ScoreItem(seqs[0][0], np.asarray(seqs[0][1]), seqs[0][2], k, 1.0)])
     n = ref.token_logprobs.shape[0]

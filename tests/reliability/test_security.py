@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from eopd_common.client_security import ClientSecurity
 from eopd_teacher.client import TeacherClient
 from tests.procs import running_teacher
 
@@ -160,15 +161,71 @@ def test_teacher_client_settings_are_validated(tmp_path, monkeypatch):
         load_config(tiny, ["teacher.tls_cert_file=/x.pem"])
     cfg = load_config(tiny, [f"teacher.tls_ca_file={tmp_path / 'missing.pem'}"])
     with pytest.raises(ConfigError, match="teacher.tls_ca_file: cannot read"):
-        cfg.teacher.client_kwargs()
+        cfg.teacher.client_security()
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="teacher.auth_token_file: .* is empty"):
-        load_config(tiny, [f"teacher.auth_token_file={tmp_path / 'empty'}"]).teacher.client_kwargs()
-    assert load_config(tiny).teacher.client_kwargs() == {}  # plaintext, no token
+        load_config(tiny, [f"teacher.auth_token_file={tmp_path / 'empty'}"]).teacher.client_security()
+    assert load_config(tiny).teacher.client_security() == ClientSecurity()  # plaintext, no token
     monkeypatch.setenv("EOPD_TEACHER_AUTH_TOKEN", "from-env")
-    assert load_config(tiny).teacher.client_kwargs() == {"auth_token": "from-env"}
-    kw = load_config(tiny, ["teacher.tls=true", "teacher.tls_server_name=teacher.example"]).teacher.client_kwargs()
-    assert kw["tls"] is True and kw["tls_ca_file"] is None and kw["tls_server_name"] == "teacher.example"
+    assert load_config(tiny).teacher.client_security() == ClientSecurity(auth_token="from-env")
+    sec = load_config(tiny, ["teacher.tls=true", "teacher.tls_server_name=teacher.example"]).teacher.client_security()
+    assert sec.uses_tls and sec.tls is True and sec.tls_ca_file is None and sec.tls_server_name == "teacher.example"
+    assert sec == ClientSecurity(auth_token="from-env", tls=True, tls_server_name="teacher.example")
+
+
+def test_tls_files_under_home_reach_the_client(tmp_path, monkeypatch, pki):
+    """A `~/` TLS path in the run configuration is read (checked at start) and used by the client
+    from the same place: the client's credentials come from `ClientSecurity`, which expands `~`."""
+    from eopd_trainer.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ca.pem").write_bytes((pki / "ca.pem").read_bytes())
+    sec = load_config("configs/tiny.yaml", ["teacher.tls_ca_file=~/ca.pem"]).teacher.client_security()
+    assert sec.tls_ca_file == "~/ca.pem" and sec.uses_tls
+    with TeacherClient("127.0.0.1:1", security=sec) as c:
+        assert c.security is sec and c._credentials is not None
+
+
+def test_client_takes_security_or_the_same_keywords(tmp_path, pki):
+    """`security=ClientSecurity(...)` and the keywords (auth_token=, tls_*=) build the same client:
+    the same metadata (client id, then the bearer token), channel options and TLS; both at once is
+    refused."""
+    ca = str(pki / "ca.pem")
+    sec = ClientSecurity(auth_token=TOKEN, tls_ca_file=ca, tls_server_name="localhost")
+    with TeacherClient("127.0.0.1:1", client_id="me", auth_token=TOKEN, tls_ca_file=pki / "ca.pem",
+                       tls_server_name="localhost") as by_keywords, \
+            TeacherClient("127.0.0.1:1", client_id="me", security=sec) as by_security:
+        assert by_keywords.security == sec
+        for c in (by_keywords, by_security):
+            assert c.metadata == (("x-eopd-client", "me"), ("authorization", f"Bearer {TOKEN}"))
+            assert ("grpc.ssl_target_name_override", "localhost") in c._options and c._credentials is not None
+        assert by_keywords._options == by_security._options
+    with TeacherClient("127.0.0.1:1", client_id="me") as plain:
+        assert plain.security == ClientSecurity() and plain.metadata == (("x-eopd-client", "me"),)
+        assert plain._credentials is None
+    with pytest.raises(TypeError, match="auth_token"):
+        TeacherClient("127.0.0.1:1", security=sec, auth_token=TOKEN)
+
+
+def test_teacher_cli_refuses_unusable_security_files_with_exit_2(tmp_path, capsys, monkeypatch):
+    """`eopd-teacher info/score` read the token and TLS files before connecting: a missing file or
+    an empty token file is a one-line error naming the flag, exit 2 (as other usage errors)."""
+    from eopd_teacher.cli import main
+
+    monkeypatch.delenv("EOPD_TEACHER_AUTH_TOKEN", raising=False)
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "in.jsonl").write_text('{"token_ids": [1, 2, 3]}\n')
+    missing = tmp_path / "missing.pem"
+    cases = [
+        (["info", "--auth-token-file", str(missing)], f"eopd-teacher info: --auth-token-file: cannot read {missing}: "),
+        (["info", "--auth-token-file", str(tmp_path / "empty")], f"eopd-teacher info: --auth-token-file: {tmp_path / 'empty'} is empty"),
+        (["score", "--input", str(tmp_path / "in.jsonl"), "--tls-ca-file", str(missing)],
+         f"eopd-teacher score: --tls-ca-file: cannot read {missing}: "),
+    ]
+    for argv, message in cases:
+        assert main([*argv, "--target", "127.0.0.1:1", "--timeout", "1"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1, err
 
 
 def test_run_config_from_environment(monkeypatch):

@@ -7,15 +7,17 @@ import numpy as np
 import torch
 import pytest
 
+from eopd_teacher import __version__
 from eopd_teacher.engines.transformers_engine import TransformersEngine
 from eopd_teacher.settings import TeacherSettings
-from eopd_teacher.types import ScoreItem
+from eopd_teacher.state import served_info
+from eopd_teacher.types import EngineInfo, ModelInfo, ScoreItem
 
 from .reference import assert_topk_match, reference_scores
 
 
 def _engine(model: str, **kw) -> TransformersEngine:
-    eng = TransformersEngine(TeacherSettings(model=model, chunk_size=7, **kw))
+    eng = TransformersEngine(TeacherSettings(model=model, chunk_size=7, **kw).engine_settings())
     eng.load()
     return eng
 
@@ -65,8 +67,31 @@ def test_alone_equals_inside_mixed_batch(tiny_engine):
 
 def test_model_info(tiny_engine):
     info = tiny_engine.info
+    assert isinstance(info, EngineInfo)
     assert info.engine == "transformers" and info.vocab_size == 49152 and info.max_context_length == 2048
-    assert info.default_top_k == 16 and len(info.tokenizer_fingerprint) == 64 and info.dtype == "float32"
+    assert len(info.tokenizer_fingerprint) == 64 and info.dtype == "float32"
+
+
+def test_served_info_adds_limits_and_version(tiny_engine):
+    """The engine reports only its model; the server adds its limits (top-k capped at the
+    vocabulary) and its version to what GetModelInfo answers."""
+    engine_info = EngineInfo(model_name="m", model_revision="r", vocab_size=100, max_context_length=50, dtype="float32",
+                             engine="transformers", tokenizer_fingerprint="f" * 64)
+    settings = TeacherSettings(default_top_k=16, max_top_k=64, max_sequences_per_request=7, max_tokens_per_request=999)
+    assert served_info(engine_info, settings) == ModelInfo(
+        model_name="m", model_revision="r", vocab_size=100, max_context_length=50, dtype="float32", engine="transformers",
+        default_top_k=16, max_top_k=64, tokenizer_fingerprint="f" * 64, max_sequences_per_request=7,
+        max_tokens_per_request=999, server_version=__version__,
+    )
+    assert __version__
+    # max_top_k is capped at the vocabulary.
+    small = served_info(EngineInfo("m", "r", 40, 50, "float32", "transformers", "f" * 64), settings)
+    assert (small.default_top_k, small.max_top_k) == (16, 40)
+    # The real engine's info, served with the default settings (as the teacher did before the split).
+    info = served_info(tiny_engine.info, TeacherSettings())
+    assert info.default_top_k == 16 and info.max_top_k == 64 and info.vocab_size == 49152
+    assert (info.max_sequences_per_request, info.max_tokens_per_request) == (4096, 1 << 19)
+    assert info.server_version == __version__
 
 
 def test_bf16_weights_score_close_to_fp32():

@@ -79,7 +79,7 @@ def test_transformers_engine_scores_the_models_logits(model_dirs, kind):
     """Mixed batch (lengths, top-k, temperatures 0.7-1.3), chunk size 7: every statistic equals the
     plain reference on `model(...).logits` (1e-4), and differs from what the unscaled projection
     would give, so the scaling is really applied."""
-    eng = TransformersEngine(TeacherSettings(model=str(model_dirs[kind]), chunk_size=7, compile_statistics=False))
+    eng = TransformersEngine(TeacherSettings(model=str(model_dirs[kind]), chunk_size=7, compile_statistics=False).engine_settings())
     eng.load()
     try:
         model = eng._lm.model
@@ -104,7 +104,7 @@ def test_soft_capping_is_refused_at_load_identically_by_both_engines(model_dirs)
     at load, naming it and the attribute, and holds no model afterwards; the vLLM engine's check
     (from config.json, before vLLM starts) raises the same error with the same message."""
     path = model_dirs["gemma2"]
-    eng = TransformersEngine(TeacherSettings(model=str(path), compile_statistics=False))
+    eng = TransformersEngine(TeacherSettings(model=str(path), compile_statistics=False).engine_settings())
     with pytest.raises(UnsupportedLogitTransform) as tf_error:
         eng.load()
     message = str(tf_error.value)

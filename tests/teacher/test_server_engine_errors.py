@@ -17,26 +17,28 @@ import pytest
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_teacher import __version__
 from eopd_teacher.client import AsyncTeacherClient
 from eopd_teacher.engines.base import ScoringEngine
 from eopd_teacher.server import TeacherServer
 from eopd_teacher.settings import TeacherSettings
-from eopd_teacher.types import ModelInfo, ScoreItem, SequenceScores
+from eopd_teacher.types import EngineInfo, ScoreItem, SequenceScores
 
 pytestmark = pytest.mark.integration
 
 VOCAB = 100
+# The server's limits (GetModelInfo: served_info adds them to what the engine loaded).
+LIMITS = dict(default_top_k=4, max_top_k=8, max_sequences_per_request=16, max_tokens_per_request=1024)
 
 
 class FlakyEngine(ScoringEngine):
     """Scores anything (constant numbers) except a batch holding a sequence whose id starts with
     'boom', which raises."""
 
-    def load(self) -> ModelInfo:
-        return ModelInfo(
+    def load(self) -> EngineInfo:
+        return EngineInfo(
             model_name="flaky", model_revision="0", vocab_size=VOCAB, max_context_length=64, dtype="float32",
-            engine="flaky", default_top_k=4, max_top_k=8, tokenizer_fingerprint="0" * 64,
-            max_sequences_per_request=16, max_tokens_per_request=1024,
+            engine="flaky", tokenizer_fingerprint="0" * 64,
         )
 
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
@@ -65,7 +67,8 @@ def _metrics(port: int) -> str:
 
 
 async def test_engine_exception_is_internal_and_server_keeps_serving():
-    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5)
+    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5,
+                               **LIMITS)
     server = TeacherServer(settings, engine=FlakyEngine())
     await server.start()
     try:
@@ -74,6 +77,9 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
                 await asyncio.sleep(0.02)
         target = f"127.0.0.1:{server.grpc_port}"
         async with AsyncTeacherClient(target, retry_timeout=0) as client:
+            info = await client.info(timeout=10)
+            assert (info.model_name, info.vocab_size, info.engine) == ("flaky", VOCAB, "flaky")
+            assert {k: getattr(info, k) for k in LIMITS} == LIMITS and info.server_version == __version__
             # Unary.
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await client.score([("boom-1", [1, 2, 3], 1)], timeout=10)
@@ -136,7 +142,8 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
 async def test_shared_batch_engine_error_fails_only_the_culprit_request():
     """Two requests batched together, one of which makes the engine raise: the batch is re-scored
     item by item, so only that request gets INTERNAL."""
-    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=200, grace_seconds=5)
+    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=200, grace_seconds=5,
+                               **LIMITS)
     server = TeacherServer(settings, engine=FlakyEngine())
     await server.start()
     try:
@@ -161,7 +168,8 @@ async def test_dead_batcher_turns_the_server_not_ready():
     and requests get UNAVAILABLE (retry elsewhere) instead of hanging."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5)
+    settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5,
+                               **LIMITS)
     server = TeacherServer(settings, engine=FlakyEngine())
     await server.start()
     try:

@@ -42,3 +42,28 @@ def test_cli_rejects_bad_settings_with_exit_2(capsys):
 
     assert main(["serve", "--engine", "tensorrt"]) == 2
     assert "engine" in capsys.readouterr().err
+
+
+def test_engine_settings_are_the_engines_part(tmp_path):
+    """The engine sees the model, dtype, device, statistics and vLLM settings and warms up at the
+    default top-k; none of the network, security or admission settings."""
+    from eopd_teacher.engines import create_engine
+    from eopd_teacher.settings import EngineSettings
+
+    s = TeacherSettings(model="tiny-random", dtype="bfloat16", device="cpu", cache_dir=tmp_path, threads=3, chunk_size=7,
+                        compile_statistics=False, fp32_projection=True, default_top_k=5, max_top_k=9,
+                        vllm_kv_cache_gib=0.5, vllm_max_model_len=128, grpc_port=0)
+    e = s.engine_settings()
+    assert e == EngineSettings(
+        model="tiny-random", engine="transformers", dtype="bfloat16", device="cpu", cache_dir=tmp_path, threads=3,
+        chunk_size=7, compile_statistics=False, fp32_projection=True, warmup_top_k=5, vllm_tensor_parallel_size=1,
+        vllm_gpu_memory_utilization=0.85, vllm_kv_cache_gib=0.5, vllm_max_model_len=128,
+        vllm_max_num_batched_tokens=None, vllm_enforce_eager=True,
+    )
+    assert e.resolved_device() == "cpu"
+    for name in ("max_top_k", "grpc_port", "auth_token", "max_sequences_per_request", "max_tokens_per_request"):
+        assert not hasattr(e, name), name
+    with pytest.raises(Exception):
+        e.model = "x"  # frozen
+    # create_engine takes the service's settings (or the engine's part) and hands the engine its part.
+    assert create_engine(s).settings == e == create_engine(e).settings

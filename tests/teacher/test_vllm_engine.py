@@ -29,6 +29,7 @@ from eopd_teacher.client import TeacherClient  # noqa: E402
 from eopd_teacher.engines.transformers_engine import TransformersEngine  # noqa: E402
 from eopd_teacher.engines.vllm_engine import VllmEngine  # noqa: E402
 from eopd_teacher.settings import TeacherSettings  # noqa: E402
+from eopd_teacher.state import served_info  # noqa: E402
 from eopd_teacher.types import ScoreItem, SequenceScores  # noqa: E402
 from tests.procs import running_teacher  # noqa: E402
 
@@ -54,7 +55,7 @@ class _Engines:
         if self.current is not None and self.current.settings.model == model:
             return self.current
         self.close()
-        eng = VllmEngine(TeacherSettings(model=model, engine="vllm", chunk_size=7, compile_statistics=False))
+        eng = VllmEngine(TeacherSettings(model=model, engine="vllm", chunk_size=7, compile_statistics=False).engine_settings())
         eng.load()
         self.current = eng
         return eng
@@ -74,7 +75,7 @@ def engines():
 
 @pytest.fixture(scope="module")
 def tiny_tf():
-    eng = TransformersEngine(TeacherSettings(model="tiny-random", chunk_size=7, compile_statistics=False))
+    eng = TransformersEngine(TeacherSettings(model="tiny-random", chunk_size=7, compile_statistics=False).engine_settings())
     eng.load()
     yield eng
     eng.shutdown()
@@ -115,9 +116,11 @@ def assert_parity(got: SequenceScores, want: SequenceScores, atol: float = PARIT
 def test_model_info_matches_transformers_engine(engines, tiny_tf):
     info = engines.get("tiny-random").info
     assert info.engine == "vllm"
+    settings = TeacherSettings()  # one server's settings: both engines are served with the same limits
+    served, served_tf = served_info(info, settings), served_info(tiny_tf.info, settings)
     for field in ("model_name", "model_revision", "vocab_size", "max_context_length", "dtype", "default_top_k",
                   "max_top_k", "tokenizer_fingerprint", "max_sequences_per_request", "max_tokens_per_request"):
-        assert getattr(info, field) == getattr(tiny_tf.info, field), field
+        assert getattr(served, field) == getattr(served_tf, field), field
 
 
 def test_tiny_parity_with_transformers_engine_fp32(engines, tiny_tf):
@@ -211,7 +214,7 @@ def test_granite_logits_scaling_parity_with_transformers_engine_fp32(engines, tr
     transformers engine does and as the plain float64 reference on `model(...).logits` says."""
     path = str(transform_dirs["granite"])
     eng = engines.get(path)
-    tf = TransformersEngine(TeacherSettings(model=path, chunk_size=7, compile_statistics=False))
+    tf = TransformersEngine(TeacherSettings(model=path, chunk_size=7, compile_statistics=False).engine_settings())
     tf.load()
     try:
         items = _items(eng.info.vocab_size, seed=2)
@@ -230,11 +233,11 @@ def test_soft_capping_refused_before_vllm_starts(transform_dirs):
     """A Gemma 2 teacher (soft-capping) is refused by `load()` before vLLM starts, with the
     transformers engine's message."""
     path = str(transform_dirs["gemma2"])
-    eng = VllmEngine(TeacherSettings(model=path, engine="vllm", compile_statistics=False))
+    eng = VllmEngine(TeacherSettings(model=path, engine="vllm", compile_statistics=False).engine_settings())
     with pytest.raises(UnsupportedLogitTransform) as vllm_error:
         eng.load()
     assert eng._llm is None and not eng.health()
-    tf = TransformersEngine(TeacherSettings(model=path, compile_statistics=False))
+    tf = TransformersEngine(TeacherSettings(model=path, compile_statistics=False).engine_settings())
     with pytest.raises(UnsupportedLogitTransform) as tf_error:
         tf.load()
     assert str(vllm_error.value) == str(tf_error.value) and "final_logit_softcapping" in str(vllm_error.value)
@@ -243,7 +246,7 @@ def test_soft_capping_refused_before_vllm_starts(transform_dirs):
 # -- SmolLM2-135M-Instruct (last: replaces the Granite engine) -----------------------------------
 def test_smollm2_parity_with_transformers_engine_fp32(engines):
     eng = engines.get("smollm2-135m")
-    tf = TransformersEngine(TeacherSettings(model="smollm2-135m", chunk_size=7, compile_statistics=False))
+    tf = TransformersEngine(TeacherSettings(model="smollm2-135m", chunk_size=7, compile_statistics=False).engine_settings())
     tf.load()
     try:
         assert eng.info.tokenizer_fingerprint == tf.info.tokenizer_fingerprint

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
 import grpc
 
+from eopd_common.client_security import ClientSecurity, SecurityFileError
 from eopd_common.models import default_cache_dir, load_tokenizer, tokenizer_fingerprint
 from eopd_common.settings import SettingsError, add_arguments, settings_from_args
 
@@ -65,10 +65,15 @@ def _client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key-file", default=None, help="client key (mutual TLS)")
 
 
-def _client(args, timeout: float):
-    token = args.auth_token_file.read_text().strip() if args.auth_token_file else os.environ.get("EOPD_TEACHER_AUTH_TOKEN")
-    return TeacherClient(args.target, timeout=timeout, auth_token=token, tls_ca_file=args.tls_ca_file,
-                         tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
+def _security(args) -> ClientSecurity:
+    """The token (file, else EOPD_TEACHER_AUTH_TOKEN) and TLS files of the command line, read now:
+    an unreadable file or an empty token file raises SecurityFileError naming the flag."""
+    return ClientSecurity.from_files(auth_token_file=args.auth_token_file, tls_ca_file=args.tls_ca_file,
+                                     tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, field_prefix="--")
+
+
+def _client(args, security: ClientSecurity, timeout: float) -> TeacherClient:
+    return TeacherClient(args.target, timeout=timeout, security=security)
 
 
 def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
@@ -129,13 +134,13 @@ class _ScoreFailed(Exception):
     """A request of `score` failed: the message names the input line and the sequence id."""
 
 
-def _cmd_score(args) -> int:
+def _cmd_score(args, security: ClientSecurity) -> int:
     numbered = [(n, line) for n, line in enumerate(args.input.read_text().splitlines(), start=1) if line.strip()]
     linenos = [n for n, _ in numbered]
     rows = [json.loads(line) for _, line in numbered]
     out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     try:
-        with _client(args, args.timeout) as client:
+        with _client(args, security, args.timeout) as client:
             info = client.wait_ready(args.timeout)
             seqs, tok = _encode(rows, args.tokenizer, info, default_cache_dir(), linenos)
             for start in range(0, len(seqs), args.batch_size):
@@ -183,11 +188,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return serve(settings)
     try:
+        security = _security(args)
+    except SecurityFileError as exc:
+        print(f"eopd-teacher {args.command}: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.command == "info":
-            with _client(args, args.timeout) as client:
+            with _client(args, security, args.timeout) as client:
                 print(json.dumps(client.wait_ready(args.timeout).__dict__, indent=2))
             return 0
-        return _cmd_score(args)
+        return _cmd_score(args, security)
     except _ScoreFailed as exc:
         print(f"eopd-teacher {args.command}: {exc}", file=sys.stderr)
     except grpc.RpcError as err:

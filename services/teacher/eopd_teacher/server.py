@@ -34,7 +34,7 @@ from .interceptors import AuthInterceptor, StatusInterceptor
 from .metrics import TeacherMetrics
 from .servicer import TeacherServicer
 from .settings import TeacherSettings
-from .state import ServerState
+from .state import ServerState, served_info
 from .status import SERVICE_NAME
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class TeacherServer:
         batcher.on_died = self._batcher_died
         batcher.start()
         self.state.batcher = batcher
-        self.state.info = info
+        self.state.info = served_info(info, s)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         engine = self.state.engine

@@ -1,7 +1,11 @@
-"""The teacher service's settings: CLI flags > `EOPD_TEACHER_*` env vars > YAML file > defaults."""
+"""The teacher service's settings: CLI flags > `EOPD_TEACHER_*` env vars > YAML file > defaults.
+
+`TeacherSettings` is the whole service's (network, security, admission, batching, the engine);
+`EngineSettings`, from `TeacherSettings.engine_settings()`, is the part a scoring engine sees."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +16,37 @@ from eopd_common.models import default_cache_dir
 from eopd_common.settings import ServiceSettings
 
 MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """A scoring engine's settings (a part of `TeacherSettings`, which documents each field): what to
+    load and how to compute, nothing of the network, security or admission limits, which the server
+    owns (`state.served_info`). `warmup_top_k` is the top-k of the warm-up batch scored at load."""
+
+    model: str
+    engine: str
+    dtype: str
+    device: str
+    cache_dir: Path
+    threads: int
+    chunk_size: int
+    compile_statistics: bool
+    fp32_projection: bool
+    warmup_top_k: int
+    vllm_tensor_parallel_size: int
+    vllm_gpu_memory_utilization: float
+    vllm_kv_cache_gib: float | None
+    vllm_max_model_len: int | None
+    vllm_max_num_batched_tokens: int | None
+    vllm_enforce_eager: bool
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class TeacherSettings(ServiceSettings):
@@ -122,9 +157,9 @@ class TeacherSettings(ServiceSettings):
             return Path(self.auth_token_file).read_text().strip()
         return None
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
+    def engine_settings(self) -> EngineSettings:
+        """What the scoring engine needs: the model, its dtype and device, the statistics and the vLLM
+        settings (the engine warms up at `default_top_k`)."""
+        names = [f.name for f in dataclasses.fields(EngineSettings) if f.name != "warmup_top_k"]
+        return EngineSettings(**{name: getattr(self, name) for name in names}, warmup_top_k=self.default_top_k)
 
-        return "cuda" if torch.cuda.is_available() else "cpu"

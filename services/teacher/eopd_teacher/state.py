@@ -1,20 +1,35 @@
 """What the servicer, the HTTP side and the server lifecycle share: the settings, metrics, engine,
-batcher and the served model, and whether requests are accepted now."""
+batcher and the served model, and whether requests are accepted now; and the served model's
+description (`served_info`): what the engine loaded plus the server's limits and version."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .batcher import Draining, DynamicBatcher
 from .metrics import TeacherMetrics
 from .settings import TeacherSettings
 from .status import NotReady
-from .types import ModelInfo
+from .types import EngineInfo, ModelInfo
 
 if TYPE_CHECKING:
     from .engines.base import ScoringEngine
+
+
+def served_info(engine_info: EngineInfo, settings: TeacherSettings) -> ModelInfo:
+    """What GetModelInfo answers: the engine's model, plus what this server admits (top-k, capped at
+    the vocabulary; sequences and tokens per request) and its version."""
+    return ModelInfo(
+        **asdict(engine_info),
+        default_top_k=settings.default_top_k,
+        max_top_k=min(settings.max_top_k, engine_info.vocab_size),
+        max_sequences_per_request=settings.max_sequences_per_request,
+        max_tokens_per_request=settings.max_tokens_per_request,
+        server_version=__version__,
+    )
 
 
 @dataclass

@@ -42,7 +42,24 @@ class SequenceScores:
 
 
 @dataclass(frozen=True)
+class EngineInfo:
+    """What a loaded engine serves: the model, its vocabulary and context, the weights' dtype and the
+    tokenizer. The server adds its own limits and version to make the `ModelInfo` it answers with
+    (`state.served_info`)."""
+
+    model_name: str
+    model_revision: str
+    vocab_size: int
+    max_context_length: int
+    dtype: str
+    engine: str
+    tokenizer_fingerprint: str
+
+
+@dataclass(frozen=True)
 class ModelInfo:
+    """What GetModelInfo answers (on the wire: `convert.info_to_pb`)."""
+
     model_name: str
     model_revision: str
     vocab_size: int

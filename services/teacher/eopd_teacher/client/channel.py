@@ -1,6 +1,7 @@
 """What the sync and asyncio clients share: the channel's options and credentials, the metadata
 every call carries, which statuses are retried, and the backoff (`_Backoff`) and deadline
-(`_CallPlan`) of the retries."""
+(`_CallPlan`) of the retries. Token and TLS settings become credentials, options and metadata in
+one place: `eopd_common.client_security.ClientSecurity`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import random
 import socket
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import grpc
+
+from eopd_common.client_security import ClientSecurity
 
 from ..convert import NOT_RETRYABLE_KEY
 
@@ -22,10 +24,6 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 # died mid-write): treated like UNAVAILABLE, i.e. the unanswered requests are re-sent, and a
 # request that really fails is then reported with its own status.
 LOST_STATUS_DETAILS = "Internal error from Core"
-
-
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
 
 
 def channel_options(target: str, max_message_bytes: int, load_balancing: str | None) -> list[tuple[str, object]]:
@@ -92,7 +90,12 @@ class _CallPlan:
 
 class ChannelClient:
     """The settings of a client's channel and calls (the base of TeacherClient and
-    AsyncTeacherClient, which open the channel)."""
+    AsyncTeacherClient, which open the channel).
+
+    Security: `security=ClientSecurity(...)` (e.g. `ClientSecurity.from_files(...)`, or a run
+    configuration's `teacher.client_security()`), or the same settings as the keywords `auth_token`,
+    `tls`, `tls_ca_file`, `tls_cert_file`, `tls_key_file` and `tls_server_name`, not both. An explicit
+    `credentials` replaces the TLS credentials they would make."""
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class ChannelClient:
         max_message_bytes: int = 64 * 1024 * 1024,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        security: ClientSecurity | None = None,
         auth_token: str | None = None,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
@@ -117,18 +121,19 @@ class ChannelClient:
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self.retryable = RETRYABLE + ((grpc.StatusCode.RESOURCE_EXHAUSTED,) if retry_overload else ())
-        extra = [("x-eopd-client", client_id or f"{socket.gethostname()}-{os.getpid()}")]
-        if auth_token:
-            extra.append(("authorization", f"Bearer {auth_token}"))
-        self.metadata = tuple(metadata) + tuple(extra)
-        self._options = channel_options(target, max_message_bytes, load_balancing)
-        if tls_server_name:
-            self._options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if credentials is None and (tls or tls_ca_file or tls_cert_file):
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(tls_ca_file), private_key=_read(tls_key_file), certificate_chain=_read(tls_cert_file)
-            )
-        self._credentials = credentials
+        keywords = {"auth_token": auth_token, "tls": tls, "tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
+                    "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}
+        if security is None:
+            security = ClientSecurity(auth_token=auth_token or None, tls=tls,
+                                      **{k: str(v) if v else None for k, v in keywords.items() if k.startswith("tls_")})
+        elif any(keywords.values()):
+            given = ", ".join(k for k, v in keywords.items() if v)
+            raise TypeError(f"give security= or the keywords {given}, not both")
+        self.security = security
+        client = ("x-eopd-client", client_id or f"{socket.gethostname()}-{os.getpid()}")
+        self.metadata = tuple(metadata) + (client,) + security.metadata()
+        self._options = channel_options(target, max_message_bytes, load_balancing) + security.channel_options()
+        self._credentials = credentials if credentials is not None else security.channel_credentials()
 
     def _retryable(self, err: grpc.RpcError) -> bool:
         code = err.code()

@@ -13,15 +13,16 @@ import abc
 import numpy as np
 import torch
 
-from ..settings import TeacherSettings
+from ..settings import EngineSettings
 from ..stats import StatsFn, token_statistics
-from ..types import ModelInfo, ScoreItem, SequenceScores
+from ..types import EngineInfo, ScoreItem, SequenceScores
 
 
 class ScoringEngine(abc.ABC):
     @abc.abstractmethod
-    def load(self) -> ModelInfo:
-        """Loads the model (slow); returns what it serves."""
+    def load(self) -> EngineInfo:
+        """Loads the model (slow); returns what it serves (the server adds its limits:
+        `state.served_info`)."""
 
     @abc.abstractmethod
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
@@ -47,7 +48,7 @@ def scores_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    settings: TeacherSettings,
+    settings: EngineSettings,
     stats_fn: StatsFn,
     logit_factor: float = 1.0,
 ) -> list[SequenceScores]:

@@ -18,17 +18,16 @@ import torch
 from eopd_common.logits import scoring_logit_factor
 from eopd_common.models import LoadedModel, load_causal_lm, tokenizer_fingerprint
 
-from .. import __version__
-from ..settings import TeacherSettings
+from ..settings import EngineSettings
 from ..stats import ChunkStats
-from ..types import ModelInfo, ScoreItem, SequenceScores
+from ..types import EngineInfo, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 
 log = logging.getLogger(__name__)
 
 
 class TransformersEngine(ScoringEngine):
-    def __init__(self, settings: TeacherSettings):
+    def __init__(self, settings: EngineSettings):
         self.settings = settings
         self._lm: LoadedModel | None = None
         self._device = "cpu"
@@ -37,7 +36,7 @@ class TransformersEngine(ScoringEngine):
         self._logit_factor = 1.0
         self._healthy = False
 
-    def load(self) -> ModelInfo:
+    def load(self) -> EngineInfo:
         s = self.settings
         if s.threads:
             torch.set_num_threads(s.threads)
@@ -49,22 +48,17 @@ class TransformersEngine(ScoringEngine):
         self._stats_fn = ChunkStats(compile=s.compile_statistics)
         vocab = self._lm.model.get_output_embeddings().weight.shape[0]
         self._healthy = True
-        self.info = ModelInfo(
+        self.info = EngineInfo(
             model_name=self._lm.name,
             model_revision=self._lm.revision,
             vocab_size=int(vocab),
             max_context_length=int(self._lm.max_context_length),
             dtype=s.dtype,
             engine="transformers",
-            default_top_k=s.default_top_k,
-            max_top_k=min(s.max_top_k, int(vocab)),
             tokenizer_fingerprint=tokenizer_fingerprint(self._lm.tokenizer),
-            max_sequences_per_request=s.max_sequences_per_request,
-            max_tokens_per_request=s.max_tokens_per_request,
-            server_version=__version__,
         )
         if s.compile_statistics:  # compile now, not on the first request
-            self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.default_top_k, 1.0)])
+            self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.warmup_top_k, 1.0)])
         return self.info
 
     @property

@@ -50,10 +50,9 @@ from eopd_common.model_dirs import materialise_model_dir, read_model_config, saf
 from eopd_common.models import load_tokenizer, tokenizer_fingerprint
 from eopd_common.vllm_args import describe_kwargs, engine_kwargs, prepare_vllm_process
 
-from .. import __version__
-from ..settings import TeacherSettings
+from ..settings import EngineSettings
 from ..stats import ChunkStats
-from ..types import ModelInfo, ScoreItem, SequenceScores
+from ..types import EngineInfo, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ def load_output_projection(model_dir: Path, dtype: torch.dtype) -> tuple[torch.T
 
 
 class VllmEngine(ScoringEngine):
-    def __init__(self, settings: TeacherSettings):
+    def __init__(self, settings: EngineSettings):
         self.settings = settings
         self._llm: Any = None
         self._weight: torch.Tensor | None = None
@@ -121,7 +120,7 @@ class VllmEngine(ScoringEngine):
         self.tokenizer: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def load(self) -> ModelInfo:
+    def load(self) -> EngineInfo:
         s = self.settings
         prepare_vllm_process(s.threads)  # before vLLM starts: in-process engine core, OMP threads
 
@@ -165,22 +164,17 @@ class VllmEngine(ScoringEngine):
         self._stats_fn = ChunkStats(compile=s.compile_statistics)
         vocab = int(self._weight.shape[0])
         self._healthy = True
-        self.info = ModelInfo(
+        self.info = EngineInfo(
             model_name=name,
             model_revision=revision,
             vocab_size=vocab,
             max_context_length=max_len,
             dtype=s.dtype,
             engine="vllm",
-            default_top_k=s.default_top_k,
-            max_top_k=min(s.max_top_k, vocab),
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
-            max_sequences_per_request=s.max_sequences_per_request,
-            max_tokens_per_request=s.max_tokens_per_request,
-            server_version=__version__,
         )
         # First request pays no start-up cost (and compiles the statistics now).
-        self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.default_top_k, 1.0)])
+        self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.warmup_top_k, 1.0)])
         return self.info
 
     def health(self) -> bool:

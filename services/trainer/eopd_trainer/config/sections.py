@@ -15,11 +15,12 @@ the dotted path of each offending field.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eopd_common.client_security import ClientSecurity, SecurityFileError
 
 from ..objective import LossConfig
 
@@ -87,35 +88,16 @@ class TeacherConfig(_Section):
             raise ValueError(f"teacher.{given} is set but teacher.{missing} is not: mutual TLS needs both")
         return self
 
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls or bool(self.tls_ca_file or self.tls_cert_file)
-
-    def client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of eopd_teacher's clients for these settings: reads the token and
-        certificate files now, so a missing or unreadable one fails at start with the field's name."""
-        out: dict[str, Any] = {}
-        token = os.environ.get("EOPD_TEACHER_AUTH_TOKEN", "").strip() or None
-        if self.auth_token_file:
-            token = _read_setting_file("teacher.auth_token_file", self.auth_token_file).decode().strip()
-            if not token:
-                raise ConfigError(f"teacher.auth_token_file: {self.auth_token_file} is empty")
-        if token:
-            out["auth_token"] = token
-        if self.uses_tls:
-            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
-                if getattr(self, name):
-                    _read_setting_file(f"teacher.{name}", getattr(self, name))
-            out.update(tls=True, tls_ca_file=self.tls_ca_file or None, tls_cert_file=self.tls_cert_file or None,
-                       tls_key_file=self.tls_key_file or None, tls_server_name=self.tls_server_name or None)
-        return out
-
-
-def _read_setting_file(field: str, path: str) -> bytes:
-    try:
-        return Path(path).expanduser().read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror or exc}") from None
+    def client_security(self) -> ClientSecurity:
+        """The token and TLS settings of eopd_teacher's clients (`security=`): reads the token and
+        certificate files now, so a missing or unreadable one, or an empty token file, fails at start
+        with a ConfigError naming the field."""
+        try:
+            return ClientSecurity.from_files(auth_token_file=self.auth_token_file, tls=self.tls, tls_ca_file=self.tls_ca_file,
+                                             tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file,
+                                             tls_server_name=self.tls_server_name, field_prefix="teacher.")
+        except SecurityFileError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 class StudentConfig(_Section):

@@ -236,9 +236,9 @@ class RolloutWorker:
         from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, SequenceInput
 
         cfg = self.cfg
-        security = cfg.teacher.client_kwargs()  # token / TLS files: read now, fail at start if unreadable
+        security = cfg.teacher.client_security()  # token / TLS files: read now, fail at start if unreadable
         client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
-                                    retry_timeout=cfg.teacher.retry_timeout_s, **security)
+                                    retry_timeout=cfg.teacher.retry_timeout_s, security=security)
         beat: asyncio.Task | None = None
         try:
             try:
@@ -368,7 +368,7 @@ class RolloutWorker:
                                 "abandoning the stream, reconnecting and re-sending them", cfg.teacher.timeout_s, len(sent))
                     self.metrics.stream_restarts.inc()
                     old, client = client, AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
-                                                             retry_timeout=cfg.teacher.retry_timeout_s, **security)
+                                                             retry_timeout=cfg.teacher.retry_timeout_s, security=security)
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(old.close(), 5)
                     now = time.monotonic()
