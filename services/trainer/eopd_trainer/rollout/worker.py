@@ -4,14 +4,18 @@ Loop: take PromptTasks from `<ns>:tasks` (group "rollout": first its own pending
 restart, then entries idle on dead workers via XAUTOCLAIM, then new ones); make sure it holds the
 policy version the task asks for (reloading announced weights); sample `num_samples` responses
 per prompt (`rollout.engine`: transformers or vLLM, `samplers.make_sampler`); compute the old
-log-probs (by default with a transformers forward pass); send the sequences
-to the teacher over `teacher.streams` pipelined `ScoreStream`s (re-sent after a teacher restart by
-the client); publish each ScoredRollout on `<ns>:rollouts` (waiting while the stream is over
-`max_backlog`); acknowledge the task once all its rollouts are published, or dead-letter it with
+log-probs (by default with a transformers forward pass); send the sequences to the teacher over
+`teacher.streams` pipelined `ScoreStream`s (the client re-sends them after a teacher restart, and
+after `teacher.timeout_s` without an answer it reconnects and re-sends them; after
+`teacher.retry_timeout_s` of silence the worker exits with StreamStalled); publish each
+ScoredRollout on `<ns>:rollouts` (waiting while the stream is over `max_backlog`); acknowledge the task once all its rollouts are published, or dead-letter it with
 the reason when the teacher rejected one of its requests or answered it unusably. A task re-done after a crash yields
 the same rollout ids, which the learner recognises as duplicates.
 
-The command line is `cli.py` (`eopd-rollout`).
+The worker's parts: `TaskBook` (task_book.py: the tasks it holds, settled there), `VersionTracker`
+(versions.py: the policy version), `RequestShaper` and `BatchQueue` (requests.py: requests out,
+answers back to their rollouts), `Publisher` (publisher.py). The command line is `cli.py`
+(`eopd-rollout`).
 """
 
 from __future__ import annotations
