@@ -81,7 +81,7 @@ def task(seq: int, num_samples: int = 2) -> bytes:
 
 def test_max_task_deliveries_dead_letters_with_reason(worker):
     """A task whose worker keeps dying before acknowledging it: it is delivered (first read, then
-    reclaimed from the idle consumer by `_next_entries`) up to max_task_deliveries times; the next
+    reclaimed from the idle consumer by `TaskBook.next_entries`) up to max_task_deliveries times; the next
     reclaim moves it to the dead-letter stream with the reason instead of handing it out again."""
     w = worker
     assert w.cfg.rollout.max_task_deliveries == MAX_DELIVERIES
@@ -91,12 +91,12 @@ def test_max_task_deliveries_dead_letters_with_reason(worker):
     assert [e.entry_id for e in crashed.read_new(10, block_ms=None)] == [eid]  # delivery 1, never acknowledged
     for delivery in range(2, MAX_DELIVERIES + 1):
         time.sleep(CLAIM_IDLE_MS / 1000 + 0.1)  # idle long enough to be reclaimed
-        got = w._next_entries(4)
+        got = w.book.next_entries(4)
         assert got == [Entry(eid, data)], delivery
         assert w.tasks.deliveries(eid) == delivery
         # ... and this worker dies too before acknowledging it: the entry stays pending.
     time.sleep(CLAIM_IDLE_MS / 1000 + 0.1)
-    assert w._next_entries(4) == []  # delivery MAX_DELIVERIES + 1: dead-lettered, not handed out
+    assert w.book.next_entries(4) == []  # delivery MAX_DELIVERIES + 1: dead-lettered, not handed out
     dead = [d for d in read_dead_letters(w.redis, w.keys.dead) if d["entry_id"] == eid]
     assert len(dead) == 1
     assert dead[0]["reason"] == f"task delivered more than {MAX_DELIVERIES} times"
@@ -117,10 +117,10 @@ def test_max_task_deliveries_applies_to_a_restarted_workers_own_tasks(worker):
     assert w.tasks.deliveries(pid) > MAX_DELIVERIES
     fid = w.tasks.add(task(2001))
     assert [e.entry_id for e in same.read_new(10, block_ms=None)] == [fid]  # delivered once, then a restart
-    w._local.clear()
-    w._resume_pending()  # what setup() does after a restart (without loading the model again)
-    resumed = [e.entry_id for e in w._local]
-    w._local.clear()
+    w.book.resumed.clear()
+    w.book.resume_pending()  # what setup() does after a restart (without loading the model again)
+    resumed = [e.entry_id for e in w.book.resumed]
+    w.book.resumed.clear()
     assert pid not in resumed and fid in resumed
     dead = [d for d in read_dead_letters(w.redis, w.keys.dead) if d["entry_id"] == pid]
     assert len(dead) == 1 and dead[0]["reason"] == f"task delivered more than {MAX_DELIVERIES} times"
@@ -153,8 +153,7 @@ def test_teacher_max_in_flight_bounds_unanswered_requests(worker, monkeypatch):
     real teacher, publish) over 8 tasks x 2 samples, one sequence per request (16 requests): every
     time the worker's teacher client puts a request on the wire, the requests on the wire and not
     yet answered (built, not yet resolved, over all streams) are at most teacher.max_in_flight, and
-    the bound is reached (pipelining). (The worker's own `sent` book-keeping may count one more:
-    the client frees a slot when an answer arrives, before the worker has taken that answer.)"""
+    the bound is reached (pipelining)."""
     from eopd_teacher.client import stream as teacher_stream
 
     w = worker
@@ -245,7 +244,7 @@ def test_poison_tasks_are_dead_lettered_by_the_worker_loop(worker):
 
 
 def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
-    """The worker's reload (`ensure_version`, as before every task batch) on announced files that
+    """The worker's reload (`VersionTracker.ensure`, as before every task batch) on announced files that
     cannot be loaded, fixed later: a missing file (sync mode: the worker waits, weights untouched,
     then loads it once it appears) and a file whose bytes do not match the announced sha256 (async
     mode: the worker keeps sampling with the version it holds, then loads the new one once fixed).
@@ -267,15 +266,15 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         return pv
 
     async def waits_then_loads(min_version: int, fix) -> bool:
-        job = asyncio.ensure_future(w.ensure_version(min_version))
+        job = asyncio.ensure_future(w.versions.ensure(min_version))
         await asyncio.sleep(1.5)
-        assert not job.done(), "ensure_version returned before the file was fixed"
+        assert not job.done(), "versions.ensure returned before the file was fixed"
         assert torch.equal(model.state_dict()[norm], original[norm])  # untouched meanwhile
         fix()
         return await asyncio.wait_for(job, 30)
 
     failures = w.metrics.reload_failures._value.get
-    saved_cfg, before = w.cfg, failures()
+    saved_mode, before = w.versions.mode, failures()
     try:
         # 1. sync mode, the announced file is missing (pruned / not yet visible): wait, then load.
         pv1 = publish(1, 0.5)
@@ -283,12 +282,12 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         (tmp_path / "v000001.safetensors").rename(hidden)
         announce(w.redis, w.keys.policy, pv1)
         assert asyncio.run(waits_then_loads(1, lambda: hidden.rename(tmp_path / "v000001.safetensors")))
-        assert w.version == 1 and failures() - before >= 2  # retried (backoff), not given up
+        assert w.versions.version == 1 and failures() - before >= 2  # retried (backoff), not given up
         torch.testing.assert_close(model.state_dict()[norm], original[norm] + 0.5)
         v1_norm = model.state_dict()[norm].clone()
 
         # 2. async mode, v2's bytes do not match its sha256: keep sampling with v1, load v2 once fixed.
-        w.cfg = w.cfg.model_copy(update={"mode": "async"})
+        w.versions.mode = "async"  # the run's mode (cfg.mode), as setup() gives it
         model.load_state_dict({**original, norm: v1_norm})
         original = {k: v.clone() for k, v in model.state_dict().items()}
         pv2 = publish(2, 0.25)
@@ -299,15 +298,15 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         path.write_bytes(bytes(bad))
         announce(w.redis, w.keys.policy, pv2)
         mid = failures()
-        assert asyncio.run(asyncio.wait_for(w.ensure_version(1), 10))  # v1 satisfies the tasks: no wait
-        assert w.version == 1 and failures() == mid + 1
+        assert asyncio.run(asyncio.wait_for(w.versions.ensure(1), 10))  # v1 satisfies the tasks: no wait
+        assert w.versions.version == 1 and failures() == mid + 1
         assert torch.equal(model.state_dict()[norm], v1_norm)
         path.write_bytes(good)
-        assert asyncio.run(asyncio.wait_for(w.ensure_version(2), 30))
-        assert w.version == 2
+        assert asyncio.run(asyncio.wait_for(w.versions.ensure(2), 30))
+        assert w.versions.version == 2
         torch.testing.assert_close(model.state_dict()[norm], v1_norm + 0.25)
     finally:
-        w.cfg = saved_cfg
+        w.versions.mode = saved_mode
         w.redis.delete(w.keys.policy)
 
 

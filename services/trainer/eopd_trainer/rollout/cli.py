@@ -33,22 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+async def _serve(worker: RolloutWorker) -> int:
+    """Runs the worker; SIGTERM and SIGINT ask it to stop."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop.set)
+    return await worker.run()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_for_process("eopd-rollout", args.config, args.overrides, "rollout")
     if cfg is None:
         return 2
     worker = RolloutWorker(cfg, args.worker_id or default_worker_id(), args.prometheus_port)
-
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stop.set)
-        return await worker.run()
-
     try:
         worker.setup()
-        return asyncio.run(run())
+        return asyncio.run(_serve(worker))
     except TokenizerMismatch as exc:
         print(f"eopd-rollout: {exc}", file=sys.stderr)
         return EXIT_TOKENIZER_MISMATCH

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
 
 class WorkerMetrics:
     """Prometheus metrics of a rollout worker (served with --prometheus-port)."""
 
     def __init__(self, port: int = 0):
-        from prometheus_client import Counter, Gauge, Histogram
-
         self.published = Counter("eopd_rollout_published_total", "Scored rollouts published")
         self.tokens = Counter("eopd_rollout_response_tokens_total", "Response tokens sampled and scored")
         self.reclaimed = Counter("eopd_rollout_tasks_reclaimed_total", "Tasks taken over from idle workers")
@@ -27,6 +27,4 @@ class WorkerMetrics:
         self.reload_seconds = Histogram("eopd_rollout_weight_reload_seconds",
                                         "Loading an announced policy version into the sampler (in place)")
         if port:
-            from prometheus_client import start_http_server
-
             start_http_server(port)

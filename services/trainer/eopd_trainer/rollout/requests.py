@@ -1,16 +1,17 @@
 """What the worker sends to the teacher and gets back: sampled responses waiting for scores
 (`Pending`), their grouping into requests (`request_groups`), the token ids sent (`teacher_tokens`,
-`remap_ids`), the checks of an answer (`answer_problems`), and the request source of the stream
-(`QueueSource`)."""
+`remap_ids`), the checks of an answer (`answer_problems`), the requests made of them and the way back
+from an answer to its rollouts (`RequestShaper`), and the request source of the stream (`BatchQueue`)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import numpy as np
+from eopd_teacher.client import ScoreBatch, SequenceInput
 
+from ..config import TeacherConfig
 from ..queue.messages import PromptTask, rollout_id
 
 
@@ -86,31 +87,64 @@ class Pending:
         return rollout_id(self.task.task_seq, self.sample_index)
 
 
-class QueueSource:
-    """The request source of `score_stream`: an async iterator over a queue (None ends it).
+class RequestShaper:
+    """Turns sampled responses into teacher requests (`shape`) and maps each answer back to its
+    rollouts (`take`). It keeps no copy of a request for re-sending (the client re-sends)."""
 
-    Not an async generator on purpose: the client cancels its writer while it awaits the next
-    request when a stream breaks; cancelling `Queue.get()` loses nothing, whereas a cancelled
-    async generator is closed and would end the stream early."""
+    def __init__(self, worker_id: str, teacher: TeacherConfig, max_tokens_per_request: int | None):
+        self.worker_id = worker_id
+        self.teacher = teacher
+        self.max_tokens_per_request = max_tokens_per_request
+        self._seq = 0
+        self.contexts: dict[str, list[Pending]] = {}  # request id -> the rollouts it scores
 
-    def __init__(self, queue: asyncio.Queue, sent: dict | None = None, resend: list | None = None, done: bool = False):
-        self.queue = queue
-        self.done = done
-        self.sent = sent if sent is not None else {}  # request_id -> (batch, monotonic time handed out)
-        self.resend = list(resend or [])  # requests of an abandoned stream, handed out first
+    def shape(self, pending: list[Pending]) -> list[ScoreBatch]:
+        """The requests for `pending` (`request_groups`), their contexts recorded."""
+        t = self.teacher
+        lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pending]
+        out = []
+        for rows in request_groups(lengths, t.sequences_per_request, self.max_tokens_per_request):
+            group = pending[rows.start : rows.stop]
+            self._seq += 1
+            rid = f"{self.worker_id}-{self._seq}"
+            self.contexts[rid] = group
+            seqs = [SequenceInput(p.rollout_id, teacher_tokens(p.prompt_ids, p.response_ids, t.token_remap),
+                                  len(p.prompt_ids)) for p in group]
+            out.append(ScoreBatch(rid, seqs, top_k=t.top_k, temperature=t.temperature))
+        return out
 
-    def __aiter__(self) -> QueueSource:
+    def take(self, request_id: str) -> list[Pending] | None:
+        """The rollouts of an answered request (None: not a request of this shaper's)."""
+        return self.contexts.pop(request_id, None)
+
+    def __len__(self) -> int:
+        """Requests not answered yet."""
+        return len(self.contexts)
+
+
+class BatchQueue:
+    """The one request source the teacher client reads: a bounded queue of ScoreBatch, iterated
+    asynchronously until `close()`."""
+
+    def __init__(self, maxsize: int):
+        self._queue: asyncio.Queue[ScoreBatch | None] = asyncio.Queue(maxsize=maxsize)
+        self._closed = False
+
+    async def put(self, batch: ScoreBatch) -> None:
+        await self._queue.put(batch)
+
+    async def close(self) -> None:
+        """Ends the iteration after the batches already put."""
+        await self._queue.put(None)
+
+    def __aiter__(self) -> BatchQueue:
         return self
 
-    async def __anext__(self):
-        if self.resend:
-            item = self.resend.pop(0)
-        else:
-            if self.done:
-                raise StopAsyncIteration
-            item = await self.queue.get()
-            if item is None:
-                self.done = True
-                raise StopAsyncIteration
-        self.sent[item.request_id] = (item, time.monotonic())
+    async def __anext__(self) -> ScoreBatch:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            self._closed = True
+            raise StopAsyncIteration
         return item

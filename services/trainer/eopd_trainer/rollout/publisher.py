@@ -1,0 +1,73 @@
+"""Scored rollouts out (`Publisher`): a Rollout message is made of a sampled response and its
+teacher scores, and added to `<ns>:rollouts`, waiting while the stream is over `queue.max_backlog`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from ..config import RunConfig
+from ..faults import Faults, corrupt_bytes
+from ..queue.messages import Rollout, encode_rollout, now_ns
+from ..queue.streams import Keys, StreamQueue, wait_for_room
+from .metrics import WorkerMetrics
+from .requests import Pending, remap_ids
+
+
+class Publisher:
+    """Publishes a worker's rollouts on the rollouts stream (with backpressure and the
+    `rollout.publish` / `rollout.after_publish` fault points) and counts them (`published`)."""
+
+    def __init__(self, rollouts: StreamQueue, redis, keys: Keys, cfg: RunConfig, faults: Faults,
+                 metrics: WorkerMetrics, worker_id: str, stop: asyncio.Event):
+        self.rollouts = rollouts
+        self.redis = redis
+        self.keys = keys
+        self.cfg = cfg
+        self.faults = faults
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.stop = stop
+        self.inverse_remap = {v: k for k, v in cfg.teacher.token_remap.items()}
+        self.published = 0
+
+    def to_rollout(self, p: Pending, scores, teacher_model: str) -> Rollout:
+        topk_ids = remap_ids(np.asarray(scores.topk_ids, dtype=np.int32), self.inverse_remap)
+        ro = self.cfg.rollout
+        return Rollout(
+            rollout_id=p.rollout_id, task_id=p.task.task_id, prompt_index=p.task.prompt_index,
+            sample_index=p.sample_index, prompt_ids=np.asarray(p.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(p.response_ids, dtype=np.int32), old_logprobs=p.old_logprobs,
+            teacher_logprobs=scores.token_logprobs, teacher_entropies=scores.entropies, teacher_topk_ids=topk_ids,
+            teacher_topk_logprobs=scores.topk_logprobs, policy_version=p.policy_version, truncated=p.truncated,
+            sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
+            sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), teacher_model=teacher_model,
+        )
+
+    async def publish(self, rollout: Rollout) -> bool:
+        """Adds the rollout once the stream has room and counts it; False when the worker is
+        stopping or the run is done first (nothing added: its task stays pending)."""
+        if not await asyncio.to_thread(self._add, rollout):
+            return False
+        self.published += 1
+        self.metrics.published.inc()
+        self.metrics.tokens.inc(rollout.num_response_tokens)
+        self.faults.hit("rollout.after_publish", count=self.published)
+        return True
+
+    def _add(self, rollout: Rollout) -> bool:
+        ok = wait_for_room(self.redis, self.keys.rollouts, self.cfg.queue.max_backlog,
+                           should_stop=self._should_stop, on_wait=self._on_wait)
+        if ok:
+            data = encode_rollout(rollout)
+            if self.faults.hit("rollout.publish", count=self.published + 1):
+                data = corrupt_bytes(data)
+            self.rollouts.add(data)
+        return ok
+
+    def _should_stop(self) -> bool:
+        return self.stop.is_set() or bool(self.redis.exists(self.keys.done))
+
+    def _on_wait(self, _backlog: int) -> None:
+        self.metrics.backpressure_waits.inc()

@@ -1,0 +1,76 @@
+"""The policy version a worker samples with (`VersionTracker`): announced weights are loaded in
+place into the sampler, and `ensure(min_version)` waits until the sampler holds what a task asks for."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ..queue.announce import current_announcement
+from ..queue.streams import Keys
+from ..queue.weights import WeightsUnavailable
+from .metrics import WorkerMetrics
+
+log = logging.getLogger("eopd.rollout")
+
+WEIGHTS_RETRY_MAX_S = 5.0  # longest wait between attempts to load an announced file that failed
+
+
+class VersionTracker:
+    """The sampler's policy version, kept up to date with the announcements (`keys.policy`)."""
+
+    def __init__(self, sampler, redis, keys: Keys, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
+                 stop: asyncio.Event):
+        self.sampler = sampler
+        self.redis = redis
+        self.keys = keys
+        self.metrics = metrics
+        self.mode = mode  # "sync" or "async" (the run's mode)
+        self.weights_poll_s = weights_poll_s
+        self.stop = stop
+        self.version = -1  # -1: the spec's weights, not loaded from an announcement
+        self._sha = ""
+
+    def _maybe_reload(self) -> None:
+        pv = current_announcement(self.redis, self.keys.policy)
+        # (version, sha256): after a learner rolls back to its last checkpoint, a version number
+        # may be announced again with other weights.
+        if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
+            t0 = time.monotonic()
+            self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
+            self.version, self._sha = pv.version, pv.sha256
+            self.metrics.version.set(pv.version)
+            took = time.monotonic() - t0
+            self.metrics.reload_seconds.observe(took)
+            log.info("loaded policy version %d into %s in %.2fs", pv.version, self.sampler.engine, took)
+
+    async def ensure(self, min_version: int) -> bool:
+        """Waits until the sampler holds a policy version >= `min_version` (False: the run is done
+        or the worker is stopping). An announced file that cannot be loaded right now (missing,
+        sha256 mismatch, rewritten while read: `WeightsUnavailable`) never crashes the worker: the
+        announcement is read again and the load retried with backoff (weights_poll_s doubling up to
+        WEIGHTS_RETRY_MAX_S). Meanwhile, in async mode, a worker whose current weights satisfy the
+        tasks keeps sampling with them; in sync mode it waits (the rollouts of the old weights
+        would be dropped as stale)."""
+        poll = self.weights_poll_s
+        delay = poll
+        while not self.stop.is_set():
+            failed = False
+            try:
+                await asyncio.to_thread(self._maybe_reload)
+            except WeightsUnavailable as exc:
+                failed = True
+                self.metrics.reload_failures.inc()
+                keep = self.mode == "async" and max(self.version, 0) >= min_version
+                log.warning("cannot load the announced weights: %s; %s", exc,
+                            f"sampling with policy version {max(self.version, 0)} meanwhile" if keep
+                            else f"retrying in {delay:.1f}s")
+            if max(self.version, 0) >= min_version and (not failed or self.mode == "async"):
+                self.version = max(self.version, 0)  # nothing announced yet: the spec's weights are version 0
+                return True
+            if await asyncio.to_thread(self.redis.exists, self.keys.done):
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max(WEIGHTS_RETRY_MAX_S, poll)) if failed else poll
+        return False
