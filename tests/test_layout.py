@@ -220,8 +220,6 @@ def test_rollout_and_learner_never_import_each_other():
 TEACHER_API = ("eopd_teacher.client", "eopd_teacher.convert", "eopd_teacher.types")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: step 1, trainer side, with step 3 (vllm_sampling takes "
-                                       "materialise_model_dir from eopd_common.model_dirs)")
 def test_trainer_imports_the_teacher_only_through_its_client():
     """The trainer uses the teacher through eopd_teacher.client (plus convert and types)."""
     bad = [e for e in edges() if _under(e.src, "eopd_trainer") and _under(e.dst, "eopd_teacher")
