@@ -146,3 +146,97 @@ def test_loss_path_keeps_the_students_logit_transform(kind):
     assert chosen["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and abs(chosen["approx_kl"]) < 1e-4
     if not fused:  # what the fused path would have trained on
         assert abs(via_hidden["ratio_mean"] - 1.0) > 1e-2 or abs(via_hidden["approx_kl"]) > 1e-2
+
+
+# The learner's Redis side (RolloutFeed, torch-free) and the loop's collection, on fakeredis ------
+
+def _feed(monkeypatch):
+    import fakeredis
+    from eopd_trainer.config.load import load_config
+    from eopd_trainer.learner.feed import RolloutFeed
+    from eopd_trainer.learner.ledger import Ledger
+    from eopd_trainer.learner.loop import fresh_state
+    from eopd_trainer.queue.streams import Keys
+
+    from tests.trainer.pipeline_helpers import TINY
+
+    cfg = load_config(TINY, ["train.batch_size=2", "train.mini_batch_size=2", "train.micro_batch_size=2"])
+    feed = RolloutFeed(cfg)
+    feed.redis, feed.keys = fakeredis.FakeRedis(), Keys("ns")  # what acquire_lease sets
+    state = fresh_state()
+    feed.setup_queues(state, Ledger(), num_prompts=4, vocab_size=100)
+    decoded = []
+    import eopd_trainer.learner.feed as feed_module
+
+    def counting_decode(data, **kw):
+        decoded.append(data)
+        return decode_rollout(data, **kw)
+
+    monkeypatch.setattr(feed_module, "decode_rollout", counting_decode)
+    return feed, state, decoded
+
+
+def _push(feed, r: Rollout | bytes) -> None:
+    feed.redis.xadd(feed.keys.rollouts, {b"data": r if isinstance(r, bytes) else encode_rollout(r)})
+
+
+def test_feed_collects_a_batch_decoding_each_rollout_once(monkeypatch):
+    feed, state, decoded = _feed(monkeypatch)
+    k, t = feed.cfg.teacher.top_k, feed.cfg.loss.temperature
+    a, b = rollout("t0-s0", k=k, sampling_temperature=t), rollout("t0-s1", k=k, sampling_temperature=t)
+    for entry in (b"not a rollout", a, a, b):  # a dead letter, a duplicate in the batch
+        _push(feed, entry)
+    collected = feed.collect(1)
+    assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"]
+    assert [decode_rollout(x).rollout_id for x in collected.blobs] == ["t0-s0", "t0-s1"]  # the broadcast's bytes
+    assert len(decoded) == 4 and len(collected.entry_ids) == 2  # each entry decoded once, here only
+    assert state["counters"] == {"stale_dropped": 0, "duplicates": 1, "dead_letters": 1, "replacement_tasks": 0}
+    assert collected.stats["dead_letters_total"] == 1.0 and collected.stats["duplicates_total"] == 1.0
+    assert collected.stats["staleness_mean"] == 0.0 and collected.stats["response_length_mean"] == 4.0
+    assert int(feed.redis.get(feed.keys.tasks_next)) == 1  # sync: B / n_samples tasks for iteration 1
+    feed.record_tasks_published()
+    assert state["tasks_published"] == 1
+
+
+def test_feed_settles_stale_rollouts_and_stops_on_request(monkeypatch):
+    feed, state, _ = _feed(monkeypatch)
+    state["policy_version"] = 5  # the learner is at version 5: version 0 is too stale (max 0 in sync mode)
+    k, t = feed.cfg.teacher.top_k, feed.cfg.loss.temperature
+    _push(feed, rollout("t0-s0", k=k, sampling_temperature=t))
+    feed.stop_requested = True
+    assert feed.collect(6) is None  # a stop while waiting: nothing collected
+    feed.stop_requested = False
+    _push(feed, rollout("t0-s1", k=k, sampling_temperature=t, policy_version=5))
+    _push(feed, rollout("t1-s0", k=k, sampling_temperature=t, policy_version=5))
+    collected = feed.collect(6)
+    assert [r.rollout_id for r in collected.rollouts] == ["t0-s1", "t1-s0"]
+    assert state["settled"] == ["t0-s0"] and state["counters"]["stale_dropped"] == 1
+
+
+def test_feed_aborts_on_a_rejection_streak(monkeypatch):
+    from eopd_trainer.learner.feed import EXIT_REJECTED, LearnerAbort
+
+    feed, _, _ = _feed(monkeypatch)
+    for _ in range(feed.rejects.limit):
+        _push(feed, b"junk")
+    with pytest.raises(LearnerAbort) as exc:
+        feed.collect(1)
+    assert exc.value.code == EXIT_REJECTED
+
+
+def test_loop_trains_rank_0_on_the_feeds_decoded_rollouts(monkeypatch):
+    """Rank 0 does not decode the broadcast bytes again (single process: no broadcast)."""
+    import eopd_trainer.learner.loop as loop_module
+    from eopd_trainer.learner.loop import LearnerLoop
+
+    feed, _, decoded = _feed(monkeypatch)
+    k, t = feed.cfg.teacher.top_k, feed.cfg.loss.temperature
+    _push(feed, rollout("t0-s0", k=k, sampling_temperature=t))
+    _push(feed, rollout("t0-s1", k=k, sampling_temperature=t))
+    loop = LearnerLoop(feed.cfg)
+    loop.rank, loop.feed = 0, feed
+    monkeypatch.setattr(loop_module, "decode_rollout", lambda *a, **kw: pytest.fail("rank 0 decoded twice"))
+    collected = loop._collect_everywhere(1)
+    assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"] and len(decoded) == 2
+    loop.request_stop()
+    assert loop._collect_everywhere(2) is None

@@ -28,14 +28,21 @@ learner on its own disk (they never cross a trust boundary).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import json
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+
+from ..faults import InjectedFault
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +71,6 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This process's random generators as JSON-able data (no pickle)."""
-    import base64
-    import random
-
-    import numpy as np
-    import torch
-
     def b64(t) -> str:
         return base64.b64encode(t.cpu().numpy().tobytes()).decode()
 
@@ -82,12 +83,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import base64
-    import random
-
-    import numpy as np
-    import torch
-
     def tensor(s: str):
         return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
@@ -169,8 +164,6 @@ class CheckpointManager:
             engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
             _atomic_write(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
             if self.faults is not None:  # fault point: the disk fills up with the shards half written
-                from ..faults import InjectedFault
-
                 try:
                     self.faults.hit("checkpoint.write", iteration=iteration)
                 except InjectedFault as exc:

@@ -14,7 +14,8 @@ import sys
 from ..config import config_for_process
 from ..queue.lease import LeaseHeld
 from .checkpoint import CheckpointError
-from .loop import Learner, LearnerAbort
+from .feed import LearnerAbort
+from .loop import LearnerLoop
 
 log = logging.getLogger("eopd.learner")
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_for_process("eopd-train", args.config, args.overrides, "learner")
     if cfg is None:
         return 2
-    learner = Learner(cfg)
+    learner = LearnerLoop(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, learner.request_stop)
     try:

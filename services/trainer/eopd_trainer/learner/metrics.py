@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
+
+from prometheus_client import Gauge, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +51,12 @@ class MetricsSink:
             except ImportError:  # pragma: no cover - tensorboard is a trainer dependency
                 log.warning("tensorboard is not installed: no TensorBoard events")
         if prometheus_port:
-            from prometheus_client import start_http_server
-
             start_http_server(prometheus_port)
             log.info("Prometheus metrics on :%d/metrics", prometheus_port)
 
     def _gauge(self, key: str):
         g = self._gauges.get(key)
         if g is None:
-            from prometheus_client import Gauge
-
             g = self._gauges[key] = Gauge(_prom_name(self.name, key), f"{self.name} {key}")
         return g
 
@@ -87,8 +86,6 @@ def trim_records(path: Path, iteration: int) -> bool:
     file, atomically; returns whether the file holds the `"kind": "iteration"` record of `iteration`
     itself (a learner killed between its commit and its log line has not written it). A partial
     last line (killed mid-write) goes too."""
-    import os
-
     path = Path(path)
     if not path.is_file():
         return iteration == 0

@@ -1,11 +1,38 @@
-"""The training side of the learner: the loss terms and step metrics it reduces, whether the loss
-takes the fused hidden-state path (`fused_loss_path`), and quiet library logging."""
+"""The learner's DeepSpeed side (every rank, never Redis): `PolicyTrainer` sets up the process group,
+the student, the DeepSpeed engine and the checkpoint manager, trains an iteration's rollouts
+(mini-batches of micro-batches, gradient accumulation, data parallel over ranks), writes the
+policy's weight files and the Hugging Face export. Also the loss terms and step metrics it reduces,
+whether the loss takes the fused hidden-state path (`fused_loss_path`), and quiet library logging."""
 
 from __future__ import annotations
 
-from eopd_common.logits import logit_transforms
+import logging
+from pathlib import Path
+from typing import Any
 
-from ..objective import METRIC_KEYS
+import torch
+import transformers
+from eopd_common.logits import logit_transforms
+from eopd_common.models import load_causal_lm, pad_token_id
+from huggingface_hub.utils import disable_progress_bars
+
+from ..batching import PackedBatch, gradient_accumulation_steps, pack_rollouts, shard, shuffle_for_iteration, split
+from ..config import RunConfig
+from ..faults import Faults
+from ..objective import METRIC_KEYS, compute_loss, compute_loss_from_hidden, step_generator
+from ..queue.messages import PolicyVersion, Rollout
+from ..queue.weights import export_state_dict, prune_weights, save_weights
+from .checkpoint import CheckpointManager
+from .distributed import (
+    all_reduce_step_metrics,
+    barrier,
+    build_ds_config,
+    full_parameters,
+    init_process_group,
+    lr_scheduler_factory,
+)
+
+log = logging.getLogger("eopd.learner")
 
 LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss")
 # Token-weighted per-step metrics (the loss's own keys, plus those it adds with vocab metrics).
@@ -32,12 +59,136 @@ def fused_loss_path(train_cfg, model) -> tuple[bool, str]:
 
 def _quiet_libraries() -> None:
     """No per-file progress bars from transformers / huggingface_hub in the learner's log."""
-    import transformers
-
     transformers.utils.logging.disable_progress_bar()
-    try:
-        from huggingface_hub.utils import disable_progress_bars
+    disable_progress_bars()
 
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover
-        pass
+
+class PolicyTrainer:
+    def __init__(self, cfg: RunConfig, faults: Faults):
+        self.cfg = cfg
+        self.faults = faults
+
+    # Set-up ----------------------------------------------------------------------------------
+    def init_process_group(self) -> tuple[int, int]:
+        """(rank, world size); the first thing the learner does."""
+        _quiet_libraries()
+        self.rank, self.world = init_process_group(self.cfg.train.dist_backend)
+        return self.rank, self.world
+
+    def setup(self, run_dir: Path, total_iterations: int) -> None:
+        """The student, the DeepSpeed engine (optimizer, LR schedule) and the checkpoint manager."""
+        import deepspeed
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.run_dir = run_dir
+        self.gas = gradient_accumulation_steps(cfg.train.mini_batch_size, cfg.train.micro_batch_size, self.world)
+        on_cpu = not torch.cuda.is_available()
+        self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        loaded = load_causal_lm(cfg.student.model, dtype="float32", device=str(self.device))
+        self.tokenizer = loaded.tokenizer
+        self.pad_id = pad_token_id(self.tokenizer)
+        model = loaded.model
+        model.train()
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.fused_loss, why = fused_loss_path(cfg.train, model)
+        if why:
+            log.warning("%s", why)
+        total_steps = total_iterations * cfg.steps_per_iteration
+        ds_config = build_ds_config(cfg, self.world, total_steps, on_cpu=on_cpu)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+            lr_scheduler=lr_scheduler_factory(cfg, total_steps))
+        self.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                      export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier,
+                                      faults=self.faults)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The committed checkpoint into the engine; its trainer state (None on a fresh run)."""
+        return self.ckpt.load(self.engine)
+
+    def save_checkpoint(self, iteration: int, state: dict[str, Any]) -> None:
+        self.ckpt.save(self.engine, iteration, state, export_fn=self.export_hf)
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    # Training ----------------------------------------------------------------------------------
+    def micro_loss(self, packed: PackedBatch, denominator: float,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        dev = self.device
+        ids, am = packed.input_ids.to(dev), packed.attention_mask.to(dev)
+        pos = packed.positions.to(dev)
+        args = dict(
+            sampled_ids=packed.sampled_ids.to(dev), old_logprobs=packed.old_logprobs.to(dev),
+            teacher_logprobs=packed.teacher_logprobs.to(dev), teacher_entropy=packed.teacher_entropy.to(dev),
+            teacher_topk_ids=packed.topk_ids.to(dev), teacher_topk_logprobs=packed.topk_logprobs.to(dev),
+            config=self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
+            generator=generator,
+        )
+        module = self.engine.module
+        if self.fused_loss:
+            hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
+            head = module.get_output_embeddings()
+            return compute_loss_from_hidden(hidden, head.weight, bias=head.bias, **args)
+        logits = self.engine(input_ids=ids, attention_mask=am).logits
+        return compute_loss(logits.reshape(-1, logits.shape[-1])[pos], **args)
+
+    def train_iteration(self, iteration: int, rollouts: list[Rollout], opt_step: int) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch of the shuffled rollouts; `opt_step` is the run's
+        0-based index of the first one. Returns each step's metrics (one per optimizer step taken)."""
+        cfg = self.cfg
+        seq_mean = cfg.loss.aggregation == "seq-mean-token-mean"
+        ordered = shuffle_for_iteration(rollouts, cfg.seed, iteration)
+        steps = []
+        for step, mini in enumerate(split(ordered, cfg.train.mini_batch_size), 1):
+            local = shard(mini, self.rank, self.world)
+            units = len(mini) if seq_mean else sum(r.num_response_tokens for r in mini)
+            # engine.backward divides by gas and the all-reduce averages over ranks: this makes the
+            # sum over every micro-batch of every rank the loss over the whole mini-batch.
+            denominator = units / (self.gas * self.world)
+            rows = []
+            loss_sum = {k: 0.0 for k in LOSS_TERMS}
+            lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
+            for micro_index, micro in enumerate(split(local, cfg.train.micro_batch_size)):
+                packed = pack_rollouts(micro, self.pad_id)
+                # random_fkl's draw: different at every step, rank and micro-batch, the same again
+                # when a resumed run redoes this step.
+                gen = step_generator(cfg.loss.random_seed, iteration, opt_step, self.rank, micro_index)
+                loss, m = self.micro_loss(packed, denominator, gen)
+                self.engine.backward(loss)
+                self.engine.step()
+                rows.append(({k: v for k, v in m.items() if k not in LOSS_TERMS}, packed.num_tokens))
+                for k in LOSS_TERMS:
+                    loss_sum[k] += m.get(k, 0.0) / self.gas  # this rank's share x world, see denominator
+            opt_step += 1
+            # Over every rank's micro-batches (one all-reduce), not rank 0's share only.
+            metrics = {**all_reduce_step_metrics(rows, loss_sum, STEP_METRIC_KEYS, LOSS_TERMS), "lr": lr_used}
+            grad_norm = self.engine.get_global_grad_norm()
+            if grad_norm is not None:
+                metrics["grad_norm"] = float(grad_norm)
+            steps.append(metrics)
+            self.faults.hit("learner.after_step", iteration=iteration, step=step)
+        return steps
+
+    # Weights out -------------------------------------------------------------------------------
+    def save_weights(self, version: int, iteration: int) -> PolicyVersion | None:
+        """Writes the policy's weight file (collective: ZeRO-3 gathers; rank 0 writes and gets the
+        PolicyVersion to announce, the other ranks None)."""
+        with full_parameters(self.engine, self.cfg.train.zero_stage):
+            if self.rank == 0:
+                return save_weights(self.engine.module, self.run_dir / "weights", version, iteration)
+        return None
+
+    def prune_weights(self, protect: int) -> None:
+        prune_weights(self.run_dir / "weights", self.cfg.checkpoint.keep_weights, protect=protect)
+
+    def export_hf(self, path: Path) -> None:
+        """The Hugging Face export of a checkpoint (collective; rank 0 writes)."""
+        with full_parameters(self.engine, self.cfg.train.zero_stage):
+            if self.rank == 0:
+                self.engine.module.save_pretrained(str(path), state_dict=export_state_dict(self.engine.module),
+                                                   safe_serialization=True)
+                self.tokenizer.save_pretrained(str(path))
