@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -64,35 +65,42 @@ def redis_pid(url: str, timeout: float = 1.0) -> int | None:
     return int(info["process_id"]) if "process_id" in info else None
 
 
-def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child, list[str]]:
-    """A redis-server of this run on a free port, tried up to REDIS_PORT_TRIES times: a try fails when
-    the port was taken meanwhile (redis-server exits, having bound nothing and touched no data) or
-    when the Redis answering there is not our child (INFO process_id): a foreign Redis is never used.
-    Returns (url, child, notes on the ports given up)."""
-    data_dir = run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+def start_redis(sup: Supervisor, binary: str, options: Sequence[str], *, name: str = "redis", port: int | None = None,
+                wait_s: float = PING_WAIT_S) -> tuple[str, Child, list[str]]:
+    """`redis-server --port P --bind 127.0.0.1 *options` under `sup`, on a free port tried up to
+    REDIS_PORT_TRIES times (once on an explicit `port`): a try fails when the port was taken meanwhile
+    (redis-server exits, having bound nothing and touched no data) or when the Redis answering there is
+    not our child (INFO process_id): a foreign Redis is never used. Returns (url, child, notes on the
+    ports given up)."""
     notes: list[str] = []
-    for _ in range(REDIS_PORT_TRIES):
-        port = free_port()
-        # The AOF policy of the deployments (docker-compose.yml, deploy/k8s): each write reaches the file
-        # before the reply (unless a slow fsync holds it, up to 2 s), fsync once a second; no RDB snapshots.
-        child = sup.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                    "yes", "--appendfsync", "everysec", "--dir", str(data_dir)])
-        url = f"redis://127.0.0.1:{port}/0"
-        taken = _wait_own_redis(child, url)
+    for _ in range(1 if port else REDIS_PORT_TRIES):
+        p = port or free_port()
+        log = sup.log_dir / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0  # this try's lines start there
+        child = sup.start(name, [binary, "--port", str(p), "--bind", "127.0.0.1", *options])
+        url = f"redis://127.0.0.1:{p}/0"
+        taken = _wait_own_redis(child, url, wait_s, offset)
         if taken is None:
             return url, child, notes
-        notes.append(f"port {port} {taken}")
+        notes.append(f"port {p} {taken}")
         child.stop(10)
         sup.children.remove(child)
-    raise RunError(f"redis-server did not start on a free port after {REDIS_PORT_TRIES} tries ({'; '.join(notes)}); "
-                   f"log {sup.log_dir / 'redis.log'}")
+    raise RunError(f"redis-server did not start on a free port ({'; '.join(notes)}); log {sup.log_dir / f'{name}.log'}")
 
 
-def _wait_own_redis(child: Child, url: str) -> str | None:
-    """None once our redis-server answers at `url`; else why the port is not usable (taken)."""
-    start = child.log_path.stat().st_size if child.log_path.exists() else 0
-    deadline = time.monotonic() + PING_WAIT_S  # a resumed run's redis-server first loads its append-only file
+def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child, list[str]]:
+    data_dir = run_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # The AOF policy of the deployments (docker-compose.yml, deploy/k8s): each write reaches the file
+    # before the reply (unless a slow fsync holds it, up to 2 s), fsync once a second; no RDB snapshots.
+    return start_redis(sup, binary, ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir",
+                                     str(data_dir)])
+
+
+def _wait_own_redis(child: Child, url: str, wait_s: float, offset: int) -> str | None:
+    """None once our redis-server answers at `url`; else why the port is not usable (taken: its log
+    from `offset` on says so, or another Redis answers there)."""
+    deadline = time.monotonic() + wait_s  # a resumed run's redis-server first loads its append-only file
     while True:
         pid = redis_pid(url)
         if pid == child.popen.pid:
@@ -101,12 +109,12 @@ def _wait_own_redis(child: Child, url: str) -> str | None:
             return f"answered by another Redis (pid {pid})"
         if not child.alive():
             with child.log_path.open("rb") as fh:
-                fh.seek(start)
+                fh.seek(offset)
                 if b"Address already in use" in fh.read():
                     return "was taken"
             raise child.failure("failed to start")
         if time.monotonic() > deadline:
-            raise child.failure(f"did not answer PING within {PING_WAIT_S} s")
+            raise child.failure(f"did not answer PING within {wait_s:.0f} s")
         time.sleep(0.05)
 
 
