@@ -63,7 +63,7 @@ from .teacher_proc import TeacherChild, start_teacher
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
-RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see _train)
+RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see TrainingAttempt.write_config)
 
 
 class _Progress:
