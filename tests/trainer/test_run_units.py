@@ -234,8 +234,9 @@ def _squatter(reply: bytes | None) -> Iterator[int]:
         sock.close()
 
 
-@pytest.mark.parametrize("reply", [HTTP2_SETTINGS, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"],
-                         ids=["http2", "plain-200"])
+@pytest.mark.parametrize("reply", [HTTP2_SETTINGS, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                                   b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"],
+                         ids=["http2", "plain-200", "plain-404"])
 def test_wait_http_ready_names_a_wrong_server_in_one_line(tmp_path, reply):
     """Another server on the teacher's HTTP port (a gRPC server's HTTP/2 frames, or an HTTP server
     that is not eopd-teacher): a RunError whose first line names the URL and the problem, never an

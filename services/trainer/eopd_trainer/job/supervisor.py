@@ -179,8 +179,8 @@ def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2,
                 if r.status == 200 and (expect_key is None or _has_key(r.read(), expect_key)):
                     return
                 foreign = f"{r.status} without a JSON {expect_key!r}"
-        except urllib.error.HTTPError:
-            foreign = None  # our server, not ready yet (503 while loading)
+        except urllib.error.HTTPError as exc:  # 503: ours, not ready yet (loading); the teacher never says 404...
+            foreign = None if exc.code == 503 or expect_key is None else f"HTTP {exc.code}"
         except (urllib.error.URLError, ConnectionError, OSError):
             foreign = None  # nobody listens yet
         except http.client.HTTPException as exc:  # not HTTP/1 (BadStatusLine: HTTP/2 frames), cut short...
@@ -191,7 +191,7 @@ def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2,
             on_poll()
         time.sleep(poll_s)
     if foreign is not None:
-        head = (f"{url} answers, but not as {what} ({foreign}): another server holds that port")
+        head = f"{url} answers, but not as {what} ({foreign}): another server holds that port"
     else:
         head = f"{url} did not answer as ready"
     raise RunError(f"{child.name} was not ready after {timeout:.0f} s: {head}; last lines of {child.log_path}:\n"
