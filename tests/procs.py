@@ -44,10 +44,15 @@ def start_teacher(model: str = "tiny-random", *extra: str, grpc_port: int | None
                   env: dict[str, str] | None = None, wait: bool = True, timeout: float = 180.0,
                   command: tuple[str, ...] = teacher_proc.TEACHER_COMMAND, name: str = "teacher") -> TeacherProc:
     """Starts `eopd-teacher serve` as a subprocess (port 0 and its ports file unless ports are
-    given; log in a temp dir) and waits until it is ready."""
+    given; log in a temp dir); returns once its ports are known and, with `wait`, once it is ready."""
     sup = supervisor.Supervisor(Path(tempfile.mkdtemp(prefix=f"eopd-{name}-")), cwd=ROOT, pdeathsig=False)
     proc = teacher_proc.start_teacher(sup, model, *extra, name=name, grpc_port=grpc_port or 0,
                                       http_port=http_port or 0, env=env, command=command, kind=TeacherProc)
+    try:  # its ports are known on return, as they were when tests picked them (bound before the model loads)
+        proc.ports(timeout)
+    except BaseException:
+        proc.stop()
+        raise
     if wait:
         wait_teacher_ready(proc, timeout)
     return proc
