@@ -4,7 +4,7 @@ share in `sync` and `async` modes, with one and two teacher processes.
     .venv/bin/python -m bench.bench_pipeline [--quick] [--rounds R] [--iterations N] [--out FILE]
 
 Real processes, as `eopd run` starts them (its helpers: `Supervisor`, `choose_queue`, `prepare`,
-`wait_teacher` from `eopd_trainer.job`): a Redis (REDIS_URL, else a redis-server on a free port),
+`start_teacher` from `eopd_trainer.job`): a Redis (REDIS_URL, else a redis-server on a free port),
 one or two `eopd-teacher serve` processes, two `eopd-rollout` workers and one `eopd-train`
 DeepSpeed learner, on the `smollm2-cpu` preset (teacher SmolLM2-135M-Instruct, student
 `smollm2-135m[layers=0:30:3]`) or, with `--quick`, the `tiny` preset (tiny random models).
@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from eopd_trainer.config import load_config
     from eopd_trainer.job.prepare import prepare
-    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_teacher
+    from eopd_trainer.job.supervisor import Supervisor
+    from eopd_trainer.job.teacher_proc import start_teacher
 
     work = Path(tempfile.mkdtemp(prefix="eopd-bench-pipeline-"))
     base, _facts = prepare(load_config(config_file, [f"run_dir={work / 'prepared'}"]))
@@ -407,15 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         redis_url, queue_msg = _queue(shared, work, base)
         print(f"[pipeline] {queue_msg}; work dir {work}", flush=True)
         teachers = []
-        for i in range(max(args.teachers)):
-            gp, hp = free_port(), free_port()
-            child = shared.start(f"teacher{i}", [sys.executable, "-m", "eopd_teacher.cli", "serve", "--model",
-                                                 base.teacher.model, "--host", "127.0.0.1", "--grpc-port", str(gp),
-                                                 "--http-port", str(hp), "--threads", str(args.threads)],
-                                 {"OMP_NUM_THREADS": str(args.threads)})
+        for i in range(max(args.teachers)):  # port 0 for both servers, read from each teacher's ports file
+            child = start_teacher(shared, base.teacher.model, "--threads", str(args.threads), name=f"teacher{i}",
+                                  env={"OMP_NUM_THREADS": str(args.threads)})
+            gp, hp = child.ports(600)
             teachers.append(Teacher(child, gp, hp))
         for t in teachers:
-            wait_teacher(t.child, t.http_port, timeout=600)
+            t.child.wait_ready(600)
         configs = [(m, n) for m in args.modes for n in args.teachers]
         for rnd in range(args.rounds):
             for mode, nt in (configs if rnd % 2 == 0 else configs[::-1]):

@@ -27,7 +27,6 @@ import json
 import os
 from pathlib import Path
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -65,17 +64,15 @@ class _Server:
     """`eopd-teacher serve` in a subprocess and a way to drive it with `c` concurrent clients."""
 
     def __init__(self, engine: str, dtype: str, max_batch_tokens: int):
-        from eopd_trainer.job.supervisor import Supervisor, free_port, wait_teacher
+        from eopd_trainer.job.supervisor import Supervisor
+        from eopd_trainer.job.teacher_proc import start_teacher
 
-        self.gp, hp = free_port(), free_port()
         self.sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))
-        self.proc = self.sup.start("teacher", [
-            sys.executable, "-m", "eopd_teacher.cli", "serve", "--model", "smollm2-135m", "--engine", engine, "--dtype", dtype,
-            "--max-batch-tokens", str(max_batch_tokens), "--host", "127.0.0.1", "--grpc-port", str(self.gp),
-            "--http-port", str(hp)])
-        self.target = f"127.0.0.1:{self.gp}"
-        self.hp = hp
-        wait_teacher(self.proc, hp, timeout=600)
+        self.proc = start_teacher(self.sup, "smollm2-135m", "--engine", engine, "--dtype", dtype, "--max-batch-tokens",
+                                  str(max_batch_tokens))  # port 0 for both servers, read from its ports file
+        self.gp, self.hp = self.proc.ports(600)
+        self.target = self.proc.target
+        self.proc.wait_ready(600)
 
     def engine_seconds(self) -> float:
         """Seconds the server's engine has spent scoring so far (its /metrics batch latency sum:

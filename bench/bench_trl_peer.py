@@ -315,24 +315,24 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
     """Starts the servers, measures every path; (results, sizes, agreement, paths measured, vLLM error)."""
     import tempfile
 
-    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_http_ready, wait_teacher
+    from eopd_trainer.job.supervisor import Supervisor, free_port, wait_http_ready
+    from eopd_trainer.job.teacher_proc import start_teacher
 
     work = Path(tempfile.mkdtemp(prefix="eopd-bench-trl-"))
     sup = Supervisor(work / "logs")
     py = sys.executable
     results: dict[str, list[dict]] = {k: [] for k in PATHS}
     try:
-        gp, hp, tp = free_port(), free_port(), free_port()
-        teacher = sup.start("eopd-teacher", [py, "-m", "eopd_teacher.cli", "serve", "--model", args.model, "--dtype", "float32",
-                                             "--threads", str(args.threads), "--host", "127.0.0.1", "--grpc-port", str(gp),
-                                             "--http-port", str(hp)])
+        tp = free_port()  # TRL's own server is an external program: it cannot bind port 0 and report it
+        teacher = start_teacher(sup, args.model, "--dtype", "float32", "--threads", str(args.threads),
+                                name="eopd-teacher")  # port 0 for both servers, read from its ports file
         peer = sup.start("trl-peer", [py, "-m", "bench.trl_peer", "--model", args.model, "--dtype", "float32", "--threads",
                                       str(args.threads), "--port", str(tp)],
                          {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-        wait_teacher(teacher, hp, timeout=600)
+        teacher.wait_ready(600)
         wait_http_ready(peer, f"http://127.0.0.1:{tp}/health/", timeout=600)
         url = f"http://127.0.0.1:{tp}/get_sequence_logprobs/"
-        paths = {"eopd gRPC": (GrpcPath(f"127.0.0.1:{gp}", seqs, args.top_k), teacher.popen.pid),
+        paths = {"eopd gRPC": (GrpcPath(teacher.target, seqs, args.top_k), teacher.popen.pid),
                  "TRL shape, JSON": (HttpPath(url, seqs, args.top_k, "json"), peer.popen.pid),
                  "TRL shape, binary": (HttpPath(url, seqs, args.top_k, "binary"), peer.popen.pid)}
         sizes = {name: pth.sizes() for name, (pth, _) in paths.items()}  # also the warm-up of each server

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -162,9 +166,22 @@ def run_overload(target: str, pid: int, *, clients: int, seconds: float) -> dict
     return over
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tests.procs import running_teacher
+@contextlib.contextmanager
+def running_teacher(model: str, *extra: str, timeout: float = 180.0) -> Iterator:
+    """`eopd-teacher serve` on port 0 (its ports read from its ports file), stopped on exit."""
+    from eopd_trainer.job.supervisor import Supervisor
+    from eopd_trainer.job.teacher_proc import start_teacher
 
+    sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-load-")))
+    try:
+        teacher = start_teacher(sup, model, *extra)
+        teacher.wait_ready(timeout)
+        yield teacher
+    finally:
+        sup.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=60)

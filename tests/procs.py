@@ -1,114 +1,70 @@
 """Launching real eopd processes in tests: free ports, readiness polling, loud failures, teardown.
 
-Used by every test tier that needs a real server (importable as `tests.procs`)."""
+Used by every test tier that needs a real server (importable as `tests.procs`). Thin wrappers over
+`eopd_trainer.job.supervisor` (spawn, Child) and `eopd_trainer.job.teacher_proc` (the teacher on
+port 0, reporting its ports): one copy of the process logic, shared with `eopd run`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eopd_trainer.job import supervisor, teacher_proc
+from eopd_trainer.job.supervisor import Child, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
+__all__ = ["ROOT", "Proc", "TeacherProc", "free_port", "running_teacher", "spawn", "start_teacher",
+           "wait_teacher_ready"]
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    """A running subprocess with its log file."""
-
-    popen: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.popen.send_signal(sig)
-
-    def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout)
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                return self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                return self.popen.wait(10)
-        return self.popen.returncode
+Proc = Child
 
 
 def spawn(args: list[str], *, env: dict[str, str] | None = None, name: str = "proc") -> Proc:
-    """Starts `python -m ...`-style args with output to a temp log file."""
+    """Starts `python -m ...`-style args in ROOT with output to a temp log file."""
     fd, path = tempfile.mkstemp(prefix=f"eopd-{name}-", suffix=".log")
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    popen = subprocess.Popen(args, stdout=fd, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True)
     os.close(fd)
-    return Proc(popen, Path(path))
+    return supervisor.spawn(name, args, Path(path), env=env, cwd=ROOT, pdeathsig=False)
 
 
 @dataclass
-class TeacherProc(Proc):
-    grpc_port: int = 0
-    http_port: int = 0
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+class TeacherProc(teacher_proc.TeacherChild):
+    """A teacher started by a test; `http` is its HTTP side's base URL."""
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return self.http_url
 
 
 def start_teacher(model: str = "tiny-random", *extra: str, grpc_port: int | None = None, http_port: int | None = None,
-                  env: dict[str, str] | None = None, wait: bool = True, timeout: float = 180.0) -> TeacherProc:
-    """Starts `eopd-teacher serve` as a subprocess on free ports and waits until it is ready."""
-    gp, hp = grpc_port or free_port(), http_port or free_port()
-    args = [sys.executable, "-m", "eopd_teacher.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--grpc-port", str(gp), "--http-port", str(hp), *extra]
-    base = spawn(args, env=env, name="teacher")
-    proc = TeacherProc(base.popen, base.log_path, gp, hp)
+                  env: dict[str, str] | None = None, wait: bool = True, timeout: float = 180.0,
+                  command: tuple[str, ...] = teacher_proc.TEACHER_COMMAND, name: str = "teacher") -> TeacherProc:
+    """Starts `eopd-teacher serve` as a subprocess (port 0 and its ports file unless ports are
+    given; log in a temp dir); returns once its ports are known and, with `wait`, once it is ready."""
+    sup = supervisor.Supervisor(Path(tempfile.mkdtemp(prefix=f"eopd-{name}-")), cwd=ROOT, pdeathsig=False)
+    proc = teacher_proc.start_teacher(sup, model, *extra, name=name, grpc_port=grpc_port or 0,
+                                      http_port=http_port or 0, env=env, command=command, kind=TeacherProc)
+    try:  # its ports are known on return, as they were when tests picked them (bound before the model loads)
+        proc.ports(timeout)
+    except BaseException:
+        proc.stop()
+        raise
     if wait:
         wait_teacher_ready(proc, timeout)
     return proc
 
 
 def wait_teacher_ready(proc: TeacherProc, timeout: float = 180.0) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"teacher exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{proc.http}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(0.2)
-    proc.stop()
-    raise TimeoutError(f"teacher not ready after {timeout}s:\n{proc.log()[-4000:]}")
+    """Its /readyz answers; a RunError (a RuntimeError) naming the problem otherwise, the teacher stopped."""
+    try:
+        proc.wait_ready(timeout)
+    except BaseException:
+        proc.stop()
+        raise
 
 
 @contextlib.contextmanager

@@ -158,3 +158,16 @@ def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
     p = report.provenance()
     assert p["describe"].endswith("-dirty") and p["dirty_files"] == ["src.py"]
     shutil.rmtree(repo)
+
+
+def test_eopd_bench_runs_the_checkout_bench_as_a_subprocess(tmp_path, monkeypatch, capfd):
+    """`eopd bench ARGS` is `python -m bench.run_all ARGS` in the repository root, never an import of
+    bench/ by the installed package; without a checkout's bench/ it says so in one line (exit 2)."""
+    from eopd_trainer import cli
+
+    assert cli.main(["bench", "--help"]) == 0
+    assert "usage: eopd bench" in capfd.readouterr().out
+    monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)
+    assert cli.main(["bench", "all", "--quick"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"no bench/run_all.py in {tmp_path}" in err and "python -m bench.run_all" in err

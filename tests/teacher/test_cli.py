@@ -79,7 +79,7 @@ def test_readme_commands_on_smollm2():
     gp, hp = free_port(), free_port()
     base = spawn([exe, "serve", "--model", "smollm2-135m", "--host", "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)],
                  name="teacher-smollm2")
-    proc = TeacherProc(base.popen, base.log_path, gp, hp)
+    proc = TeacherProc("teacher", base.popen, base.log_path, grpc_port=gp, http_port=hp)
     try:
         wait_teacher_ready(proc, timeout=300)
         target = f"127.0.0.1:{gp}"
@@ -139,7 +139,7 @@ def test_serve_on_port_zero_reports_its_ports(tmp_path):
         gp, hp = ports["grpc_port"], ports["http_port"]
         assert gp > 0 and hp > 0 and gp != hp, ports
         assert [p.name for p in tmp_path.iterdir()] == [ports_file.name]
-        proc = TeacherProc(base.popen, base.log_path, gp, hp)
+        proc = TeacherProc("teacher", base.popen, base.log_path, grpc_port=gp, http_port=hp)
         wait_teacher_ready(proc, timeout=120)  # /readyz 200 on the reported HTTP port
         with urllib.request.urlopen(f"{proc.http}/healthz", timeout=10) as r:
             assert r.status == 200 and json.loads(r.read()) == {"status": "alive"}

@@ -7,19 +7,23 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.procs import free_port
+from eopd_trainer.job.local_queue import start_redis as start_redis_server
+from eopd_trainer.job.supervisor import Child, RunError, Supervisor
 
 
 @dataclass
 class RedisProc:
-    popen: subprocess.Popen
+    child: Child
     port: int
     dir: Path
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        return self.child.popen
 
     @property
     def url(self) -> str:
@@ -31,37 +35,25 @@ class RedisProc:
         return redis.Redis.from_url(self.url)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+        self.child.stop(10)
 
 
 def start_redis(port: int | None = None, *extra: str, timeout: float = 20.0) -> RedisProc:
-    """Starts `redis-server` on 127.0.0.1:<free port> (no persistence unless `extra` asks)."""
+    """Starts `redis-server` on 127.0.0.1:<free port> (no persistence unless `extra` asks), as
+    `eopd run` does (`eopd_trainer.job.local_queue.start_redis`: a port taken meanwhile is retried,
+    a foreign Redis never used)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="eopd-redis-"))
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir), *extra]
-    popen = subprocess.Popen(args, stdout=open(workdir / "redis.log", "wb"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    proc = RedisProc(popen, port, workdir)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            raise RuntimeError(f"redis-server exited: {(workdir / 'redis.log').read_text(errors='replace')}")
-        with contextlib.suppress(Exception):
-            if proc.client().ping():
-                return proc
-        time.sleep(0.05)
-    proc.stop()
-    raise TimeoutError("redis-server did not start")
+    sup = Supervisor(workdir, pdeathsig=False)
+    try:
+        url, child, _ = start_redis_server(sup, binary, ["--save", "", "--appendonly", "no", "--dir", str(workdir),
+                                                         *extra], port=port, wait_s=timeout)
+    except RunError as exc:
+        sup.stop_all()
+        raise RuntimeError(f"redis-server did not start: {exc}") from None
+    return RedisProc(child, int(url.rsplit(":", 1)[1].split("/")[0]), workdir)
 
 
 @contextlib.contextmanager

@@ -3,9 +3,16 @@ included), the layer-subset student, the evaluation on tiny models, the report's
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import re
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 from eopd_trainer.config import load_config
@@ -191,3 +198,128 @@ def test_choose_queue_fallback_chain(tmp_path, monkeypatch):
     with pytest.raises(RunError) as err:
         pick("redis")
     assert "s3cret" not in str(err.value) and "user:***@127.0.0.1" in str(err.value)
+
+
+HTTP2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty HTTP/2 SETTINGS frame: what a gRPC server sends
+
+
+@contextlib.contextmanager
+def _squatter(reply: bytes | None) -> Iterator[int]:
+    """A foreign server on a port the OS picked: it answers every connection with `reply` (or says
+    nothing and closes when None, like a plain TCP service), then closes it."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            with conn:
+                with contextlib.suppress(OSError):
+                    if reply is not None:
+                        conn.sendall(reply)
+                    conn.settimeout(0.5)
+                    conn.recv(65536)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+@pytest.mark.parametrize("reply", [HTTP2_SETTINGS, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                                   b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"],
+                         ids=["http2", "plain-200", "plain-404"])
+def test_wait_http_ready_names_a_wrong_server_in_one_line(tmp_path, reply):
+    """Another server on the teacher's HTTP port (a gRPC server's HTTP/2 frames, or an HTTP server
+    that is not eopd-teacher): a RunError whose first line names the URL and the problem, never an
+    http.client exception escaping as a traceback."""
+    from eopd_trainer.job.supervisor import RunError, Supervisor, wait_http_ready
+
+    sup = Supervisor(tmp_path / "logs")
+    child = sup.start("teacher", ["sleep", "30"])
+    try:
+        with _squatter(reply) as port:
+            url = f"http://127.0.0.1:{port}/readyz"
+            t0 = time.monotonic()
+            with pytest.raises(RunError) as err:
+                wait_http_ready(child, url, timeout=1.5, expect_key="ready", what="eopd-teacher's HTTP side")
+            assert time.monotonic() - t0 < 10
+        first = str(err.value).splitlines()[0]
+        assert first.startswith("teacher was not ready after 2 s: "), first
+        assert f"{url} answers, but not as eopd-teacher's HTTP side" in first and "another server holds that port" in first
+        if reply == HTTP2_SETTINGS:
+            assert "(BadStatusLine)" in first, first
+    finally:
+        sup.stop_all()
+
+
+def test_teacher_ports_file_of_another_process_is_refused(tmp_path):
+    """A ports file the teacher started here did not write (another pid) is never used."""
+    from eopd_trainer.job.supervisor import RunError, Supervisor
+    from eopd_trainer.job.teacher_proc import TeacherChild
+
+    sup = Supervisor(tmp_path / "logs")
+    child = sup.start("teacher", ["sleep", "30"], kind=TeacherChild)
+    try:
+        child.ports_path = tmp_path / "teacher.ports.json"
+        child.ports_path.write_text(json.dumps({"grpc_port": 1, "http_port": 2, "pid": 1}))
+        with pytest.raises(RunError, match=r"written by pid 1, not by the teacher started here"):
+            child.ports(timeout=2)
+        child.ports_path.write_text(json.dumps({"grpc_port": 1234, "http_port": 1235, "pid": child.popen.pid}))
+        assert child.ports(timeout=2) == (1234, 1235) and child.target == "127.0.0.1:1234"
+        assert child.http_url == "http://127.0.0.1:1235"
+    finally:
+        sup.stop_all()
+
+
+def test_teacher_that_dies_before_reporting_its_ports_fails_to_start(tmp_path):
+    from eopd_trainer.job.supervisor import RunError, Supervisor
+    from eopd_trainer.job.teacher_proc import start_teacher
+
+    sup = Supervisor(tmp_path / "logs")
+    teacher = start_teacher(sup, "no-such-model-spec:::", command=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    with pytest.raises(RunError, match=r"^teacher failed to start \(exit code 3\)"):
+        teacher.wait_ready(30)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_redis_server_port_collision_is_retried(tmp_path, monkeypatch):
+    """The port picked for the run's redis-server is taken before it binds: (a) by a plain listening
+    socket (redis-server exits), (b) by another redis-server (answers PING, but INFO's process_id is
+    not our child's: never used). The third port is free: the run's queue ends there, and the foreign
+    Redis got nothing written."""
+    import redis
+    from eopd_trainer.config import QueueConfig
+    from eopd_trainer.job import local_queue
+    from eopd_trainer.job.supervisor import Supervisor
+
+    from tests.trainer.redis_helpers import running_redis
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with running_redis() as foreign, socket.create_server(("127.0.0.1", 0)) as plain:
+        free = local_queue.free_port()
+        ports = iter([plain.getsockname()[1], foreign.port, free])
+        monkeypatch.setattr(local_queue, "free_port", lambda: next(ports))
+        sup = Supervisor(tmp_path / "logs")
+        try:
+            q = local_queue.choose_queue(sup, tmp_path, QueueConfig(backend="redis-server"))
+            assert q.backend == "redis-server" and q.url == f"redis://127.0.0.1:{free}/0", q
+            assert f"port {plain.getsockname()[1]} was taken" in q.message, q.message
+            assert f"port {foreign.port} answered by another Redis (pid {foreign.popen.pid})" in q.message, q.message
+            assert [c.name for c in sup.children] == ["redis"] and sup.children[0].alive()
+            client = redis.Redis.from_url(q.url)
+            assert client.info("server")["process_id"] == sup.children[0].popen.pid
+            client.set("eopd:probe", "1")
+            assert foreign.client().keys("*") == []
+            sup.check()
+        finally:
+            sup.stop_all()

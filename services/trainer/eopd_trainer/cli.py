@@ -8,21 +8,26 @@
     eopd prepare --config FILE [key=value ...] [--overwrite]   materialise the run directory (student, data, run.yaml)
     eopd eval    --run-dir DIR [--model final|initial|teacher|SPEC ...]        Avg@k, Pass@k, entropies, KL
     eopd report  RUN_DIR [RUN_DIR ...] [--out FILE.html]                       HTML report with figures
-    eopd bench   all|projection [--quick] [--require-all] [--only NAME ...]     benchmarks (from a checkout)
+    eopd bench   all|projection [--quick] [--require-all] [--only NAME ...]     benchmarks (from a checkout:
+                                                   runs `python -m bench.run_all` in the repository root)
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
-COMMANDS = ("train", "rollout", "config", "run", "prepare", "eval", "report", "bench")
+from .config import ConfigError, dump_config, load_config
+
+# The checkout this package is installed from (editable installs): <root>/services/trainer/eopd_trainer/cli.py
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(argv: list[str]) -> int:
-    import argparse
-
-    from .config import ConfigError, dump_config, load_config
-
     p = argparse.ArgumentParser(prog="eopd config", description="Validate a run config and print it with defaults.")
     p.add_argument("--config", default=None)
     p.add_argument("overrides", nargs="*")
@@ -35,53 +40,48 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
+def _bench(argv: list[str]) -> int:
+    """Runs `python -m bench.run_all ARGS` in the checkout this package is installed from: the
+    benchmarks are the repository's bench/, never part of the installed package (nor imported by it)."""
+    if not (REPO_ROOT / "bench" / "run_all.py").is_file():
+        print(f"eopd bench: no bench/run_all.py in {REPO_ROOT}: the benchmarks live in the repository's bench/; "
+              "install eopd editable from a checkout (scripts/bootstrap.sh) and run `eopd bench` or, in its root, "
+              "`python -m bench.run_all`", file=sys.stderr)
+        return 2
+    with subprocess.Popen([sys.executable, "-m", "bench.run_all", *argv], cwd=REPO_ROOT) as proc:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # the child got the same Ctrl-C (same process group): let it finish
+            return proc.wait()
+
+
+# command -> "module:function" (imported only when the command runs) or a function of this module
+COMMANDS: dict[str, str | Callable[[list[str]], int]] = {
+    "train": "eopd_trainer.learner.cli:main",
+    "rollout": "eopd_trainer.rollout.cli:main",
+    "config": _config,
+    "run": "eopd_trainer.job.run:main",
+    "prepare": "eopd_trainer.job.prepare:main",
+    "eval": "eopd_trainer.eval.evaluate:main",
+    "report": "eopd_trainer.eval.report:main",
+    "bench": _bench,
+}
+
+
+def resolve(command: str) -> Callable[[list[str]], int]:
+    target = COMMANDS[command]
+    if callable(target):
+        return target
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        from .learner.cli import main as train_main
-
-        return train_main(rest)
-    if cmd == "rollout":
-        from .rollout.cli import main as rollout_main
-
-        return rollout_main(rest)
-    if cmd == "run":
-        from .job.run import main as run_main
-
-        return run_main(rest)
-    if cmd == "prepare":
-        from .job.prepare import main as prepare_main
-
-        return prepare_main(rest)
-    if cmd == "eval":
-        from .eval.evaluate import main as eval_main
-
-        return eval_main(rest)
-    if cmd == "report":
-        from .eval.report import main as report_main
-
-        return report_main(rest)
-    if cmd == "bench":
-        return _bench(rest)
-    return _config(rest)
-
-
-def _bench(argv: list[str]) -> int:
-    """Runs bench/run_all.py of the checkout this package is installed from (editable installs)."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    if not (root / "bench" / "run_all.py").is_file():
-        print("eopd bench: the benchmarks live in the repository's bench/; run this from an editable install", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(root))
-    from bench.run_all import main as bench_main
-
-    return bench_main(argv)
+    return resolve(argv[0])(argv[1:])
 
 
 if __name__ == "__main__":

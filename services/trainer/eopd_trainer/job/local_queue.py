@@ -13,18 +13,22 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
 
 from ..config import QueueConfig
+from .embedded_queue import EmbeddedQueue
 from .supervisor import Child, RunError, Supervisor, free_port
 
 PING_WAIT_S = 120
+REDIS_PORT_TRIES = 5  # a port taken between free_port() and redis-server's bind: try another
 
 
 def redis_ping(url: str, timeout: float = 1.0, *, password: str | None = None) -> bool:
-    import redis
-
     try:
         kwargs = {"password": password} if password else {}
         return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **kwargs).ping())
@@ -34,8 +38,6 @@ def redis_ping(url: str, timeout: float = 1.0, *, password: str | None = None) -
 
 def shown_url(url: str) -> str:
     """A Redis URL for messages: a password in it is replaced by ***."""
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -54,28 +56,69 @@ class QueueChoice:
     message: str  # the sentence `eopd run` prints and records in run_summary.json
 
 
-def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child]:
-    port = free_port()
+def redis_pid(url: str, timeout: float = 1.0) -> int | None:
+    """The process id of the Redis answering at `url` (INFO server), None if none answers."""
+    try:
+        info = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).info("server")
+    except Exception:  # noqa: BLE001 - unreachable, refused, auth...: not ours
+        return None
+    return int(info["process_id"]) if "process_id" in info else None
+
+
+def start_redis(sup: Supervisor, binary: str, options: Sequence[str], *, name: str = "redis", port: int | None = None,
+                wait_s: float = PING_WAIT_S) -> tuple[str, Child, list[str]]:
+    """`redis-server --port P --bind 127.0.0.1 *options` under `sup`, on a free port tried up to
+    REDIS_PORT_TRIES times (once on an explicit `port`): a try fails when the port was taken meanwhile
+    (redis-server exits, having bound nothing and touched no data) or when the Redis answering there is
+    not our child (INFO process_id): a foreign Redis is never used. Returns (url, child, notes on the
+    ports given up)."""
+    notes: list[str] = []
+    for _ in range(1 if port else REDIS_PORT_TRIES):
+        p = port or free_port()
+        log = sup.log_dir / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0  # this try's lines start there
+        child = sup.start(name, [binary, "--port", str(p), "--bind", "127.0.0.1", *options])
+        url = f"redis://127.0.0.1:{p}/0"
+        taken = _wait_own_redis(child, url, wait_s, offset)
+        if taken is None:
+            return url, child, notes
+        notes.append(f"port {p} {taken}")
+        child.stop(10)
+        sup.children.remove(child)
+    raise RunError(f"redis-server did not start on a free port ({'; '.join(notes)}); log {sup.log_dir / f'{name}.log'}")
+
+
+def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child, list[str]]:
     data_dir = run_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
     # The AOF policy of the deployments (docker-compose.yml, deploy/k8s): each write reaches the file
     # before the reply (unless a slow fsync holds it, up to 2 s), fsync once a second; no RDB snapshots.
-    child = sup.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                                "--appendfsync", "everysec", "--dir", str(data_dir)])
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + PING_WAIT_S  # a resumed run's redis-server first loads its append-only file
-    while not redis_ping(url):
+    return start_redis(sup, binary, ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir",
+                                     str(data_dir)])
+
+
+def _wait_own_redis(child: Child, url: str, wait_s: float, offset: int) -> str | None:
+    """None once our redis-server answers at `url`; else why the port is not usable (taken: its log
+    from `offset` on says so, or another Redis answers there)."""
+    deadline = time.monotonic() + wait_s  # a resumed run's redis-server first loads its append-only file
+    while True:
+        pid = redis_pid(url)
+        if pid == child.popen.pid:
+            return None
+        if pid is not None:
+            return f"answered by another Redis (pid {pid})"
         if not child.alive():
+            with child.log_path.open("rb") as fh:
+                fh.seek(offset)
+                if b"Address already in use" in fh.read():
+                    return "was taken"
             raise child.failure("failed to start")
         if time.monotonic() > deadline:
-            raise child.failure(f"did not answer PING within {PING_WAIT_S} s")
+            raise child.failure(f"did not answer PING within {wait_s:.0f} s")
         time.sleep(0.05)
-    return url, child
 
 
 def _start_embedded(sup: Supervisor) -> str:
-    from .embedded_queue import EmbeddedQueue
-
     try:
         sup.embedded = EmbeddedQueue().start()
     except (RuntimeError, OSError) as exc:
@@ -114,9 +157,10 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
         why = f"queue.backend={backend}"
     binary = shutil.which("redis-server")
     if backend in ("auto", "redis-server") and binary is not None:
-        url, child = _start_redis_server(sup, run_dir, binary)
+        url, child, notes = _start_redis_server(sup, run_dir, binary)
+        retried = f" ({'; '.join(notes)})" if notes else ""
         return QueueChoice(url, "redis-server",
-                           f"queue: {why}; started redis-server on {url.split('/')[2]} (append-only file in "
+                           f"queue: {why}; started redis-server on {url.split('/')[2]}{retried} (append-only file in "
                            f"{run_dir / 'redis'}, log {child.log_path})")
     if backend == "redis-server":
         raise RunError("no queue: queue.backend=redis-server and redis-server is not on PATH (apt-get install "

@@ -36,7 +36,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from eopd_common.models import materialise_spec, parse_layer_subset, resolve_spec
+
 from ..config import ConfigError, RunConfig, dump_config, load_config
+from ..eval.tasks import write_splits
 
 LOCK_NAME = ".prepare.lock"
 CONFIG_NAME = "run.yaml"
@@ -48,8 +51,6 @@ def validate(cfg: RunConfig, *, local: bool = True, need_teacher: bool = True) -
     `local=False` (e.g. a GPU preset checked on another machine) checks the spec syntax only, not
     that model directories and prompt files exist here. `need_teacher=False` (`eopd prepare`: the
     teacher is someone else's service) does not require `teacher.model`."""
-    from eopd_common.models import parse_layer_subset, resolve_spec
-
     problems = []
     if need_teacher and not cfg.teacher.model:
         problems.append("teacher.model: eopd run needs the model spec the teacher serves")
@@ -100,8 +101,6 @@ def write_atomic(path: Path, text: str) -> None:
 
 def _generate_data(cfg: RunConfig, data_dir: Path) -> tuple[Path, Path]:
     """The generator's splits into `data_dir`, each file replaced atomically."""
-    from ..eval.tasks import write_splits
-
     gen = cfg.data.generate
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=data_dir, prefix=".generate-"))
@@ -123,8 +122,6 @@ def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = Fal
 
     A run directory holding a committed checkpoint: deleted with `overwrite`; else kept with
     `keep_trained` (`eopd prepare`, `eopd run --resume`); else refused."""
-    from eopd_common.models import materialise_spec
-
     run_dir = Path(cfg.run_dir).resolve()
     if (run_dir / "checkpoints" / "COMMITTED").exists():
         if overwrite:

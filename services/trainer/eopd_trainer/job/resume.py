@@ -37,6 +37,7 @@ import yaml
 
 from ..config import ConfigError, RunConfig, config_from_dict
 from ..learner.checkpoint import read_state
+from ..queue.streams import GROUP_LEARNER, Keys, connect
 from .prepare import CONFIG_NAME, write_atomic
 
 REQUESTED_NAME = "run.requested.yaml"
@@ -263,8 +264,6 @@ def queue_state(url: str, ns: str, start: Start, backend: str) -> tuple[str, str
     is set would stop at once, e.g. when train.iterations was raised) and `<ns>:lease`: the run
     directory's lock, held here, proves that the learner holding it has exited (eopd run gives its
     learner a lease of days, which must not keep the resumed one out)."""
-    from ..queue.streams import GROUP_LEARNER, Keys, connect
-
     r = connect(url)
     keys = Keys(ns)
     r.delete(keys.done, keys.lease)

@@ -11,9 +11,9 @@
    `<run_dir>/redis` (if the binary is installed), else the embedded in-memory queue
    (`embedded_queue.py`: a Redis-protocol server in a thread of this process, lost if this process
    dies); it says which one;
-3. starts the teacher (`eopd-teacher serve --model teacher.model`, free ports, waits for /readyz),
-   one rollout worker and the learner as separate processes, logs in `<run_dir>/logs/`
-   (`supervisor.py`);
+3. starts the teacher (`eopd-teacher serve --model teacher.model` on port 0, reporting the ports it
+   bound: `teacher_proc.py`), the learner and, once the teacher's /readyz answers, one rollout worker,
+   as separate processes, logs in `<run_dir>/logs/` (`supervisor.py`);
 4. supervises them: a progress bar from the learner's `train_metrics.jsonl`; Ctrl-C / SIGTERM stop
    every process cleanly (the learner keeps its last committed checkpoint); a process that dies
    makes the run exit 1 with the tail of its log;
@@ -36,8 +36,14 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from ..config import ConfigError, RunConfig, dump_config, load_config
-from .local_queue import choose_queue
+from ..data import load_prompts
+from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
+from ..faults import Faults
+from ..learner.metrics import trim_records
+from .local_queue import QueueChoice, choose_queue
 from .prepare import prepare, validate
 from .resume import (
     RunDirBusy,
@@ -51,12 +57,13 @@ from .resume import (
     write_requested,
 )
 from .run_record import RunRecord
-from .supervisor import RunError, Supervisor, free_port, wait_teacher
+from .supervisor import Child, RunError, Supervisor
+from .teacher_proc import TeacherChild, start_teacher
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
-RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see _train)
+RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see TrainingAttempt.write_config)
 
 
 class _Progress:
@@ -64,8 +71,6 @@ class _Progress:
     run: the file was trimmed to the committed iteration before the learner started)."""
 
     def __init__(self, path: Path, total: int, initial: int = 0):
-        from tqdm import tqdm
-
         self.path, self.done = path, initial
         self.offset = path.stat().st_size if initial and path.exists() else 0
         self.last: dict = {}
@@ -142,8 +147,6 @@ def run(cfg: RunConfig, *, overwrite: bool = False, resume: bool = False, evalua
 
 def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resume: bool, evaluate: bool,
          teacher_timeout: float, learner_timeout: float | None) -> int:
-    from ..data import load_prompts
-
     start = plan_start(cfg, resume=resume, overwrite=overwrite)  # ConfigError: refused, with the reason
     run_dir = lock.run_dir
     if overwrite:
@@ -166,8 +169,8 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
         say(f"resuming {run_dir} at iteration {start.iteration} of {total} (policy version {start.policy_version}, "
             f"optimizer step {start.optimizer_steps})" + (f"; changed: {'; '.join(start.changed)}" if start.changed else ""))
     if not start.resumed or start.iteration < total:
-        code, cfg = _train(cfg, run_dir, start, total, lock, record, teacher_timeout=teacher_timeout,
-                           learner_timeout=learner_timeout)
+        code, cfg = TrainingAttempt(cfg, run_dir, start, total, lock, record, teacher_timeout=teacher_timeout,
+                                    learner_timeout=learner_timeout).run()
         if code:
             record.end(summary["outcome"], time.monotonic() - t_start)
             return code
@@ -192,8 +195,6 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
             for s, h in old.items():
                 signal.signal(s, h)
         summary["eval_s"] = time.monotonic() - t0
-        from ..eval.evaluate import eval_path, summary_line
-
         for name, r in result["models"].items():  # headline avg@n / pass@n, the other grading's avg@n, KL
             say(f"eval {summary_line(name, r)}")
         variants = eval_path(run_dir, "variants")
@@ -205,112 +206,168 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
     return 0
 
 
-def _train(cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLock, record: RunRecord, *,
-           teacher_timeout: float, learner_timeout: float | None) -> tuple[int, RunConfig]:
-    """Queue, teacher, rollout worker and learner until the learner has committed iteration `total`.
-    Returns (exit code, the effective config); 0 when trained."""
-    from ..learner.metrics import trim_records
+class _StopSignal:
+    """The SIGINT/SIGTERM handler while training: remembers the signal; `check()` raises
+    KeyboardInterrupt once one came (the loops call it between their polls)."""
 
-    summary = record.current
-    sup = Supervisor(run_dir / "logs", pass_fds=(lock.fd,))  # they hold the run directory's lock until they exit
-    stop = {"signal": None}
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def on_signal(signum, _frame):
-        stop["signal"] = signum
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = None
-    try:
+    def __call__(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def install(self) -> None:
+        self._old = {s: signal.signal(s, self) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGINT).name
+
+
+class TrainingAttempt:
+    """Queue, teacher, learner and rollout worker until the learner has committed iteration `total`.
+    `run()` returns (exit code, the effective config); 0 when trained."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, start: Start, total: int, lock: RunLock, record: RunRecord, *,
+                 teacher_timeout: float, learner_timeout: float | None):
+        self.cfg, self.run_dir, self.start, self.total = cfg, run_dir, start, total
+        self.lock, self.record, self.summary = lock, record, record.current
+        self.teacher_timeout, self.learner_timeout = teacher_timeout, learner_timeout
+        # the children that touch the run's state hold the run directory's lock until they exit
+        self.sup = Supervisor(run_dir / "logs", pass_fds=(lock.fd,))
+        self.stop = _StopSignal()
+        self.teacher: TeacherChild | None = None
+        self.learner: Child | None = None
+        self.progress: _Progress | None = None
+        self.config_path = run_dir / "run.yaml"
+
+    def run(self) -> tuple[int, RunConfig]:
+        self.stop.install()
+        try:
+            self._train()
+        except KeyboardInterrupt:
+            say(f"interrupted ({self.stop.name}): stopping every process (the learner keeps its last committed "
+                "checkpoint; `eopd run ... --resume` continues from it)")
+            return self._abort(f"interrupted ({self.stop.name})", EXIT_INTERRUPTED)
+        except RunError as exc:
+            say(str(exc))
+            return self._abort(f"failed: {str(exc).splitlines()[0]}", EXIT_FAILED)
+        finally:
+            self.stop.restore()
+        self.sup.stop_all()
+        return 0, self.cfg
+
+    def _abort(self, outcome: str, code: int) -> tuple[int, RunConfig]:
+        if self.progress is not None:
+            self.progress.bar.close()
+        self.sup.stop_all()
+        self.summary["outcome"] = outcome
+        return code, self.cfg
+
+    def _train(self) -> None:
         cpu0 = time.process_time()
-        queue = choose_queue(sup, run_dir, cfg.queue)
+        queue, ns = self.start_queue()
+        self.start_teacher()
+        self.write_config(queue, ns)
+        self.start_learner()
+        self.wait_teacher_ready()
+        self.start_worker()
+        self.follow_learner()
+        # CPU of this process so far: the progress bar and, with the embedded queue, the queue server
+        self.summary["supervisor_cpu_s"] = round(time.process_time() - cpu0, 2)
+        self.wait_workers()
+
+    def _poll(self) -> None:
+        """Between the polls of a wait: a signal interrupts; another child failing fails the run (the
+        teacher's own death is reported by the wait, as "failed to start")."""
+        self.stop.check()
+        if self.teacher is None or self.teacher.alive():
+            self.sup.check()
+
+    def start_queue(self) -> tuple[QueueChoice, str]:
+        queue = choose_queue(self.sup, self.run_dir, self.cfg.queue)
         say(queue.message)
-        summary["queue"], summary["queue_backend"] = queue.message, queue.backend
-        gp, hp = free_port(), free_port()
-        ns = start.namespace or f"{cfg.queue.namespace}:run:{run_dir.name}:{time.time_ns()}"
-        if start.resumed:  # recovered (redis-server's append-only file, an external Redis) or rebuilt
-            summary["queue_state"], message = queue_state(queue.url, ns, start, queue.backend)
+        self.summary["queue"], self.summary["queue_backend"] = queue.message, queue.backend
+        ns = self.start.namespace or f"{self.cfg.queue.namespace}:run:{self.run_dir.name}:{time.time_ns()}"
+        if self.start.resumed:  # recovered (redis-server's append-only file, an external Redis) or rebuilt
+            self.summary["queue_state"], message = queue_state(queue.url, ns, self.start, queue.backend)
             say(message)
+        return queue, ns
+
+    def start_teacher(self) -> None:
+        """The teacher on port 0; returns once it has reported the ports it bound (before its model loads)."""
+        self.teacher = start_teacher(self.sup, self.cfg.teacher.model)
+        gp, _ = self.teacher.ports(self.teacher_timeout, on_poll=self._poll)
+        say(f"teacher {self.cfg.teacher.model} starting on 127.0.0.1:{gp} (log {self.teacher.log_path})")
+
+    def write_config(self, queue: QueueChoice, ns: str) -> None:
         # The learner's lease outlives a sleeping laptop: its TTL runs on Redis' wall clock, so a short one
         # expired while the machine slept and the learner refused to commit after waking up (exit 6).
         # On one machine the run directory's lock already keeps a second learner out.
-        cfg = _effective(cfg, target=f"127.0.0.1:{gp}",
-                         queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
-                                "lease_ttl_s": max(cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})
-        config_path = _write_run_yaml(run_dir, cfg)
-        py = sys.executable
-        teacher = sup.start("teacher", [py, "-m", "eopd_teacher.cli", "serve", "--model", cfg.teacher.model, "--host",
-                                        "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)], hold=False)
-        say(f"teacher {cfg.teacher.model} starting on 127.0.0.1:{gp} (log {teacher.log_path})")
-        metrics = run_dir / "train_metrics.jsonl"
-        if start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
-            trim_records(metrics, start.iteration)
+        self.cfg = _effective(self.cfg, target=self.teacher.target,
+                              queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
+                                     "lease_ttl_s": max(self.cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})
+        self.config_path = _write_run_yaml(self.run_dir, self.cfg)
+
+    def start_learner(self) -> None:
+        if self.start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
+            trim_records(self.run_dir / "train_metrics.jsonl", self.start.iteration)
         # The learner never talks to the teacher: it loads while the teacher does. The worker waits for it.
-        env: dict[str, str] = {}  # torch's default threads: in sync mode the processes mostly take turns
-        learner = sup.start("learner", [py, "-m", "eopd_trainer.learner", "--config", str(config_path)], env)
-        deadline = time.monotonic() + teacher_timeout
-        while True:  # interruptible wait for readiness
-            if stop["signal"] is not None:
-                raise KeyboardInterrupt
-            try:
-                wait_teacher(teacher, hp, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-                break
-            except RunError:
-                if not teacher.alive():
-                    raise teacher.failure("failed to start") from None
-                sup.check()  # the learner failing meanwhile
-                if time.monotonic() > deadline:
-                    raise
-        say(f"teacher ready; run directory {run_dir}")
-        sup.start("rollout-w0", [py, "-m", "eopd_trainer.rollout", "--config", str(config_path), "--worker-id", "w0"], env)
-        lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in sup.children if c.holds}})
-        progress = _Progress(metrics, total, initial=start.iteration if start.resumed else 0)
+        # torch's default threads: in sync mode the processes mostly take turns
+        self.learner = self.sup.start("learner", [sys.executable, "-m", "eopd_trainer.learner", "--config",
+                                                  str(self.config_path)], {})
+
+    def wait_teacher_ready(self) -> None:
+        self.teacher.wait_ready(self.teacher_timeout, on_poll=self._poll)
+        say(f"teacher ready; run directory {self.run_dir}")
+
+    def start_worker(self) -> None:
+        self.sup.start("rollout-w0", [sys.executable, "-m", "eopd_trainer.rollout", "--config", str(self.config_path),
+                                      "--worker-id", "w0"], {})
+        self.lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in self.sup.children if c.holds}})
+
+    def follow_learner(self) -> None:
+        """The progress bar until the learner exits; RunError if it fails or another child dies."""
+        first = self.start.iteration if self.start.resumed else 0
+        progress = self.progress = _Progress(self.run_dir / "train_metrics.jsonl", self.total, initial=first)
         t_learn = time.monotonic()
-        while learner.alive():
-            if stop["signal"] is not None:
-                raise KeyboardInterrupt
-            sup.check(allowed_done=("rollout-w0",))  # a worker exits 0 only once the learner set <ns>:done
+        while self.learner.alive():
+            self.stop.check()
+            self.sup.check(allowed_done=("rollout-w0",))  # a worker exits 0 only once the learner set <ns>:done
             seen = progress.done
             progress.poll()
             if progress.done != seen:
-                record.trained(progress.done, time.monotonic() - t_learn)
-            if learner_timeout and time.monotonic() - t_learn > learner_timeout:
-                raise learner.failure(f"did not finish within {learner_timeout:.0f} s")
+                self.record.trained(progress.done, time.monotonic() - t_learn)
+            if self.learner_timeout and time.monotonic() - t_learn > self.learner_timeout:
+                raise self.learner.failure(f"did not finish within {self.learner_timeout:.0f} s")
             time.sleep(0.5)
         progress.close()
-        if progress.done > (start.iteration if start.resumed else 0):
-            record.trained(progress.done, time.monotonic() - t_learn)
-        progress = None
-        if learner.popen.returncode != 0:
-            raise learner.failure("failed")
-        summary["train_s"] = time.monotonic() - t_learn
-        # CPU of this process so far: the progress bar and, with the embedded queue, the queue server
-        summary["supervisor_cpu_s"] = round(time.process_time() - cpu0, 2)
-        worker_deadline = time.monotonic() + 60
-        while any(c.alive() for c in sup.children if c.name.startswith("rollout")) and time.monotonic() < worker_deadline:
-            sup.check(allowed_done=("learner", "rollout-w0"))
+        if progress.done > first:
+            self.record.trained(progress.done, time.monotonic() - t_learn)
+        self.progress = None
+        if self.learner.popen.returncode != 0:
+            raise self.learner.failure("failed")
+        self.summary["train_s"] = time.monotonic() - t_learn
+
+    def wait_workers(self) -> None:
+        """The workers exit once they see the learner's <ns>:done: up to 60 s."""
+        deadline = time.monotonic() + 60
+        workers = [c for c in self.sup.children if c.name.startswith("rollout")]
+        while any(c.alive() for c in workers) and time.monotonic() < deadline:
+            self.sup.check(allowed_done=("learner", "rollout-w0"))
             time.sleep(0.2)
-        sup.check(allowed_done=("learner", "rollout-w0"))
-    except KeyboardInterrupt:
-        name = signal.Signals(stop["signal"] or signal.SIGINT).name
-        say(f"interrupted ({name}): stopping every process (the learner keeps its last committed checkpoint; "
-            "`eopd run ... --resume` continues from it)")
-        if progress is not None:
-            progress.bar.close()
-        sup.stop_all()
-        summary["outcome"] = f"interrupted ({name})"
-        return EXIT_INTERRUPTED, cfg
-    except RunError as exc:
-        if progress is not None:
-            progress.bar.close()
-        say(str(exc))
-        sup.stop_all()
-        summary["outcome"] = f"failed: {str(exc).splitlines()[0]}"
-        return EXIT_FAILED, cfg
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    sup.stop_all()
-    return 0, cfg
+        self.sup.check(allowed_done=("learner", "rollout-w0"))
 
 
 VARIANTS_FILE = "heldout_variants.jsonl"  # written by data.generate.variants (tasks.write_splits)
@@ -320,9 +377,6 @@ def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
     """`eopd eval` of `eval.models`, one model at a time, each recorded when done: a run
     interrupted during the evaluation evaluates only the models left when resumed (and a model
     evaluated already with the same settings is not evaluated again)."""
-    from ..eval.evaluate import evaluate_run, resolve_model
-    from ..faults import Faults
-
     settings = cfg.eval.model_dump(mode="json", exclude={"models", "enabled"})
     resolved = {m: resolve_model(m, run_dir, cfg) for m in cfg.eval.models}
     todo = record.to_evaluate(cfg.eval.models, resolved, settings)

@@ -9,6 +9,8 @@ of them has exited, so two invocations never share a run directory or a redis-se
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import shutil
 import signal
@@ -17,9 +19,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from .embedded_queue import EmbeddedQueue
@@ -30,6 +33,9 @@ class RunError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port nobody listened on a moment ago. Only for "an address nobody listens on" and for
+    external programs that cannot bind port 0 themselves: another process can take it before it is
+    used (eopd's own teacher binds port 0 and reports its ports, `teacher_proc.py`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,6 +61,52 @@ class Child:
         return RunError(f"{self.name} {what} (exit code {self.popen.poll()}); last lines of {self.log_path}:\n"
                         f"{log_tail(self.log_path)}")
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL to its whole session after `timeout`; returns the exit code."""
+        if not self.alive():
+            return self.popen.returncode
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            return self.popen.wait(10)
+
+
+C = TypeVar("C", bound=Child)
+
+
+def spawn(name: str, args: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None,
+          cwd: Path | None = None, pass_fds: tuple[int, ...] = (), drop_env: tuple[str, ...] = (),
+          pdeathsig: bool = True, kind: type[C] = Child) -> C:
+    """Starts `args` in its own session, stdout and stderr appended to `log_path`. With `pdeathsig`,
+    the kernel sends it SIGTERM when this process dies without stopping it (SIGKILL, OOM, a crash):
+    PR_SET_PDEATHSIG, set by util-linux's `setpriv` before it execs the child (so the pid is the
+    child's); without setpriv it would outlive this process. It inherits `pass_fds`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**{k: v for k, v in os.environ.items() if k not in drop_env}, "PYTHONUNBUFFERED": "1", **(env or {})}
+    args = list(args)
+    setpriv = shutil.which("setpriv") if pdeathsig else None
+    if setpriv:
+        args = [setpriv, "--pdeathsig", "TERM", "--", *args]
+    with open(log_path, "ab") as fh:
+        popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                 start_new_session=True, pass_fds=pass_fds)
+    return kind(name, popen, log_path, holds=bool(pass_fds))
+
 
 @dataclass
 class Supervisor:
@@ -66,23 +118,17 @@ class Supervisor:
     embedded: EmbeddedQueue | None = None
     drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with a queue started here)
     pass_fds: tuple[int, ...] = ()  # inherited by every child started with hold=True (the run directory's lock)
+    cwd: Path | None = None  # the children's working directory (None: this process')
+    pdeathsig: bool = True  # children get SIGTERM when this process dies (spawn)
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None, *, hold: bool = True) -> Child:
-        """Starts a child in its own session. When this process dies without stopping its children
-        (SIGKILL, OOM, a crash), the kernel sends each of them SIGTERM (PR_SET_PDEATHSIG, set by
-        util-linux's `setpriv` before it execs the child; without setpriv they would outlive it).
-        With `hold`, the child inherits `pass_fds` (the run directory's lock) until it exits."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        path = self.log_dir / f"{name}.log"
-        full_env = {**{k: v for k, v in os.environ.items() if k not in self.drop_env}, "PYTHONUNBUFFERED": "1",
-                    **(env or {})}
-        setpriv = shutil.which("setpriv")
-        if setpriv:
-            args = [setpriv, "--pdeathsig", "TERM", "--", *args]
-        with open(path, "ab") as fh:
-            popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                                     pass_fds=self.pass_fds if hold else ())
-        child = Child(name, popen, path, holds=hold and bool(self.pass_fds))
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None, *, hold: bool = True,
+              kind: type[C] = Child) -> C:
+        """Starts a child in its own session (`spawn`), log `<log_dir>/<name>.log`, stopped by the
+        kernel if this process dies. With `hold`, the child inherits `pass_fds` (the run
+        directory's lock) until it exits."""
+        child = spawn(name, args, self.log_dir / f"{name}.log", env=env, cwd=self.cwd,
+                      pass_fds=self.pass_fds if hold else (), drop_env=self.drop_env, pdeathsig=self.pdeathsig,
+                      kind=kind)
         self.children.append(child)
         return child
 
@@ -116,21 +162,55 @@ class Supervisor:
             self.embedded.stop()
 
 
-def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2) -> None:
-    """Waits until `url` answers 200 while `child` is alive; raises the child's failure otherwise."""
+def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2, *, expect_key: str | None = None,
+                    what: str = "the expected server", on_poll: Callable[[], None] | None = None) -> None:
+    """Waits until `url` answers 200 (with a JSON object holding `expect_key`, when given) while
+    `child` is alive. Raises the child's failure if it dies, else a RunError at the deadline whose
+    first line says what answered: nothing, or another server (an answer that is not HTTP/1, e.g. a
+    gRPC server's HTTP/2 frames, or a 200 without `expect_key`) that holds the port. `on_poll` is
+    called between tries (it may raise: an interrupt, another child failing)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    foreign: str | None = None  # what the last foreign answer was
+    while True:
         if not child.alive():
             raise child.failure("failed to start")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
+                if r.status == 200 and (expect_key is None or _has_key(r.read(), expect_key)):
                     return
+                foreign = f"{r.status} without a JSON {expect_key!r}"
+        except urllib.error.HTTPError as exc:  # 503: ours, not ready yet (loading); the teacher never says 404...
+            foreign = None if exc.code == 503 or expect_key is None else f"HTTP {exc.code}"
         except (urllib.error.URLError, ConnectionError, OSError):
-            pass
+            foreign = None  # nobody listens yet
+        except http.client.HTTPException as exc:  # not HTTP/1 (BadStatusLine: HTTP/2 frames), cut short...
+            foreign = type(exc).__name__
+        if time.monotonic() > deadline:
+            break
+        if on_poll is not None:
+            on_poll()
         time.sleep(poll_s)
-    raise child.failure(f"was not ready after {timeout:.0f} s")
+    if foreign is not None:
+        head = f"{url} answers, but not as {what} ({foreign}): another server holds that port"
+    else:
+        head = f"{url} did not answer as ready"
+    raise RunError(f"{child.name} was not ready after {timeout:.0f} s: {head}; last lines of {child.log_path}:\n"
+                   f"{log_tail(child.log_path)}")
 
 
-def wait_teacher(child: Child, http_port: int, timeout: float) -> None:
-    wait_http_ready(child, f"http://127.0.0.1:{http_port}/readyz", timeout)
+def _has_key(body: bytes, key: str) -> bool:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and key in doc
+
+
+def read_ports_file(path: Path) -> dict | None:
+    """The JSON a teacher started with `--ports-file` wrote once both servers were bound (written
+    atomically), or None while there is none."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    return doc if isinstance(doc, dict) else None
