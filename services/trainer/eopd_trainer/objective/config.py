@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .variants import VARIANTS  # the registry dict itself: variants registered later are seen too
+
 Gate = Literal["ge", "gt"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
@@ -72,8 +74,6 @@ class LossConfig(BaseModel):
     @field_validator("variant")
     @classmethod
     def _known_variant(cls, v: str) -> str:
-        from .variants import VARIANTS  # late import: the registry may grow after this module loads
-
         if v not in VARIANTS:
             raise ValueError(f"unknown loss variant {v!r}; registered: {sorted(VARIANTS)}")
         return v
