@@ -6,8 +6,6 @@ in-process mutual-TLS server."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import subprocess
 from concurrent import futures
 
 import grpc
@@ -15,6 +13,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from eopd_common.client_security import TOKEN_ENV, ClientSecurity, SecurityFileError
+from tests.pki import make_pki
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -106,25 +105,10 @@ def test_credentials_read_the_files(tmp_path):
 
 # -- end to end: a mutual-TLS server that wants the bearer token ------------------------------------
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for the name teacher.example only, and a client certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=eopd-test-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
-    for name, san in (("server", "subjectAltName=DNS:teacher.example"), ("client", "subjectAltName=DNS:eopd-client")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
-                 "-out", str(d / f"{name}.csr"))
-        (d / f"{name}.ext").write_text(san + "\n")
-        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
-                 "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), "subjectAltName=DNS:teacher.example")
 
 
 class _WantsToken(grpc.ServerInterceptor):

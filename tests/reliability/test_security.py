@@ -12,29 +12,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from eopd_common.client_security import ClientSecurity
 from eopd_teacher.client import TeacherClient
+from tests.pki import make_pki
 from tests.procs import running_teacher
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret-token-for-tests"
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=eopd-test-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
-    for name, san in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "subjectAltName=DNS:eopd-client")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
-                 "-out", str(d / f"{name}.csr"))
-        (d / f"{name}.ext").write_text(san + "\n")
-        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
-                 "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), "subjectAltName=IP:127.0.0.1,DNS:localhost")
 
 
 def _http_status(url: str, token: str | None = None) -> int:
