@@ -86,7 +86,7 @@ class LearnerLoop:
         self.num_prompts = len(load_prompts(cfg.data.train_files, cfg.data.field))
         self.total_iterations = cfg.total_iterations(self.num_prompts)
         self.trainer.setup(self.run_dir, self.total_iterations)
-        self.state = {**fresh_state(), **(self.trainer.load_checkpoint() or {})}
+        self.state = {**fresh_state(), **(self.trainer.restore_checkpoint() or {})}
         self.ledger = Ledger.from_json(self.state["ledger"])
         # After a restart: without the records of iterations trained again, with the committed one's.
         self.metrics = resumed_sink(self.run_dir, "train", self.state, tensorboard=cfg.logging.tensorboard,

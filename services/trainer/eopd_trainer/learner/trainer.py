@@ -103,7 +103,7 @@ class PolicyTrainer:
                                       export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier,
                                       faults=self.faults)
 
-    def load_checkpoint(self) -> dict[str, Any] | None:
+    def restore_checkpoint(self) -> dict[str, Any] | None:
         """The committed checkpoint into the engine; its trainer state (None on a fresh run)."""
         return self.ckpt.load(self.engine)
 
