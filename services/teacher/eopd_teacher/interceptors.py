@@ -1,5 +1,10 @@
 """gRPC server interceptors: the status policy applied to TeacherService handlers (statuses,
-logs, per-method metrics) and the bearer-token check."""
+logs, per-method metrics, the concurrent-call limit) and the bearer-token check.
+
+Bytes in flight: a unary TeacherService call is served by a request-streaming handler that reads
+its one message itself, so a call refused before its body matters (over `max_concurrent_calls`,
+or without a valid bearer token) is answered without reading the body at all: its bytes never
+leave gRPC's flow-control window (issue 17, section 2)."""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from .batcher import Overloaded
 from .convert import NOT_RETRYABLE_KEY, InvalidRequest, RequestTooLarge
 from .metrics import TeacherMetrics
+from .resources import MemoryReturner
 from .status import SERVICE_NAME, describe
 
 log = logging.getLogger("eopd_teacher")
@@ -33,12 +40,24 @@ def _decoder(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes]
     return decode
 
 
+async def _one_message(request_iterator) -> bytes:
+    """The single request message of a unary call, read by its handler."""
+    async for raw in request_iterator:
+        return raw
+    raise InvalidRequest("request: the call carried no request message")
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions of TeacherService handlers to statuses (never a dead stream or a bare
-    UNKNOWN), logs unexpected ones, and counts every RPC by method and code."""
+    UNKNOWN), logs unexpected ones, and counts every RPC by method and code. Unary calls beyond
+    `max_concurrent_calls` at once are refused (RESOURCE_EXHAUSTED, retryable) before their body
+    is read; large messages hand their memory back once done (`memory`)."""
 
-    def __init__(self, metrics: TeacherMetrics):
+    def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None):
         self.metrics = metrics
+        self.max_concurrent_calls = max_concurrent_calls
+        self.calls = 0  # unary TeacherService calls in progress
+        self.memory = memory or MemoryReturner()
 
     def _finish(self, method: str, code: grpc.StatusCode, started: float | None) -> None:
         self.metrics.requests.labels(method, code.name).inc()
@@ -51,6 +70,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         code, message = describe(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("unexpected error in %s", method, exc_info=exc)
+        # The traceback's frames hold the request (megabytes); gRPC's AbortError would keep them in a
+        # reference cycle until a full garbage collection. Only the status and message are needed now.
+        exc.__traceback__ = None
         self._finish(method, code, None)
         # A request over a per-request limit fails the same way every time: say so, so that clients
         # that retry RESOURCE_EXHAUSTED (a full queue, too many streams) do not retry this one.
@@ -68,9 +90,17 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
             decode = _decoder(handler.request_deserializer)
 
-            async def unary_unary(raw, context):
+            async def unary_unary(request_iterator, context):
                 started = time.perf_counter()
+                nbytes = 0
+                self.calls += 1
                 try:
+                    limit = self.max_concurrent_calls
+                    if limit is not None and self.calls > limit:
+                        self.memory.refused_unread()
+                        raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
+                    raw = await _one_message(request_iterator)
+                    nbytes = len(raw)
                     response = await inner_uu(decode(raw), context)
                 except grpc.aio.AbortError:
                     raise
@@ -80,17 +110,23 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:  # noqa: BLE001
                     await self._abort(context, method, exc)
                     raise AssertionError("unreachable") from exc
+                finally:
+                    self.calls -= 1
+                    self.memory.message_done(nbytes)
                 self._finish(method, grpc.StatusCode.OK, started)
                 return response
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
+            # Request-streaming on the server side only (the wire is the same): the handler reads the body.
+            return grpc.stream_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             inner_ss = handler.stream_stream
             decode_ss = _decoder(handler.request_deserializer)
 
             async def decoded(raw_iterator):
                 async for raw in raw_iterator:
-                    yield decode_ss(raw)
+                    request = decode_ss(raw)
+                    self.memory.message_done(len(raw))  # the raw bytes are dropped here
+                    yield request
 
             async def stream_stream(request_iterator, context):
                 try:
@@ -116,9 +152,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     EXEMPT = ("/grpc.health.v1.Health/",)
 
-    def __init__(self, token: str, metrics: TeacherMetrics):
+    def __init__(self, token: str, metrics: TeacherMetrics, memory: MemoryReturner | None = None):
         self._expected = f"Bearer {token}".encode()
         self.metrics = metrics
+        self.memory = memory or MemoryReturner()
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         for key, value in details.invocation_metadata or ():
@@ -138,18 +175,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.metrics.errors.labels("UNAUTHENTICATED").inc()
         message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 
-        async def deny_unary(request, context):
+        # Request-streaming handlers that never read: the body of a refused call is not read.
+        async def deny_unary(request_iterator, context):
+            self.memory.refused_unread()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         async def deny_stream(request_iterator, context):
+            self.memory.refused_unread()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator
 
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
-        if handler.stream_stream is not None:
+        kw = dict(response_serializer=handler.response_serializer)
+        if handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
         return grpc.stream_unary_rpc_method_handler(deny_unary, **kw)

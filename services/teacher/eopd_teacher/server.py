@@ -30,8 +30,10 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from .batcher import BatchObserver, DynamicBatcher
 from .engines import create_engine
 from .http_app import create_app
+from .http_limits import header_deadline_protocol
 from .interceptors import AuthInterceptor, StatusInterceptor
 from .metrics import TeacherMetrics
+from .resources import MemoryReturner, raise_open_file_limit
 from .servicer import TeacherServicer
 from .settings import TeacherSettings
 from .state import ServerState, served_info
@@ -63,6 +65,34 @@ def _bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def grpc_options(settings: TeacherSettings) -> list[tuple[str, object]]:
+    """The gRPC server's channel options: message sizes (requests: the smaller of max_request_bytes
+    and max_message_bytes), streams per connection, connection age."""
+    s = settings
+    opts: list[tuple[str, object]] = [
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.max_receive_message_length", min(s.max_request_bytes, s.max_message_bytes)),
+        ("grpc.max_concurrent_streams", s.max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+    ]
+    if s.max_connection_age_s > 0:  # clients reconnect (and re-resolve DNS) now and then
+        opts += [
+            ("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(s.max_connection_age_grace_s * 1000)),
+        ]
+    return opts
+
+
+def http_config(app, settings: TeacherSettings) -> uvicorn.Config:
+    """uvicorn's configuration of the HTTP side: request headers due within http_header_timeout_s,
+    at most http_max_connections connections (503 beyond)."""
+    return uvicorn.Config(
+        app, log_level="warning", lifespan="off", access_log=False,
+        http=header_deadline_protocol(settings.http_header_timeout_s),
+        limit_concurrency=settings.http_max_connections,
+    )
+
+
 def write_ports_file(path: Path, grpc_port: int, http_port: int) -> None:
     """Writes `{"grpc_port", "http_port", "pid"}` as JSON to `path` atomically (a temp file beside
     it, then a rename), so a supervisor that started this teacher on port 0 never reads half of it."""
@@ -80,6 +110,7 @@ class TeacherServer:
         self.metrics = TeacherMetrics()
         self.state = ServerState(settings=settings, metrics=self.metrics, engine=engine or create_engine(settings))
         self.health = health.aio.HealthServicer()
+        self.memory = MemoryReturner()
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -89,21 +120,16 @@ class TeacherServer:
     async def start(self) -> None:
         """Binds both servers (NOT_SERVING), then loads the model in a thread (SERVING when done)."""
         s = self.settings
-        opts = [
-            ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_concurrent_streams", s.max_concurrent_streams),
-            ("grpc.so_reuseport", 0),
+        soft, hard = raise_open_file_limit()
+        log.info("open-file limit %d (hard %d)", soft, hard)
+        self.memory.start()
+        opts = grpc_options(s)
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory)
         ]
-        if s.max_connection_age_s > 0:  # clients reconnect (and re-resolve DNS) now and then
-            opts += [
-                ("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(s.max_connection_age_grace_s * 1000)),
-            ]
-        interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor(self.metrics)]
         token = s.bearer_token()
         if token:
-            interceptors.insert(0, AuthInterceptor(token, self.metrics))
+            interceptors.insert(0, AuthInterceptor(token, self.metrics, self.memory))
         server = grpc.aio.server(interceptors=interceptors, options=opts)
         pb_grpc.add_TeacherServiceServicer_to_server(TeacherServicer(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -139,8 +165,7 @@ class TeacherServer:
             def capture_signals(self):  # the teacher handles signals itself
                 yield
 
-        config = uvicorn.Config(create_app(self.state, self.settings.bearer_token()), log_level="warning", lifespan="off", access_log=False)
-        self._http = _Server(config)
+        self._http = _Server(http_config(create_app(self.state, self.settings.bearer_token()), self.settings))
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
 
     async def _load(self) -> None:
@@ -198,6 +223,7 @@ class TeacherServer:
             self._http.should_exit = True
             if self._http_task is not None:
                 await self._http_task
+        self.memory.close()
         self.state.engine.shutdown()
 
     async def run_until_signal(self) -> int:

@@ -70,6 +70,28 @@ class TeacherSettings(ServiceSettings):
         "file, then a rename); for supervisors that start the teacher on port 0",
     )
     max_message_bytes: int = Field(64 * MiB, ge=MiB, description="gRPC max send/receive message size")
+    # Bytes in flight and connections, bounded in total (docs/reliability.md, "Teacher memory and connections").
+    max_request_bytes: int = Field(
+        8 * MiB, ge=MiB,
+        description="gRPC receive limit (the smaller of this and max_message_bytes applies): the largest request the "
+        "per-request limits allow is ~6.9 MB (2^19 tokens of up to 5 bytes, 4096 ids of 256 four-byte characters)",
+    )
+    max_concurrent_calls: int = Field(
+        64, ge=1,
+        description="unary TeacherService calls served at once; beyond, RESOURCE_EXHAUSTED (retryable) before the "
+        "request body is read",
+    )
+    stream_idle_timeout_s: float = Field(
+        300.0, gt=0,
+        description="a ScoreStream with no request in flight and none received for this long is ended with "
+        "UNAVAILABLE (clients re-open it), so idle streams cannot hold max_streams",
+    )
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="HTTP side: close a connection whose request headers have not all arrived after this long"
+    )
+    http_max_connections: int = Field(
+        4096, ge=1, description="HTTP side: open connections (or requests in progress) beyond which requests get 503"
+    )
     max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
     max_connection_age_s: float = Field(
         300.0, ge=0,

@@ -10,6 +10,10 @@ requests already in flight are answered, then the stream ends with the first err
 `announce`, a `StreamEnding` message goes first and the end waits (at most STREAM_ENDING_GRACE_S)
 for the client to half-close. If the call itself ends (cancelled by the client, deadline), every
 task is cancelled, which withdraws their sequences from the batcher.
+
+A stream with no request in flight and none received for `stream_idle_timeout_s` fails with
+`StreamIdle` (UNAVAILABLE, a stream-level failure like the others: the client re-opens it), so idle
+streams cannot hold every one of the server's `max_streams` slots for ever (issue 17, section 3).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING
 from eopd.v1 import teacher_pb2 as pb
 
 from .convert import InvalidRequest
-from .status import STREAM_LEVEL, describe
+from .status import STREAM_LEVEL, NotReady, describe
 
 if TYPE_CHECKING:
     from .servicer import TeacherServicer
@@ -33,6 +37,11 @@ MAX_INFLIGHT_PER_STREAM = 64
 
 # How long a ScoreStream that announced its end (StreamEnding) waits for the client to half-close.
 STREAM_ENDING_GRACE_S = 5.0
+
+
+class StreamIdle(NotReady):
+    """The stream was idle for stream_idle_timeout_s: UNAVAILABLE (the client re-opens it)."""
+
 
 # Markers on the answer queue: the stream failed (first failure only), the reader is done.
 _FAILED, _END = object(), object()
@@ -52,13 +61,17 @@ class StreamSession:
         self._inflight_ids: set[str] = set()  # request ids read and not yet answered
         self._read_all = asyncio.Event()  # the client half-closed (or its request stream broke)
         self._latency = servicer.state.metrics.latency.labels("ScoreStream")
+        self._idle_timeout_s = servicer.state.settings.stream_idle_timeout_s
+        self._last_active = time.monotonic()  # a request read or an answer handed to gRPC
 
     async def responses(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> AsyncIterator[pb.ScoreResponse]:
         """The answers, in the order they are ready; raises the stream's failure at its end."""
         read_task = asyncio.get_running_loop().create_task(self._read(request_iterator))
+        idle_task = asyncio.get_running_loop().create_task(self._watch_idle())
         try:
             while (item := await self._out.get()) is not _END and item is not _FAILED:
                 yield item
+                self._last_active = time.monotonic()
                 self._slots.release()
             if self._failure:
                 async with contextlib.aclosing(self._after_failure()) as rest:
@@ -66,7 +79,21 @@ class StreamSession:
                         yield item
         finally:
             read_task.cancel()
+            idle_task.cancel()
             self._cancel_all()
+
+    async def _watch_idle(self) -> None:
+        """Fails the stream once it has been idle (nothing in flight, nothing read) for the timeout."""
+        while not self._failure and not self._read_all.is_set():
+            left = self._last_active + self._idle_timeout_s - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+            elif self._tasks or not self._out.empty():
+                self._last_active = time.monotonic()  # busy: not idle
+            else:
+                self._fail(StreamIdle(f"stream idle for {self._idle_timeout_s:g}s (no request in flight); "
+                                      "closed by the server (stream_idle_timeout_s), re-open it to send more"), "")
+                return
 
     def _fail(self, exc: BaseException, request_id: str) -> None:
         self._failure.append((exc, request_id))
@@ -98,6 +125,7 @@ class StreamSession:
         loop = asyncio.get_running_loop()
         try:
             async for req in request_iterator:
+                self._last_active = time.monotonic()
                 if self._failure:
                     continue  # the stream is ending: drop what arrives until the client half-closes
                 await self._slots.acquire()

@@ -1,0 +1,161 @@
+"""The teacher process's share of the machine: open files and memory returned after bursts.
+
+- `raise_open_file_limit()`: the soft RLIMIT_NOFILE raised to the hard limit at start, so that a
+  burst of connections (or a slow-header attack) meets the server's own limits (HTTP header
+  timeout and connection limit, gRPC's concurrent-call limit) rather than EMFILE on accept, which
+  also starves the gRPC side and the probes (issue 17, section 3).
+- `MemoryReturner`: glibc keeps freed heap memory in its arenas, so a burst of large requests left
+  the process's RSS at its peak for good (issue 17, section 2: 6.5 GB kept after 16 x 63 MiB).
+  At start, large allocations (>= `MMAP_THRESHOLD`) are pinned to mmap (glibc otherwise raises that
+  threshold dynamically after the first large free, and later large buffers stay on the heap);
+  after large messages, a garbage collection frees what reference cycles still hold (an aborted
+  call's exception keeps its frames, and so the request, until a full collection, which a process
+  with torch's hundreds of thousands of objects seldom runs), then `malloc_trim(0)` hands the
+  arenas' free pages back (in a thread). A pass runs `DELAY_S` after the last large message of a
+  burst, and at least every `MIN_INTERVAL_S` during a long one (and never more often). On a C library without these calls (musl, macOS)
+  only the collection runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import ctypes.util
+import functools
+import logging
+import resource
+import time
+
+log = logging.getLogger("eopd_teacher")
+
+# glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD = -3).
+M_MMAP_THRESHOLD = -3
+# Allocations at least this large are mmapped, so freeing them returns them to the system at once.
+MMAP_THRESHOLD = 1 << 20
+# A request message at least this large schedules a trim once it is done with.
+LARGE_MESSAGE_BYTES = 1 << 20
+# A pass runs once no large message has been done with for this long...
+DELAY_S = 0.5
+# ...or this long after the first pending one, and at most once per this many seconds (a garbage
+# collection takes ~0.1 s with torch loaded).
+MIN_INTERVAL_S = 2.0
+
+
+# The resident memory is checked this often; a growth this large since the last pass runs one.
+WATCH_INTERVAL_S = 5.0
+WATCH_GROWTH_BYTES = 32 << 20
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux: /proc/self/statm), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raises the soft open-file limit to the hard one; returns (soft, hard) as they are now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # e.g. macOS refuses RLIM_INFINITY: keep the soft limit
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return soft, hard
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+class MemoryReturner:
+    """Returns freed memory to the system after large messages."""
+
+    def __init__(self) -> None:
+        self._libc = _libc()
+        self._timer: asyncio.TimerHandle | None = None
+        self._trimming: asyncio.Future | None = None
+        self._last_pass = float("-inf")
+        self._last_large = self._first_pending = float("-inf")
+        self.passes = 0
+        self._watch: asyncio.Task | None = None
+        self._rss_after_pass: int | None = None
+
+    def start(self) -> None:
+        """Pins large allocations to mmap and starts the RSS watch (once, on the serving loop)."""
+        if self._libc is not None and not self._libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+            log.warning("mallopt(M_MMAP_THRESHOLD) failed; large buffers may stay on the heap")
+        if resident_bytes() is not None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_rss())
+
+    async def _watch_rss(self) -> None:
+        """Messages gRPC refuses itself (over the receive limit) never reach a handler: a pass when
+        the resident memory has grown by WATCH_GROWTH_BYTES since the last pass (checked every
+        WATCH_INTERVAL_S; the reference moves up after each pass, so memory really in use costs
+        one pass per growth step, not one per check)."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            rss = resident_bytes() or 0
+            if self._rss_after_pass is None:
+                self._rss_after_pass = rss
+            elif rss - self._rss_after_pass > WATCH_GROWTH_BYTES and self._timer is None:
+                self._return_memory(asyncio.get_running_loop())
+                await asyncio.sleep(MIN_INTERVAL_S * 2)  # after the pass and its follow-up
+                self._rss_after_pass = resident_bytes() or 0
+
+    def message_done(self, nbytes: int) -> None:
+        """A request message of `nbytes` is done with: a large one schedules a pass."""
+        if nbytes < LARGE_MESSAGE_BYTES:
+            return
+        now = time.monotonic()
+        self._last_large = now
+        if self._timer is None:
+            self._first_pending = now
+            self._schedule(max(DELAY_S, self._last_pass + MIN_INTERVAL_S - now))
+
+    def refused_unread(self) -> None:
+        """A call was refused without reading its body: gRPC may have buffered part of it (up to its
+        flow-control window), freed when the call ends: a pass after the burst returns it."""
+        self.message_done(LARGE_MESSAGE_BYTES)
+
+    def _schedule(self, delay: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(delay, self._due)
+
+    def _due(self) -> None:
+        """A pass once no large message has been done with for DELAY_S (the burst is over), or
+        MIN_INTERVAL_S after the first pending one (a steady stream of them still gets passes)."""
+        now = time.monotonic()
+        if now - self._last_large < DELAY_S and now - self._first_pending < MIN_INTERVAL_S:
+            self._schedule(self._last_large + DELAY_S - now)
+            return
+        self._return_memory(asyncio.get_running_loop())
+
+    def _return_memory(self, loop: asyncio.AbstractEventLoop, *, follow_up: bool = True) -> None:
+        """One pass; the first of a burst is followed by one more MIN_INTERVAL_S later, for what
+        was still held by calls ending at the time (their gRPC buffers, a request being decoded)."""
+        self._timer = None
+        self._last_pass = time.monotonic()
+        if follow_up:
+            self._timer = loop.call_later(MIN_INTERVAL_S, functools.partial(self._return_memory, loop, follow_up=False))
+        self.passes += 1
+        collected = gc.collect()
+        log.debug("memory pass %d: %d objects collected in %.3fs", self.passes, collected, time.monotonic() - self._last_pass)
+        if self._libc is not None and (self._trimming is None or self._trimming.done()):
+            self._trimming = loop.run_in_executor(None, self._libc.malloc_trim, 0)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
