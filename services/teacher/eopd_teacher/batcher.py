@@ -1,21 +1,24 @@
 """Dynamic batching across concurrent requests and streams.
 
-Requests submit their sequences; one loop forms batches under a padded-token budget, waiting at
-most `max_wait_s` for a batch to fill, grouping sequences of similar length (the oldest waiting
-sequence is always in the next batch, so nothing starves), and runs the engine on one worker
-thread while new work keeps arriving. Admission is bounded by the tokens waiting in the queue.
+Requests submit their sequences (with the client they come from); one loop forms batches under a
+padded-token budget, waiting at most `max_wait_s` for a batch to fill, and runs the engine on one
+worker thread while new work keeps arriving. Which sequences go together is `scheduling.FairQueue`'s
+choice: clients take turns (fair queuing over tokens, each client's share of one batch bounded by
+`max_client_tokens`, so a large request is served over several batches and other clients'
+requests are served between them), sequences of similar length are grouped. Admission is bounded
+by the tokens waiting in the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .scheduling import FairQueue, Waiting
 from .types import ScoreItem, SequenceScores
 
 log = logging.getLogger(__name__)
@@ -34,14 +37,6 @@ class BatcherDied(Draining):
     retry on another replica, and the server reports itself not ready."""
 
 
-@dataclass(order=True)
-class _Pending:
-    seq: int
-    item: ScoreItem = field(compare=False)
-    future: asyncio.Future = field(compare=False)
-    enqueued: float = field(compare=False, default=0.0)
-
-
 @dataclass
 class BatchObserver:
     """Hooks for metrics; all optional."""
@@ -58,15 +53,16 @@ class DynamicBatcher:
         max_batch_tokens: int,
         max_wait_s: float,
         max_queue_tokens: int,
+        max_client_tokens: int | None = None,
         observer: BatchObserver | None = None,
     ):
+        """`max_client_tokens`: one client's share of one batch (None: the whole budget)."""
         self._score_fn = score_fn
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
         self.max_queue_tokens = max_queue_tokens
         self._obs = observer or BatchObserver()
-        self._pending: list[_Pending] = []  # in arrival order
-        self._queued_tokens = 0
+        self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
         self._counter = 0
         self._wakeup = asyncio.Event()
         self._closed = False
@@ -95,11 +91,9 @@ class DynamicBatcher:
         self._died = exc
         log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
         err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
-        for p in self._pending:
-            if not p.future.done():
-                p.future.set_exception(err)
-        self._pending = []
-        self._queued_tokens = 0
+        for w in self._queue.clear():
+            if not w.ticket.done():
+                w.ticket.set_exception(err)
         self._busy = False
         if self.on_died is not None:
             try:
@@ -109,44 +103,44 @@ class DynamicBatcher:
 
     @property
     def queued_tokens(self) -> int:
-        return self._queued_tokens
+        return self._queue.tokens
 
     @property
     def idle(self) -> bool:
-        return not self._pending and not self._busy
+        return not self._queue and not self._busy
 
-    async def submit(self, items: list[ScoreItem]) -> list[SequenceScores]:
-        """Scores `items` (all or nothing); raises Overloaded or Draining before queueing."""
+    async def submit(self, items: list[ScoreItem], client: str = "") -> list[SequenceScores]:
+        """Scores `items` (all or nothing) for `client` (the key of fair queuing); raises
+        Overloaded or Draining before queueing."""
         if self._died is not None:
             raise BatcherDied(f"the server's batcher stopped ({type(self._died).__name__}: {self._died}); retry on another replica")
         if self._closed:
             raise Draining("the server is shutting down")
         tokens = sum(it.num_tokens for it in items)
-        if self._queued_tokens + tokens > self.max_queue_tokens and self._pending:
+        if self._queue.tokens + tokens > self.max_queue_tokens and self._queue:
             raise Overloaded(
-                f"queue full: {self._queued_tokens} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}"
+                f"queue full: {self._queue.tokens} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}"
             )
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         entries = []
         for it in items:
             self._counter += 1
-            entries.append(_Pending(self._counter, it, loop.create_future(), now))
-        self._pending.extend(entries)
-        self._queued_tokens += tokens
+            entries.append(Waiting(self._counter, it, client, loop.create_future(), now))
+        self._queue.add(entries)
         self._report_queue()
         self._wakeup.set()
         try:
-            return list(await asyncio.gather(*(e.future for e in entries)))
+            return list(await asyncio.gather(*(e.ticket for e in entries)))
         except BaseException:
             for e in entries:  # a cancelled or failed request leaves nothing behind
-                e.future.cancel()
+                e.ticket.cancel()
             raise
 
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while (self._pending or self._busy) and self._died is None:
+        while (self._queue or self._busy) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
         if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
@@ -161,56 +155,29 @@ class DynamicBatcher:
     def _report_queue(self) -> None:
         if self._obs.on_queue:
             try:
-                self._obs.on_queue(len(self._pending), self._queued_tokens)
+                self._obs.on_queue(len(self._queue), self._queue.tokens)
             except Exception:  # noqa: BLE001 - metrics must not break scoring
                 log.exception("batch observer on_queue failed")
 
     def _drop_cancelled(self) -> None:
-        keep = []
-        for p in self._pending:
-            if p.future.done():
-                self._queued_tokens -= p.item.num_tokens
-            else:
-                keep.append(p)
-        self._pending = keep
+        self._queue.drop(lambda w: w.ticket.done())
 
-    def _form_batch(self) -> list[_Pending]:
-        """The oldest pending sequence plus the sequences closest to it in length that fit."""
-        oldest = self._pending[0]
-        by_len = sorted(self._pending[1:], key=lambda p: p.item.num_tokens)
-        lengths = [p.item.num_tokens for p in by_len]
-        chosen = [oldest]
-        width = oldest.item.num_tokens
-        lo = hi = bisect.bisect_left(lengths, width)
-        # Grow outwards from the oldest's length while the padded size fits the budget.
-        while lo > 0 or hi < len(by_len):
-            cand_lo = by_len[lo - 1] if lo > 0 else None
-            cand_hi = by_len[hi] if hi < len(by_len) else None
-            if cand_hi is not None and (cand_lo is None or cand_hi.item.num_tokens - width <= width - cand_lo.item.num_tokens):
-                new_width, pick, hi = max(width, cand_hi.item.num_tokens), cand_hi, hi + 1
-            else:
-                assert cand_lo is not None
-                new_width, pick, lo = width, cand_lo, lo - 1
-            if new_width * (len(chosen) + 1) > self.max_batch_tokens:
-                break
-            chosen.append(pick)
-            width = new_width
-        chosen_ids = {id(p) for p in chosen}
-        self._pending = [p for p in self._pending if id(p) not in chosen_ids]
-        self._queued_tokens -= sum(p.item.num_tokens for p in chosen)
-        return chosen
+    def _form_batch(self) -> list[Waiting]:
+        """The next batch (scheduling.FairQueue: fair by client, grouped by length)."""
+        return self._queue.take_batch()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             self._drop_cancelled()
-            if not self._pending:
+            oldest = self._queue.oldest()
+            if oldest is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             # Wait (briefly) for the batch to fill unless the budget is already reached.
-            deadline = self._pending[0].enqueued + self.max_wait_s
-            while self._queued_tokens < self.max_batch_tokens and not self._closed:
+            deadline = oldest.enqueued + self.max_wait_s
+            while self._queue.tokens < self.max_batch_tokens and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -220,7 +187,7 @@ class DynamicBatcher:
                 except asyncio.TimeoutError:
                     break
             self._drop_cancelled()
-            if not self._pending:
+            if not self._queue:
                 continue
             batch = self._form_batch()
             self._report_queue()
@@ -231,7 +198,7 @@ class DynamicBatcher:
                 results = await loop.run_in_executor(self._executor, self._score_fn, items)
             except Exception as exc:  # the engine failed on this batch
                 if len(batch) == 1:
-                    batch[0].future.done() or batch[0].future.set_exception(exc)
+                    batch[0].ticket.done() or batch[0].ticket.set_exception(exc)
                 else:  # one at a time, so that only the culprit fails
                     await self._score_one_by_one(batch)
                 continue
@@ -243,26 +210,26 @@ class DynamicBatcher:
                     self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), time.perf_counter() - started)
                 except Exception:  # noqa: BLE001 - metrics must not break scoring
                     log.exception("batch observer on_batch failed")
-            for p, r in zip(batch, results, strict=True):
-                if not p.future.done():
-                    p.future.set_result(r)
+            for w, r in zip(batch, results, strict=True):
+                if not w.ticket.done():
+                    w.ticket.set_result(r)
 
-    async def _score_one_by_one(self, batch: list[_Pending]) -> None:
+    async def _score_one_by_one(self, batch: list[Waiting]) -> None:
         """After an engine error on a batch of several items: each item alone (the numbers do not
         depend on the batch), so only the items that fail on their own get the error."""
         loop = asyncio.get_running_loop()
         self._busy = True
         try:
-            for p in batch:
-                if p.future.done():  # cancelled meanwhile
+            for w in batch:
+                if w.ticket.done():  # cancelled meanwhile
                     continue
                 try:
-                    (result,) = await loop.run_in_executor(self._executor, self._score_fn, [p.item])
+                    (result,) = await loop.run_in_executor(self._executor, self._score_fn, [w.item])
                 except Exception as exc:  # noqa: BLE001 - this item's own failure
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+                    if not w.ticket.done():
+                        w.ticket.set_exception(exc)
                     continue
-                if not p.future.done():
-                    p.future.set_result(result)
+                if not w.ticket.done():
+                    w.ticket.set_result(result)
         finally:
             self._busy = False

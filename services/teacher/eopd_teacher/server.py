@@ -186,6 +186,7 @@ class TeacherServer:
             max_batch_tokens=s.max_batch_tokens,
             max_wait_s=s.max_batch_wait_ms / 1000,
             max_queue_tokens=s.max_queue_tokens,
+            max_client_tokens=s.max_batch_tokens_per_client,
             observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue),
         )
         batcher.on_died = self._batcher_died

@@ -28,8 +28,8 @@ CLIENT_ID_HEADER = "x-eopd-client"
 
 
 def client_key(context: grpc.aio.ServicerContext) -> str:
-    """Who a request is from, for per-client limits: the x-eopd-client metadata, else the peer
-    address without its port."""
+    """Who a request is from, for per-client limits and the batcher's fair queuing: the
+    x-eopd-client metadata, else the peer address without its port."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_HEADER and value:
             return f"id:{value}"[:128]
@@ -54,7 +54,7 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         inflight[client] = inflight.get(client, 0) + tokens
         self.state.metrics.inflight.inc()
         try:
-            results = await batcher.submit(items)
+            results = await batcher.submit(items, client)
         finally:
             self.state.metrics.inflight.dec()
             inflight[client] -= tokens

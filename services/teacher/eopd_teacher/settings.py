@@ -123,6 +123,12 @@ class TeacherSettings(ServiceSettings):
     # Batching and admission
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
     max_batch_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
+    max_batch_tokens_per_client: int = Field(
+        4096, ge=1,
+        description="one client's share of one forward batch, in tokens (fair queuing: a larger request is served over "
+        "several batches, other clients' requests between them; at least one sequence per batch; "
+        "= max_batch_tokens turns the split off)",
+    )
     max_queue_tokens: int = Field(1 << 20, ge=1, description="queued tokens beyond which requests get RESOURCE_EXHAUSTED")
     max_sequences_per_request: int = Field(4096, ge=1, description="sequences per request")
     max_tokens_per_request: int = Field(1 << 19, ge=1, description="tokens per request (all sequences)")
