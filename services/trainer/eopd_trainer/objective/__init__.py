@@ -53,7 +53,7 @@ k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 from .config import LossConfig
 from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
 from .rng import step_generator, step_seed
-from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl
+from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
 from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
 from .vocab import VocabPlan, vocab_stats
 
@@ -69,6 +69,7 @@ __all__ = [
     "get_variant",
     "clipped_pg_loss",
     "topk_forward_kl",
+    "topk_reverse_kl",
     "shaped_advantages",
     "aggregation_weights",
     "VocabPlan",
