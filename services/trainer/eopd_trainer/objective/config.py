@@ -78,6 +78,12 @@ class LossConfig(BaseModel):
         "top-k overlap); they cost about two extra passes over each chunk.",
     )
 
+    @property
+    def num_candidates(self) -> int:
+        """Per-position candidates the variant needs in each rollout: `candidate_k` for a variant
+        with a top-k reverse KL (eopd_topk_rkl), else 0."""
+        return self.candidate_k if VARIANTS[self.variant].topk_rkl else 0
+
     @field_validator("variant")
     @classmethod
     def _known_variant(cls, v: str) -> str:

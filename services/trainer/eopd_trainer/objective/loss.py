@@ -31,6 +31,7 @@ METRIC_KEYS = (
     "pg_loss",
     "fkl_loss",
     "entropy_loss",
+    "topk_rkl_loss",
     "clip_frac",
     "ratio_mean",
     "approx_kl",
@@ -267,6 +268,7 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
             "pg_loss": pg_loss,
             "fkl_loss": fkl_loss,
             "entropy_loss": entropy_loss,
+            "topk_rkl_loss": rkl_loss,
             "clip_frac": _mean(clipped.to(dtype)),
             "ratio_mean": _mean(ratio),
             "approx_kl": _mean(old - logp),
@@ -283,7 +285,6 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
         if need_entropy:
             values["student_entropy"] = _mean(s_ent)
         if cand is not None:
-            values["topk_rkl_loss"] = rkl_loss
             values["student_candidate_mass"] = _mean(torch.where(cand[2], logp_cand.exp(), 0.0).sum(dim=1))
         if cfg.vocab_metrics:
             # share of the teacher's candidates (its finite top-k entries) in the student's top-k;
