@@ -186,3 +186,29 @@ def test_stream_candidates_sync_and_async_clients(tiny_teacher, ref_model):
     for b in batches:
         _check(ref_model, b.sequences, got[b.request_id])
     _check(ref_model, batches[0].sequences, unary)
+
+
+# -- property: the validator accepts exactly what the contract allows ------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(n_tokens=st.integers(2, 6), score_from=st.integers(1, 5), m=st.integers(0, 10),
+       ids=st.lists(st.integers(-3, 105), max_size=60), pad=st.booleans())
+def test_candidate_validation_property(n_tokens, score_from, m, ids, pad):
+    score_from = min(score_from, n_tokens - 1)
+    n = n_tokens - score_from
+    if pad:  # mostly well-sized requests, so the id checks are reached
+        ids = (ids * (n * m))[: n * m] if ids else [0] * (n * m)
+    req = pb.ScoreRequest(sequences=[pb.Sequence(id="a", token_ids=[1] * n_tokens, score_from=score_from,
+                                                 candidate_ids=ids, num_candidates=m)])
+    ok = (m == 0 and not ids) or (0 < m <= 8 and len(ids) == n * m and all(-1 <= i < 100 for i in ids))
+    try:
+        (item,) = items_from_request(req, _info())
+    except InvalidRequest as exc:
+        assert not ok and "sequences[0]." in str(exc) and ("num_candidates" in str(exc) or "candidate_ids" in str(exc))
+    else:
+        assert ok
+        assert (item.candidate_ids is None) if m == 0 else item.candidate_ids.tolist() == np.reshape(ids, (n, m)).tolist()

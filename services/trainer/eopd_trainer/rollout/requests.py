@@ -31,9 +31,11 @@ def answer_problems(group, scores) -> list[str | None]:
         rows = {name: int(np.shape(getattr(s, name))[0]) for name in
                 ("token_logprobs", "entropies", "topk_ids", "topk_logprobs")}
         wrong = {k: v for k, v in rows.items() if v != n}
-        if p.old_topk_ids is not None:  # candidates were sent: [n, m] log-probs must come back
-            got = None if s.candidate_logprobs is None else tuple(np.shape(s.candidate_logprobs))
-            if got != p.old_topk_ids.shape:
+        sent = getattr(p, "old_topk_ids", None)
+        if sent is not None:  # candidates were sent: [n, m] log-probs must come back
+            clp = getattr(s, "candidate_logprobs", None)
+            got = None if clp is None else tuple(np.shape(clp))
+            if got != sent.shape:
                 wrong["candidate_logprobs"] = got
         out.append(f"the teacher returned {wrong} positions for {n} response tokens" if wrong else None)
     return out
