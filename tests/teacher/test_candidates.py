@@ -87,6 +87,35 @@ def test_candidates_round_trip_through_protobuf():
     assert plain.candidate_logprobs.shape == (3, 0)
 
 
+def test_engine_batch_with_mixed_m_equals_each_alone():
+    """One transformers-engine batch mixing m = 0, 5 and 9 (padded with filler to the widest inside
+    the engine): every item's candidates equal its answer scored alone; m = 0 items get None."""
+    import dataclasses
+
+    from eopd_teacher.engines.transformers_engine import TransformersEngine
+    from eopd_teacher.settings import TeacherSettings
+    from eopd_teacher.types import ScoreItem
+
+    eng = TransformersEngine(TeacherSettings(model="tiny-random", chunk_size=7, compile_statistics=False).engine_settings())
+    eng.load()
+    try:
+        rng = np.random.default_rng(3)
+        items = []
+        for i, (n, m) in enumerate([(9, 5), (30, 0), (14, 9), (3, 5)]):
+            it = ScoreItem(f"s{i}", rng.integers(0, VOCAB, n).astype(np.int64), int(rng.integers(1, n)), 4, 0.9)
+            items.append(dataclasses.replace(it, candidate_ids=_candidates(rng, it.num_scored, m, VOCAB)) if m else it)
+        alone = [eng.score([it])[0] for it in items]
+        for it, got, want in zip(items, eng.score(items), alone, strict=True):
+            if it.candidate_ids is None:
+                assert got.candidate_logprobs is None
+                continue
+            filler = it.candidate_ids < 0
+            assert got.candidate_logprobs.shape == it.candidate_ids.shape and np.isnan(got.candidate_logprobs[filler]).all()
+            np.testing.assert_allclose(got.candidate_logprobs[~filler], want.candidate_logprobs[~filler], atol=1e-5, rtol=0)
+    finally:
+        eng.shutdown()
+
+
 # -- a real server over TCP ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
