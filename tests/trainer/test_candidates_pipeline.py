@@ -114,3 +114,20 @@ def test_request_carries_remapped_candidates_and_the_answer_must_hold_them():
     assert answer_problems([p], [SequenceScores(**base, candidate_logprobs=np.zeros((2, 2)))]) == [None]
     (problem,) = answer_problems([p], [SequenceScores(**base, candidate_logprobs=np.zeros((2, 0)))])
     assert "candidate_logprobs" in problem
+
+
+def test_worker_refuses_a_teacher_that_serves_too_few_candidates():
+    from types import SimpleNamespace
+
+    from eopd_trainer.config import load_config
+    from eopd_trainer.rollout.teacher_checks import TeacherIncompatible, check_teacher_limits
+    from tests.trainer.test_pipeline_units import TINY
+
+    info = SimpleNamespace(model_name="t", max_context_length=4096, max_top_k=64, max_sequences_per_request=0,
+                           vocab_size=49152, max_candidates=8)
+    tok = [0] * 100
+    check_teacher_limits(info, load_config(TINY, ["loss.variant=eopd_topk_rkl", "loss.candidate_k=8"]), tok)
+    check_teacher_limits(info, load_config(TINY, ["loss.candidate_k=64"]), tok)  # eopd asks for none
+    with pytest.raises(TeacherIncompatible, match=r"loss.candidate_k \(9, per-position candidates of loss.variant "
+                                                   r"eopd_topk_rkl\) exceeds the teacher's max_candidates \(8\)"):
+        check_teacher_limits(info, load_config(TINY, ["loss.variant=eopd_topk_rkl", "loss.candidate_k=9"]), tok)
