@@ -30,7 +30,9 @@ Aggregation ("token-mean", Algorithm 1): `L = sum_t w_t EOPD_t` with `w_t = 1 / 
 the same weight for both terms (the FKL is *not* averaged over the gated tokens only).
 "seq-mean-token-mean" averages within each sequence, then over sequences. The baselines (opd,
 opd_fkl, full_fkl, random_fkl, entropy_bonus, advantage_shaping) are registered by name in
-`variants`; see its table.
+`variants`; see its table. `eopd_topk_rkl` (beyond the paper) replaces OPD_t by the reverse KL
+summed exactly over the student's top-k ids (`candidate_ids` / `candidate_logprobs [N, m]` keyword
+arguments: the teacher's log-probs at them, from per-position candidate scoring).
 
 Randomness: `random_fkl` draws its positions from the `generator` argument. Without one the draw
 is a deterministic function of (config.random_seed, number of valid tokens), i.e. the same
