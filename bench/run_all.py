@@ -57,6 +57,7 @@ BENCHES = [
     Bench("trl_peer", "bench.bench_trl_peer", quick_out=True),
     Bench("pipeline", "bench.bench_pipeline", quick_out=True),
     Bench("rollout", "bench.bench_rollout", python=VLLM_PY, quick_out=True),
+    Bench("candidates", "bench.bench_candidates"),
 ]
 
 # Per-token FLOPs of the paper's models (2 x parameters for a forward pass, 6 x for training).

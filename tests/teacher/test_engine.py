@@ -81,12 +81,13 @@ def test_served_info_adds_limits_and_version(tiny_engine):
     assert served_info(engine_info, settings) == ModelInfo(
         model_name="m", model_revision="r", vocab_size=100, max_context_length=50, dtype="float32", engine="transformers",
         default_top_k=16, max_top_k=64, tokenizer_fingerprint="f" * 64, max_sequences_per_request=7,
-        max_tokens_per_request=999, server_version=__version__,
+        max_tokens_per_request=999, server_version=__version__, max_candidates=64,
     )
     assert __version__
     # max_top_k is capped at the vocabulary.
     small = served_info(EngineInfo("m", "r", 40, 50, "float32", "transformers", "f" * 64), settings)
     assert (small.default_top_k, small.max_top_k) == (16, 40)
+    assert small.max_candidates == 40  # per-position candidates: capped at the vocabulary too
     # The real engine's info, served with the default settings (as the teacher did before the split).
     info = served_info(tiny_engine.info, TeacherSettings())
     assert info.default_top_k == 16 and info.max_top_k == 64 and info.vocab_size == 49152

@@ -133,6 +133,31 @@ def test_tiny_parity_with_transformers_engine_fp32(engines, tiny_tf):
     print(f"tiny-random fp32 max |diff| vs transformers: logprob {worst[0]:.2e} entropy {worst[1]:.2e} top-k logprob {worst[2]:.2e}")
 
 
+def test_candidates_parity_with_transformers_engine_fp32(engines, tiny_tf):
+    """Per-position candidates (issue 19) on the vLLM engine: the same shared statistics tail as
+    the transformers engine, so the same numbers (fp32, PARITY_ATOL), NaN at -1 filler, items
+    without candidates in the same batch answered without them."""
+    eng = engines.get("tiny-random")
+    rng = np.random.default_rng(7)
+    items = []
+    for i, it in enumerate(_items(eng.info.vocab_size, seed=3)):
+        if i % 3 == 2:
+            items.append(it)  # no candidates
+            continue
+        cand = rng.integers(0, eng.info.vocab_size, (it.num_scored, 5 + i))
+        cand[rng.random(cand.shape) < 0.2] = -1
+        items.append(dataclasses.replace(it, candidate_ids=cand))
+    for it, got, want in zip(items, eng.score(items), tiny_tf.score(items), strict=True):
+        assert_parity(got, want)
+        if it.candidate_ids is None:
+            assert got.candidate_logprobs is None and want.candidate_logprobs is None
+            continue
+        filler = it.candidate_ids < 0
+        assert got.candidate_logprobs.shape == it.candidate_ids.shape
+        assert np.isnan(got.candidate_logprobs[filler]).all()
+        np.testing.assert_allclose(got.candidate_logprobs[~filler], want.candidate_logprobs[~filler], atol=PARITY_ATOL, rtol=0)
+
+
 def test_temperature_applied_exactly(engines, tiny_tf):
     eng = engines.get("tiny-random")
     rng = np.random.default_rng(7)

@@ -761,6 +761,7 @@ def test_metrics_on_hand_made_inputs():
         "pg_loss": (pg0 + pg1) / 2,
         "fkl_loss": fkl0 / 2,
         "entropy_loss": 0.0,
+        "topk_rkl_loss": 0.0,
         "clip_frac": 0.5,
         "ratio_mean": (1 + r1) / 2,
         "approx_kl": (0.0 - 0.5) / 2,

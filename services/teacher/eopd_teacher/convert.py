@@ -34,12 +34,14 @@ class RequestTooLarge(ValueError):
     is (the server marks it with trailing metadata `eopd-retryable: 0`; split the request)."""
 
 
-def response_bytes_bound(num_scored: int, top_k: int, num_sequences: int) -> int:
+def response_bytes_bound(num_scored: int, top_k: int, num_sequences: int, num_candidate_values: int = 0) -> int:
     """An upper bound of the serialized ScoreResponse for these many scored positions: per position
     4 + 4 bytes (log-prob, entropy) and top_k x (<= 5-byte varint id + 4-byte log-prob), packed;
-    per sequence the id (<= MAX_ID_CHARS), top_k and the field headers; the request id."""
-    per_sequence = MAX_ID_CHARS + 64
-    return num_scored * (8 + 9 * top_k) + num_sequences * per_sequence + MAX_ID_CHARS + 16
+    4 bytes per candidate log-prob (`num_candidate_values` = sum of n * m); per sequence the id
+    (<= MAX_ID_CHARS), top_k, num_candidates and the field headers; the request id."""
+    per_sequence = MAX_ID_CHARS + 80
+    return (num_scored * (8 + 9 * top_k) + 4 * num_candidate_values + num_sequences * per_sequence
+            + MAX_ID_CHARS + 16)
 
 
 def items_from_request(
@@ -100,10 +102,11 @@ def items_from_request(
             raise InvalidRequest(f"{field}.token_ids: {n} token; a sequence needs at least 2 (context and a scored token), {label}")
         if not 1 <= seq.score_from < n:
             raise InvalidRequest(f"{field}.score_from: {seq.score_from} must be in [1, {n - 1}] for {n} tokens, {label}")
-        items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature)))
+        candidates = candidates_from_sequence(seq, n - int(seq.score_from), info, field, label)
+        items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature), candidates))
     if max_response_bytes is not None:
         scored = sum(it.num_scored for it in items)
-        bound = response_bytes_bound(scored, top_k, len(items))
+        bound = response_bytes_bound(scored, top_k, len(items), sum(it.num_scored * it.num_candidates for it in items))
         if bound > max_response_bytes:
             raise RequestTooLarge(
                 f"sequences: {scored} scored positions at top_k {top_k} make an answer of up to {bound} bytes, over the "
@@ -112,8 +115,35 @@ def items_from_request(
     return items
 
 
+def candidates_from_sequence(seq: pb.Sequence, num_scored: int, info: ModelInfo, field: str, label: str) -> np.ndarray | None:
+    """The validated `[n, m]` int64 candidate ids of `seq` (-1 filler), or None when it asks for
+    none. Raises InvalidRequest naming `{field}.num_candidates` / `{field}.candidate_ids[j]`."""
+    m = int(seq.num_candidates)
+    got = len(seq.candidate_ids)
+    if m == 0:
+        if got:
+            raise InvalidRequest(f"{field}.candidate_ids: {got} ids given but num_candidates is 0, {label}")
+        return None
+    if m > info.max_candidates:
+        raise InvalidRequest(f"{field}.num_candidates: {m} exceeds the server's maximum {info.max_candidates}, {label}")
+    if got != num_scored * m:
+        raise InvalidRequest(
+            f"{field}.candidate_ids: {got} ids, expected {num_scored} scored positions x num_candidates {m} = "
+            f"{num_scored * m} (row-major [n, m], -1 as filler), {label}"
+        )
+    ids = np.asarray(seq.candidate_ids, dtype=np.int64)
+    bad = np.flatnonzero((ids < -1) | (ids >= info.vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidRequest(
+            f"{field}.candidate_ids[{j}]: token id {int(ids[j])} is outside the vocabulary [0, {info.vocab_size}) "
+            f"(-1 is filler) of {label}"
+        )
+    return ids.reshape(num_scored, m)
+
+
 def scores_to_pb(s: SequenceScores) -> pb.SequenceScores:
-    return pb.SequenceScores(
+    out = pb.SequenceScores(
         id=s.seq_id,
         top_k=s.top_k,
         token_logprobs=s.token_logprobs.tolist(),
@@ -121,10 +151,15 @@ def scores_to_pb(s: SequenceScores) -> pb.SequenceScores:
         topk_ids=s.topk_ids.ravel().tolist(),
         topk_logprobs=s.topk_logprobs.ravel().tolist(),
     )
+    if s.candidate_logprobs is not None and s.candidate_logprobs.shape[1]:
+        out.num_candidates = int(s.candidate_logprobs.shape[1])
+        out.candidate_logprobs.extend(s.candidate_logprobs.ravel().tolist())
+    return out
 
 
 def scores_from_pb(r: pb.SequenceScores) -> SequenceScores:
-    """Decodes one result into numpy arrays (`[n]`, `[n, k]`)."""
+    """Decodes one result into numpy arrays (`[n]`, `[n, k]`; `candidate_logprobs [n, m]`, m = 0 when
+    none were asked)."""
     k = max(int(r.top_k), 1)
     lp = np.asarray(r.token_logprobs, dtype=np.float32)
     return SequenceScores(
@@ -133,6 +168,7 @@ def scores_from_pb(r: pb.SequenceScores) -> SequenceScores:
         entropies=np.asarray(r.entropies, dtype=np.float32),
         topk_ids=np.asarray(r.topk_ids, dtype=np.int32).reshape(-1, k),
         topk_logprobs=np.asarray(r.topk_logprobs, dtype=np.float32).reshape(-1, k),
+        candidate_logprobs=np.asarray(r.candidate_logprobs, dtype=np.float32).reshape(lp.shape[0], int(r.num_candidates)),
     )
 
 

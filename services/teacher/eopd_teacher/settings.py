@@ -116,6 +116,7 @@ class TeacherSettings(ServiceSettings):
     # Scoring
     default_top_k: int = Field(16, ge=1, description="top_k when a request says 0")
     max_top_k: int = Field(64, ge=1, description="largest top_k a request may ask for")
+    max_candidates: int = Field(64, ge=0, description="largest Sequence.num_candidates (per-position candidate ids) a request may ask for; 0 serves none")
     chunk_size: int = Field(1024, ge=1, description="positions per output-projection chunk")
     compile_statistics: bool = Field(True, description="fuse the per-chunk statistics with torch.compile")
     fp32_projection: bool = Field(False, description="run the output projection in float32 for low-precision weights")

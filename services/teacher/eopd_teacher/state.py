@@ -29,6 +29,7 @@ def served_info(engine_info: EngineInfo, settings: TeacherSettings) -> ModelInfo
         max_sequences_per_request=settings.max_sequences_per_request,
         max_tokens_per_request=settings.max_tokens_per_request,
         server_version=__version__,
+        max_candidates=min(settings.max_candidates, engine_info.vocab_size),
     )
 
 

@@ -9,6 +9,7 @@ For scored positions with final hidden states `h [n, d]`, the output projection 
     token_logprobs[i] = logp[i, y[i]]               # [n]
     entropies[i]      = -sum_v p[i, v] logp[i, v]   # [n], exact: over the whole vocabulary
     topk_ids, topk_logprobs = top-k of logp[i]      # [n, k], descending
+    candidate_logprobs[i, j] = logp[i, c[i, j]]     # [n, m], optional candidates c (-1: NaN)
 
 Everything after the projection is float32 whatever the weights' dtype. Positions are processed
 in chunks of `chunk_size` rows (never a `[batch, seq, V]` tensor). Per chunk, besides the
@@ -36,12 +37,14 @@ StatsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tenso
 @dataclass
 class TokenStatistics:
     """Per-position statistics (CPU tensors): `token_logprobs [n]`, `entropies [n]` float32,
-    `topk_ids [n, k]` int64 and `topk_logprobs [n, k]` float32 (k = the largest k asked for)."""
+    `topk_ids [n, k]` int64 and `topk_logprobs [n, k]` float32 (k = the largest k asked for), and
+    `candidate_logprobs [n, m]` float32 (m = 0 when no candidates were asked; NaN at -1 filler)."""
 
     token_logprobs: torch.Tensor
     entropies: torch.Tensor
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
+    candidate_logprobs: torch.Tensor | None = None
 
 
 def _chunk_stats(
@@ -138,6 +141,7 @@ def token_statistics(
     chunk_size: int = 1024,
     projection_dtype: torch.dtype | None = None,
     stats_fn: StatsFn | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> TokenStatistics:
     """Exact statistics at `n` positions (see the module docstring).
 
@@ -154,6 +158,9 @@ def token_statistics(
             low-precision weights at about 3x the projection cost on CPUs with bf16 matmul units.
         stats_fn: the per-chunk reduction: `eager_chunk_stats()` (default), `compiled_chunk_stats()` or a
             `ChunkStats`.
+        candidates: optional `[n, m]` int ids whose log-probs are wanted at each position (-1:
+            filler, answered NaN); gathered from the same chunk's logits as the top-k, after the
+            reduction (which is unchanged).
 
     Returns:
         TokenStatistics on the CPU.
@@ -171,6 +178,12 @@ def token_statistics(
     out_ent = torch.empty(n, dtype=torch.float32)
     out_ids = torch.empty(n, top_k, dtype=torch.int64)
     out_tlp = torch.empty(n, top_k, dtype=torch.float32)
+    m = 0 if candidates is None else int(candidates.shape[1])
+    if candidates is not None and tuple(candidates.shape) != (n, m):
+        raise ValueError(f"candidates {tuple(candidates.shape)} must be [{n}, m]")
+    out_clp = torch.empty(n, m, dtype=torch.float32)
+    if m:
+        candidates = candidates.to(device=hidden.device, dtype=torch.int64)
     targets = targets.to(device=hidden.device, dtype=torch.int64)
     inv_temperature = inv_temperature.to(device=hidden.device, dtype=torch.float32)
     for start in range(0, n, chunk_size):
@@ -187,5 +200,15 @@ def token_statistics(
         out_ent[start:stop] = entropy.cpu()
         out_ids[start:stop] = top_ids.cpu()
         out_tlp[start:stop] = (top_z - lse.unsqueeze(-1)).cpu()
+        if m:
+            out_clp[start:stop] = _candidate_logprobs(raw, candidates[start:stop], inv_t, lse).cpu()
         del raw
-    return TokenStatistics(out_lp, out_ent, out_ids, out_tlp)
+    return TokenStatistics(out_lp, out_ent, out_ids, out_tlp, out_clp)
+
+
+def _candidate_logprobs(raw: torch.Tensor, cand: torch.Tensor, inv_t: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`[c, m]` log-probs of the candidate ids `cand [c, m]` (-1 filler -> NaN) from a chunk's raw
+    logits `[c, V]`, inverse temperatures `[c]` and the chunk's float32 log-normaliser `lse [c]`."""
+    filler = cand < 0
+    z = raw.gather(-1, cand.clamp(min=0)).float() * inv_t.unsqueeze(-1)
+    return (z - lse.unsqueeze(-1)).masked_fill_(filler, float("nan"))

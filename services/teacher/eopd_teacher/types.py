@@ -16,6 +16,12 @@ class ScoreItem:
     score_from: int
     top_k: int
     temperature: float
+    # [n, m] int64 per-position candidate ids to score (-1 filler); None: no candidates.
+    candidate_ids: np.ndarray | None = None
+
+    @property
+    def num_candidates(self) -> int:
+        return 0 if self.candidate_ids is None else int(self.candidate_ids.shape[1])
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +41,8 @@ class SequenceScores:
     entropies: np.ndarray  # [n] float32
     topk_ids: np.ndarray  # [n, k] int32
     topk_logprobs: np.ndarray  # [n, k] float32
+    # [n, m] float32 log-probs of the request's candidate ids (NaN at -1 filler); None: none asked.
+    candidate_logprobs: np.ndarray | None = None
 
     @property
     def top_k(self) -> int:
@@ -72,3 +80,4 @@ class ModelInfo:
     max_sequences_per_request: int = 0
     max_tokens_per_request: int = 0
     server_version: str = ""
+    max_candidates: int = 0

@@ -37,6 +37,8 @@ class PackedBatch(PackedSequences):
     teacher_entropy: torch.Tensor = None  # [N]
     topk_ids: torch.Tensor = None  # [N, k] long
     topk_logprobs: torch.Tensor = None  # [N, k]
+    candidate_ids: torch.Tensor | None = None  # [N, m] long, -1 filler (None: no rollout has candidates)
+    candidate_logprobs: torch.Tensor | None = None  # [N, m] teacher log-probs there, NaN at filler
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PackedSequences:
@@ -97,7 +99,22 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> PackedBatch:
         teacher_entropy=cat("teacher_entropies", np.float32),
         topk_ids=torch.from_numpy(topk_ids),
         topk_logprobs=torch.from_numpy(topk_lp),
+        **_pack_candidates(rollouts),
     )
+
+
+def _pack_candidates(rollouts: Sequence[Rollout]) -> dict:
+    """`candidate_ids [N, m]` / `candidate_logprobs [N, m]` of the rollouts' per-position candidates,
+    padded to the widest m with -1 / NaN (filler: ignored by the loss); {} when none has any."""
+    m = max(r.num_candidates for r in rollouts)
+    if m == 0:
+        return {}
+    ids = [_pad_topk(r.candidate_ids, m, -1) if r.num_candidates else np.full((r.num_response_tokens, m), -1, np.int32)
+           for r in rollouts]
+    lps = [_pad_topk(r.candidate_logprobs, m, np.nan) if r.num_candidates
+           else np.full((r.num_response_tokens, m), np.nan, np.float32) for r in rollouts]
+    return {"candidate_ids": torch.from_numpy(np.concatenate(ids).astype(np.int64)),
+            "candidate_logprobs": torch.from_numpy(np.concatenate(lps).astype(np.float32))}
 
 
 def shuffle_for_iteration(rollouts: Sequence[Rollout], seed: int, iteration: int) -> list[Rollout]:

@@ -14,11 +14,14 @@ from eopd.v1 import teacher_pb2 as pb
 
 @dataclass(frozen=True)
 class SequenceInput:
-    """A sequence to score: positions [score_from, len(token_ids)) are scored."""
+    """A sequence to score: positions [score_from, len(token_ids)) are scored. `candidate_ids`
+    (optional, `[n, m]` ints, n = len(token_ids) - score_from, -1 as filler) names m extra ids per
+    scored position whose log-probs come back as `SequenceScores.candidate_logprobs [n, m]`."""
 
     id: str
     token_ids: Sequence[int] | np.ndarray
     score_from: int
+    candidate_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -35,22 +38,30 @@ def _as_input(i: int, s) -> SequenceInput:
     if isinstance(s, SequenceInput):
         return s
     if isinstance(s, dict):
-        return SequenceInput(str(s.get("id", i)), s["token_ids"], int(s["score_from"]))
-    sid, ids, score_from = s
-    return SequenceInput(str(sid), ids, int(score_from))
+        return SequenceInput(str(s.get("id", i)), s["token_ids"], int(s["score_from"]), s.get("candidate_ids"))
+    sid, ids, score_from, *cand = s
+    return SequenceInput(str(sid), ids, int(score_from), cand[0] if cand else None)
+
+
+def _sequence_pb(s: SequenceInput) -> pb.Sequence:
+    out = pb.Sequence(id=s.id, token_ids=np.asarray(s.token_ids, dtype=np.int64).tolist(), score_from=s.score_from)
+    if s.candidate_ids is not None:
+        cand = np.asarray(s.candidate_ids, dtype=np.int64)
+        if cand.ndim != 2:
+            raise ValueError(f"candidate_ids of sequence {s.id!r} must be [n, m], got shape {cand.shape}")
+        out.num_candidates = int(cand.shape[1])
+        out.candidate_ids.extend(cand.ravel().tolist())
+    return out
 
 
 def build_request(sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "") -> pb.ScoreRequest:
-    """A ScoreRequest from SequenceInput, (id, token_ids, score_from) tuples or dicts."""
+    """A ScoreRequest from SequenceInput, (id, token_ids, score_from[, candidate_ids]) tuples or dicts."""
     seqs = [_as_input(i, s) for i, s in enumerate(sequences)]
     return pb.ScoreRequest(
         request_id=request_id,
         top_k=top_k,
         temperature=temperature,
-        sequences=[
-            pb.Sequence(id=s.id, token_ids=np.asarray(s.token_ids, dtype=np.int64).tolist(), score_from=s.score_from)
-            for s in seqs
-        ],
+        sequences=[_sequence_pb(s) for s in seqs],
     )
 
 

@@ -62,6 +62,15 @@ def scores_from_hidden(
     item's temperature."""
     targets = torch.cat([torch.from_numpy(it.token_ids[it.score_from :]) for it in items])
     inv_t = torch.cat([torch.full((it.num_scored,), logit_factor / it.temperature) for it in items])
+    m = max(it.num_candidates for it in items)
+    candidates = None
+    if m:  # [sum(num_scored), m], each item's rows padded with -1 filler to the batch's widest m
+        candidates = torch.full((targets.shape[0], m), -1, dtype=torch.int64)
+        offset = 0
+        for it in items:
+            if it.num_candidates:
+                candidates[offset : offset + it.num_scored, : it.num_candidates] = torch.from_numpy(it.candidate_ids)
+            offset += it.num_scored
     stats = token_statistics(
         hidden,
         weight,
@@ -72,8 +81,10 @@ def scores_from_hidden(
         chunk_size=settings.chunk_size,
         projection_dtype=torch.float32 if settings.fp32_projection else None,
         stats_fn=stats_fn,
+        candidates=candidates,
     )
     lp, ent = stats.token_logprobs.numpy(), stats.entropies.numpy()
+    clp = stats.candidate_logprobs.numpy()
     tids, tlp = stats.topk_ids.numpy().astype(np.int32), stats.topk_logprobs.numpy()
     out: list[SequenceScores] = []
     offset = 0
@@ -86,6 +97,7 @@ def scores_from_hidden(
                 entropies=ent[sl],
                 topk_ids=np.ascontiguousarray(tids[sl, : it.top_k]),
                 topk_logprobs=np.ascontiguousarray(tlp[sl, : it.top_k]),
+                candidate_logprobs=np.ascontiguousarray(clp[sl, : it.num_candidates]) if it.num_candidates else None,
             )
         )
         offset += it.num_scored

@@ -207,7 +207,8 @@ class RolloutFeed:
         try:
             r = decode_rollout(e.data or b"", vocab_size=self.vocab_size)
             check_rollout_metadata(r, temperature=cfg.loss.temperature, top_k=cfg.teacher.top_k,
-                                   max_response_length=cfg.rollout.max_response_length)
+                                   max_response_length=cfg.rollout.max_response_length,
+                                   num_candidates=cfg.loss.num_candidates)
         except PoisonMessage as exc:
             self.rollouts.dead_letter(e, exc.reason)  # counted in <ns>:counts (dead_letter)
             self._rejected(f"dead letter {e.entry_id}: {exc.reason}")

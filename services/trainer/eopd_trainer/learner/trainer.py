@@ -34,7 +34,7 @@ from .distributed import (
 
 log = logging.getLogger("eopd.learner")
 
-LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss")
+LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss", "topk_rkl_loss")
 # Token-weighted per-step metrics (the loss's own keys, plus those it adds with vocab metrics).
 STEP_METRIC_KEYS = tuple(k for k in (*METRIC_KEYS, "student_entropy", "topk_overlap") if k not in LOSS_TERMS)
 
@@ -127,6 +127,8 @@ class PolicyTrainer:
             config=self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
             generator=generator,
         )
+        if packed.candidate_ids is not None:  # per-position candidates (eopd_topk_rkl)
+            args.update(candidate_ids=packed.candidate_ids.to(dev), candidate_logprobs=packed.candidate_logprobs.to(dev))
         module = self.engine.module
         if self.fused_loss:
             hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state

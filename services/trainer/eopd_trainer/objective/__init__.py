@@ -30,7 +30,9 @@ Aggregation ("token-mean", Algorithm 1): `L = sum_t w_t EOPD_t` with `w_t = 1 / 
 the same weight for both terms (the FKL is *not* averaged over the gated tokens only).
 "seq-mean-token-mean" averages within each sequence, then over sequences. The baselines (opd,
 opd_fkl, full_fkl, random_fkl, entropy_bonus, advantage_shaping) are registered by name in
-`variants`; see its table.
+`variants`; see its table. `eopd_topk_rkl` (beyond the paper) replaces OPD_t by the reverse KL
+summed exactly over the student's top-k ids (`candidate_ids` / `candidate_logprobs [N, m]` keyword
+arguments: the teacher's log-probs at them, from per-position candidate scoring).
 
 Randomness: `random_fkl` draws its positions from the `generator` argument. Without one the draw
 is a deterministic function of (config.random_seed, number of valid tokens), i.e. the same
@@ -53,7 +55,7 @@ k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 from .config import LossConfig
 from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
 from .rng import step_generator, step_seed
-from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl
+from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
 from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
 from .vocab import VocabPlan, vocab_stats
 
@@ -69,6 +71,7 @@ __all__ = [
     "get_variant",
     "clipped_pg_loss",
     "topk_forward_kl",
+    "topk_reverse_kl",
     "shaped_advantages",
     "aggregation_weights",
     "VocabPlan",

@@ -24,7 +24,7 @@ class LossConfig(BaseModel):
     variant: str = Field(
         "eopd",
         description="Loss variant, by registered name: opd, eopd, opd_fkl, full_fkl, random_fkl, "
-        "entropy_bonus, advantage_shaping (see eopd_trainer.objective.variants).",
+        "entropy_bonus, advantage_shaping, eopd_topk_rkl (see eopd_trainer.objective.variants).",
     )
     tau: float = Field(0.8, ge=0.0, description="Teacher-entropy threshold (nats) of the FKL gate.")
     alpha: float = Field(
@@ -59,6 +59,13 @@ class LossConfig(BaseModel):
     shaping_kappa: float = Field(
         2.0, gt=1.0, description="advantage_shaping: kappa (> 1) of psi(H) = min(alpha * H, |A| / kappa)."
     )
+    candidate_k: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="eopd_topk_rkl: the student's top-k ids per response position that the rollout worker "
+        "takes from its old-log-prob pass and has the teacher score (per-position candidates).",
+    )
     chunk_size: int = Field(
         1024,
         gt=0,
@@ -70,6 +77,12 @@ class LossConfig(BaseModel):
         description="Also compute the vocabulary-wide diagnostics (student entropy, student/teacher "
         "top-k overlap); they cost about two extra passes over each chunk.",
     )
+
+    @property
+    def num_candidates(self) -> int:
+        """Per-position candidates the variant needs in each rollout: `candidate_k` for a variant
+        with a top-k reverse KL (eopd_topk_rkl), else 0."""
+        return self.candidate_k if VARIANTS[self.variant].topk_rkl else 0
 
     @field_validator("variant")
     @classmethod

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .config import LossConfig
-from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl
+from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
 from .variants import PositionContext, get_variant
 from .vocab import VocabPlan, vocab_stats
 
@@ -31,6 +31,7 @@ METRIC_KEYS = (
     "pg_loss",
     "fkl_loss",
     "entropy_loss",
+    "topk_rkl_loss",
     "clip_frac",
     "ratio_mean",
     "approx_kl",
@@ -58,10 +59,26 @@ class _Tokens:
     topk_logprobs: Tensor  # [N, k]
     mask: Tensor  # [N] bool
     seq_index: Tensor | None  # [N] long
+    cand_ids: Tensor | None = None  # [N, m] long, -1 filler (eopd_topk_rkl)
+    cand_logprobs: Tensor | None = None  # [N, m] teacher log-probs at cand_ids (NaN at filler)
+
+
+def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple[Tensor | None, Tensor | None]:
+    if cand_ids is None and cand_logprobs is None:
+        return None, None
+    if cand_ids is None or cand_logprobs is None:
+        raise ValueError("candidate_ids and candidate_logprobs go together")
+    for name, t in (("candidate_ids", cand_ids), ("candidate_logprobs", cand_logprobs)):
+        if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead:
+            raise ValueError(f"{name} must have shape {lead + ('m',)}, got {tuple(t.shape)}")
+    if cand_ids.shape != cand_logprobs.shape:
+        raise ValueError("candidate_ids and candidate_logprobs must have the same shape")
+    m = cand_ids.shape[-1]
+    return cand_ids.reshape(-1, m), cand_logprobs.reshape(-1, m)
 
 
 def _flatten_tokens(lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
-                    topk_ids, topk_logprobs, mask, seq_index) -> _Tokens:
+                    topk_ids, topk_logprobs, mask, seq_index, cand_ids=None, cand_logprobs=None) -> _Tokens:
     """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N]."""
     if len(lead) not in (1, 2):
         raise ValueError(f"expected [N, ...] or [B, T, ...] inputs, got leading shape {lead}")
@@ -86,6 +103,7 @@ def _flatten_tokens(lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_lo
     elif seq_index is not None and tuple(seq_index.shape) != lead:
         raise ValueError(f"seq_index must have shape {lead}, got {tuple(seq_index.shape)}")
     k = topk_ids.shape[-1]
+    cand_ids, cand_logprobs = _flatten_candidates(lead, cand_ids, cand_logprobs)
     return _Tokens(
         sampled_ids=sampled_ids.reshape(-1),
         old_logprobs=old_logprobs.reshape(-1),
@@ -95,6 +113,8 @@ def _flatten_tokens(lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_lo
         topk_logprobs=topk_logprobs.reshape(-1, k),
         mask=mask.reshape(-1) != 0,
         seq_index=None if seq_index is None else seq_index.reshape(-1),
+        cand_ids=cand_ids,
+        cand_logprobs=cand_logprobs,
     )
 
 
@@ -130,6 +150,25 @@ def _check_valid_inputs(vocab: int, dtype: torch.dtype, *, sampled: Tensor, old_
     raise ValueError("; ".join(messages))
 
 
+def _candidates(variant, tokens: _Tokens, valid: Tensor, vocab: int, dtype: torch.dtype,
+                name: str) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For a `topk_rkl` variant: the valid tokens' candidate ids `[M, m]` (filler made 0), the
+    teacher's log-probs there `[M, m]` and which candidates count `[M, m]` (an id, not -1 filler,
+    with a finite teacher log-prob); None for other variants."""
+    if not variant.topk_rkl:
+        return None
+    if tokens.cand_ids is None:
+        raise ValueError(f"loss variant {name!r} needs candidate_ids and candidate_logprobs (the student's top-k "
+                         "ids at each position and the teacher's log-probs there)")
+    ids = tokens.cand_ids[valid].long()
+    t_lp = tokens.cand_logprobs[valid].detach().to(dtype)
+    out_of_range = int(((ids < -1) | (ids >= vocab)).sum())
+    if out_of_range:
+        raise ValueError(f"candidate_ids has {out_of_range} id(s) out of range [0, {vocab}) (-1 is filler) at valid positions")
+    ok = (ids >= 0) & torch.isfinite(t_lp)
+    return torch.where(ok, ids, 0), t_lp, ok
+
+
 def _mean(x: Tensor) -> Tensor:
     return x.mean() if x.numel() else x.new_zeros(())
 
@@ -162,7 +201,11 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
     fkl_coef = variant.fkl_coef(cfg) if fkl_pos is not None else 0.0
     apply_fkl = fkl_pos is not None and fkl_coef != 0.0
     gathered = (gate | fkl_pos) if apply_fkl else gate  # gated rows are gathered for the metric
+    cand = _candidates(variant, tokens, valid, vocab, dtype, cfg.variant)
+    if cand is not None:  # the student's top-k is gathered at every row: gather the teacher's there too
+        gathered = torch.ones_like(gate)
     gather_pos = gathered.nonzero().squeeze(1)  # [G]
+    gather_ids = t_ids[gather_pos] if cand is None else torch.cat([t_ids, cand[0]], dim=1)
 
     # 3. one chunked pass over the vocabulary.
     entropy_coef = variant.entropy_coef(cfg)
@@ -171,13 +214,16 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
         rows=valid,
         sampled=sampled,
         gather_pos=gather_pos,
-        gather_ids=t_ids[gather_pos],
+        gather_ids=gather_ids,
         temperature=cfg.temperature,
         chunk_size=cfg.chunk_size,
         entropy=need_entropy,
         student_topk=min(k, vocab) if cfg.vocab_metrics else 0,
     )
     logp, s_ent, logp_topk, s_topk = vocab_stats(plan, **source)
+    logp_cand = None
+    if cand is not None:
+        logp_topk, logp_cand = logp_topk[:, :k], logp_topk[:, k:]
 
     # 4. per-token terms, aggregated.
     w = aggregation_weights(
@@ -193,10 +239,14 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
 
     zero = w.new_zeros(())
     terms = []
-    pg_loss = fkl_loss = entropy_loss = zero
+    pg_loss = fkl_loss = entropy_loss = rkl_loss = zero
     if variant.pg:
         pg_loss = (w * pg_t).sum()
         terms.append(pg_loss)
+    if cand is not None:
+        rkl_t = topk_reverse_kl(logp_cand, cand[1], cand[2])  # [M]
+        rkl_loss = (w * rkl_t).sum()
+        terms.append(rkl_loss)
     if apply_fkl:
         w_fkl = w[gather_pos] * fkl_pos[gather_pos].to(dtype)
         fkl_loss = fkl_coef * (w_fkl * fkl_g).sum()
@@ -218,6 +268,7 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
             "pg_loss": pg_loss,
             "fkl_loss": fkl_loss,
             "entropy_loss": entropy_loss,
+            "topk_rkl_loss": rkl_loss,
             "clip_frac": _mean(clipped.to(dtype)),
             "ratio_mean": _mean(ratio),
             "approx_kl": _mean(old - logp),
@@ -233,6 +284,8 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
         }
         if need_entropy:
             values["student_entropy"] = _mean(s_ent)
+        if cand is not None:
+            values["student_candidate_mass"] = _mean(torch.where(cand[2], logp_cand.exp(), 0.0).sum(dim=1))
         if cfg.vocab_metrics:
             # share of the teacher's candidates (its finite top-k entries) in the student's top-k;
             # rows with no finite teacher entry have no candidate and are left out of the mean
@@ -258,6 +311,8 @@ def compute_loss(
     seq_index: Tensor | None = None,
     denominator: float | None = None,
     generator: torch.Generator | None = None,
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The distillation loss from student logits, chunked over tokens.
 
@@ -283,6 +338,9 @@ def compute_loss(
             seeded with config.random_seed on every call, so the draw is a deterministic function
             of (random_seed, number of valid tokens): equal token counts give the same positions.
             Training loops should pass `step_generator(seed, iteration, step, rank, micro_batch)`.
+        candidate_ids: [N, m] / [B, T, m] long, the student's top-k ids per token (-1 filler), for
+            variants with `topk_rkl` (eopd_topk_rkl); ignored by the others.
+        candidate_logprobs: the same shape, the teacher's log-probs at those ids (NaN at filler).
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor (an exact, differentiable 0 when no token is valid) and
@@ -292,7 +350,8 @@ def compute_loss(
         raise ValueError(f"student_logits must be [N, V] or [B, T, V], got {tuple(student_logits.shape)}")
     vocab = student_logits.shape[-1]
     tokens = _flatten_tokens(tuple(student_logits.shape[:-1]), sampled_ids, old_logprobs, teacher_logprobs,
-                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index)
+                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index,
+                             candidate_ids, candidate_logprobs)
     logits = student_logits.reshape(-1, vocab)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return _objective(tokens, config, {"logits": logits}, vocab, dtype, denominator, generator)
@@ -314,6 +373,8 @@ def compute_loss_from_hidden(
     seq_index: Tensor | None = None,
     denominator: float | None = None,
     generator: torch.Generator | None = None,
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The same loss from final hidden states and the output projection; logits never materialised.
 
@@ -331,7 +392,8 @@ def compute_loss_from_hidden(
         raise ValueError(f"hidden must be [N, D] or [B, T, D], got {tuple(hidden.shape)}")
     vocab = weight.shape[0]
     tokens = _flatten_tokens(tuple(hidden.shape[:-1]), sampled_ids, old_logprobs, teacher_logprobs,
-                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index)
+                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index,
+                             candidate_ids, candidate_logprobs)
     h = hidden.reshape(-1, hidden.shape[-1])
     dtype = torch.float64 if torch.promote_types(h.dtype, weight.dtype) == torch.float64 else torch.float32
     return _objective(tokens, config, {"hidden": h, "weight": weight, "bias": bias}, vocab, dtype,

@@ -96,6 +96,8 @@ class Variant:
     fkl_coef: Callable[["LossConfig"], float] = _alpha
     entropy_coef: Callable[["LossConfig"], float] = _no_entropy
     shape_advantage: bool = False
+    # Adds the exact reverse KL over the student's top-k (needs candidate_ids / candidate_logprobs).
+    topk_rkl: bool = False
 
     def needs_student_entropy_grad(self, cfg: "LossConfig") -> bool:
         return self.entropy_coef(cfg) != 0.0
@@ -113,7 +115,8 @@ def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
     """
     if not isinstance(variant, Variant):
         raise TypeError(f"register_variant expects a Variant, got {type(variant).__name__}")
-    if not variant.pg and variant.fkl_positions is nowhere and variant.entropy_coef is _no_entropy:
+    if (not variant.pg and not variant.topk_rkl and variant.fkl_positions is nowhere
+            and variant.entropy_coef is _no_entropy):
         raise ValueError(
             f"loss variant {variant.name!r} has no term: set pg=True, fkl_positions or entropy_coef"
         )
@@ -163,5 +166,15 @@ register_variant(
         "advantage_shaping",
         "opd with A + min(shaping_alpha * H_student, |A| / shaping_kappa) (Cheng et al.; app. A).",
         shape_advantage=True,
+    )
+)
+register_variant(
+    Variant(
+        "eopd_topk_rkl",
+        "Reverse KL exactly over the student's top-k (teacher log-probs from candidates) + alpha * FKL at "
+        "tokens with teacher entropy >= tau.",
+        pg=False,
+        fkl_positions=gated,
+        topk_rkl=True,
     )
 )

@@ -92,6 +92,14 @@ class Rollout:
     published_unix_ns: int = 0
     teacher_model: str = ""
     extra: dict = field(default_factory=dict, compare=False)
+    # Per-position candidates (eopd_topk_rkl): [n, m] int32 student ids (-1 filler) and [n, m]
+    # float32 teacher log-probs there (NaN at filler); None when the rollout carries none.
+    candidate_ids: np.ndarray | None = field(default=None, compare=False)
+    candidate_logprobs: np.ndarray | None = field(default=None, compare=False)
+
+    @property
+    def num_candidates(self) -> int:
+        return 0 if self.candidate_ids is None else int(self.candidate_ids.shape[1])
 
     @property
     def num_response_tokens(self) -> int:
@@ -162,7 +170,43 @@ def encode_rollout(r: Rollout) -> bytes:
     msg.teacher_entropies.extend(np.asarray(r.teacher_entropies, dtype=np.float32).tolist())
     msg.teacher_topk_ids.extend(np.asarray(r.teacher_topk_ids, dtype=np.int32).reshape(-1).tolist())
     msg.teacher_topk_logprobs.extend(np.asarray(r.teacher_topk_logprobs, dtype=np.float32).reshape(-1).tolist())
+    _encode_candidates(msg, r)
     return msg.SerializeToString()
+
+
+def _encode_candidates(msg: pb.ScoredRollout, r: Rollout) -> None:
+    if r.candidate_ids is None:
+        return
+    msg.num_candidates = r.num_candidates
+    msg.candidate_ids.extend(np.asarray(r.candidate_ids, dtype=np.int32).reshape(-1).tolist())
+    msg.candidate_logprobs.extend(np.asarray(r.candidate_logprobs, dtype=np.float32).reshape(-1).tolist())
+
+
+def _decode_candidates(msg: pb.ScoredRollout, rid: str, n: int, vocab_size: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The rollout's `[n, m]` candidate ids and teacher log-probs (None, None without any);
+    PoisonMessage when their sizes, ids (in [-1, vocab)) or log-probs (NaN exactly at -1 filler,
+    else in [MIN_LOGPROB, 0] or -inf) are inconsistent."""
+    m = msg.num_candidates
+    if m == 0:
+        if len(msg.candidate_ids) or len(msg.candidate_logprobs):
+            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidates given with num_candidates 0")
+        return None, None
+    for name in ("candidate_ids", "candidate_logprobs"):
+        got = len(getattr(msg, name))
+        if got != n * m:
+            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} has {got} values, expected {n * m} "
+                                f"({n} response tokens, num_candidates {m})")
+    ids = np.asarray(msg.candidate_ids, dtype=np.int32).reshape(n, m)
+    lp = np.asarray(msg.candidate_logprobs, dtype=np.float32).reshape(n, m)
+    if ids.min() < -1 or (vocab_size is not None and ids.max() >= vocab_size):
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_ids outside [-1, {vocab_size}) (-1 is filler)")
+    filler = ids < 0
+    if not np.array_equal(np.isnan(lp), filler):
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_logprobs must be NaN exactly at -1 filler ids")
+    real = lp[~filler]
+    if np.any(real > 1e-4) or np.any(np.isfinite(real) & (real < MIN_LOGPROB)):
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_logprobs outside [{MIN_LOGPROB:g}, 0] (or -inf)")
+    return ids, lp
 
 
 def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
@@ -208,6 +252,7 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
     # -inf marks an unused (dead) entry; +inf, a positive or an absurdly small finite value is corrupt.
     if np.any(tklp > 1e-4) or np.any(np.isfinite(tklp) & (tklp < MIN_LOGPROB)):
         raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_topk_logprobs outside [{MIN_LOGPROB:g}, 0] (or -inf)")
+    cand_ids, cand_lp = _decode_candidates(msg, rid, n, vocab_size)
     return Rollout(
         rollout_id=msg.rollout_id,
         task_id=msg.task_id,
@@ -229,10 +274,13 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
         scored_unix_ns=msg.scored_unix_ns,
         published_unix_ns=msg.published_unix_ns,
         teacher_model=msg.teacher_model,
+        candidate_ids=cand_ids,
+        candidate_logprobs=cand_lp,
     )
 
 
-def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_response_length: int) -> None:
+def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_response_length: int,
+                           num_candidates: int = 0) -> None:
     """What the learner requires of a decoded rollout beyond its own consistency; raises
     PoisonMessage with the reason (the rollout is dead-lettered, not trained):
 
@@ -242,7 +290,9 @@ def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_re
       or truncating teacher, and changes the forward-KL term);
     - `rollout_id` equal to `t{seq}-s{sample_index}` with `task_id` `t{seq}` (the exactly-once
       accounting is by these ids);
-    - at most `max_response_length` response tokens (rollout.max_response_length)."""
+    - at most `max_response_length` response tokens (rollout.max_response_length);
+    - at least `num_candidates` per-position candidates (loss.candidate_k when the loss variant
+      needs them, e.g. eopd_topk_rkl; 0 otherwise)."""
     rid = r.rollout_id
     if not math.isclose(r.sampling_temperature, temperature, rel_tol=1e-6, abs_tol=1e-9):
         raise PoisonMessage(f"rollout {rid}: sampling_temperature {r.sampling_temperature:g} differs from loss.temperature "
@@ -259,6 +309,9 @@ def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_re
     if r.num_response_tokens > max_response_length:
         raise PoisonMessage(f"rollout {rid}: {r.num_response_tokens} response tokens, more than "
                             f"rollout.max_response_length {max_response_length}")
+    if r.num_candidates < num_candidates:
+        raise PoisonMessage(f"rollout {rid}: {r.num_candidates} per-position candidates, the loss variant needs "
+                            f"loss.candidate_k {num_candidates}")
 
 
 # Policy versions ---------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class Publisher:
             teacher_topk_logprobs=scores.topk_logprobs, policy_version=p.policy_version, truncated=p.truncated,
             sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
             sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), teacher_model=teacher_model,
+            candidate_ids=p.old_topk_ids,  # student ids (before the remap), scored by the teacher below
+            candidate_logprobs=scores.candidate_logprobs if p.old_topk_ids is not None else None,
         )
 
     async def publish(self, rollout: Rollout) -> bool:

@@ -31,6 +31,12 @@ def answer_problems(group, scores) -> list[str | None]:
         rows = {name: int(np.shape(getattr(s, name))[0]) for name in
                 ("token_logprobs", "entropies", "topk_ids", "topk_logprobs")}
         wrong = {k: v for k, v in rows.items() if v != n}
+        sent = getattr(p, "old_topk_ids", None)
+        if sent is not None:  # candidates were sent: [n, m] log-probs must come back
+            clp = getattr(s, "candidate_logprobs", None)
+            got = None if clp is None else tuple(np.shape(clp))
+            if got != sent.shape:
+                wrong["candidate_logprobs"] = got
         out.append(f"the teacher returned {wrong} positions for {n} response tokens" if wrong else None)
     return out
 
@@ -68,6 +74,12 @@ def teacher_tokens(prompt_ids, response_ids, token_remap: dict[int, int]) -> np.
                            remap_ids(np.asarray(response_ids, dtype=np.int64), token_remap)])
 
 
+def teacher_candidates(topk_ids: np.ndarray | None, token_remap: dict[int, int]) -> np.ndarray | None:
+    """The per-position candidate ids sent to the teacher: the student's top-k ids with
+    `teacher.token_remap` applied, like the response (None: no candidates)."""
+    return None if topk_ids is None else remap_ids(np.asarray(topk_ids, dtype=np.int64), token_remap)
+
+
 @dataclass
 class Pending:
     """A sampled response waiting for the teacher's scores."""
@@ -81,6 +93,9 @@ class Pending:
     old_logprobs: np.ndarray
     policy_version: int
     sampled_unix_ns: int
+    # [n, m] the policy's top-m ids at each response token (old-log-prob pass), sent to the teacher as
+    # per-position candidates when the loss variant needs them (eopd_topk_rkl); None otherwise.
+    old_topk_ids: np.ndarray | None = None
 
     @property
     def rollout_id(self) -> str:
@@ -109,7 +124,7 @@ class RequestShaper:
             rid = f"{self.worker_id}-{self._seq}"
             self.contexts[rid] = group
             seqs = [SequenceInput(p.rollout_id, teacher_tokens(p.prompt_ids, p.response_ids, t.token_remap),
-                                  len(p.prompt_ids)) for p in group]
+                                  len(p.prompt_ids), teacher_candidates(p.old_topk_ids, t.token_remap)) for p in group]
             out.append(ScoreBatch(rid, seqs, top_k=t.top_k, temperature=t.temperature))
         return out
 

@@ -106,6 +106,9 @@ def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
         problems.append(f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
                         f"({cfg.rollout.max_response_length}) = {longest} exceeds the teacher's max_context_length "
                         f"({info.max_context_length})")
+    if cfg.loss.num_candidates > getattr(info, "max_candidates", 0):
+        problems.append(f"loss.candidate_k ({cfg.loss.num_candidates}, per-position candidates of loss.variant "
+                        f"{cfg.loss.variant}) exceeds the teacher's max_candidates ({getattr(info, 'max_candidates', 0)})")
     if cfg.teacher.top_k > info.max_top_k:
         problems.append(f"teacher.top_k ({cfg.teacher.top_k}) exceeds the teacher's max_top_k ({info.max_top_k})")
     if info.max_sequences_per_request and cfg.teacher.sequences_per_request > info.max_sequences_per_request:

@@ -109,12 +109,20 @@ class RolloutWorker:
             seeds = [(self.cfg.seed * 1_000_003 + task.task_seq * 101 + j) % (2**31) for _, task, j in chunk]
             samples = self.sampler.sample(prompts, seeds, temperature=ro.temperature, top_p=ro.top_p,
                                           max_new_tokens=ro.max_response_length)
-            old = self.sampler.old_logprobs(samples, temperature=ro.temperature)
+            old, tops = self._old_logprobs(samples)
             t = now_ns()
-            for (eid, task, j), s, lp in zip(chunk, samples, old, strict=True):
+            for (eid, task, j), s, lp, top in zip(chunk, samples, old, tops, strict=True):
                 out.append(Pending(eid, task, j, s.prompt_ids, s.response_ids, s.truncated, lp,
-                                   self.versions.version, t))
+                                   self.versions.version, t, top))
         return out
+
+    def _old_logprobs(self, samples) -> tuple[list, list]:
+        """Old log-probs, and the student's top-k ids per position when the loss variant needs
+        per-position candidates (loss.num_candidates, from the same pass)."""
+        temperature, k = self.cfg.rollout.temperature, self.cfg.loss.num_candidates
+        if k:
+            return self.sampler.old_logprobs_topk(samples, temperature=temperature, k=k)
+        return self.sampler.old_logprobs(samples, temperature=temperature), [None] * len(samples)
 
     # Main loop -------------------------------------------------------------------------------
     async def run(self) -> int:

@@ -61,6 +61,12 @@ class Sampler(Protocol):
         """log pi_old(token | prefix) at every response token, at `temperature`, as the learner computes it."""
         ...
 
+    def old_logprobs_topk(self, samples: Sequence[Sample], *, temperature: float, k: int
+                          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """`old_logprobs` and the policy's top-`k` ids `[n, k]` at each response token, from the same
+        pass (the per-position candidates of the eopd_topk_rkl loss)."""
+        ...
+
     def load_weights(self, pv: PolicyVersion) -> None:
         """Loads an announced policy version in place (sha256 verified); no restart."""
         ...

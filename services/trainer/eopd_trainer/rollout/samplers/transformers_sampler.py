@@ -79,14 +79,21 @@ def check_head_reproduces_logits(model, probe_length: int = 8) -> None:
 
 @torch.no_grad()
 def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                      temperature: float, pad_id: int, chunk_size: int = 1024) -> list[np.ndarray]:
+                      temperature: float, pad_id: int, chunk_size: int = 1024, top_k: int = 0,
+                      topk_out: list | None = None) -> list[np.ndarray]:
     """log pi(x_t | x_<t) at every response token, from one forward pass over the full sequences.
 
     The decoder body runs once over the right-padded batch; only the final hidden states at the
     positions that predict response tokens are kept, and the output projection (with the model's
     logit transform, `eopd_common.logits.final_logits`), the temperature and the log-softmax are
     applied to `chunk_size` of them at a time: at most one `[chunk_size, V]` float32 block of logits is alive,
-    never `[batch, seq, V]` (64 sequences x 5k tokens x 152k vocabulary would be ~100 GB)."""
+    never `[batch, seq, V]` (64 sequences x 5k tokens x 152k vocabulary would be ~100 GB).
+
+    With `top_k > 0` the same pass also appends to `topk_out`, per response, the policy's top-`top_k`
+    ids at each response position (`[n, top_k]` int32, by descending probability): the per-position
+    candidates of the eopd_topk_rkl loss, at no second forward pass."""
+    if top_k and topk_out is None:
+        raise ValueError("top_k > 0 needs a topk_out list")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device = next(model.parameters()).device
@@ -98,15 +105,20 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     head = model.get_output_embeddings()
     targets = packed.sampled_ids.to(device)
     lp = torch.empty(h.shape[0], dtype=torch.float32)
+    top = torch.empty(h.shape[0], top_k, dtype=torch.int32)
     for start in range(0, h.shape[0], chunk_size):
         stop = min(start + chunk_size, h.shape[0])
         z = final_logits(model.config, torch.nn.functional.linear(h[start:stop], head.weight, head.bias)) / temperature
         lp[start:stop] = (z.gather(1, targets[start:stop, None])[:, 0] - torch.logsumexp(z, dim=-1)).cpu()
+        if top_k:
+            top[start:stop] = torch.topk(z, min(top_k, z.shape[-1]), dim=-1, sorted=True).indices.to(torch.int32).cpu()
         del z
-    lp = lp.numpy()
+    lp, top = lp.numpy(), top.numpy()
     out, start = [], 0
     for r in responses:
         out.append(lp[start : start + len(r)].astype(np.float32))
+        if top_k:
+            topk_out.append(top[start : start + len(r)].copy())
         start += len(r)
     return out
 
@@ -134,6 +146,15 @@ class TransformersSampler:
     def old_logprobs(self, samples, *, temperature) -> list[np.ndarray]:
         return sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size)
+
+    def old_logprobs_topk(self, samples, *, temperature, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """`old_logprobs` plus the policy's top-`k` ids at each response position (`[n, k]`), from
+        the same forward pass."""
+        top: list[np.ndarray] = []
+        lps = sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size,
+                                top_k=k, topk_out=top)
+        return lps, top
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
         load_weights(self.model, pv, verify=verify)

@@ -201,6 +201,15 @@ class VllmSampler:
                 raise ValueError("rollout.old_logprobs=vllm: the sample carries no vLLM log-probs")
         return [s.logprobs for s in samples]
 
+    def old_logprobs_topk(self, samples: Sequence[Sample], *, temperature: float, k: int):
+        """Old log-probs and the policy's top-`k` ids per response position, from the transformers
+        forward pass (rollout.old_logprobs=transformers); vLLM's own sampling log-probs carry no
+        full top-k of the old-log-prob pass, so rollout.old_logprobs=vllm is refused here."""
+        if self.scorer is None:
+            raise ValueError("loss.variant eopd_topk_rkl needs rollout.old_logprobs=transformers (the student's top-k "
+                             "ids come from that forward pass)")
+        return self.scorer.old_logprobs_topk(samples, temperature=temperature, k=k)
+
     def prompt_logprobs(self, prompt: Sequence[int], response: Sequence[int]) -> np.ndarray:
         """vLLM's log-prob (temperature 1, the model's raw distribution) of each `response` token
         given `prompt` and the response before it, from one forward pass of the current weights via
