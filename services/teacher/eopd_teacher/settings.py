@@ -150,7 +150,7 @@ class TeacherSettings(ServiceSettings):
                 raise ValueError(f"{name}: {path} is not a readable file")
         if self.auth_token_file is not None and not self.bearer_token():  # fail closed, never "no auth"
             raise ValueError(f"auth_token_file: {self.auth_token_file} is empty (an empty token would turn auth off)")
-        if self.auth_token is not None and not self.bearer_token():
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
             raise ValueError("auth_token: empty (an empty token would turn auth off)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
