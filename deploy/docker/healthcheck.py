@@ -14,7 +14,7 @@ certificate. What only a client has comes from EOPD_HEALTHCHECK_* variables:
 
 Health is exempt from the bearer token. Used by the images' HEALTHCHECK and by docker-compose.yml
 (docker-compose.tls.yml sets the variables); Kubernetes probes gRPC health natively (`grpc: port:`),
-or HTTP /readyz with TLS on. Exit 1 with the reason on stderr when unhealthy or misconfigured.
+or HTTPS /readyz with TLS on. Exit 1 with the reason on stderr when unhealthy or misconfigured.
 """
 
 from __future__ import annotations

@@ -128,10 +128,18 @@ def env_file() -> str:
 
     text = (ROOT / ".env.example").read_text()
     assert re.search(r"^REDIS_PASSWORD=$", text, re.M), ".env.example must leave REDIS_PASSWORD empty"
+    assert re.search(r"^TEACHER_AUTH_TOKEN_FILE=$", text, re.M), ".env.example must leave TEACHER_AUTH_TOKEN_FILE empty"
+    text = re.sub(r"^REDIS_PASSWORD=$", f"REDIS_PASSWORD={secrets.token_hex(16)}", text, flags=re.M)
+    # the path .env.example's comment suggests (config does not read the file; `up` mounts it)
+    text = re.sub(r"^TEACHER_AUTH_TOKEN_FILE=$", f"TEACHER_AUTH_TOKEN_FILE={TEACHER_TOKEN_FILE}", text, flags=re.M)
     fd, path = tempfile.mkstemp(prefix="eopd-env-", suffix=".env")
     with os.fdopen(fd, "w") as f:
-        f.write(re.sub(r"^REDIS_PASSWORD=$", f"REDIS_PASSWORD={secrets.token_hex(16)}", text, flags=re.M))
+        f.write(text)
     return path
+
+
+TEACHER_TOKEN_FILE = "./secrets/teacher-token"
+TEACHER_TOKEN_PATH = "/run/secrets/teacher_token"  # where the compose secret teacher_token is mounted
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,6 +178,60 @@ def test_compose_requires_a_redis_password():
                    env=clean_env())
         assert proc.returncode != 0 and "REDIS_PASSWORD" in proc.stderr, (env_path, proc.stderr)
     assert "change-me" not in (ROOT / ".env.example").read_text()
+
+
+def test_compose_requires_a_teacher_token_file(tmp_path):
+    """Fail closed (issue 17): without TEACHER_AUTH_TOKEN_FILE compose refuses to render, naming
+    it; with it, every teacher service gets the token file as a secret at the path its
+    EOPD_TEACHER_AUTH_TOKEN_FILE names, and every rollout worker the same secret through the run
+    config's teacher.auth_token_file; nothing else gets it. The teacher refuses to start with an
+    empty token file or a missing one (TeacherSettings), so it never serves without a token."""
+    from eopd_common.settings import SettingsError, load_settings
+
+    no_token = tmp_path / "no-token.env"
+    no_token.write_text(Path(env_file()).read_text().replace(f"TEACHER_AUTH_TOKEN_FILE={TEACHER_TOKEN_FILE}\n", ""))
+    proc = run([tool("docker-compose"), "--env-file", str(no_token), "-f", "docker-compose.yml", "config", "-q"], env=clean_env())
+    assert proc.returncode != 0 and "TEACHER_AUTH_TOKEN_FILE" in proc.stderr, proc.stderr
+    for profile, teachers, workers in (("gpu", {"teacher"}, {"rollout"}), ("cpu", {"teacher-cpu"}, {"rollout-cpu"})):
+        cfg = compose_config(profile)
+        assert cfg["secrets"]["teacher_token"]["file"] == str(ROOT / "secrets" / "teacher-token")
+        for name, svc in cfg["services"].items():
+            mounted = {s["target"] for s in svc.get("secrets", []) if s["source"] == "teacher_token"}
+            env = svc.get("environment") or {}
+            if name in teachers:
+                assert mounted == {TEACHER_TOKEN_PATH} and env["EOPD_TEACHER_AUTH_TOKEN_FILE"] == TEACHER_TOKEN_PATH, name
+            elif name in workers:
+                assert mounted == {TEACHER_TOKEN_PATH} and env["EOPD_RUN_TEACHER__AUTH_TOKEN_FILE"] == TEACHER_TOKEN_PATH, name
+            else:
+                assert not mounted and not any("AUTH_TOKEN" in k for k in env), name
+    assert subprocess.run(["git", "check-ignore", "-q", TEACHER_TOKEN_FILE], cwd=ROOT).returncode == 0
+    empty = tmp_path / "teacher_token"
+    empty.write_text("\n")
+    for path in (empty, tmp_path / "missing"):
+        with pytest.raises(SettingsError, match="auth_token_file"):
+            load_settings(_load(NAMES.teacher_settings), None, {"auth_token_file": str(path)})
+
+
+def test_compose_services_are_hardened():
+    """Every service of both profiles (and with docker-compose.tls.yml) runs as the k8s pods do:
+    read-only root file system with a tmpfs /tmp, all capabilities dropped, no-new-privileges, a
+    memory limit; non-root (the images' uid 10001; redis as user redis, so its entrypoint needs no
+    capability to chown and switch user)."""
+    for profile in ("gpu", "cpu"):
+        for name, svc in compose_config(profile)["services"].items():
+            assert svc.get("read_only") is True, f"{profile} {name}: root file system writable"
+            assert "/tmp" in svc.get("tmpfs", []), f"{profile} {name}: no writable /tmp"
+            assert svc.get("cap_drop") == ["ALL"] and not svc.get("cap_add"), f"{profile} {name}: capabilities"
+            assert "no-new-privileges:true" in svc.get("security_opt", []), f"{profile} {name}: no-new-privileges"
+            assert int(svc.get("mem_limit", 0)) > 0, f"{profile} {name}: no memory limit"
+            assert not svc.get("privileged"), name
+        assert compose_config(profile)["services"]["redis"]["user"] == "redis"
+    for dockerfile in NAMES.dockerfiles:  # the others run as the image's USER (test_hadolint: 10001)
+        assert re.search(r"^USER \$\{UID\}:\$\{UID\}$", (ROOT / dockerfile).read_text(), re.M)
+    values, _ = dotenv_example()
+    limits = {n for n in values if n.endswith("_MEMORY_LIMIT")}
+    used = set(re.findall(r"\$\{([A-Z_]+_MEMORY_LIMIT):-", (ROOT / "docker-compose.yml").read_text()))
+    assert limits == used, f".env.example and docker-compose.yml disagree: {sorted(limits ^ used)}"
 
 
 def test_compose_gpu_reservations_and_redis_persistence():
@@ -231,7 +293,7 @@ def test_compose_tls_override(profile):
     assert renv["EOPD_RUN_TEACHER__TLS_CA_FILE"] in {s["target"] for s in r["secrets"]}
     assert renv["EOPD_RUN_TEACHER__TLS_SERVER_NAME"] == env["EOPD_HEALTHCHECK_TLS_SERVER_NAME"]
     check_run_env(renv, f"compose tls {rollout}")
-    assert {s["source"] for s in r["secrets"]} == {"teacher_ca_crt"}  # the worker never gets the key
+    assert {s["source"] for s in r["secrets"]} == {"teacher_ca_crt", "teacher_token"}  # the worker never gets the key
     for secret in cfg["secrets"].values():
         assert Path(secret["file"]).parent == ROOT / "secrets"
     assert subprocess.run(["git", "check-ignore", "-q", "secrets/tls.key"], cwd=ROOT).returncode == 0
@@ -746,6 +808,8 @@ def test_ports_agree():
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             port = c[probe]["grpc"]["port"] if "grpc" in c[probe] else c[probe]["httpGet"]["port"]
             assert port in (grpc, "http"), (target, probe)
+            if "httpGet" in c[probe]:  # only with teacher-tls, whose HTTP side then serves HTTPS (issue 17)
+                assert target == "+components" and c[probe]["httpGet"]["scheme"] == "HTTPS", (target, probe)
         cm = find(objs, "ConfigMap", "eopd-teacher-env")["data"]
         assert int(cm["EOPD_TEACHER_GRPC_PORT"]) == grpc and int(cm["EOPD_TEACHER_HTTP_PORT"]) == http
         headless = find(objs, "Service", "eopd-teacher-headless")

@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 
 from eopd.v1 import teacher_pb2 as pb
@@ -253,3 +254,73 @@ def test_client_does_not_retry_a_request_over_a_per_request_limit(teacher, case)
         elapsed = time.monotonic() - started
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert elapsed < 5, f"a request that can never be admitted was retried for {elapsed:.1f}s"
+
+
+# Issue 17, section 5: answer sizes counted with the ids' UTF-8 bytes; the documented minimum temperature.
+
+EMOJI_ID = "\U0001F600" * 256  # 256 characters (the id limit), 1,024 UTF-8 bytes
+
+
+def emoji_request(rid: str, n_seqs: int) -> pb.ScoreRequest:
+    """n_seqs sequences of 3 tokens (2 scored) at top_k 16 whose ids are 256 emoji: at 900 sequences
+    the request (~0.94 MB) fits a 1 MiB limit and its answer (~1.2 MB) does not."""
+    return pb.ScoreRequest(request_id=rid, top_k=16, sequences=[
+        pb.Sequence(id=f"{i:03d}" + EMOJI_ID[3:], token_ids=[1 + i % 900, 2, 3], score_from=1) for i in range(n_seqs)])
+
+
+@pytest.fixture(scope="module")
+def wide_teacher():
+    """The smallest message limit (1 MiB) and the default sequences per request (4096)."""
+    with running_teacher("tiny-random", "--max-message-bytes", str(MAX_MESSAGE_BYTES)) as proc:
+        yield proc
+
+
+def test_answer_size_counts_id_bytes(wide_teacher):
+    """A request whose answer cannot be sent because of its ids' bytes (900 ids of 256 emoji) is
+    refused at admission, before any scoring, on Score and in band on ScoreStream, whose stream goes
+    on: the requests before and after it are answered. Before, ids were counted as 256 bytes: the
+    request was scored, then the answer failed (on a stream, the whole stream died). Half of it is
+    admitted and its real answer fits the limit."""
+    big = emoji_request("emoji", 900)
+    assert big.ByteSize() < MAX_MESSAGE_BYTES
+    scored_before = scored_sequences(wide_teacher)
+    with grpc.insecure_channel(wide_teacher.target, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                            ("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = pb_grpc.TeacherServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(big, timeout=120)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"over the server's message limit of {MAX_MESSAGE_BYTES} bytes (request_id 'emoji'); split" in e.value.details()
+        assert ("eopd-retryable", "0") in tuple(e.value.trailing_metadata())
+        answers = {r.request_id: r for r in stub.ScoreStream(iter([req("before"), big, req("after")]), timeout=120)}
+        assert set(answers) == {"before", "emoji", "after"}
+        assert len(answers["before"].results) == 1 and len(answers["after"].results) == 1
+        bad = answers["emoji"]
+        assert not bad.results and not bad.error.retryable
+        assert bad.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "message limit" in bad.error.message
+        half = stub.Score(emoji_request("half", 450), timeout=120)
+        assert len(half.results) == 450 and half.results[0].id.endswith(EMOJI_ID[:8])
+        assert half.ByteSize() <= MAX_MESSAGE_BYTES
+    assert scored_sequences(wide_teacher) == scored_before + 2 + 450  # none of the 900 was scored
+    assert_serves(wide_teacher.target)
+
+
+def scored_sequences(teacher) -> float:
+    """The server's eopd_teacher_sequences_scored_total counter."""
+    with urllib.request.urlopen(f"{teacher.http}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("eopd_teacher_sequences_scored_total "):
+                return float(line.split()[1])
+    raise AssertionError("no eopd_teacher_sequences_scored_total in /metrics")
+
+
+def test_documented_minimum_temperature_is_served(wide_teacher):
+    """temperature 1e-4, the documented minimum, travels as float32 (9.99999974e-05) and is scored:
+    finite log-probs, near-zero entropies (the distribution is almost one-hot)."""
+    with TeacherClient(wide_teacher.target) as client:
+        (s,) = client.score([("cold", [5, 6, 7, 8], 1)], top_k=4, temperature=1e-4)
+    assert np.isfinite(s.token_logprobs).all() and np.isfinite(s.entropies).all()
+    assert (s.entropies < 1e-3).all() and np.isfinite(s.topk_logprobs).all()
+    with TeacherClient(wide_teacher.target, retry_timeout=0) as client, pytest.raises(grpc.RpcError) as e:
+        client.score([("colder", [5, 6, 7, 8], 1)], temperature=9e-5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("temperature: ")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -25,10 +26,10 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"), "subjectAltName=IP:127.0.0.1,DNS:localhost")
 
 
-def _http_status(url: str, token: str | None = None) -> int:
+def _http_status(url: str, token: str | None = None, context: ssl.SSLContext | None = None) -> int:
     req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5, context=context) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -59,8 +60,27 @@ def test_bearer_token(tmp_path):
         assert "bearer token required" in proc.log()
 
 
+def _plain_http_refused(url: str) -> bool:
+    """A plaintext HTTP request to a TLS port gets no HTTP answer (the TLS server drops it)."""
+    import http.client
+
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return False
+    except urllib.error.HTTPError:
+        return False  # an HTTP status: the port spoke plain HTTP
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, OSError):
+        return True
+
+
 def test_tls_and_mutual_tls(pki):
+    """gRPC over TLS and mutual TLS; the HTTP side (issue 17 section 5) serves HTTPS with the same
+    certificate (its ports file says so), verified by the CA, and no longer answers plain HTTP; under
+    mutual TLS without a bearer token its probes answer (no client certificate needed: the kubelet's
+    HTTPS probes have none) and /metrics is refused (403), since the HTTP side cannot require a
+    client certificate the way gRPC does."""
     d = pki
+    ca = ssl.create_default_context(cafile=str(d / "ca.pem"))
     with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key")) as proc:
         with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem")) as c:
             assert c.score([("a", [1, 2, 3], 1)])[0].entropies.shape == (2,)
@@ -69,8 +89,18 @@ def test_tls_and_mutual_tls(pki):
                 plain.info()
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "TLS" in proc.log()
+        assert proc.http == f"https://127.0.0.1:{proc.http_port}"
+        https = f"https://localhost:{proc.http_port}"
+        assert _http_status(f"{https}/readyz", context=ca) == 200 and _http_status(f"{https}/metrics", context=ca) == 200
+        assert _plain_http_refused(f"http://127.0.0.1:{proc.http_port}/metrics")
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # it is the teacher's certificate
+            _http_status(f"{https}/readyz", context=ssl.create_default_context(cafile=str(d / "client.pem")))
     with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key"),
                          "--tls-client-ca-file", str(d / "ca.pem")) as proc:
+        https = f"https://localhost:{proc.http_port}"
+        assert _http_status(f"{https}/readyz", context=ca) == 200 and _http_status(f"{https}/healthz", context=ca) == 200
+        assert _http_status(f"{https}/metrics", context=ca) == 403
+        assert _plain_http_refused(f"http://127.0.0.1:{proc.http_port}/readyz")
         with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), retry_timeout=0, timeout=5) as no_cert:
             with pytest.raises(grpc.RpcError) as e:
                 no_cert.info()
@@ -135,6 +165,11 @@ def test_rollout_worker_sends_token_over_mutual_tls(tmp_path, pki):
             learner.stop()
             worker.stop()
         assert TOKEN not in worker.log() and TOKEN not in learner.log()
+        # Mutual TLS with a token: the HTTP side is HTTPS and /metrics takes the token.
+        ca = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        https = f"https://localhost:{teacher.http_port}"
+        assert _http_status(f"{https}/metrics", context=ca) == 401
+        assert _http_status(f"{https}/metrics", TOKEN, context=ca) == 200
     state = committed_state(run_dir)
     assert state["iteration"] == 2 and len(trained_ids(state)) > 0
 
@@ -276,3 +311,28 @@ def test_container_health_check_speaks_tls_when_the_teacher_does(pki):
         ok = _healthcheck(proc.grpc_port, **mtls, EOPD_HEALTHCHECK_TLS_CERT_FILE=str(d / "client.pem"),
                           EOPD_HEALTHCHECK_TLS_KEY_FILE=str(d / "client.key"))
         assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+
+
+def test_serve_auth_token_on_the_command_line_warns_and_empty_tokens_fail_closed(tmp_path, capsys, monkeypatch):
+    """`serve --auth-token TOKEN` still works but warns (argv is readable by every local user) and
+    points to the file and the environment variable, without echoing the token. An empty token
+    (file or value) is refused at start (exit 2) instead of silently turning authentication off."""
+    from eopd_teacher.cli import ARGV_TOKEN_WARNING, main
+
+    monkeypatch.delenv("EOPD_TEACHER_AUTH_TOKEN", raising=False)
+    # An invalid port stops `serve` at its settings, after the warning and before any model loads.
+    assert main(["serve", "--auth-token", TOKEN, "--grpc-port", "70000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(ARGV_TOKEN_WARNING + "\n") and "--auth-token-file" in err and "EOPD_TEACHER_AUTH_TOKEN" in err
+    assert TOKEN not in err and "grpc_port" in err
+    assert main(["serve", "--auth-token-file", str(tmp_path / "x"), "--grpc-port", "70000"]) == 2
+    assert "warning" not in capsys.readouterr().err  # the file is the recommended way: no warning
+    (tmp_path / "empty").write_text("\n")
+    from eopd_common.settings import SettingsError, load_settings
+    from eopd_teacher.settings import TeacherSettings
+
+    with pytest.raises(SettingsError, match=f"auth_token_file: {tmp_path / 'empty'} is empty"):
+        load_settings(TeacherSettings, None, {"auth_token_file": str(tmp_path / "empty")})
+    monkeypatch.setenv("EOPD_TEACHER_AUTH_TOKEN", " ")
+    with pytest.raises(SettingsError, match="auth_token: empty"):
+        load_settings(TeacherSettings)

@@ -135,7 +135,8 @@ def test_serve_on_port_zero_reports_its_ports(tmp_path):
             assert time.monotonic() < deadline, f"no ports file after 120 s:\n{base.log()[-4000:]}"
             time.sleep(0.1)
         ports = json.loads(ports_file.read_text())
-        assert set(ports) == {"grpc_port", "http_port", "pid"} and ports["pid"] == base.popen.pid, ports
+        assert set(ports) == {"grpc_port", "http_port", "pid", "http_scheme"} and ports["pid"] == base.popen.pid, ports
+        assert ports["http_scheme"] == "http"  # "https" with TLS on (tests/reliability/test_security.py)
         gp, hp = ports["grpc_port"], ports["http_port"]
         assert gp > 0 and hp > 0 and gp != hp, ports
         assert [p.name for p in tmp_path.iterdir()] == [ports_file.name]

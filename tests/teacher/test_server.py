@@ -465,5 +465,5 @@ def test_write_ports_file_replaces_the_file_whole(tmp_path):
     path = tmp_path / "teacher.ports.json"
     path.write_text("stale")
     write_ports_file(path, 50123, 8123)
-    assert json.loads(path.read_text()) == {"grpc_port": 50123, "http_port": 8123, "pid": os.getpid()}
+    assert json.loads(path.read_text()) == {"grpc_port": 50123, "http_port": 8123, "pid": os.getpid(), "http_scheme": "http"}
     assert [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -275,7 +275,12 @@ def test_teacher_ports_file_of_another_process_is_refused(tmp_path):
             child.ports(timeout=2)
         child.ports_path.write_text(json.dumps({"grpc_port": 1234, "http_port": 1235, "pid": child.popen.pid}))
         assert child.ports(timeout=2) == (1234, 1235) and child.target == "127.0.0.1:1234"
-        assert child.http_url == "http://127.0.0.1:1235"
+        assert child.http_url == "http://127.0.0.1:1235"  # a file without http_scheme (older teachers): http
+        child.grpc_port = child.http_port = 0
+        child.ports_path.write_text(json.dumps({"grpc_port": 1234, "http_port": 1235, "pid": child.popen.pid,
+                                                "http_scheme": "https"}))
+        assert child.ports(timeout=2) == (1234, 1235) and child.http_url == "https://127.0.0.1:1235"
+        assert child.probe_tls_context() is not None
     finally:
         sup.stop_all()
 

@@ -33,6 +33,15 @@ from .client import TeacherClient
 from .settings import TeacherSettings
 
 
+# `serve --auth-token TOKEN` works, but argv is readable by every local user (`ps`, /proc/PID/cmdline);
+# the file and the environment variable are not (a 0600 file; /proc/PID/environ is the owner's only).
+ARGV_TOKEN_WARNING = (
+    "eopd-teacher serve: warning: --auth-token puts the token in this process's command line, which every "
+    "local user can read (ps, /proc/PID/cmdline); use --auth-token-file FILE (mode 0600) or the "
+    "EOPD_TEACHER_AUTH_TOKEN environment variable instead"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eopd-teacher", description="eopd teacher scoring service")
     sub = p.add_subparsers(dest="command", required=True)
@@ -181,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         # prometheus-client), and `info` and `score` run on the core install.
         from .server import serve
 
+        if args.auth_token is not None:
+            print(ARGV_TOKEN_WARNING, file=sys.stderr)
         try:
             settings = settings_from_args(TeacherSettings, args)
         except SettingsError as exc:

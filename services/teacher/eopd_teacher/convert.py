@@ -7,6 +7,7 @@ can find the culprit; a request is validated whole before any of it is queued.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -34,14 +35,29 @@ class RequestTooLarge(ValueError):
     is (the server marks it with trailing metadata `eopd-retryable: 0`; split the request)."""
 
 
-def response_bytes_bound(num_scored: int, top_k: int, num_sequences: int, num_candidate_values: int = 0) -> int:
+def response_bytes_bound(num_scored: int, top_k: int, num_sequences: int, num_candidate_values: int = 0, *,
+                         id_bytes: int | None = None) -> int:
     """An upper bound of the serialized ScoreResponse for these many scored positions: per position
     4 + 4 bytes (log-prob, entropy) and top_k x (<= 5-byte varint id + 4-byte log-prob), packed;
-    4 bytes per candidate log-prob (`num_candidate_values` = sum of n * m); per sequence the id
-    (<= MAX_ID_CHARS), top_k, num_candidates and the field headers; the request id."""
-    per_sequence = MAX_ID_CHARS + 80
-    return (num_scored * (8 + 9 * top_k) + 4 * num_candidate_values + num_sequences * per_sequence
-            + MAX_ID_CHARS + 16)
+    4 bytes per candidate log-prob (`num_candidate_values` = sum of n * m); per sequence the field
+    headers, top_k and num_candidates (<= 80 bytes); the ids' bytes. `id_bytes` is the UTF-8
+    length of the request id and of every sequence id together, as they travel (an id of 256 emoji
+    is 1,024 bytes, not 256); default: every id at its largest, MAX_ID_CHARS 4-byte characters."""
+    if id_bytes is None:
+        id_bytes = (num_sequences + 1) * MAX_ID_CHARS * 4
+    return num_scored * (8 + 9 * top_k) + 4 * num_candidate_values + num_sequences * 80 + id_bytes + 16
+
+
+def utf8_id_bytes(request_id: str, sequence_ids: Iterable[str]) -> int:
+    """The UTF-8 bytes of a request's ids (request id and sequence ids), what the answer repeats."""
+    return len(request_id.encode()) + sum(len(sid.encode()) for sid in sequence_ids)
+
+
+def temperature_in_range(temperature: float) -> bool:
+    """[MIN_TEMPERATURE, MAX_TEMPERATURE], compared in float32, the type of the field on the wire:
+    1e-4 sent as a float32 arrives as 9.99999974e-05, which the documented minimum must admit."""
+    low, high = float(np.float32(MIN_TEMPERATURE)), float(np.float32(MAX_TEMPERATURE))
+    return math.isfinite(temperature) and low <= temperature <= high
 
 
 def items_from_request(
@@ -66,7 +82,7 @@ def items_from_request(
     if top_k > info.max_top_k:
         raise InvalidRequest(f"top_k: {req.top_k} exceeds the maximum {info.max_top_k}{where}")
     temperature = req.temperature or 1.0
-    if not math.isfinite(temperature) or not (MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+    if not temperature_in_range(temperature):
         raise InvalidRequest(
             f"temperature: {req.temperature} must be 0 (meaning 1.0) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]{where}"
         )
@@ -106,7 +122,8 @@ def items_from_request(
         items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature), candidates))
     if max_response_bytes is not None:
         scored = sum(it.num_scored for it in items)
-        bound = response_bytes_bound(scored, top_k, len(items), sum(it.num_scored * it.num_candidates for it in items))
+        bound = response_bytes_bound(scored, top_k, len(items), sum(it.num_scored * it.num_candidates for it in items),
+                                     id_bytes=utf8_id_bytes(rid, (it.seq_id for it in items)))
         if bound > max_response_bytes:
             raise RequestTooLarge(
                 f"sequences: {scored} scored positions at top_k {top_k} make an answer of up to {bound} bytes, over the "

@@ -11,11 +11,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .state import ServerState
 
 
-def create_app(state: ServerState, token: str | None = None) -> FastAPI:
+def create_app(state: ServerState, token: str | None = None, *, deny_unauthenticated: bool = False) -> FastAPI:
     """Probes are open (orchestrators call them without credentials); with a bearer token
-    configured, every other path (/metrics, /openapi.json) requires it."""
+    configured, every other path (/metrics, /openapi.json) requires it. `deny_unauthenticated`
+    (mutual TLS on gRPC, no token; see server.http_tls_options): every other path answers 403."""
     app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)
     open_paths = {"/healthz", "/readyz"}
+
+    if deny_unauthenticated and not token:
+
+        @app.middleware("http")
+        async def deny(request: Request, call_next):
+            if request.url.path not in open_paths:
+                return PlainTextResponse(
+                    "forbidden: mutual TLS is on and the HTTP side does not require client certificates; "
+                    "set a bearer token (auth_token_file) to open /metrics", status_code=403,
+                )
+            return await call_next(request)
 
     if token:
         expected = f"Bearer {token}".encode()

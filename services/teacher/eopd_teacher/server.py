@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,26 @@ def server_credentials(settings: TeacherSettings) -> grpc.ServerCredentials | No
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def http_tls_options(settings: TeacherSettings) -> dict:
+    """uvicorn.Config's TLS arguments. With TLS on, the HTTP side (/metrics, probes) serves HTTPS with
+    gRPC's certificate pair, so its bearer token never crosses the network in clear. Under mutual TLS
+    a client certificate is verified against tls_client_ca_file when one is presented but not
+    required (the kubelet's HTTPS probes cannot present one); `create_app` then refuses every
+    non-probe path unless a bearer token guards it (`http_deny_unauthenticated`)."""
+    if settings.tls_cert_file is None:
+        return {}
+    opts = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
+    if settings.tls_client_ca_file is not None:
+        opts |= {"ssl_ca_certs": str(settings.tls_client_ca_file), "ssl_cert_reqs": ssl.CERT_OPTIONAL}
+    return opts
+
+
+def http_deny_unauthenticated(settings: TeacherSettings) -> bool:
+    """Mutual TLS and no bearer token: gRPC admits only certified clients, the HTTP side cannot
+    require certificates, so its non-probe paths answer 403 rather than serve anyone."""
+    return settings.tls_client_ca_file is not None and not settings.bearer_token()
+
+
 def _bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -85,20 +106,22 @@ def grpc_options(settings: TeacherSettings) -> list[tuple[str, object]]:
 
 def http_config(app, settings: TeacherSettings) -> uvicorn.Config:
     """uvicorn's configuration of the HTTP side: request headers due within http_header_timeout_s,
-    at most http_max_connections connections (503 beyond)."""
+    at most http_max_connections connections (503 beyond), HTTPS when TLS is on (`http_tls_options`)."""
     return uvicorn.Config(
         app, log_level="warning", lifespan="off", access_log=False,
         http=header_deadline_protocol(settings.http_header_timeout_s),
-        limit_concurrency=settings.http_max_connections,
+        limit_concurrency=settings.http_max_connections, **http_tls_options(settings),
     )
 
 
-def write_ports_file(path: Path, grpc_port: int, http_port: int) -> None:
-    """Writes `{"grpc_port", "http_port", "pid"}` as JSON to `path` atomically (a temp file beside
-    it, then a rename), so a supervisor that started this teacher on port 0 never reads half of it."""
+def write_ports_file(path: Path, grpc_port: int, http_port: int, http_scheme: str = "http") -> None:
+    """Writes `{"grpc_port", "http_port", "pid", "http_scheme"}` as JSON to `path` atomically (a temp
+    file beside it, then a rename), so a supervisor that started this teacher on port 0 never reads
+    half of it. `http_scheme` is "https" when the HTTP side serves TLS."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}) + "\n")
+    doc = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid(), "http_scheme": http_scheme}
+    tmp.write_text(json.dumps(doc) + "\n")
     os.replace(tmp, path)
 
 
@@ -148,11 +171,11 @@ class TeacherServer:
         self._grpc = server
         await self._start_http()
         if s.ports_file is not None:
-            write_ports_file(s.ports_file, self.grpc_port, self.http_port)
+            write_ports_file(s.ports_file, self.grpc_port, self.http_port, "https" if creds else "http")
         log.info(
-            "eopd-teacher listening grpc=%s:%d (%s, %s) http=%s:%d (loading %s)", s.host, self.grpc_port,
+            "eopd-teacher listening grpc=%s:%d (%s, %s) http=%s:%d (%s) (loading %s)", s.host, self.grpc_port,
             "mutual TLS" if s.tls_client_ca_file else "TLS" if creds else "plaintext",
-            "bearer token required" if token else "no auth", s.host, self.http_port, s.model,
+            "bearer token required" if token else "no auth", s.host, self.http_port, "https" if creds else "http", s.model,
         )
         asyncio.get_running_loop().create_task(self._load())
 
@@ -165,7 +188,9 @@ class TeacherServer:
             def capture_signals(self):  # the teacher handles signals itself
                 yield
 
-        self._http = _Server(http_config(create_app(self.state, self.settings.bearer_token()), self.settings))
+        s = self.settings
+        app = create_app(self.state, s.bearer_token(), deny_unauthenticated=http_deny_unauthenticated(s))
+        self._http = _Server(http_config(app, s))
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
 
     async def _load(self) -> None:

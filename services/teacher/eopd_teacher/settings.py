@@ -107,7 +107,10 @@ class TeacherSettings(ServiceSettings):
     grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight work gets to finish")
 
     # Security (see docs/reliability.md). Tokens and keys are read from files or env vars and never logged.
-    auth_token: SecretStr | None = Field(None, description="bearer token every TeacherService call must carry (health is exempt)")
+    auth_token: SecretStr | None = Field(
+        None, description="bearer token every TeacherService call must carry (health is exempt); prefer auth_token_file or "
+        "the env var EOPD_TEACHER_AUTH_TOKEN: as --auth-token it is in argv, readable by every local user",
+    )
     auth_token_file: Path | None = Field(None, description="file holding the bearer token (alternative to auth_token)")
     tls_cert_file: Path | None = Field(None, description="PEM server certificate chain: serve gRPC over TLS")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
@@ -174,6 +177,10 @@ class TeacherSettings(ServiceSettings):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: {path} is not a readable file")
+        if self.auth_token_file is not None and not self.bearer_token():  # fail closed, never "no auth"
+            raise ValueError(f"auth_token_file: {self.auth_token_file} is empty (an empty token would turn auth off)")
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            raise ValueError("auth_token: empty (an empty token would turn auth off)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
         return self

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -163,19 +164,21 @@ class Supervisor:
 
 
 def wait_http_ready(child: Child, url: str, timeout: float, poll_s: float = 0.2, *, expect_key: str | None = None,
-                    what: str = "the expected server", on_poll: Callable[[], None] | None = None) -> None:
+                    what: str = "the expected server", on_poll: Callable[[], None] | None = None,
+                    context: ssl.SSLContext | None = None) -> None:
     """Waits until `url` answers 200 (with a JSON object holding `expect_key`, when given) while
     `child` is alive. Raises the child's failure if it dies, else a RunError at the deadline whose
     first line says what answered: nothing, or another server (an answer that is not HTTP/1, e.g. a
     gRPC server's HTTP/2 frames, or a 200 without `expect_key`) that holds the port. `on_poll` is
-    called between tries (it may raise: an interrupt, another child failing)."""
+    called between tries (it may raise: an interrupt, another child failing). `context`: the TLS
+    context of an https `url`."""
     deadline = time.monotonic() + timeout
     foreign: str | None = None  # what the last foreign answer was
     while True:
         if not child.alive():
             raise child.failure("failed to start")
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200 and (expect_key is None or _has_key(r.read(), expect_key)):
                     return
                 foreign = f"{r.status} without a JSON {expect_key!r}"

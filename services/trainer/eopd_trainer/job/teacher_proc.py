@@ -8,6 +8,7 @@ in between. Used by `eopd run` (`run.py`), the tests (`tests/procs.py`) and the 
 
 from __future__ import annotations
 
+import ssl
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ class TeacherChild(Child):
     ports_path: Path | None = None
     grpc_port: int = 0
     http_port: int = 0
+    http_scheme: str = "http"  # "https" when the teacher serves TLS (its ports file says so)
 
     @property
     def target(self) -> str:
@@ -34,7 +36,8 @@ class TeacherChild(Child):
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports()[1]}"
+        port = self.ports()[1]
+        return f"{self.http_scheme}://127.0.0.1:{port}"
 
     def ports(self, timeout: float = 120.0, on_poll: Callable[[], None] | None = None) -> tuple[int, int]:
         """(gRPC port, HTTP port), waiting up to `timeout` for the ports file while the teacher lives;
@@ -57,6 +60,7 @@ class TeacherChild(Child):
             raise RunError(f"{self.name}: {self.ports_path} was written by pid {doc.get('pid')}, not by the teacher "
                            f"started here (pid {self.popen.pid})")
         self.grpc_port, self.http_port = int(doc["grpc_port"]), int(doc["http_port"])
+        self.http_scheme = "https" if doc.get("http_scheme") == "https" else "http"
         return self.grpc_port, self.http_port
 
     def wait_ready(self, timeout: float, on_poll: Callable[[], None] | None = None) -> None:
@@ -64,7 +68,17 @@ class TeacherChild(Child):
         otherwise (the teacher died, or another server answers on its HTTP port)."""
         self.ports(timeout, on_poll)
         wait_http_ready(self, f"{self.http_url}/readyz", timeout, expect_key="ready", what="eopd-teacher's HTTP side",
-                        on_poll=on_poll)
+                        on_poll=on_poll, context=self.probe_tls_context())
+
+    def probe_tls_context(self) -> ssl.SSLContext | None:
+        """For an HTTPS teacher: a context that does not verify its certificate. Only readiness is
+        read, from the process started here (its pid checked in the ports file), on 127.0.0.1."""
+        if self.http_scheme != "https":
+            return None
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
 
 
 T = TypeVar("T", bound=TeacherChild)
@@ -91,4 +105,5 @@ def start_teacher(sup: Supervisor, model: str, *extra: str, name: str = "teacher
     child.ports_path = ports_path
     if grpc_port and http_port:  # known already: usable before the teacher has written its file
         child.grpc_port, child.http_port = grpc_port, http_port
+        child.http_scheme = "https" if "--tls-cert-file" in extra or (env or {}).get("EOPD_TEACHER_TLS_CERT_FILE") else "http"
     return child
