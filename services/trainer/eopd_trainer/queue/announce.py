@@ -11,6 +11,7 @@ from .messages import PolicyVersion, decode_policy, encode_policy
 from .signing import Signer, Unauthenticated
 
 log = logging.getLogger(__name__)
+_last_ignored: bytes | None = None  # the last value ignored (logged once)
 
 
 def announce(client, key: str, pv: PolicyVersion, signer: Signer | None = None) -> None:
@@ -26,6 +27,9 @@ def current_announcement(client, key: str, signer: Signer | None = None) -> Poli
     try:
         payload = (signer or Signer(None)).unseal(key, raw)
     except Unauthenticated as exc:
-        log.warning("ignoring the policy announcement: %s (not written by this run's learner)", exc)
+        global _last_ignored
+        if raw != _last_ignored:  # once per forged value: workers poll every rollout.weights_poll_s
+            log.warning("ignoring the policy announcement: %s (not written by this run's learner)", exc)
+            _last_ignored = raw
         return None
     return decode_policy(payload)
