@@ -164,9 +164,13 @@ def test_eopd_runs_redis_server_refuses_strangers(tmp_path, monkeypatch):
             redis.Redis.from_url(q.url, password="guess", socket_timeout=5).ping()
 
         # The run's children get the password (REDIS_PASSWORD) and connect as the learner and workers do.
+        assert sup.drop_env == ("REDIS_PASSWORD",)  # the external Redis' password goes to no child
         probe = sup.start("probe", [sys.executable, "-c", "from eopd_trainer.queue.streams import connect; import sys; "
                                     f"r = connect({q.url!r}); r.set('probe', 'ok'); sys.exit(0 if r.ping() else 1)"])
         assert probe.wait(60) == 0, probe.log()
+        teacher_like = sup.start("no-hold", [sys.executable, "-c", "import os, sys; "
+                                             "sys.exit(1 if 'REDIS_PASSWORD' in os.environ else 0)"], hold=False)
+        assert teacher_like.wait(60) == 0  # a child outside the run's state (the teacher) does not get it
         assert redis.Redis.from_url(q.auth_url).get("probe") == b"ok"
         assert redis.Redis.from_url(q.auth_url).config_get("requirepass")["requirepass"] == password
     finally:

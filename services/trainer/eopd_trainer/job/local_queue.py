@@ -176,10 +176,11 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
     redis-server  a redis-server started here (error if not installed);
     embedded      the embedded in-memory queue (embedded_queue.py).
 
-    A redis-server started here gets a new random password (`_start_redis_server`), passed to the
-    children as REDIS_PASSWORD (replacing one meant for the Redis at $REDIS_URL). The embedded queue
-    has none (fakeredis' TCP server does not enforce `requirepass`): REDIS_PASSWORD is then not
-    passed to the children; its messages are still authenticated (queue/signing.py)."""
+    With a queue started here, REDIS_PASSWORD (meant for the Redis at $REDIS_URL) is not passed to
+    the children. A redis-server started here gets a new random password (`_start_redis_server`),
+    given as REDIS_PASSWORD to the children that hold the run directory (the learner, the workers;
+    `Supervisor.child_env`). The embedded queue has none (fakeredis' TCP server does not enforce
+    `requirepass`); its messages are still authenticated (queue/signing.py)."""
     qcfg = qcfg or QueueConfig()
     backend = qcfg.backend
     env_url = os.environ.get("REDIS_URL", "")
@@ -201,8 +202,7 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
     binary = shutil.which("redis-server")
     if backend in ("auto", "redis-server") and binary is not None:
         password = secrets.token_hex(32)
-        sup.child_env = {**sup.child_env, "REDIS_PASSWORD": password}
-        sup.drop_env = ()
+        sup.child_env = {**sup.child_env, "REDIS_PASSWORD": password}  # the learner, workers (not the teacher)
         url, child, notes = _start_redis_server(sup, run_dir, binary, password)
         retried = f" ({'; '.join(notes)})" if notes else ""
         return QueueChoice(url, "redis-server",
