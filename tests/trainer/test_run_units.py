@@ -321,7 +321,7 @@ def test_redis_server_port_collision_is_retried(tmp_path, monkeypatch):
             assert f"port {plain.getsockname()[1]} was taken" in q.message, q.message
             assert f"port {foreign.port} answered by another Redis (pid {foreign.popen.pid})" in q.message, q.message
             assert [c.name for c in sup.children] == ["redis"] and sup.children[0].alive()
-            client = redis.Redis.from_url(q.url)
+            client = redis.Redis.from_url(q.auth_url)  # a redis-server started here has a random password
             assert client.info("server")["process_id"] == sup.children[0].popen.pid
             client.set("eopd:probe", "1")
             assert foreign.client().keys("*") == []

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from .sections import ConfigError, RunConfig
 
-_PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"))
+_PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"), ("queue", "auth_key_file"))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -192,6 +192,11 @@ class QueueConfig(_Section):
         "in the eopd run process (not persistent).")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// for TLS; password in the URL or REDIS_PASSWORD).")
     namespace: str = Field("eopd", description="Prefix of every Redis key of the run: <ns>:tasks, <ns>:rollouts, <ns>:dead, <ns>:policy.")
+    auth_key_file: str | None = Field(
+        None, description="File holding the run's message key (>= 32 bytes, e.g. `openssl rand -hex 32`; a k8s/compose "
+        "secret): every task, rollout and policy announcement carries an HMAC-SHA256 under it and the learner and workers "
+        "dead-letter (reason unauthenticated) or ignore what does not; Redis never sees the key. `eopd run` generates one "
+        "(0600, <run_dir>/queue.key). None: messages are not authenticated (a warning says so).")
     max_backlog: int = Field(1024, ge=1, description="Producers wait while the rollout stream holds this many entries (backpressure).")
     block_ms: int = Field(1000, ge=1, description="XREADGROUP blocking time.")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="The dead-letter and dropped streams are trimmed (approximately) to "

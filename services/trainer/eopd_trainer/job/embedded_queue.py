@@ -14,6 +14,11 @@ What it is not:
   connection; the learner's last committed checkpoint stays on disk, but a restarted run starts
   from an empty queue. Ctrl-C / SIGTERM are clean: the children are stopped first, the queue last.
 - **Not shared.** It listens on 127.0.0.1 only; processes on other machines cannot use it.
+- **No password.** fakeredis 2.40's TCP server accepts `CONFIG SET requirepass` without enforcing
+  it, and an ACL that disables the default user also refuses redis-py's connection handshake (HELLO
+  before AUTH), so any local process that finds its port can read and write it. What the run's
+  processes accept from it is still authenticated: every message carries an HMAC under the run's
+  key (`queue/signing.py`), which the queue never sees.
 - **Not fast for large entries.** fakeredis' TCP server reads a request line by line and its
   parser concatenates the pieces: median XADD 0.27 ms for 10 kB (the CPU presets' rollouts are
   smaller), 1.2 ms for 100 kB, 78 ms for 1 MB (redis-server: 0.08, 0.12, 0.8 ms), all of it CPU of

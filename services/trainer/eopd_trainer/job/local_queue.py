@@ -11,16 +11,18 @@ needs from its checkpoint (`learner/rebuild.py`).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from ..config import QueueConfig
+from ..queue.signing import write_key_file
 from .embedded_queue import EmbeddedQueue
 from .supervisor import Child, RunError, Supervisor, free_port
 
@@ -54,32 +56,45 @@ class QueueChoice:
     url: str
     backend: str  # "redis" (an existing Redis), "redis-server" (started here) or "embedded"
     message: str  # the sentence `eopd run` prints and records in run_summary.json
+    password: str | None = field(default=None, repr=False)  # of a redis-server started here (children: REDIS_PASSWORD)
+
+    @property
+    def auth_url(self) -> str:
+        """`url` with the password in it, for this process' own connections (never written anywhere)."""
+        if not self.password:
+            return self.url
+        parts = urlsplit(self.url)
+        return urlunsplit(parts._replace(netloc=f":{self.password}@{parts.netloc}"))
 
 
-def redis_pid(url: str, timeout: float = 1.0) -> int | None:
+def redis_pid(url: str, timeout: float = 1.0, *, password: str | None = None) -> int | None:
     """The process id of the Redis answering at `url` (INFO server), None if none answers."""
     try:
-        info = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).info("server")
+        kwargs = {"password": password} if password else {}
+        info = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **kwargs).info("server")
     except Exception:  # noqa: BLE001 - unreachable, refused, auth...: not ours
         return None
     return int(info["process_id"]) if "process_id" in info else None
 
 
 def start_redis(sup: Supervisor, binary: str, options: Sequence[str], *, name: str = "redis", port: int | None = None,
-                wait_s: float = PING_WAIT_S) -> tuple[str, Child, list[str]]:
+                wait_s: float = PING_WAIT_S, conf: Path | None = None,
+                password: str | None = None) -> tuple[str, Child, list[str]]:
     """`redis-server --port P --bind 127.0.0.1 *options` under `sup`, on a free port tried up to
     REDIS_PORT_TRIES times (once on an explicit `port`): a try fails when the port was taken meanwhile
     (redis-server exits, having bound nothing and touched no data) or when the Redis answering there is
     not our child (INFO process_id): a foreign Redis is never used. Returns (url, child, notes on the
-    ports given up)."""
+    ports given up). `conf`: a config file read first (it carries the password, never put on the
+    command line where every local user can read it); `password`: what our checks AUTH with."""
     notes: list[str] = []
     for _ in range(1 if port else REDIS_PORT_TRIES):
         p = port or free_port()
         log = sup.log_dir / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0  # this try's lines start there
-        child = sup.start(name, [binary, "--port", str(p), "--bind", "127.0.0.1", *options])
+        child = sup.start(name, [binary, *([str(conf)] if conf else []), "--port", str(p), "--bind", "127.0.0.1",
+                                 *options])
         url = f"redis://127.0.0.1:{p}/0"
-        taken = _wait_own_redis(child, url, wait_s, offset)
+        taken = _wait_own_redis(child, url, wait_s, offset, password)
         if taken is None:
             return url, child, notes
         notes.append(f"port {p} {taken}")
@@ -88,21 +103,35 @@ def start_redis(sup: Supervisor, binary: str, options: Sequence[str], *, name: s
     raise RunError(f"redis-server did not start on a free port ({'; '.join(notes)}); log {sup.log_dir / f'{name}.log'}")
 
 
-def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child, list[str]]:
+def write_private(path: Path, text: str) -> Path:
+    """`text` into `path`, created 0600 (replacing an older file): never readable by others."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return path
+
+
+def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str, password: str) -> tuple[str, Child, list[str]]:
     data_dir = run_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
+    # A new random password each invocation (nothing persistent depends on it), in a 0600 config file:
+    # a local process that finds the port cannot read, write or reconfigure the queue (NOAUTH).
+    conf = write_private(data_dir / "auth.conf", f"requirepass {password}\n")
     # The AOF policy of the deployments (docker-compose.yml, deploy/k8s): each write reaches the file
     # before the reply (unless a slow fsync holds it, up to 2 s), fsync once a second; no RDB snapshots.
     return start_redis(sup, binary, ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir",
-                                     str(data_dir)])
+                                     str(data_dir)], conf=conf, password=password)
 
 
-def _wait_own_redis(child: Child, url: str, wait_s: float, offset: int) -> str | None:
+def _wait_own_redis(child: Child, url: str, wait_s: float, offset: int, password: str | None = None) -> str | None:
     """None once our redis-server answers at `url`; else why the port is not usable (taken: its log
     from `offset` on says so, or another Redis answers there)."""
     deadline = time.monotonic() + wait_s  # a resumed run's redis-server first loads its append-only file
     while True:
-        pid = redis_pid(url)
+        pid = redis_pid(url, password=password)
+        if pid is None and password:  # a foreign Redis without a password refuses our AUTH
+            pid = redis_pid(url)
         if pid == child.popen.pid:
             return None
         if pid is not None:
@@ -116,6 +145,18 @@ def _wait_own_redis(child: Child, url: str, wait_s: float, offset: int) -> str |
         if time.monotonic() > deadline:
             raise child.failure(f"did not answer PING within {wait_s:.0f} s")
         time.sleep(0.05)
+
+
+KEY_NAME = "queue.key"
+
+
+def run_key_file(run_dir: Path, qcfg: QueueConfig) -> str:
+    """The message key file of the run (queue/signing.py): queue.auth_key_file when set, else
+    `<run_dir>/queue.key`, created 0600 with a random key the first time and kept by a resume (the
+    entries still in a recovered queue were signed with it)."""
+    if qcfg.auth_key_file:
+        return qcfg.auth_key_file
+    return str(write_key_file(run_dir / KEY_NAME))
 
 
 def _start_embedded(sup: Supervisor) -> str:
@@ -135,8 +176,11 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
     redis-server  a redis-server started here (error if not installed);
     embedded      the embedded in-memory queue (embedded_queue.py).
 
-    A queue started here has no password: REDIS_PASSWORD (meant for the Redis at $REDIS_URL) is then
-    not passed to the children."""
+    With a queue started here, REDIS_PASSWORD (meant for the Redis at $REDIS_URL) is not passed to
+    the children. A redis-server started here gets a new random password (`_start_redis_server`),
+    given as REDIS_PASSWORD to the children that hold the run directory (the learner, the workers;
+    `Supervisor.child_env`). The embedded queue has none (fakeredis' TCP server does not enforce
+    `requirepass`); its messages are still authenticated (queue/signing.py)."""
     qcfg = qcfg or QueueConfig()
     backend = qcfg.backend
     env_url = os.environ.get("REDIS_URL", "")
@@ -157,11 +201,13 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
         why = f"queue.backend={backend}"
     binary = shutil.which("redis-server")
     if backend in ("auto", "redis-server") and binary is not None:
-        url, child, notes = _start_redis_server(sup, run_dir, binary)
+        password = secrets.token_hex(32)
+        sup.child_env = {**sup.child_env, "REDIS_PASSWORD": password}  # the learner, workers (not the teacher)
+        url, child, notes = _start_redis_server(sup, run_dir, binary, password)
         retried = f" ({'; '.join(notes)})" if notes else ""
         return QueueChoice(url, "redis-server",
-                           f"queue: {why}; started redis-server on {url.split('/')[2]}{retried} (append-only file in "
-                           f"{run_dir / 'redis'}, log {child.log_path})")
+                           f"queue: {why}; started redis-server on {url.split('/')[2]}{retried} with a random password "
+                           f"(append-only file in {run_dir / 'redis'}, log {child.log_path})", password=password)
     if backend == "redis-server":
         raise RunError("no queue: queue.backend=redis-server and redis-server is not on PATH (apt-get install "
                        "redis-server, or queue.backend=auto|embedded)")

@@ -43,7 +43,7 @@ from ..data import load_prompts
 from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
 from ..faults import Faults
 from ..learner.metrics import trim_records
-from .local_queue import QueueChoice, choose_queue
+from .local_queue import QueueChoice, choose_queue, run_key_file
 from .prepare import prepare, validate
 from .resume import (
     RunDirBusy,
@@ -301,7 +301,7 @@ class TrainingAttempt:
         self.summary["queue"], self.summary["queue_backend"] = queue.message, queue.backend
         ns = self.start.namespace or f"{self.cfg.queue.namespace}:run:{self.run_dir.name}:{time.time_ns()}"
         if self.start.resumed:  # recovered (redis-server's append-only file, an external Redis) or rebuilt
-            self.summary["queue_state"], message = queue_state(queue.url, ns, self.start, queue.backend)
+            self.summary["queue_state"], message = queue_state(queue.auth_url, ns, self.start, queue.backend)
             say(message)
         return queue, ns
 
@@ -317,6 +317,7 @@ class TrainingAttempt:
         # On one machine the run directory's lock already keeps a second learner out.
         self.cfg = _effective(self.cfg, target=self.teacher.target,
                               queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
+                                     "auth_key_file": run_key_file(self.run_dir, self.cfg.queue),
                                      "lease_ttl_s": max(self.cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})
         self.config_path = _write_run_yaml(self.run_dir, self.cfg)
 

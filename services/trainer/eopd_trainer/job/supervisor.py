@@ -117,7 +117,9 @@ class Supervisor:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
     embedded: EmbeddedQueue | None = None
-    drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with a queue started here)
+    drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with the embedded queue)
+    child_env: dict[str, str] = field(default_factory=dict)  # set in children started with hold=True (REDIS_PASSWORD
+    # of a redis-server started here: the queue, the learner, the workers; not the teacher)
     pass_fds: tuple[int, ...] = ()  # inherited by every child started with hold=True (the run directory's lock)
     cwd: Path | None = None  # the children's working directory (None: this process')
     pdeathsig: bool = True  # children get SIGTERM when this process dies (spawn)
@@ -126,8 +128,8 @@ class Supervisor:
               kind: type[C] = Child) -> C:
         """Starts a child in its own session (`spawn`), log `<log_dir>/<name>.log`, stopped by the
         kernel if this process dies. With `hold`, the child inherits `pass_fds` (the run
-        directory's lock) until it exits."""
-        child = spawn(name, args, self.log_dir / f"{name}.log", env=env, cwd=self.cwd,
+        directory's lock) until it exits, and `child_env`."""
+        child = spawn(name, args, self.log_dir / f"{name}.log", env={**(self.child_env if hold else {}), **(env or {})}, cwd=self.cwd,
                       pass_fds=self.pass_fds if hold else (), drop_env=self.drop_env, pdeathsig=self.pdeathsig,
                       kind=kind)
         self.children.append(child)

@@ -29,6 +29,7 @@ from ..queue.messages import (
     decode_rollout,
     encode_task,
 )
+from ..queue.signing import signer_for
 from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect, read_counts
 from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
 from .rebuild import rebuild_if_lost
@@ -85,6 +86,10 @@ class RolloutFeed:
         self.lease: Lease | None = None
         limit = cfg.queue.max_rejected_in_a_row or 4 * cfg.train.batch_size
         self.rejects = RejectStreak(limit)
+        self.signer = signer_for(cfg.queue.auth_key_file)
+        if not self.signer.enabled:
+            log.warning("queue.auth_key_file is not set: queue messages are not authenticated (anyone who can write "
+                        "to the Redis can forge rollouts, tasks and policy announcements)")
 
     # Set-up ----------------------------------------------------------------------------------
     def acquire_lease(self) -> None:
@@ -102,13 +107,16 @@ class RolloutFeed:
         consumer = "learner"
         self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, consumer, self.keys.dead,
                                     cfg.queue.dead_letter_maxlen, dropped_stream=self.keys.dropped,
-                                    counts_key=self.keys.counts)
+                                    counts_key=self.keys.counts, signer=self.signer)
+        # Unauthenticated entries are dead-lettered inside StreamQueue's reads: never decoded here and
+        # never counted by `self.rejects` (a stranger's junk cannot stop the run; see docs/reliability.md).
         self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, consumer, self.keys.dead,
-                                 cfg.queue.dead_letter_maxlen)
+                                 cfg.queue.dead_letter_maxlen, signer=self.signer)
         self.rollouts.ensure_group()
         self.tasks.ensure_group()
         self.redis.delete(self.keys.done)
         rebuilt = rebuild_if_lost(self.redis, self.keys, self.state, n_samples=cfg.rollout.n_samples,
+                                  fields=self.tasks.fields,
                                   prompt_of=lambda seq: prompt_index(seq, self.num_prompts, seed=cfg.seed,
                                                                      shuffle=cfg.data.shuffle))
         if rebuilt:
@@ -121,10 +129,10 @@ class RolloutFeed:
 
     # Policy announcement ----------------------------------------------------------------------
     def announce(self, pv: PolicyVersion) -> None:
-        announce(self.redis, self.keys.policy, pv)
+        announce(self.redis, self.keys.policy, pv, self.signer)
 
     def announced_version(self) -> int:
-        pv = current_announcement(self.redis, self.keys.policy)
+        pv = current_announcement(self.redis, self.keys.policy, self.signer)
         return -1 if pv is None or not Path(pv.uri).is_file() else pv.version
 
     # Tasks -----------------------------------------------------------------------------------
@@ -144,7 +152,7 @@ class RolloutFeed:
         for seq in range(published, published + n_new):
             task = PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
                               cfg.rollout.n_samples, self.state["policy_version"])
-            pipe.xadd(self.keys.tasks, {b"data": encode_task(task)})
+            pipe.xadd(self.keys.tasks, self.tasks.fields(encode_task(task)))
         pipe.set(self.keys.tasks_next, published + n_new)
         pipe.execute()
         return n_new

@@ -14,7 +14,10 @@ Keys of a run (namespace `ns`, from `queue.namespace`):
     <ns>:tasks:next   how many tasks the learner has published (a counter, set atomically with them)
     <ns>:done         set by the learner when training is finished (workers exit)
 
-Every entry has one field `data` with the serialized protobuf. An entry is XACKed *and* XDELed
+Every entry has a field `data` with the serialized protobuf and, when the run has a message key
+(`queue.auth_key_file`), a field `mac` authenticating it (`signing.py`): a queue with a signer hands
+its consumers only authentic entries and dead-letters the others (reason `unauthenticated`, counted
+apart in `<ns>:counts`) before anything decodes them. An entry is XACKed *and* XDELed
 when its effect is durable (a task: its rollouts are in the rollouts stream; a rollout: the
 learner checkpoint that trained on it is committed), so XLEN is the backlog and the producers'
 wait on `max_backlog` bounds the stream. Dead letters are added and the original acked in one
@@ -36,6 +39,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
 from redis.retry import Retry
+
+from .signing import MAC_FIELD, UNAUTHENTICATED, Signer
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,7 @@ def connect(url: str) -> redis.Redis:
 class Entry:
     entry_id: str
     data: bytes | None  # None: the entry had no `data` field
+    mac: bytes | None = None  # the `mac` field (signing.py), None when absent
 
 
 def _entries(raw: Iterable) -> list[Entry]:
@@ -114,7 +120,7 @@ def _entries(raw: Iterable) -> list[Entry]:
         if fields is None:  # deleted while pending
             continue
         eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        out.append(Entry(eid, fields.get(b"data")))
+        out.append(Entry(eid, fields.get(b"data"), fields.get(MAC_FIELD)))
     return out
 
 
@@ -122,7 +128,8 @@ class StreamQueue:
     """One stream read through one consumer group by one named consumer."""
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, dead_stream: str,
-                 dead_maxlen: int = 10_000, *, dropped_stream: str | None = None, counts_key: str | None = None):
+                 dead_maxlen: int = 10_000, *, dropped_stream: str | None = None, counts_key: str | None = None,
+                 signer: Signer | None = None):
         self.r = client
         self.stream = stream
         self.group = group
@@ -131,6 +138,7 @@ class StreamQueue:
         self.dead_maxlen = dead_maxlen
         self.dropped_stream = dropped_stream  # `drop` records here (the learner's rollouts queue)
         self.counts_key = counts_key  # when set, dead letters and drops are counted in this hash
+        self.signer = signer or Signer(None)  # signs what `add` writes, checks what the reads return
 
     def ensure_group(self) -> None:
         """Creates the stream and the group (reading from the beginning) if they do not exist."""
@@ -140,17 +148,32 @@ class StreamQueue:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def fields(self, data: bytes) -> dict[bytes, bytes]:
+        """The fields of an entry of this stream carrying `data` (signed when the queue has a key)."""
+        return self.signer.fields(self.stream, data)
+
     def add(self, data: bytes) -> str:
-        return self.r.xadd(self.stream, {b"data": data}).decode()
+        return self.r.xadd(self.stream, self.fields(data)).decode()
+
+    def authentic(self, entries: list[Entry]) -> list[Entry]:
+        """The entries whose MAC is valid; the others are dead-lettered (reason `unauthenticated`,
+        counted as such, never as `dead_letter`) before anything decodes them."""
+        out = []
+        for e in entries:
+            if self.signer.valid(self.stream, e.data, e.mac):
+                out.append(e)
+            else:
+                self.dead_letter(e, UNAUTHENTICATED, count_as=UNAUTHENTICATED)
+        return out
 
     def read_pending(self, count: int) -> list[Entry]:
         """Entries delivered to this consumer and not yet acknowledged (after a restart)."""
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
-        return _entries(resp[0][1]) if resp else []
+        return self.authentic(_entries(resp[0][1])) if resp else []
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
-        return _entries(resp[0][1]) if resp else []
+        return self.authentic(_entries(resp[0][1])) if resp else []
 
     def claim_idle(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """XAUTOCLAIM: takes over entries pending on any consumer for at least `min_idle_ms`."""
@@ -160,7 +183,7 @@ class StreamQueue:
             resp = self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms, start_id=start,
                                      count=count - len(out))
             nxt, claimed = resp[0], resp[1]
-            out.extend(_entries(claimed))
+            out.extend(self.authentic(_entries(claimed)))
             nxt = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
             if nxt == "0-0":
                 break
@@ -204,8 +227,9 @@ class StreamQueue:
             pipe.xack(self.stream, self.group, *chunk)
             pipe.xdel(self.stream, *chunk)
 
-    def dead_letter(self, entry: Entry, reason: str) -> None:
-        """Moves an entry to the dead-letter stream with the reason (add + ack + delete atomically)."""
+    def dead_letter(self, entry: Entry, reason: str, *, count_as: str = "dead_letter") -> None:
+        """Moves an entry to the dead-letter stream with the reason (add + ack + delete atomically);
+        counted under `count_as` in `counts_key` when the queue has one."""
         log.warning("dead letter %s %s: %s", self.stream, entry.entry_id, reason)
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(
@@ -222,7 +246,7 @@ class StreamQueue:
             approximate=True,
         )
         if self.counts_key is not None:
-            pipe.hincrby(self.counts_key, "dead_letter", 1)
+            pipe.hincrby(self.counts_key, count_as, 1)
         pipe.xack(self.stream, self.group, entry.entry_id)
         pipe.xdel(self.stream, entry.entry_id)
         pipe.execute()

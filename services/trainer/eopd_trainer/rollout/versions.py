@@ -8,6 +8,7 @@ import logging
 import time
 
 from ..queue.announce import current_announcement
+from ..queue.signing import Signer
 from ..queue.streams import Keys
 from ..queue.weights import WeightsUnavailable
 from .metrics import WorkerMetrics
@@ -21,7 +22,7 @@ class VersionTracker:
     """The sampler's policy version, kept up to date with the announcements (`keys.policy`)."""
 
     def __init__(self, sampler, redis, keys: Keys, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
-                 stop: asyncio.Event):
+                 stop: asyncio.Event, signer: Signer | None = None):
         self.sampler = sampler
         self.redis = redis
         self.keys = keys
@@ -29,11 +30,12 @@ class VersionTracker:
         self.mode = mode  # "sync" or "async" (the run's mode)
         self.weights_poll_s = weights_poll_s
         self.stop = stop
+        self.signer = signer  # an announcement without its MAC is ignored (queue/announce.py)
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
 
     def _maybe_reload(self) -> None:
-        pv = current_announcement(self.redis, self.keys.policy)
+        pv = current_announcement(self.redis, self.keys.policy, self.signer)
         # (version, sha256): after a learner rolls back to its last checkpoint, a version number
         # may be announced again with other weights.
         if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):

@@ -32,6 +32,7 @@ from ..config import RunConfig
 from ..data import load_prompts, render_prompt
 from ..faults import Faults
 from ..queue.messages import PromptTask, now_ns
+from ..queue.signing import signer_for
 from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect
 from .metrics import WorkerMetrics
 from .publisher import Publisher
@@ -72,10 +73,11 @@ class RolloutWorker:
     def setup(self) -> None:
         cfg = self.cfg
         self.redis = connect(cfg.queue.redis_url)
+        signer = signer_for(cfg.queue.auth_key_file)  # queue/signing.py: tasks checked, rollouts signed
         self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, self.worker_id, self.keys.dead,
-                                 cfg.queue.dead_letter_maxlen)
+                                 cfg.queue.dead_letter_maxlen, signer=signer)
         self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, self.worker_id, self.keys.dead,
-                                    cfg.queue.dead_letter_maxlen)
+                                    cfg.queue.dead_letter_maxlen, signer=signer)
         self.tasks.ensure_group()
         self.rollouts.ensure_group()
         self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
@@ -83,7 +85,7 @@ class RolloutWorker:
         self.tokenizer = self.sampler.tokenizer
         self.book = TaskBook(self.tasks, self.redis, cfg, self.metrics, self.worker_id)
         self.versions = VersionTracker(self.sampler, self.redis, self.keys, self.metrics, mode=cfg.mode,
-                                       weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop)
+                                       weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop, signer=signer)
         self.publisher = Publisher(self.rollouts, self.redis, self.keys, cfg, self.faults, self.metrics,
                                    self.worker_id, self.stop)
         self.book.resume_pending()
