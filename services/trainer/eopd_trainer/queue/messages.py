@@ -225,8 +225,6 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
     if not msg.rollout_id:
         raise PoisonMessage("inconsistent ScoredRollout: empty rollout_id")
     n, k, p = len(msg.response_ids), msg.top_k, len(msg.prompt_ids)
-    if limits is not None:
-        limits.check(rid, prompt=p, response=n, top_k=k)
     if p < 1:
         raise PoisonMessage(f"inconsistent ScoredRollout {rid}: empty prompt_ids")
     if n < 1:
@@ -239,6 +237,8 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
         if got != want:
             raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} has {got} values, expected {want} "
                                 f"({n} response tokens, top_k {k})")
+    if limits is not None:  # on the parsed lengths, before any array is built
+        limits.check(rid, prompt=p, response=n, top_k=k)
     prompt = np.asarray(msg.prompt_ids, dtype=np.int32)
     response = np.asarray(msg.response_ids, dtype=np.int32)
     topk_ids = np.asarray(msg.teacher_topk_ids, dtype=np.int32).reshape(n, k)
