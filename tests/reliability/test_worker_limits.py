@@ -254,6 +254,7 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
     from eopd_trainer.queue.weights import save_weights
 
     w = worker
+    wdir = w.cfg.weights_dir  # announced files outside the run's weights directory are refused (test_queue_bounds.py)
     model = w.sampler.model
     original = {k: v.clone() for k, v in model.state_dict().items()}
     norm = "model.norm.weight"
@@ -261,7 +262,7 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
     def publish(version: int, shift: float):
         with torch.no_grad():
             model.model.norm.weight.add_(shift)
-        pv = save_weights(model, tmp_path, version=version, iteration=version)
+        pv = save_weights(model, wdir, version=version, iteration=version)
         model.load_state_dict(original)  # the worker still holds the old weights
         return pv
 
@@ -279,9 +280,9 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         # 1. sync mode, the announced file is missing (pruned / not yet visible): wait, then load.
         pv1 = publish(1, 0.5)
         hidden = tmp_path / "elsewhere"
-        (tmp_path / "v000001.safetensors").rename(hidden)
+        (wdir / "v000001.safetensors").rename(hidden)
         announce(w.redis, w.keys.policy, pv1)
-        assert asyncio.run(waits_then_loads(1, lambda: hidden.rename(tmp_path / "v000001.safetensors")))
+        assert asyncio.run(waits_then_loads(1, lambda: hidden.rename(wdir / "v000001.safetensors")))
         assert w.versions.version == 1 and failures() - before >= 2  # retried (backoff), not given up
         torch.testing.assert_close(model.state_dict()[norm], original[norm] + 0.5)
         v1_norm = model.state_dict()[norm].clone()
@@ -291,7 +292,7 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         model.load_state_dict({**original, norm: v1_norm})
         original = {k: v.clone() for k, v in model.state_dict().items()}
         pv2 = publish(2, 0.25)
-        path = tmp_path / "v000002.safetensors"
+        path = wdir / "v000002.safetensors"
         good = path.read_bytes()
         bad = bytearray(good)
         bad[len(bad) // 2] ^= 0xFF

@@ -47,7 +47,9 @@ def test_drops_survive_a_sigkill_lease_and_poison_bound(tmp_path):
 
         # 1. Two rollouts from a future policy version: acknowledged without training, then SIGKILL
         #    while the learner waits for more. The drops were recorded with the acks, not at a commit.
-        for rid in ("t100-s0", "t100-s1"):
+        #    (Task t3 is one the learner publishes for iteration 1: rollouts of unpublished tasks are
+        #    dead-lettered, tests/reliability/test_queue_bounds.py.)
+        for rid in ("t3-s0", "t3-s1"):
             client.xadd(keys.rollouts, {b"data": scored(rid, version=7)})
         first = spawn_learner(ov, name="learner-1")
         try:
@@ -62,7 +64,7 @@ def test_drops_survive_a_sigkill_lease_and_poison_bound(tmp_path):
         assert read_counts(client, keys.counts) == {"future": 2}
         dropped = read_dropped(client, keys.dropped)
         assert sorted((d["rollout_id"], d["reason"], d["policy_version"], d["staleness"]) for d in dropped) == [
-            ("t100-s0", "future", "7", "-7"), ("t100-s1", "future", "7", "-7")]
+            ("t3-s0", "future", "7", "-7"), ("t3-s1", "future", "7", "-7")]
         assert client.xlen(keys.rollouts) == 0 and client.xpending(keys.rollouts, "learner")["pending"] == 0
         assert client.exists(keys.lease)  # left behind by the killed learner
 
@@ -84,8 +86,8 @@ def test_drops_survive_a_sigkill_lease_and_poison_bound(tmp_path):
         reasons = [d["reason"] for d in read_dead_letters(client, keys.dead)]
         assert reasons == [
             "rollout t0-s0: sampling_temperature 0.5 differs from loss.temperature 1",
-            f"rollout t0-s1: teacher top_k 8 is smaller than teacher.top_k {K}",
-            "rollout t1-s0: 17 response tokens, more than rollout.max_response_length 16",
+            f"inconsistent ScoredRollout t0-s1: top_k 8 differs from teacher.top_k {K}",
+            "oversized ScoredRollout t1-s0: response_ids has 17 tokens, more than rollout.max_response_length 16",
             "rollout t1-s1: rollout_id does not match task_id 't1' and sample_index 0 (expected 't1-s0')",
         ]
         assert "4 rollouts in a row were rejected" in log and all(r in log for r in reasons)

@@ -32,13 +32,16 @@ def check(r: Rollout, **kw) -> None:
 
 def test_metadata_accepted():
     check(rollout())
-    check(rollout(k=16))  # a larger teacher top-k than configured is fine
     check(rollout(n=2))
+    check(rollout(), n_samples=2, published_tasks=4)  # t3-s1: a published task, a sample it asked for
 
 
 @pytest.mark.parametrize(("r", "kw", "reason"), [
     (rollout(sampling_temperature=1.0), {}, "rollout t3-s1: sampling_temperature 1 differs from loss.temperature 0.7"),
     (rollout(k=4), {}, "rollout t3-s1: teacher top_k 4 is smaller than teacher.top_k 8"),
+    (rollout(k=16), {}, "rollout t3-s1: teacher top_k 16 is larger than teacher.top_k 8"),
+    (rollout(), {"published_tasks": 3}, "rollout t3-s1: task t3 was never published (the learner published 3 tasks)"),
+    (rollout(), {"n_samples": 1}, "rollout t3-s1: sample_index 1 is not below rollout.n_samples 1"),
     (rollout(n=5), {}, "rollout t3-s1: 5 response tokens, more than rollout.max_response_length 4"),
     (rollout(sample_index=0), {}, "rollout t3-s1: rollout_id does not match task_id 't3' and sample_index 0 (expected 't3-s0')"),
     (rollout(task_id="t4"), {}, "rollout t3-s1: rollout_id does not match task_id 't4' and sample_index 1"),

@@ -339,8 +339,12 @@ def test_unreadable_weights_are_transient_and_leave_the_model_untouched(tmp_path
         W.load_weights(dst, pv)
     (tmp_path / "away").rename(path)
     path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(W.WeightsUnavailable, match="the announcement says"):  # the size, checked before hashing
+        W.load_weights(dst, pv)
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # same size, other bytes
     with pytest.raises(W.WeightsUnavailable, match="sha256"):
         W.load_weights(dst, pv)
+    path.write_bytes(good[: len(good) // 2])
     with pytest.raises(W.WeightsUnavailable, match="not a readable safetensors file"):
         W.load_weights(dst, pv, verify=False)
     path.write_bytes(good)

@@ -16,6 +16,11 @@ import torch
 
 from .queue.messages import Rollout
 
+# The largest top-k a micro-batch is packed (padded) to: teacher.top_k's upper bound. The learner
+# admits only rollouts of exactly teacher.top_k (`check_rollout_metadata`); this is the packing's
+# own guard, so no rollout can make it pad every rollout of a micro-batch to a huge k.
+MAX_TOP_K = 1024
+
 
 @dataclass(frozen=True)
 class PackedSequences:
@@ -77,9 +82,13 @@ def _pad_topk(arr: np.ndarray, k: int, fill) -> np.ndarray:
     return out
 
 
-def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> PackedBatch:
+def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = MAX_TOP_K) -> PackedBatch:
     """Everything the loss needs for a micro-batch of rollouts. Differing top-k sizes are padded
-    with id 0 at log-prob -inf (zero teacher mass, ignored by the forward KL)."""
+    with id 0 at log-prob -inf (zero teacher mass, ignored by the forward KL), up to `max_top_k`:
+    a rollout with a larger top-k is a ValueError naming it, before anything is allocated."""
+    over = [r.rollout_id for r in rollouts if r.top_k > max_top_k]
+    if over:
+        raise ValueError(f"rollouts {over[:5]}: top_k above the packing's maximum {max_top_k}")
     seqs = pack_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
     k = max(r.top_k for r in rollouts)
 

@@ -172,6 +172,10 @@ class RolloutConfig(_Section):
     stop_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, how long a worker waits for answers already "
                                 "requested before it exits; unfinished tasks stay pending and are re-done by another worker.")
     max_task_deliveries: int = Field(5, ge=1, description="A task delivered more often than this goes to the dead-letter stream.")
+    max_rollout_deliveries: int = Field(
+        4, ge=1, description="A scored rollout the learner has held across more than this many of its restarts (read "
+        "and not committed: a rollout that crashes the learner) goes to the dead-letter stream instead of being read "
+        "first again (no crash loop).")
 
     @model_validator(mode="after")
     def _engine_settings(self) -> RolloutConfig:
@@ -330,6 +334,11 @@ class RunConfig(_Section):
         if self.train.iterations is not None:
             return self.train.iterations
         return max(1, math.ceil(self.train.epochs * num_prompts / self.prompts_per_iteration))
+
+    @property
+    def weights_dir(self) -> Path:
+        """Where the learner publishes weight versions; workers load announced files only from here."""
+        return self.run_dir / "weights"
 
     @property
     def effective_max_staleness(self) -> int:

@@ -25,13 +25,22 @@ from ..queue.messages import (
     PolicyVersion,
     PromptTask,
     Rollout,
+    RolloutLimits,
     check_rollout_metadata,
     decode_rollout,
     encode_task,
 )
 from ..queue.signing import signer_for
 from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect, read_counts
-from .ledger import Admit, Ledger, RejectStreak, admit, replacement_tasks_needed, tasks_to_publish
+from .ledger import (
+    Admit,
+    Ledger,
+    RejectStreak,
+    admit,
+    learner_starts_holding,
+    replacement_tasks_needed,
+    tasks_to_publish,
+)
 from .rebuild import rebuild_if_lost
 
 log = logging.getLogger("eopd.learner")
@@ -90,6 +99,8 @@ class RolloutFeed:
         if not self.signer.enabled:
             log.warning("queue.auth_key_file is not set: queue messages are not authenticated (anyone who can write "
                         "to the Redis can forge rollouts, tasks and policy announcements)")
+        self.limits = RolloutLimits.from_config(cfg)  # bounds on every decoded rollout's fields
+        self.published_tasks = 0  # <ns>:tasks:next as this learner last read or wrote it
 
     # Set-up ----------------------------------------------------------------------------------
     def acquire_lease(self) -> None:
@@ -123,9 +134,34 @@ class RolloutFeed:
             log.warning("%s", rebuilt)
         # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
         self.rollouts.claim_idle(0, 1_000_000)
-        self._pending = collections.deque(self.rollouts.read_pending(1_000_000))
+        self._pending = collections.deque(self._within_delivery_cap(self.rollouts.read_pending(1_000_000)))
+        self.published_tasks = int(self.redis.get(self.keys.tasks_next) or 0)
         if self._pending:
             log.info("found %d unacknowledged rollouts from before a restart", len(self._pending))
+
+    def _within_delivery_cap(self, entries: list) -> list:
+        """Dead-letters the pending rollouts that more than rollout.max_rollout_deliveries learner
+        starts have found pending (see `learner_starts_holding`; one committed already is kept: it
+        is dropped as a duplicate); returns the others."""
+        cap = self.cfg.rollout.max_rollout_deliveries
+        rows = self.redis.xpending_range(self.keys.rollouts, GROUP_LEARNER, min="-", max="+", count=len(entries) + 1000)
+        delivered = {(r["message_id"].decode() if isinstance(r["message_id"], bytes) else str(r["message_id"])):
+                     int(r["times_delivered"]) for r in rows}
+        keep = []
+        for e in entries:
+            starts = learner_starts_holding(delivered.get(e.entry_id, 1))
+            if starts > cap and not self._committed(e):
+                self.rollouts.dead_letter(e, f"rollout held across {starts} learner starts without being committed "
+                                             f"(rollout.max_rollout_deliveries {cap}): it may crash the learner")
+                continue
+            keep.append(e)
+        return keep
+
+    def _committed(self, e) -> bool:
+        try:
+            return decode_rollout(e.data or b"").rollout_id in self.ledger
+        except PoisonMessage:
+            return False
 
     # Policy announcement ----------------------------------------------------------------------
     def announce(self, pv: PolicyVersion) -> None:
@@ -146,6 +182,7 @@ class RolloutFeed:
         n_new = tasks_to_publish(iteration=iteration, batch_size=cfg.train.batch_size, n_samples=cfg.rollout.n_samples,
                                  max_staleness=cfg.effective_max_staleness, published_tasks=published,
                                  replacement_tasks=counters["replacement_tasks"])
+        self.published_tasks = published
         if n_new <= 0:
             return 0
         pipe = self.redis.pipeline(transaction=True)
@@ -155,6 +192,7 @@ class RolloutFeed:
             pipe.xadd(self.keys.tasks, self.tasks.fields(encode_task(task)))
         pipe.set(self.keys.tasks_next, published + n_new)
         pipe.execute()
+        self.published_tasks = published + n_new
         return n_new
 
     def record_tasks_published(self) -> None:
@@ -213,10 +251,11 @@ class RolloutFeed:
         """Decodes and checks one entry: into the batch, or dead-lettered, or acknowledged and dropped."""
         cfg = self.cfg
         try:
-            r = decode_rollout(e.data or b"", vocab_size=self.vocab_size)
+            r = decode_rollout(e.data or b"", vocab_size=self.vocab_size, limits=self.limits)
             check_rollout_metadata(r, temperature=cfg.loss.temperature, top_k=cfg.teacher.top_k,
                                    max_response_length=cfg.rollout.max_response_length,
-                                   num_candidates=cfg.loss.num_candidates)
+                                   num_candidates=cfg.loss.num_candidates,
+                                   n_samples=cfg.rollout.n_samples, published_tasks=self.published_tasks)
         except PoisonMessage as exc:
             self.rollouts.dead_letter(e, exc.reason)  # counted in <ns>:counts (dead_letter)
             self._rejected(f"dead letter {e.entry_id}: {exc.reason}")

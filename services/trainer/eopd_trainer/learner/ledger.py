@@ -92,6 +92,15 @@ def tasks_to_publish(*, iteration: int, batch_size: int, n_samples: int, max_sta
     return max(0, want - published_tasks)
 
 
+def learner_starts_holding(times_delivered: int) -> int:
+    """How many learner starts found a rollout entry pending (read and not committed), from its
+    delivery count in the consumer group: the first read delivers it once, and every start takes
+    the pending entries over (XAUTOCLAIM) and re-reads them (XREADGROUP of its history), two
+    deliveries each. Past `rollout.max_rollout_deliveries` the rollout is dead-lettered: a rollout
+    that crashes the learner while it trains would otherwise be read first after every restart."""
+    return max(0, (times_delivered - 1) // 2)
+
+
 def replacement_tasks_needed(*, missing_rollouts: int, n_samples: int, tasks_outstanding: int,
                              rollouts_waiting: int) -> int:
     """Tasks to add when an iteration is short of rollouts and nothing more can arrive: every

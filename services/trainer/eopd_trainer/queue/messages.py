@@ -20,6 +20,12 @@ from google.protobuf.message import DecodeError
 # the importance ratio and the loss into inf/NaN).
 MIN_LOGPROB = -1e6
 
+# Bytes a ScoredRollout may take per value of its arrays (a varint int32 takes at most 5, a float
+# 4; 8 is generous) and on top of them (ids, names, timestamps): a larger entry is refused before
+# it is parsed (`RolloutLimits.max_bytes`).
+_BYTES_PER_VALUE = 8
+_BYTES_OVERHEAD = 64 * 1024
+
 
 class PoisonMessage(ValueError):
     """A message that cannot be used: undecodable or inconsistent. `reason` says why."""
@@ -111,6 +117,38 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class RolloutLimits:
+    """Upper bounds on a ScoredRollout's fields, derived from the run's config (`from_config`):
+    checked by `decode_rollout` on the parsed message before any array is built, so a forged entry
+    cannot make the learner allocate or pad beyond what an honest rollout of this run needs."""
+
+    max_prompt_length: int  # data.max_prompt_length
+    max_response_length: int  # rollout.max_response_length
+    top_k: int  # teacher.top_k: exactly what the workers ask the teacher for
+
+    @classmethod
+    def from_config(cls, cfg) -> RolloutLimits:
+        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, cfg.teacher.top_k)
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest serialised entry an honest rollout within these limits can be."""
+        values = self.max_prompt_length + self.max_response_length * (4 + 2 * self.top_k)
+        return _BYTES_OVERHEAD + _BYTES_PER_VALUE * values
+
+    def check(self, rid: str, *, prompt: int, response: int, top_k: int) -> None:
+        """PoisonMessage naming the field that exceeds its bound."""
+        if prompt > self.max_prompt_length:
+            raise PoisonMessage(f"oversized ScoredRollout {rid}: prompt_ids has {prompt} tokens, more than "
+                                f"data.max_prompt_length {self.max_prompt_length}")
+        if response > self.max_response_length:
+            raise PoisonMessage(f"oversized ScoredRollout {rid}: response_ids has {response} tokens, more than "
+                                f"rollout.max_response_length {self.max_response_length}")
+        if top_k != self.top_k:
+            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: top_k {top_k} differs from teacher.top_k {self.top_k}")
+
+
+@dataclass(frozen=True)
 class PolicyVersion:
     version: int
     uri: str
@@ -134,10 +172,20 @@ def encode_task(task: PromptTask) -> bytes:
     ).SerializeToString()
 
 
-def decode_task(data: bytes) -> PromptTask:
+def decode_task(data: bytes, *, max_num_samples: int | None = None, max_policy_version: int | None = None) -> PromptTask:
+    """Parses and validates a PromptTask; PoisonMessage(reason) when unusable. `max_num_samples`
+    (rollout.n_samples) and `max_policy_version` (the run's last iteration: a policy version past
+    it is never announced, so a worker would wait for it until the run ends) bound what a forged
+    task can make a worker do."""
     msg = _parse(pb.PromptTask, data, "PromptTask")
     if msg.num_samples < 1:
         raise PoisonMessage(f"PromptTask {msg.task_id!r}: num_samples must be >= 1")
+    if max_num_samples is not None and msg.num_samples > max_num_samples:
+        raise PoisonMessage(f"PromptTask {msg.task_id!r}: num_samples {msg.num_samples} is more than rollout.n_samples "
+                            f"{max_num_samples}")
+    if max_policy_version is not None and msg.min_policy_version > max_policy_version:
+        raise PoisonMessage(f"PromptTask {msg.task_id!r}: min_policy_version {msg.min_policy_version} is beyond the "
+                            f"run's last policy version {max_policy_version}")
     if msg.task_id != task_id(msg.task_seq):
         raise PoisonMessage(f"PromptTask {msg.task_id!r}: task_id does not match task_seq {msg.task_seq}")
     return PromptTask(msg.task_seq, msg.prompt_index, msg.num_samples, msg.min_policy_version, msg.created_unix_ns)
@@ -209,8 +257,13 @@ def _decode_candidates(msg: pb.ScoredRollout, rid: str, n: int, vocab_size: int 
     return ids, lp
 
 
-def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
-    """Parses and validates a ScoredRollout; raises PoisonMessage(reason) when unusable."""
+def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: RolloutLimits | None = None) -> Rollout:
+    """Parses and validates a ScoredRollout; raises PoisonMessage(reason) when unusable. With
+    `limits` (the learner's admission), an entry larger than any honest rollout is refused before
+    it is parsed and the lengths and top-k are bounded before any array is built."""
+    if limits is not None and len(data) > limits.max_bytes:
+        raise PoisonMessage(f"oversized ScoredRollout: {len(data)} bytes, more than the {limits.max_bytes} a rollout "
+                            "within data.max_prompt_length, rollout.max_response_length and teacher.top_k can take")
     msg = _parse(pb.ScoredRollout, data, f"ScoredRollout ({len(data)} bytes)")
     rid = msg.rollout_id or "?"
     if not msg.rollout_id:
@@ -228,6 +281,8 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
         if got != want:
             raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} has {got} values, expected {want} "
                                 f"({n} response tokens, top_k {k})")
+    if limits is not None:  # on the parsed lengths, before any array is built
+        limits.check(rid, prompt=p, response=n, top_k=k)
     prompt = np.asarray(msg.prompt_ids, dtype=np.int32)
     response = np.asarray(msg.response_ids, dtype=np.int32)
     topk_ids = np.asarray(msg.teacher_topk_ids, dtype=np.int32).reshape(n, k)
@@ -280,16 +335,19 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None) -> Rollout:
 
 
 def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_response_length: int,
-                           num_candidates: int = 0) -> None:
+                           num_candidates: int = 0, n_samples: int | None = None,
+                           published_tasks: int | None = None) -> None:
     """What the learner requires of a decoded rollout beyond its own consistency; raises
     PoisonMessage with the reason (the rollout is dead-lettered, not trained):
 
     - sampled at `temperature` (loss.temperature: the old log-probs and the ratio must be taken
       at the same temperature; a float32 field, so compared to a relative 1e-6);
-    - teacher top-k of at least `top_k` (teacher.top_k: a smaller k is a differently configured
-      or truncating teacher, and changes the forward-KL term);
+    - teacher top-k of exactly `top_k` (teacher.top_k, what the workers ask for: a smaller k is a
+      differently configured or truncating teacher and changes the forward-KL term; a larger one
+      is not what this run asked for and would make the packing pad every rollout to it);
     - `rollout_id` equal to `t{seq}-s{sample_index}` with `task_id` `t{seq}` (the exactly-once
-      accounting is by these ids);
+      accounting is by these ids), of a published task (`seq < published_tasks`, the learner's
+      `<ns>:tasks:next`) and a sample the task asked for (`sample_index < n_samples`);
     - at most `max_response_length` response tokens (rollout.max_response_length);
     - at least `num_candidates` per-position candidates (loss.candidate_k when the loss variant
       needs them, e.g. eopd_topk_rkl; 0 otherwise)."""
@@ -299,6 +357,8 @@ def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_re
                             f"{temperature:g}")
     if r.top_k < top_k:
         raise PoisonMessage(f"rollout {rid}: teacher top_k {r.top_k} is smaller than teacher.top_k {top_k}")
+    if r.top_k > top_k:
+        raise PoisonMessage(f"rollout {rid}: teacher top_k {r.top_k} is larger than teacher.top_k {top_k}")
     m = _TASK_ID.fullmatch(r.task_id)
     if m is None:
         raise PoisonMessage(f"rollout {rid}: task_id {r.task_id!r} is not of the form t<seq>")
@@ -306,6 +366,11 @@ def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_re
     if rid != expected:
         raise PoisonMessage(f"rollout {rid}: rollout_id does not match task_id {r.task_id!r} and sample_index "
                             f"{r.sample_index} (expected {expected!r})")
+    if published_tasks is not None and int(m.group(1)) >= published_tasks:
+        raise PoisonMessage(f"rollout {rid}: task {r.task_id} was never published (the learner published "
+                            f"{published_tasks} tasks)")
+    if n_samples is not None and r.sample_index >= n_samples:
+        raise PoisonMessage(f"rollout {rid}: sample_index {r.sample_index} is not below rollout.n_samples {n_samples}")
     if r.num_response_tokens > max_response_length:
         raise PoisonMessage(f"rollout {rid}: {r.num_response_tokens} response tokens, more than "
                             f"rollout.max_response_length {max_response_length}")

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -34,11 +35,19 @@ def weights_path(weights_dir: Path, version: int) -> Path:
     return Path(weights_dir) / f"v{version:06d}.safetensors"
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, limit: int | None = None) -> str:
+    """The file's sha256; with `limit`, at most `limit` bytes are read (a file that grew past the
+    size checked before is never hashed for ever)."""
     h = hashlib.sha256()
+    left = limit
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
+        while left is None or left > 0:
+            chunk = fh.read(1 << 20 if left is None else min(1 << 20, left))
+            if not chunk:
+                break
             h.update(chunk)
+            if left is not None:
+                left -= len(chunk)
     return h.hexdigest()
 
 
@@ -95,13 +104,33 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def verify_weights(pv: PolicyVersion) -> tuple[Path, tuple[int, int, int, int]]:
-    """The announced file's path and identity (device, inode, size, mtime) after checking its
-    sha256 against the announcement; WeightsUnavailable when it is missing or differs."""
-    path = Path(pv.uri)
+def check_weights_location(pv: PolicyVersion, weights_dir: Path) -> Path:
+    """The announced file's real path, after checking that it lies inside the run's `weights_dir`
+    (symbolic links and `..` resolved): an announcement naming any other file (`/dev/zero`, a file
+    of the attacker's, `<run_dir>/weights/../x`) is WeightsUnavailable, never opened."""
+    real = Path(os.path.realpath(pv.uri))
+    root = Path(os.path.realpath(weights_dir))
+    if root not in real.parents:
+        raise WeightsUnavailable(f"weights {pv.uri} (version {pv.version}): not inside the run's weights directory "
+                                 f"{root} (resolves to {real})")
+    return real
+
+
+def verify_weights(pv: PolicyVersion, weights_dir: Path | None = None) -> tuple[Path, tuple[int, int, int, int]]:
+    """The announced file's path and identity (device, inode, size, mtime) after checking, in this
+    order, that it lies inside `weights_dir` (when given), is a regular file, has the announced
+    size, and has the announced sha256 (reading at most that size); WeightsUnavailable when it is
+    missing or differs. The size is checked before any byte is hashed: `uri=/dev/zero` or a
+    huge file is refused at once."""
+    path = check_weights_location(pv, weights_dir) if weights_dir is not None else Path(pv.uri)
     try:
         ident = _identity(path)
-        digest = file_sha256(path)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise WeightsUnavailable(f"weights {path} (version {pv.version}): not a regular file")
+        if ident[2] != pv.num_bytes:
+            raise WeightsUnavailable(f"weights {path} (version {pv.version}): {ident[2]} bytes, the announcement says "
+                                     f"{pv.num_bytes}")
+        digest = file_sha256(path, limit=pv.num_bytes)
     except FileNotFoundError:
         raise WeightsUnavailable(f"weights {path} (version {pv.version}): file not found (pruned or not yet visible)") from None
     except OSError as exc:
@@ -112,13 +141,13 @@ def verify_weights(pv: PolicyVersion) -> tuple[Path, tuple[int, int, int, int]]:
     return path, ident
 
 
-def read_weights(pv: PolicyVersion, *, verify: bool = True) -> dict[str, torch.Tensor]:
+def read_weights(pv: PolicyVersion, *, verify: bool = True, weights_dir: Path | None = None) -> dict[str, torch.Tensor]:
     """The announced tensors, read once: sha256 verified first (unless `verify=False`, when the
     caller verified it), and the file's identity checked again after reading, so a file replaced
     between the check and the read (a re-announced version number) is never loaded unverified."""
     path = Path(pv.uri)
     if verify:
-        path, ident = verify_weights(pv)
+        path, ident = verify_weights(pv, weights_dir)
     else:
         try:
             ident = _identity(path)
@@ -136,12 +165,13 @@ def read_weights(pv: PolicyVersion, *, verify: bool = True) -> dict[str, torch.T
     return tensors
 
 
-def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = True) -> None:
+def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = True,
+                 weights_dir: Path | None = None) -> None:
     """Loads announced weights into `model` in place (dtype converted to the model's). The model is
     left untouched when anything is wrong: WeightsUnavailable for a file that cannot be read right
     now (retry), ValueError for tensors that are not the model's."""
     path = Path(pv.uri)
-    tensors = read_weights(pv, verify=verify)
+    tensors = read_weights(pv, verify=verify, weights_dir=weights_dir)
     own = set(model.state_dict())
     unexpected = sorted(set(tensors) - own)
     if unexpected:

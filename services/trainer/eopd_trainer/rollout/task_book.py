@@ -27,6 +27,7 @@ class TaskBook:
         self.redis = redis
         self.metrics = metrics
         self.worker_id = worker_id
+        self.cfg = cfg
         self.max_deliveries = cfg.rollout.max_task_deliveries
         self.claim_idle_ms = cfg.rollout.claim_idle_ms
         self.block_ms = cfg.queue.block_ms
@@ -70,12 +71,15 @@ class TaskBook:
         return [e for e in entries if self.redis.xrange(self.tasks.stream, e.entry_id, e.entry_id)]
 
     async def open(self, entries: list[Entry], num_prompts: int) -> list[tuple[str, PromptTask]]:
-        """Decodes the entries into tasks and holds them; a poison entry (undecodable, or naming a
-        prompt beyond the `num_prompts`) is dead-lettered with the reason instead."""
+        """Decodes the entries into tasks and holds them; a poison entry (undecodable, naming a
+        prompt beyond the `num_prompts`, asking for more samples than rollout.n_samples or for a
+        policy version past the run's last iteration) is dead-lettered with the reason instead."""
         work: list[tuple[str, PromptTask]] = []
+        last_version = self.cfg.total_iterations(num_prompts)  # the policy version is the iteration
         for e in entries:
             try:
-                task = decode_task(e.data or b"")
+                task = decode_task(e.data or b"", max_num_samples=self.cfg.rollout.n_samples,
+                                   max_policy_version=last_version)
                 if task.prompt_index >= num_prompts:
                     raise PoisonMessage(f"PromptTask {task.task_id}: prompt_index {task.prompt_index} "
                                         f"outside the {num_prompts} prompts")

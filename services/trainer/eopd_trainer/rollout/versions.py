@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from ..queue.announce import current_announcement
 from ..queue.signing import Signer
 from ..queue.streams import Keys
-from ..queue.weights import WeightsUnavailable
+from ..queue.weights import WeightsUnavailable, check_weights_location
 from .metrics import WorkerMetrics
 
 log = logging.getLogger("eopd.rollout")
@@ -22,7 +23,7 @@ class VersionTracker:
     """The sampler's policy version, kept up to date with the announcements (`keys.policy`)."""
 
     def __init__(self, sampler, redis, keys: Keys, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
-                 stop: asyncio.Event, signer: Signer | None = None):
+                 stop: asyncio.Event, signer: Signer | None = None, weights_dir: Path | None = None):
         self.sampler = sampler
         self.redis = redis
         self.keys = keys
@@ -31,6 +32,7 @@ class VersionTracker:
         self.weights_poll_s = weights_poll_s
         self.stop = stop
         self.signer = signer  # an announcement without its MAC is ignored (queue/announce.py)
+        self.weights_dir = weights_dir  # announced files must lie inside it (the run's <run_dir>/weights)
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
 
@@ -40,6 +42,8 @@ class VersionTracker:
         # may be announced again with other weights.
         if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
             t0 = time.monotonic()
+            if self.weights_dir is not None:
+                check_weights_location(pv, self.weights_dir)  # before the sampler opens (and hashes) anything
             self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
             self.version, self._sha = pv.version, pv.sha256
             self.metrics.version.set(pv.version)

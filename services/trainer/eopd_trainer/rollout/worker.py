@@ -85,7 +85,8 @@ class RolloutWorker:
         self.tokenizer = self.sampler.tokenizer
         self.book = TaskBook(self.tasks, self.redis, cfg, self.metrics, self.worker_id)
         self.versions = VersionTracker(self.sampler, self.redis, self.keys, self.metrics, mode=cfg.mode,
-                                       weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop, signer=signer)
+                                       weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop, signer=signer,
+                                       weights_dir=cfg.weights_dir)
         self.publisher = Publisher(self.rollouts, self.redis, self.keys, cfg, self.faults, self.metrics,
                                    self.worker_id, self.stop)
         self.book.resume_pending()
