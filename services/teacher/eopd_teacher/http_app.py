@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .openai_compat import create_router
 from .state import ServerState
 
 
@@ -15,7 +16,7 @@ def create_app(state: ServerState, token: str | None = None) -> FastAPI:
     """Probes are open (orchestrators call them without credentials); with a bearer token
     configured, every other path (/metrics, /openapi.json) requires it."""
     app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)
-    open_paths = {"/healthz", "/readyz"}
+    open_paths = {"/healthz", "/readyz", "/health"}
 
     if token:
         expected = f"Bearer {token}".encode()
@@ -54,4 +55,5 @@ def create_app(state: ServerState, token: str | None = None) -> FastAPI:
         """Prometheus text exposition, answered at /metrics itself (no redirect to /metrics/)."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(create_router(state))  # vLLM-compatible /v1/completions, /v1/models, /health
     return app
