@@ -44,7 +44,9 @@ def test_models_and_health(teacher):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_prompt_logprobs_equal_grpc(teacher, temperature):
     """vLLM's shape (null first, then per position the prompt's token and the top k keyed by id
-    string, {logprob, rank, decoded_token}), `prompt_entropies`, and the gRPC numbers to 1e-6."""
+    string, {logprob, rank, decoded_token}), `prompt_entropies`, and the gRPC numbers to 1e-6.
+    With max_tokens 1 eopd scores each prompt plus one filler token (the last position gives the
+    completion token): the gRPC reference is that same request."""
     k = 8
     seqs = _seqs(1, 5)
     r = _post(teacher, {"model": "tiny-random", "prompt": seqs, "max_tokens": 1, "temperature": temperature,
@@ -53,13 +55,14 @@ def test_prompt_logprobs_equal_grpc(teacher, temperature):
     body = r.json()
     assert body["object"] == "text_completion" and len(body["choices"]) == len(seqs)
     assert body["usage"] == {"prompt_tokens": sum(map(len, seqs)), "completion_tokens": len(seqs),
-                             "total_tokens": sum(map(len, seqs)) + len(seqs), "prompt_tokens_details": None}
+                             "total_tokens": sum(map(len, seqs)) + len(seqs), "prompt_tokens_details": None,
+                             "completion_tokens_details": None}
     with TeacherClient(teacher.target) as c:
-        ref = c.score([(str(i), s, 1) for i, s in enumerate(seqs)], top_k=k, temperature=temperature)
+        ref = c.score([(str(i), s + [0], 1) for i, s in enumerate(seqs)], top_k=k, temperature=temperature)
     for ids, choice, g in zip(seqs, body["choices"], ref, strict=True):
         plp, ent = choice["prompt_logprobs"], choice["prompt_entropies"]
         assert plp[0] is None and ent[0] is None and len(plp) == len(ids) == len(ent)
-        np.testing.assert_allclose(ent[1:], g.entropies, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(ent[1:], g.entropies[:-1], atol=1e-6, rtol=0)
         for t in range(1, len(ids)):
             pos = plp[t]
             assert all(set(e) == {"logprob", "rank", "decoded_token"} for e in pos.values())
@@ -69,15 +72,22 @@ def test_prompt_logprobs_equal_grpc(teacher, temperature):
             assert [tid for tid, _ in top] == g.topk_ids[t - 1].tolist()  # ranks agree
             np.testing.assert_allclose([e["logprob"] for _, e in top], g.topk_logprobs[t - 1], atol=1e-6, rtol=0)
             assert len(pos) == k + (str(ids[t]) not in {str(i) for i in g.topk_ids[t - 1].tolist()})
-        # max_tokens 1: the greedy next token, as the gRPC answer for the prompt plus one token has it
-        assert choice["token_ids"] == [_next_token(teacher, ids, temperature)] and choice["prompt_token_ids"] == ids
+        # max_tokens 1: the greedy next token, the top 1 of the last position
+        assert choice["token_ids"] == [int(g.topk_ids[-1, 0])] and choice["prompt_token_ids"] == ids
         assert choice["text"] and choice["finish_reason"] == "length"
 
 
-def _next_token(proc, ids: list[int], temperature: float) -> int:
-    with TeacherClient(proc.target) as c:
-        (s,) = c.score([("n", ids + [0], len(ids))], top_k=1, temperature=temperature)
-    return int(s.topk_ids[0, 0])
+def test_max_tokens_0_equals_grpc_for_the_same_sequences(teacher):
+    seqs = _seqs(2, 4)
+    body = _post(teacher, {"prompt": seqs, "max_tokens": 0, "prompt_logprobs": 4, "temperature": 1.3}).json()
+    with TeacherClient(teacher.target) as c:
+        ref = c.score([(str(i), s, 1) for i, s in enumerate(seqs)], top_k=4, temperature=1.3)
+    for ids, choice, g in zip(seqs, body["choices"], ref, strict=True):
+        assert choice["text"] == "" and choice["token_ids"] is None
+        own = [choice["prompt_logprobs"][t][str(ids[t])]["logprob"] for t in range(1, len(ids))]
+        np.testing.assert_allclose(own, g.token_logprobs, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(choice["prompt_entropies"][1:], g.entropies, atol=1e-6, rtol=0)
+    assert body["usage"]["completion_tokens"] == 0
 
 
 def test_echo_logprobs_and_text_prompt(teacher):

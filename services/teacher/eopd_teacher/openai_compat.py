@@ -151,7 +151,8 @@ class CompletionsRoute:
             raise CompatError(413, f"prompt: an answer of about {json_bytes_estimate(p)} bytes of JSON would exceed the server's "
                                    f"message limit of {s.max_message_bytes} bytes; split the request or ask fewer log-probs", "prompt")
         scores = await self._score(request, p, req.echo)
-        return json.dumps(completion_response(req, p, scores, info.model_name, self.decoder()), separators=(",", ":")).encode()
+        return json.dumps(completion_response(req, p, scores, info.model_name, self.decoder(),
+                                              f"eopd-{info.server_version}"), separators=(",", ":")).encode()
 
     async def _score(self, request: Request, p, echo: bool) -> list:
         """Scores every prompt of `p` that needs it through the gRPC servicer's path."""

@@ -140,6 +140,8 @@ def plan(req: CompletionRequest, *, served_model: str, max_top_k: int, vocab_siz
         if value is not None and value > max_top_k:
             raise CompatError(400, f"{name}: {value} exceeds this server's maximum {max_top_k} (its max_top_k)", name)
         ks[name] = value
+    if req.echo and ks["prompt_logprobs"] is None:  # as vLLM: the echoed prompt's log-probs are prompt log-probs
+        ks["prompt_logprobs"] = ks["logprobs"]
     prompts = prompt_ids(req, tokenize)
     return Plan(prompts, req.max_tokens == 1, max(ks["prompt_logprobs"] or 0, ks["logprobs"] or 0, 1),
                 ks["prompt_logprobs"], ks["logprobs"], float(temperature))
@@ -214,10 +216,12 @@ def prompt_logprobs(ids: list[int], s: SequenceScores | None, k: int, decode: De
 
 
 def completion_logprobs(ids: list[int], s: SequenceScores | None, p: Plan, echo: bool, decode: Decoder) -> dict | None:
-    """The OpenAI `logprobs` object over the echoed prompt (if echo) and the completion token."""
+    """The OpenAI `logprobs` object over the echoed prompt (if echo; its top entries, as vLLM's,
+    are the prompt log-probs': `prompt_logprobs`, else `logprobs`) and the completion token."""
     if p.logprobs_k is None:
         return None
     k = p.logprobs_k
+    pk = p.prompt_k or 0
     tokens, token_lps, tops = [], [], []
     rows = [] if s is None else list(zip(s.token_logprobs.tolist(), s.topk_ids.tolist(), s.topk_logprobs.tolist(), strict=True))
     if echo:
@@ -229,7 +233,7 @@ def completion_logprobs(ids: list[int], s: SequenceScores | None, p: Plan, echo:
             tokens.append(decode(ids[t]))
             token_lps.append(_lp(lp))
             top = {decode(ids[t]): _lp(lp)}
-            for r in range(k):
+            for r in range(pk):
                 top.setdefault(decode(row_ids[r]), _lp(row_lps[r]))
             tops.append(top)
     if p.generate:
@@ -245,7 +249,7 @@ def completion_logprobs(ids: list[int], s: SequenceScores | None, p: Plan, echo:
 
 
 def completion_response(req: CompletionRequest, p: Plan, scores: list[SequenceScores | None], served_model: str,
-                        decode: Decoder) -> dict:
+                        decode: Decoder, fingerprint: str = "eopd") -> dict:
     """vLLM's CompletionResponse for `p`'s prompts and their scores (None: nothing was scored)."""
     choices = []
     prompt_tokens = 0
@@ -259,9 +263,8 @@ def completion_response(req: CompletionRequest, p: Plan, scores: list[SequenceSc
                         "finish_reason": "length", "stop_reason": None}
         if p.prompt_k is not None:
             choice["prompt_logprobs"], choice["prompt_entropies"] = prompt_logprobs(ids, s, p.prompt_k, decode)
-        if req.return_token_ids:
-            choice["prompt_token_ids"] = ids
-            choice["token_ids"] = [gen_id] if gen_id is not None else []
+        choice["prompt_token_ids"] = ids if req.return_token_ids else None
+        choice["token_ids"] = ([gen_id] if gen_id is not None else []) if req.return_token_ids else None
         choices.append(choice)
     completion_tokens = len(choices) if p.generate else 0
     return {
@@ -270,8 +273,11 @@ def completion_response(req: CompletionRequest, p: Plan, scores: list[SequenceSc
         "created": int(time.time()),
         "model": served_model,
         "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+                  "completion_tokens": completion_tokens, "prompt_tokens_details": None, "completion_tokens_details": None},
+        "kv_transfer_params": None,
     }
 
 
