@@ -77,9 +77,9 @@ def _phase(sup_dir: Path, paths: dict, pids: dict, results: dict, sizes: dict, a
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--clients", type=int, default=2)
-    ap.add_argument("--per-client", type=int, default=3)
+    ap.add_argument("--per-client", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     args = ap.parse_args(argv)
