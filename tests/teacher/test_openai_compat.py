@@ -158,6 +158,10 @@ def test_per_request_limits_are_413(teacher):
     r = _post(teacher, {"prompt": [[1, 2], [1] * ctx], "max_tokens": 1})
     assert r.status_code in (400, 413)
     assert _post(teacher, {"prompt": [5, 6], "max_tokens": 1}).status_code == 200
+    # a body over what the admissible tokens need (16 bytes a token, at least 1 MiB): 413 unread
+    r = _post(teacher, {"prompt": "x " * (1 << 20), "max_tokens": 0})
+    assert r.status_code == 413 and "body" in r.json()["error"]["message"]
+    assert _post(teacher, {"prompt": [5, 6], "max_tokens": 1}).status_code == 200
 
 
 def test_metrics_count_http_requests(teacher):

@@ -54,8 +54,10 @@ _FIELDS = [
     (re.compile(r"sequences\[(\d+)\]\.token_ids(\[\d+\])?"), r"prompt[\1]\2"),
     (re.compile(r"sequences\[(\d+)\](?: \(id '[^']*'\))?"), r"prompt[\1]"),
     (re.compile(r", id '\d+'"), ""),
+    (re.compile(r"^sequences:"), "prompt:"),
     (re.compile(r"\btop_k\b"), "prompt_logprobs"),
 ]
+BODY_BYTES_PER_TOKEN = 16  # a token id as JSON takes at most 7 bytes ("49151, "); text a few bytes a token
 _PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*)")
 
 
@@ -66,14 +68,21 @@ class _Body:
     async def read(request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise CompatError(413, f"request body of {declared} bytes exceeds the server's limit of {limit} bytes")
+            raise CompatError(413, f"body: {declared} bytes exceed the server's limit of {limit} bytes")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise CompatError(413, f"request body exceeds the server's limit of {limit} bytes")
+                raise CompatError(413, f"body: over the server's limit of {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def body_limit(max_message_bytes: int, max_tokens_per_request: int) -> int:
+    """The largest request body read: what the admissible tokens need as JSON (BODY_BYTES_PER_TOKEN
+    each, at least 1 MiB for text prompts), never over the message limit; the body is parsed into
+    Python objects, so it is kept near what a request may hold."""
+    return min(max_message_bytes, max(BODY_BYTES_PER_TOKEN * max_tokens_per_request, 1 << 20))
 
 
 def _compat_error(exc: BaseException) -> CompatError:
@@ -131,7 +140,7 @@ class CompletionsRoute:
 
     async def _complete(self, request: Request) -> bytes:
         s = self.state.settings
-        raw = await _Body.read(request, s.max_message_bytes)
+        raw = await _Body.read(request, body_limit(s.max_message_bytes, s.max_tokens_per_request))
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -199,7 +208,7 @@ def create_router(state: ServerState) -> APIRouter:
     route = CompletionsRoute(state)
     router.add_api_route(METHOD, route.completions, methods=["POST"], include_in_schema=False)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses={503: {"description": "the model is still loading (vLLM's error shape)"}})
     async def models() -> JSONResponse:
         info = state.info
         if info is None:
@@ -208,7 +217,8 @@ def create_router(state: ServerState) -> APIRouter:
                 "root": info.model_name, "parent": None, "max_model_len": info.max_context_length, "permission": []}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @router.get("/health")
+    @router.get("/health", response_class=Response, responses={200: {"description": "requests are accepted"},
+                                                                503: {"description": "loading, draining or engine unhealthy"}})
     async def health() -> Response:
         """vLLM's `/health`: 200 when requests are accepted, 503 otherwise (TRL's client polls it)."""
         return Response(status_code=200 if state.ready else 503)

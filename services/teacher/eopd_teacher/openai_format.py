@@ -29,7 +29,7 @@ from .types import SequenceScores
 LOGPROB_FLOOR = -9999.0
 # An estimate of one prompt-logprob entry's JSON bytes besides its decoded token (key, logprob,
 # rank, field names), used to refuse before scoring an answer over the server's message limit.
-JSON_ENTRY_BYTES = 64
+JSON_ENTRY_BYTES = 72  # measured ~69 on SmolLM2 (bench_openai_compat: 1922 B per scored token at k = 20)
 PENALTY_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
