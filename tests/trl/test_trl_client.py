@@ -17,6 +17,8 @@ import pytest
 from eopd_common.models import load_tokenizer
 from eopd_teacher.client import TeacherClient
 
+pytest.importorskip("trl", reason="the TRL tier runs in .venv-trl (bash scripts/trl_env.sh)")
+
 pytestmark = pytest.mark.integration
 
 TEXTS = [

@@ -14,6 +14,8 @@ import pytest
 import requests
 import torch
 
+pytest.importorskip("trl", reason="the TRL tier runs in .venv-trl (bash scripts/trl_env.sh)")
+
 pytestmark = pytest.mark.integration
 
 
