@@ -56,7 +56,10 @@ def render(data: dict) -> str:
             f"{data['n_seqs']} sequences x {data['length']} tokens (prompt {data['prompt']}, {data['scored']} scored positions "
             f"per request), top-k {data['top_k']}, {data['clients']} client threads x {data['per_client']} requests, "
             f"{data['rounds']} interleaved rounds.\n\n{table}\n\nAgreement with eopd gRPC (max |diff| of the top-k log-probs): "
-            f"{agree}.{missing}\n")
+            f"{agree}. eopd's two paths share one server and are interleaved; stock vLLM runs in a later phase, so its "
+            f"row and theirs may have seen different loads on a shared machine (server CPU per token is the steadier "
+            f"comparison). Response bytes: JSON for every prompt position (what TRL's client asks), against packed "
+            f"protobuf for the scored positions only.{missing}\n")
 
 
 def _phase(sup_dir: Path, paths: dict, pids: dict, results: dict, sizes: dict, agree: dict, grpc_first, args, scored) -> None:
