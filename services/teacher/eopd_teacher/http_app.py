@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .openai_compat import create_router
 from .state import ServerState
 
 
@@ -16,7 +17,7 @@ def create_app(state: ServerState, token: str | None = None, *, deny_unauthentic
     configured, every other path (/metrics, /openapi.json) requires it. `deny_unauthenticated`
     (mutual TLS on gRPC, no token; see server.http_tls_options): every other path answers 403."""
     app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)
-    open_paths = {"/healthz", "/readyz"}
+    open_paths = {"/healthz", "/readyz", "/health"}
 
     if deny_unauthenticated and not token:
 
@@ -66,4 +67,5 @@ def create_app(state: ServerState, token: str | None = None, *, deny_unauthentic
         """Prometheus text exposition, answered at /metrics itself (no redirect to /metrics/)."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(create_router(state))  # vLLM-compatible /v1/completions, /v1/models, /health
     return app

@@ -75,6 +75,11 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         self.state.metrics.errors.labels(code.name).inc()
         return pb.ScoreResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message, retryable=False))
 
+    async def score_request(self, request: pb.ScoreRequest, client: str) -> pb.ScoreResponse:
+        """A unary Score from another front end (the HTTP `/v1/completions`, openai_compat.py):
+        the same validation, limits, batcher and metrics as `Score`."""
+        return await self._score(request, client, stream=False)
+
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         return await self._score(request, client_key(context), stream=False)
 

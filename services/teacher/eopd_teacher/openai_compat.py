@@ -1,0 +1,226 @@
+"""vLLM-compatible scoring on the teacher's HTTP side: `POST /v1/completions`, `GET /v1/models`
+and `GET /health`, for trainers that speak vLLM's OpenAI server (TRL's
+`VLLMClient.get_sequence_logprobs`, verl's teacher pool).
+
+One scoring path: a request becomes an `eopd.v1` ScoreRequest served by the gRPC servicer's own
+scoring (the same validation, per-request and per-client limits, batcher, engine and metrics);
+only the JSON shapes differ (`openai_format.py`). Auth is the HTTP app's bearer token. Errors are
+in vLLM's shape (`{"error": {"message", "type", "param", "code"}}`) with the field named: 400
+for a wrong field, 404 for another model, 413 over a per-request limit, 429 when overloaded, 503
+while loading or draining.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from eopd.v1 import teacher_pb2 as pb
+
+from .convert import RequestTooLarge, scores_from_pb
+from .openai_format import (
+    CompatError,
+    CompletionRequest,
+    Decoder,
+    completion_response,
+    error_body,
+    json_bytes_estimate,
+    plan,
+    scored_tokens,
+    validation_error,
+)
+from .servicer import CLIENT_ID_HEADER, TeacherServicer
+from .state import ServerState
+from .status import describe
+
+log = logging.getLogger("eopd_teacher")
+
+METHOD = "/v1/completions"
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.CANCELLED: 499,
+}
+# gRPC field names in the shared validation's messages -> the vLLM request's.
+_FIELDS = [
+    (re.compile(r"sequences\[(\d+)\]\.token_ids(\[\d+\])?"), r"prompt[\1]\2"),
+    (re.compile(r"sequences\[(\d+)\](?: \(id '[^']*'\))?"), r"prompt[\1]"),
+    (re.compile(r", id '\d+'"), ""),
+    (re.compile(r"^sequences:"), "prompt:"),
+    (re.compile(r"\btop_k\b"), "prompt_logprobs"),
+]
+BODY_BYTES_PER_TOKEN = 16  # a token id as JSON takes at most 7 bytes ("49151, "); text a few bytes a token
+_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*)")
+
+
+class _Body:
+    """Reads a request body up to a limit (413 beyond it, without reading the rest into memory)."""
+
+    @staticmethod
+    async def read(request: Request, limit: int) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise CompatError(413, f"body: {declared} bytes exceed the server's limit of {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise CompatError(413, f"body: over the server's limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def body_limit(max_message_bytes: int, max_tokens_per_request: int) -> int:
+    """The largest request body read: what the admissible tokens need as JSON (BODY_BYTES_PER_TOKEN
+    each, at least 1 MiB for text prompts), never over the message limit; the body is parsed into
+    Python objects, so it is kept near what a request may hold."""
+    return min(max_message_bytes, max(BODY_BYTES_PER_TOKEN * max_tokens_per_request, 1 << 20))
+
+
+def _compat_error(exc: BaseException) -> CompatError:
+    """The shared path's exception as a vLLM-shaped error: field names translated, status mapped
+    (a per-request limit: 413, not retryable as is; overload: 429)."""
+    code, message = describe(exc)
+    for pattern, repl in _FIELDS:
+        message = pattern.sub(repl, message)
+    status = 413 if isinstance(exc, RequestTooLarge) else HTTP_STATUS.get(code, 500)
+    m = _PARAM.match(message)
+    param = m.group(1) if m and status in (400, 413) and (":" in message[: m.end() + 1]) else None
+    return CompatError(status, message, param)
+
+
+class CompletionsRoute:
+    """The handlers, over the server's state and the gRPC servicer's scoring."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.servicer = TeacherServicer(state)
+        self._decoder: Decoder | None = None
+
+    def _tokenizer(self):
+        return getattr(self.state.engine, "tokenizer", None)
+
+    def decoder(self) -> Decoder:
+        if self._decoder is None:
+            self._decoder = Decoder(self._tokenizer())
+        return self._decoder
+
+    def _tokenize(self):
+        tok = self._tokenizer()
+        if tok is None:
+            return None
+        return lambda text, special: tok(text, add_special_tokens=special)["input_ids"]
+
+    def _finish(self, code: str, started: float) -> None:
+        m = self.state.metrics
+        m.requests.labels(METHOD, code).inc()
+        if code != "OK":
+            m.errors.labels(code).inc()
+        m.latency.labels(METHOD).observe(time.perf_counter() - started)
+
+    async def completions(self, request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            body = await self._complete(request)
+        except CompatError as exc:
+            code = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED",
+                    503: "UNAVAILABLE", 499: "CANCELLED"}.get(exc.status, "INTERNAL")
+            self._finish(code, started)
+            return JSONResponse(error_body(exc.status, str(exc), exc.param), status_code=exc.status)
+        self._finish("OK", started)
+        return Response(body, media_type="application/json")
+
+    async def _complete(self, request: Request) -> bytes:
+        s = self.state.settings
+        raw = await _Body.read(request, body_limit(s.max_message_bytes, s.max_tokens_per_request))
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CompatError(400, f"body: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise CompatError(400, "body: must be a JSON object")
+        try:
+            req = CompletionRequest.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        try:
+            info, _ = self.state.check_ready()
+        except Exception as exc:  # noqa: BLE001 - loading / draining: 503
+            raise _compat_error(exc) from None
+        p = plan(req, served_model=info.model_name, max_top_k=info.max_top_k, vocab_size=info.vocab_size, tokenize=self._tokenize())
+        if json_bytes_estimate(p) > s.max_message_bytes:
+            raise CompatError(413, f"prompt: an answer of about {json_bytes_estimate(p)} bytes of JSON would exceed the server's "
+                                   f"message limit of {s.max_message_bytes} bytes; split the request or ask fewer log-probs", "prompt")
+        scores = await self._score(request, p, req.echo)
+        return json.dumps(completion_response(req, p, scores, info.model_name, self.decoder(),
+                                              f"eopd-{info.server_version}"), separators=(",", ":")).encode()
+
+    async def _score(self, request: Request, p, echo: bool) -> list:
+        """Scores every prompt of `p` that needs it through the gRPC servicer's path."""
+        wanted = p.generate or p.prompt_k is not None or (p.logprobs_k is not None and echo)
+        seqs = scored_tokens(p)
+        index = [i for i, ids in enumerate(seqs) if wanted and len(ids) >= 2]
+        if not index:
+            return [None] * len(seqs)
+        req = pb.ScoreRequest(top_k=p.top_k, temperature=p.temperature,
+                              sequences=[pb.Sequence(id=str(i), token_ids=seqs[i].tolist(), score_from=1) for i in index])
+        try:
+            answer = await self.servicer.score_request(req, _client(request))
+        except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
+            err = _compat_error(exc)
+            if err.status == 500:
+                log.error("/v1/completions failed: %s", err, exc_info=exc)
+            # the shared validation names sequences by their position among those scored
+            raise CompatError(err.status, _renumber(str(err), index), err.param and _renumber(err.param, index)) from None
+        out: list = [None] * len(seqs)
+        for i, r in zip(index, answer.results, strict=True):
+            out[i] = scores_from_pb(r)
+        return out
+
+
+def _renumber(text: str, index: list[int]) -> str:
+    return re.sub(r"prompt\[(\d+)\]", lambda m: f"prompt[{index[int(m.group(1))]}]", text)
+
+
+def _client(request: Request) -> str:
+    """Who a request is from, for per-client limits, as on gRPC: the x-eopd-client header, else
+    the peer address."""
+    given = request.headers.get(CLIENT_ID_HEADER)
+    if given:
+        return f"id:{given}"[:128]
+    if request.client is None:
+        return "unknown"
+    host = request.client.host
+    return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+
+
+def create_router(state: ServerState) -> APIRouter:
+    """`POST /v1/completions`, `GET /v1/models`, `GET /health` (vLLM's liveness: 200 once ready)."""
+    router = APIRouter()
+    route = CompletionsRoute(state)
+    router.add_api_route(METHOD, route.completions, methods=["POST"], include_in_schema=False)
+
+    @router.get("/v1/models", responses={503: {"description": "the model is still loading (vLLM's error shape)"}})
+    async def models() -> JSONResponse:
+        info = state.info
+        if info is None:
+            return JSONResponse(error_body(503, "the model is still loading; retry shortly"), status_code=503)
+        card = {"id": info.model_name, "object": "model", "created": int(time.time()), "owned_by": "eopd",
+                "root": info.model_name, "parent": None, "max_model_len": info.max_context_length, "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @router.get("/health", response_class=Response, responses={200: {"description": "requests are accepted"},
+                                                                503: {"description": "loading, draining or engine unhealthy"}})
+    async def health() -> Response:
+        """vLLM's `/health`: 200 when requests are accepted, 503 otherwise (TRL's client polls it)."""
+        return Response(status_code=200 if state.ready else 503)
+
+    return router
