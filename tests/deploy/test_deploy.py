@@ -129,9 +129,11 @@ def env_file() -> str:
     text = (ROOT / ".env.example").read_text()
     assert re.search(r"^REDIS_PASSWORD=$", text, re.M), ".env.example must leave REDIS_PASSWORD empty"
     assert re.search(r"^TEACHER_AUTH_TOKEN_FILE=$", text, re.M), ".env.example must leave TEACHER_AUTH_TOKEN_FILE empty"
+    assert re.search(r"^QUEUE_KEY_FILE=$", text, re.M), ".env.example must leave QUEUE_KEY_FILE empty"
     text = re.sub(r"^REDIS_PASSWORD=$", f"REDIS_PASSWORD={secrets.token_hex(16)}", text, flags=re.M)
     # the path .env.example's comment suggests (config does not read the file; `up` mounts it)
     text = re.sub(r"^TEACHER_AUTH_TOKEN_FILE=$", f"TEACHER_AUTH_TOKEN_FILE={TEACHER_TOKEN_FILE}", text, flags=re.M)
+    text = re.sub(r"^QUEUE_KEY_FILE=$", f"QUEUE_KEY_FILE={QUEUE_KEY_FILE}", text, flags=re.M)
     fd, path = tempfile.mkstemp(prefix="eopd-env-", suffix=".env")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -140,6 +142,9 @@ def env_file() -> str:
 
 TEACHER_TOKEN_FILE = "./secrets/teacher-token"
 TEACHER_TOKEN_PATH = "/run/secrets/teacher_token"  # where the compose secret teacher_token is mounted
+QUEUE_KEY_FILE = "./secrets/queue-key"
+QUEUE_KEY_PATH = "/run/secrets/queue_key"  # where the compose secret queue_key is mounted
+QUEUE_KEY_ENV = "EOPD_RUN_QUEUE__AUTH_KEY_FILE"  # the run config's queue.auth_key_file
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,6 +215,65 @@ def test_compose_requires_a_teacher_token_file(tmp_path):
     for path in (empty, tmp_path / "missing"):
         with pytest.raises(SettingsError, match="auth_token_file"):
             load_settings(_load(NAMES.teacher_settings), None, {"auth_token_file": str(path)})
+
+
+def check_queue_key_reaches_the_config(env: dict[str, str], key_path: str, tmp_path: Path, monkeypatch) -> None:
+    """The EOPD_RUN_QUEUE__AUTH_KEY_FILE a pipeline container gets is the run config's
+    queue.auth_key_file after load_config (file, then EOPD_RUN_*, then arguments; the variable wins
+    over the file), and the signer the learner and the workers build from it (queue/signing.py)
+    reads the key there: the container's path mapped to a real key file under tmp_path, given
+    absolute, then relative to the working directory. A key under 32 bytes is refused."""
+    import secrets
+
+    from eopd_trainer.config import load_config
+    from eopd_trainer.queue.signing import signer_for
+
+    assert env[QUEUE_KEY_ENV] == key_path and os.path.isabs(key_path), env.get(QUEUE_KEY_ENV)
+    key = tmp_path / key_path.lstrip("/")
+    key.parent.mkdir(parents=True, exist_ok=True)
+    key.write_text(secrets.token_hex(32) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"data": {"train_files": [str(ROOT / "tests/data/tiny_prompts.jsonl")]},
+                                      "queue": {"auth_key_file": "/elsewhere/queue.key"}}))
+    for value, cwd in ((str(key), ROOT), (os.path.relpath(key, tmp_path), tmp_path)):
+        with monkeypatch.context() as m:
+            for name in [n for n in os.environ if n.upper().startswith(RUN_ENV_PREFIX)]:
+                m.delenv(name)
+            m.setenv(QUEUE_KEY_ENV, value)
+            m.chdir(cwd)
+            cfg = load_config(config)
+            assert cfg.queue.auth_key_file == value
+            assert signer_for(cfg.queue.auth_key_file).enabled
+    key.write_text("too-short")
+    with pytest.raises(ValueError, match="auth_key_file.*at least 32"):
+        signer_for(str(key))
+
+
+def test_compose_requires_a_queue_key_file(tmp_path, monkeypatch):
+    """Fail closed (issue 17): without QUEUE_KEY_FILE compose refuses to render, naming it; with it,
+    the learner and the rollout worker of each profile (and nothing else: not the teacher, not Redis)
+    get the key file as the secret queue_key at the path their EOPD_RUN_QUEUE__AUTH_KEY_FILE names,
+    which the trainer's config loader turns into queue.auth_key_file."""
+    no_key = tmp_path / "no-key.env"
+    no_key.write_text(Path(env_file()).read_text().replace(f"QUEUE_KEY_FILE={QUEUE_KEY_FILE}\n", ""))
+    for profile in ("gpu", "cpu"):
+        proc = run([tool("docker-compose"), "--env-file", str(no_key), "-f", "docker-compose.yml", "--profile", profile,
+                    "config", "-q"], env=clean_env())
+        assert proc.returncode != 0 and "QUEUE_KEY_FILE" in proc.stderr, proc.stderr
+    for profile, holders in (("gpu", {"rollout", "trainer"}), ("cpu", {"rollout-cpu", "trainer-cpu"})):
+        cfg = compose_config(profile)
+        assert cfg["secrets"]["queue_key"]["file"] == str(ROOT / "secrets" / "queue-key")
+        pipeline = {n for n, s in cfg["services"].items() if any(e in (s.get("command") or []) for e in NAMES.pipeline_entry_points)}
+        assert pipeline == holders, profile
+        for name, svc in cfg["services"].items():
+            mounted = {s["target"] for s in svc.get("secrets", []) if s["source"] == "queue_key"}
+            env = {k: str(v) for k, v in (svc.get("environment") or {}).items() if v is not None}
+            if name in holders:
+                assert mounted == {QUEUE_KEY_PATH}, name
+                check_queue_key_reaches_the_config(env, QUEUE_KEY_PATH, tmp_path / name, monkeypatch)
+            else:
+                assert not mounted and QUEUE_KEY_ENV not in env, name
+    assert subprocess.run(["git", "check-ignore", "-q", QUEUE_KEY_FILE], cwd=ROOT).returncode == 0
 
 
 def test_compose_services_are_hardened():
@@ -293,7 +357,7 @@ def test_compose_tls_override(profile):
     assert renv["EOPD_RUN_TEACHER__TLS_CA_FILE"] in {s["target"] for s in r["secrets"]}
     assert renv["EOPD_RUN_TEACHER__TLS_SERVER_NAME"] == env["EOPD_HEALTHCHECK_TLS_SERVER_NAME"]
     check_run_env(renv, f"compose tls {rollout}")
-    assert {s["source"] for s in r["secrets"]} == {"teacher_ca_crt", "teacher_token"}  # the worker never gets the key
+    assert {s["source"] for s in r["secrets"]} == {"teacher_ca_crt", "teacher_token", "queue_key"}  # never the TLS key
     for secret in cfg["secrets"].values():
         assert Path(secret["file"]).parent == ROOT / "secrets"
     assert subprocess.run(["git", "check-ignore", "-q", "secrets/tls.key"], cwd=ROOT).returncode == 0
@@ -308,6 +372,7 @@ def _secret_values() -> dict[str, str]:
 
     return {
         "base/secrets/redis-password": secrets.token_hex(16),
+        "base/secrets/queue-key": secrets.token_hex(32),
         "components/teacher-auth/secrets/token": secrets.token_hex(16),
         "components/teacher-tls/secrets/tls.crt": "-----BEGIN CERTIFICATE-----\ntest-teacher-cert\n-----END CERTIFICATE-----\n",
         "components/teacher-tls/secrets/tls.key": "-----BEGIN PRIVATE KEY-----\ntest-teacher-key\n-----END PRIVATE KEY-----\n",
@@ -423,7 +488,8 @@ def test_secrets_come_from_the_operators_files(target):
     no empty value), and the pods reference the hashed names."""
     objs = objects(target)
     secrets = [o for o in objs if o["kind"] == "Secret"]
-    expected = {"eopd-redis": {"password": SECRET_FILES["base/secrets/redis-password"]}}
+    expected = {"eopd-redis": {"password": SECRET_FILES["base/secrets/redis-password"]},
+                "eopd-queue-key": {"key": SECRET_FILES["base/secrets/queue-key"]}}
     if target == "+components":
         tls = "components/teacher-tls/secrets/"
         mtls = "components/teacher-mtls/secrets/"
@@ -471,6 +537,47 @@ def test_a_render_without_the_secret_files_fails_naming_them(missing):
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, f"{path} is not git-ignored"
         assert subprocess.run(["git", "check-ignore", "-q", path + ".example"], cwd=ROOT).returncode == 1
         assert (ROOT / f"{path}.example").is_file(), f"{path}.example is missing"
+
+
+QUEUE_KEY_K8S_PATH = "/etc/eopd/queue/key"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_queue_key_reaches_only_the_learner_and_rollout_pods(target, tmp_path, monkeypatch):
+    """Issue 17: the eopd-queue-key Secret (from base/secrets/queue-key; a render without the file
+    fails, test_a_render_without_the_secret_files_fails_naming_them) is mounted read-only into the
+    learner and the rollout pods' main containers, whose EOPD_RUN_QUEUE__AUTH_KEY_FILE names the key
+    file in it (queue.auth_key_file after load_config); no other pod or container (the teacher,
+    Redis, TensorBoard, the cpu-dev init containers) mounts it or names it."""
+    objs = objects(target)
+    secret = find(objs, "Secret", "eopd-queue-key")["metadata"]["name"]
+    holders = {("Deployment", "eopd-rollout"), ("Job", "eopd-learner")}
+    seen = set()
+    for o in objs:
+        if o["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        spec = pod_spec(o)
+        volumes = [v for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName") == secret]
+        key = (o["kind"], o["metadata"]["name"])
+        if key not in holders:
+            assert not volumes, f"{target}: {key} mounts the queue key"
+            assert QUEUE_KEY_ENV not in {e["name"] for c in spec["containers"] for e in c.get("env", [])}, key
+            continue
+        seen.add(key)
+        assert len(volumes) == 1 and volumes[0]["secret"].get("defaultMode") == 0o440, (target, key, volumes)
+        main, = [c for c in spec["containers"] if any(e in c.get("command", []) + c.get("args", [])
+                                                      for e in NAMES.pipeline_entry_points)]
+        mounts = [m for m in main["volumeMounts"] if m["name"] == volumes[0]["name"]]
+        assert len(mounts) == 1 and mounts[0]["readOnly"] is True, (target, key, mounts)
+        assert QUEUE_KEY_K8S_PATH == mounts[0]["mountPath"] + "/key"  # the Secret's key `key`
+        env = {e["name"]: e.get("value", "") for e in main["env"]}
+        check_queue_key_reaches_the_config(env, QUEUE_KEY_K8S_PATH, tmp_path / key[1], monkeypatch)
+        for c in spec.get("initContainers", []) + [c for c in spec["containers"] if c is not main]:
+            assert not any(m["name"] == volumes[0]["name"] for m in c.get("volumeMounts", [])), (target, key, c["name"])
+        # The pod's hardening is unchanged: non-root, no privilege gain, no capabilities.
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["fsGroup"] == 10001
+        assert main["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert seen == holders, target
 
 
 def test_plain_kustomize_renders_without_load_restrictions_none():
