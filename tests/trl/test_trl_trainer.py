@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 
-pytest.importorskip("trl", reason="the TRL tier runs in .venv-trl (bash scripts/trl_env.sh)")
+pytest.importorskip("trl", reason="the TRL tier runs in .venv-vllm (bash scripts/vllm_env.sh)")
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def _completions_ok(url: str) -> float:
 
 
 @pytest.mark.parametrize(("beta", "loss_top_k"), [(0.0, 8), (1.0, 1)])
-def test_server_distillation_trainer_steps(smollm2_teacher, trl_client, tmp_path, beta, loss_top_k):
+def test_server_distillation_trainer_steps(smollm2_teacher, tmp_path, beta, loss_top_k):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
