@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +69,9 @@ def running_redis(*extra: str) -> Iterator[RedisProc]:
 
 @contextlib.contextmanager
 def running_embedded_queue() -> Iterator:
-    """The embedded queue of `eopd run` (a Redis-protocol server in a thread of this process);
-    it has a `url` like RedisProc."""
+    """The embedded queue of `eopd run` (a Redis-protocol server in a thread of this process, with
+    a random password); `url` carries the password, like a RedisProc's url works as it is."""
     from eopd_trainer.job.embedded_queue import EmbeddedQueue
 
     with EmbeddedQueue() as server:
-        yield server
+        yield types.SimpleNamespace(url=server.auth_url, server=server)

@@ -166,11 +166,11 @@ def test_choose_queue_fallback_chain(tmp_path, monkeypatch):
 
     with EmbeddedQueue() as external:
         monkeypatch.setenv("REDIS_URL", external.url)
-        monkeypatch.delenv("REDIS_PASSWORD")
-        sup, q = pick("auto")  # REDIS_URL answers: used as it is
+        monkeypatch.setenv("REDIS_PASSWORD", external.password)
+        sup, q = pick("auto")  # REDIS_URL answers (with REDIS_PASSWORD): used as it is
         assert (q.backend, q.url) == ("redis", external.url) and sup.embedded is None
         sup, q = pick("embedded")  # forced: not the reachable REDIS_URL
-        assert q.backend == "embedded" and q.url != external.url
+        assert q.backend == "embedded" and q.url != external.url and q.password != external.password
         sup.stop_all()
         monkeypatch.setenv("REDIS_PASSWORD", "for-the-external-redis")
 
@@ -179,8 +179,9 @@ def test_choose_queue_fallback_chain(tmp_path, monkeypatch):
     assert q.backend == "embedded" and sup.embedded is not None
     assert f"REDIS_URL={dead_url} does not answer; redis-server is not installed; using the embedded queue" in q.message
     assert "not persistent" in q.message
-    assert sup.drop_env == ("REDIS_PASSWORD",)  # the children must not AUTH to a password-less queue
-    client = redis.Redis.from_url(q.url)
+    assert sup.drop_env == ("REDIS_PASSWORD",)  # the external Redis' password goes to no child
+    assert sup.child_env["REDIS_PASSWORD"] == q.password != "for-the-external-redis"  # the queue's own
+    client = redis.Redis.from_url(q.auth_url)
     assert client.ping() and client.set("k", "v") and client.get("k") == b"v"
     sup.check()
     sup.stop_all()  # stops the embedded queue (after the children)

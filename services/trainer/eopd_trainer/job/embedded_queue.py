@@ -14,10 +14,14 @@ What it is not:
   connection; the learner's last committed checkpoint stays on disk, but a restarted run starts
   from an empty queue. Ctrl-C / SIGTERM are clean: the children are stopped first, the queue last.
 - **Not shared.** It listens on 127.0.0.1 only; processes on other machines cannot use it.
-- **No password.** fakeredis 2.40's TCP server accepts `CONFIG SET requirepass` without enforcing
-  it, and an ACL that disables the default user also refuses redis-py's connection handshake (HELLO
-  before AUTH), so any local process that finds its port can read and write it. What the run's
-  processes accept from it is still authenticated: every message carries an HMAC under the run's
+- **A password of its own, enforced here.** fakeredis 2.40's TCP server accepts `CONFIG SET
+  requirepass` without enforcing it, so each connection's command dispatch is wrapped
+  (`_require_auth`): until it sends `AUTH <password>`, `AUTH default <password>` or `HELLO <ver>
+  AUTH default <password>` (what redis-py 8 sends), every command is answered `NOAUTH` and not run;
+  a wrong password gets `WRONGPASS`. `eopd run` gives it a random password each start and passes it
+  to the learner and workers as REDIS_PASSWORD, as for a redis-server it starts (local_queue.py).
+  CONFIG and ACL are refused even after AUTH, so no client can lock the run out. What the run's
+  processes accept from it is also authenticated: every message carries an HMAC under the run's
   key (`queue/signing.py`), which the queue never sees.
 - **Not fast for large entries.** fakeredis' TCP server reads a request line by line and its
   parser concatenates the pieces: median XADD 0.27 ms for 10 kB (the CPU presets' rollouts are
@@ -33,7 +37,9 @@ method of fakeredis' socket class) and is checked by `tests/trainer/test_pipelin
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
+import secrets
 import threading
 
 log = logging.getLogger(__name__)
@@ -77,16 +83,89 @@ def _fix_blocking_xreadgroup() -> None:
         _fixed = True
 
 
+NOAUTH = "NOAUTH Authentication required."
+WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
+REFUSED = (b"config", b"acl")  # could lock the run out (requirepass, users): the run never needs them
+
+
+def _require_auth(sock, password: bytes) -> None:
+    """Makes one connection's fake socket run nothing before a successful AUTH (see the module doc).
+
+    fakeredis parses each command and hands it to `sock._process_command(fields)`; that method is
+    replaced on this socket only by a gate that answers AUTH and HELLO ... AUTH itself (user
+    `default` only; compared in constant time) and passes the rest on once authenticated. Errors
+    are queued as fakeredis' SimpleError, which its TCP handler writes as `-<message>` and, unlike
+    an error of a command, without closing the connection (as Redis answers NOAUTH)."""
+    from fakeredis._helpers import SimpleError
+
+    run = sock._process_command
+    authed = False
+
+    def check(user: bytes, given: bytes) -> bool:
+        nonlocal authed
+        ok = hmac.compare_digest(given, password) and user.lower() == b"default"
+        authed = authed or ok
+        if not ok:
+            sock.put_response(SimpleError(WRONGPASS))
+        return ok
+
+    def gate(fields: list[bytes]) -> None:
+        name = fields[0].lower() if fields else b""
+        if name == b"auth":
+            if len(fields) not in (2, 3):
+                sock.put_response(SimpleError("ERR wrong number of arguments for 'auth' command"))
+            elif check(*(fields[1:] if len(fields) == 3 else [b"default", fields[1]])):
+                sock.put_response(b"OK")
+            return
+        if name == b"hello":
+            upper = [f.upper() for f in fields]
+            if b"AUTH" in upper[2:]:
+                at = upper.index(b"AUTH", 2)
+                if len(fields) < at + 3:
+                    sock.put_response(SimpleError("ERR Syntax error in HELLO option 'auth'"))
+                    return
+                if not check(fields[at + 1], fields[at + 2]):
+                    return
+                fields = fields[:at] + fields[at + 3:]  # fakeredis' own ACL knows no password
+        if not authed:
+            sock.put_response(SimpleError(NOAUTH))
+        elif name in REFUSED:
+            sock.put_response(SimpleError(f"ERR {name.decode().upper()} is disabled in the embedded queue"))
+        else:
+            run(fields)
+
+    sock._process_command = gate
+
+
+def _auth_server(address: tuple[str, int], password: str):
+    """fakeredis' TcpFakeServer whose connections must authenticate (`_require_auth`)."""
+    import fakeredis
+    from fakeredis._clients._tcp_server import TCPFakeRequestHandler
+
+    secret = password.encode()
+
+    class Handler(TCPFakeRequestHandler):
+        def setup(self) -> None:
+            super().setup()
+            _require_auth(self.current_client.get_socket(), secret)
+
+    server = fakeredis.TcpFakeServer(address)
+    server.RequestHandlerClass = Handler
+    return server
+
+
 class EmbeddedQueue:
     """A Redis-protocol server on 127.0.0.1 in a daemon thread of this process (see the module doc)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, password: str | None = None):
+        """`password`: what clients must AUTH with (a new random one when None)."""
         try:
             import fakeredis
         except ImportError as exc:  # the trainer extra pins it
             raise RuntimeError("the embedded queue needs the fakeredis package (pip install 'eopd[trainer]')") from exc
         _fix_blocking_xreadgroup()
-        self._server = fakeredis.TcpFakeServer((host, port))
+        self.password = password or secrets.token_hex(32)
+        self._server = _auth_server((host, port), self.password)
         self._server.daemon_threads = True  # a connection left open by a killed child must not hold up stop()
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -96,6 +175,11 @@ class EmbeddedQueue:
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def auth_url(self) -> str:
+        """`url` with the password in it (for this process' own clients and tests; never logged)."""
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def start(self) -> EmbeddedQueue:
         self._thread.start()

@@ -56,7 +56,7 @@ class QueueChoice:
     url: str
     backend: str  # "redis" (an existing Redis), "redis-server" (started here) or "embedded"
     message: str  # the sentence `eopd run` prints and records in run_summary.json
-    password: str | None = field(default=None, repr=False)  # of a redis-server started here (children: REDIS_PASSWORD)
+    password: str | None = field(default=None, repr=False)  # of a queue started here (children: REDIS_PASSWORD)
 
     @property
     def auth_url(self) -> str:
@@ -159,9 +159,9 @@ def run_key_file(run_dir: Path, qcfg: QueueConfig) -> str:
     return str(write_key_file(run_dir / KEY_NAME))
 
 
-def _start_embedded(sup: Supervisor) -> str:
+def _start_embedded(sup: Supervisor, password: str) -> str:
     try:
-        sup.embedded = EmbeddedQueue().start()
+        sup.embedded = EmbeddedQueue(password=password).start()
     except (RuntimeError, OSError) as exc:
         raise RunError(f"the embedded queue did not start: {exc}") from None
     return sup.embedded.url
@@ -179,8 +179,8 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
     With a queue started here, REDIS_PASSWORD (meant for the Redis at $REDIS_URL) is not passed to
     the children. A redis-server started here gets a new random password (`_start_redis_server`),
     given as REDIS_PASSWORD to the children that hold the run directory (the learner, the workers;
-    `Supervisor.child_env`). The embedded queue has none (fakeredis' TCP server does not enforce
-    `requirepass`); its messages are still authenticated (queue/signing.py)."""
+    `Supervisor.child_env`); so does the embedded queue (it enforces AUTH itself, embedded_queue.py).
+    Their messages are authenticated besides (queue/signing.py)."""
     qcfg = qcfg or QueueConfig()
     backend = qcfg.backend
     env_url = os.environ.get("REDIS_URL", "")
@@ -213,6 +213,8 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
                        "redis-server, or queue.backend=auto|embedded)")
     if backend == "auto":
         why += "; redis-server is not installed"
-    url = _start_embedded(sup)
+    password = secrets.token_hex(32)
+    sup.child_env = {**sup.child_env, "REDIS_PASSWORD": password}  # the learner, workers (not the teacher)
+    url = _start_embedded(sup, password)
     return QueueChoice(url, "embedded", f"queue: {why}; using the embedded queue (fakeredis) on "
-                       f"{url.split('/')[2]}, {EMBEDDED_NOTE}")
+                       f"{url.split('/')[2]} with a random password, {EMBEDDED_NOTE}", password=password)

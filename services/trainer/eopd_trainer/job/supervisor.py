@@ -117,7 +117,7 @@ class Supervisor:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
     embedded: EmbeddedQueue | None = None
-    drop_env: tuple[str, ...] = ()  # not passed to children (REDIS_PASSWORD with the embedded queue)
+    drop_env: tuple[str, ...] = ()  # not passed to children (an external REDIS_PASSWORD, with a queue started here)
     child_env: dict[str, str] = field(default_factory=dict)  # set in children started with hold=True (REDIS_PASSWORD
     # of a redis-server started here: the queue, the learner, the workers; not the teacher)
     pass_fds: tuple[int, ...] = ()  # inherited by every child started with hold=True (the run directory's lock)
