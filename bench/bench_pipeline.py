@@ -141,17 +141,21 @@ def _iteration_records(path: Path) -> list[dict]:
 
 
 def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher], redis_url: str, work: Path,
-               threads: int, iterations: int, timeout: float, tag: str) -> dict:
+               threads: int, iterations: int, timeout: float, tag: str, queue_env: dict[str, str] | None = None) -> dict:
     """One configuration: fresh workers and learner on the shared Redis and teachers; returns its
     measurements (see the module docstring)."""
     from eopd_trainer.config import dump_config, load_config
+    from eopd_trainer.job.local_queue import run_key_file
     from eopd_trainer.job.supervisor import Supervisor
 
     run_dir = work / tag
+    run_dir.mkdir(parents=True, exist_ok=True)
+    queue = base_cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": f"bench:{tag}:{time.time_ns()}"})
+    queue = queue.model_copy(update={"auth_key_file": run_key_file(run_dir, queue)})  # signed, as `eopd run` does
     cfg = base_cfg.model_copy(update={
         "run_dir": run_dir,
         "mode": mode,
-        "queue": base_cfg.queue.model_copy(update={"redis_url": redis_url, "namespace": f"bench:{tag}:{time.time_ns()}"}),
+        "queue": queue,
         "teacher": base_cfg.teacher.model_copy(update={"target": teachers[0].target}),
         # Each worker takes half an iteration's tasks per round, so both have work in sync mode.
         # claim_idle_ms: reclaiming is for dead workers; with the default 30 s a live worker whose
@@ -162,11 +166,11 @@ def run_config(base_cfg, *, mode: str, n_teachers: int, teachers: list[Teacher],
         "logging": base_cfg.logging.model_copy(update={"progress": False}),
         "eval": base_cfg.eval.model_copy(update={"enabled": False}),
     })
-    run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "run.yaml"
     config_path.write_text(dump_config(cfg))
     load_config(config_path)  # what the children load must validate
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           **(queue_env or {})}
     py = sys.executable
     sup = Supervisor(run_dir / "logs")
     used = teachers[:n_teachers]
@@ -348,15 +352,16 @@ def _reading(by: dict, cores: int) -> str:
     return "\n".join(lines)
 
 
-def _queue(sup, work: Path, base) -> tuple[str, str]:
-    """(redis_url, message) from `eopd run`'s queue choice: the Redis at $REDIS_URL, else a
-    redis-server started here. The benchmark wants a real Redis (not the embedded stand-in)."""
+def _queue(sup, work: Path, base) -> tuple[str, str, dict[str, str]]:
+    """(redis_url, message, env) from `eopd run`'s queue choice: the Redis at $REDIS_URL, else a
+    redis-server started here with a random password (`env`: REDIS_PASSWORD for the learner and
+    workers, as `eopd run` gives it). The benchmark wants a real Redis (not the embedded stand-in)."""
     from eopd_trainer.job.local_queue import choose_queue
 
     res = choose_queue(sup, work, base.queue)
     if res.backend == "embedded":
         raise RuntimeError(f"the pipeline benchmark needs a real Redis ({res.message}): install redis-server or set REDIS_URL")
-    return res.url, res.message
+    return res.url, res.message, ({"REDIS_PASSWORD": res.password} if res.password else {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = Supervisor(work / "logs")
     results: list[dict] = []
     try:
-        redis_url, queue_msg = _queue(shared, work, base)
+        redis_url, queue_msg, queue_env = _queue(shared, work, base)
         print(f"[pipeline] {queue_msg}; work dir {work}", flush=True)
         teachers = []
         for i in range(max(args.teachers)):  # port 0 for both servers, read from each teacher's ports file
@@ -421,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                 tag = f"r{rnd}-{mode}-t{nt}"
                 print(f"[pipeline] {tag}: {WORKERS} workers, {nt} teacher(s), {iterations} iterations", flush=True)
                 r = run_config(base, mode=mode, n_teachers=nt, teachers=teachers, redis_url=redis_url, work=work,
-                               threads=args.threads, iterations=iterations, timeout=args.timeout, tag=tag)
+                               threads=args.threads, iterations=iterations, timeout=args.timeout, tag=tag,
+                               queue_env=queue_env)
                 r["round"] = rnd
                 results.append(r)
                 print(json.dumps(r), flush=True)

@@ -16,6 +16,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,14 @@ def test_eopd_runs_redis_server_refuses_strangers(tmp_path, monkeypatch):
                 attempt()
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis.from_url(q.url, password="guess", socket_timeout=5).ping()
+        # The pipeline's own client (queue/streams.connect, which retries connection errors for
+        # minutes) fails at once on a refused password instead of hanging in its backoff.
+        monkeypatch.setenv("REDIS_PASSWORD", "guess")
+        t0 = time.monotonic()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            connect(q.url).ping()
+        assert time.monotonic() - t0 < 5.0, "a refused password must not be retried"
+        monkeypatch.delenv("REDIS_PASSWORD")
 
         # The run's children get the password (REDIS_PASSWORD) and connect as the learner and workers do.
         assert sup.drop_env == ("REDIS_PASSWORD",)  # the external Redis' password goes to no child

@@ -89,8 +89,23 @@ class Keys:
         return f"{self.ns}:lease"
 
 
+class _RetryUnlessRefused(Retry):
+    """redis-py's Retry, except that a refused password (NOAUTH, WRONGPASS: AuthenticationError, a
+    subclass of ConnectionError) is raised at once: no backoff makes a wrong password right, and
+    retrying it would hang the process for minutes instead of failing with the reason."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, redis.exceptions.AuthenticationError):
+                return False
+            return is_retryable is None or is_retryable(error)
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def connect(url: str) -> redis.Redis:
-    """A Redis client that retries connection errors with backoff (survives a Redis restart).
+    """A Redis client that retries connection errors with backoff (survives a Redis restart), but
+    not a refused password (`_RetryUnlessRefused`).
 
     The password may come from the URL or from REDIS_PASSWORD; `rediss://` selects TLS."""
     kwargs = {}
@@ -99,7 +114,7 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(
         url,
         decode_responses=False,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
+        retry=_RetryUnlessRefused(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
         retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
         health_check_interval=30,
         socket_connect_timeout=5,
