@@ -36,7 +36,7 @@ from .openai_format import (
     scored_tokens,
     validation_error,
 )
-from .servicer import CLIENT_ID_HEADER, TeacherServicer
+from .servicer import CLIENT_ID_HEADER, TeacherServicer, client_from
 from .state import ServerState
 from .status import describe
 
@@ -156,8 +156,9 @@ class CompletionsRoute:
         except Exception as exc:  # noqa: BLE001 - loading / draining: 503
             raise _compat_error(exc) from None
         p = plan(req, served_model=info.model_name, max_top_k=info.max_top_k, vocab_size=info.vocab_size, tokenize=self._tokenize())
-        if json_bytes_estimate(p) > s.max_message_bytes:
-            raise CompatError(413, f"prompt: an answer of about {json_bytes_estimate(p)} bytes of JSON would exceed the server's "
+        estimate = json_bytes_estimate(p)
+        if estimate > s.max_message_bytes:
+            raise CompatError(413, f"prompt: an answer of about {estimate} bytes of JSON would exceed the server's "
                                    f"message limit of {s.max_message_bytes} bytes; split the request or ask fewer log-probs", "prompt")
         scores = await self._score(request, p, req.echo)
         return json.dumps(completion_response(req, p, scores, info.model_name, self.decoder(),
@@ -193,13 +194,12 @@ def _renumber(text: str, index: list[int]) -> str:
 def _client(request: Request) -> str:
     """Who a request is from, for per-client limits, as on gRPC: the x-eopd-client header, else
     the peer address."""
-    given = request.headers.get(CLIENT_ID_HEADER)
-    if given:
-        return f"id:{given}"[:128]
     if request.client is None:
-        return "unknown"
-    host = request.client.host
-    return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+        peer = "unknown"
+    else:
+        host = request.client.host
+        peer = f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+    return client_from(request.headers.get(CLIENT_ID_HEADER), peer)
 
 
 def create_router(state: ServerState) -> APIRouter:

@@ -187,11 +187,9 @@ class Decoder:
         self._cache: dict[int, str | None] = {}
 
     def __call__(self, tid: int) -> str | None:
-        s = self._cache.get(tid, "")
-        if s == "":
-            s = self._tok.decode([tid]) if self._tok is not None else None
-            self._cache[tid] = s
-        return s
+        if tid not in self._cache:  # "" and None are cached answers too
+            self._cache[tid] = self._tok.decode([tid]) if self._tok is not None else None
+        return self._cache[tid]
 
 
 def prompt_logprobs(ids: list[int], s: SequenceScores | None, k: int, decode: Decoder) -> tuple[list, list]:
@@ -206,7 +204,7 @@ def prompt_logprobs(ids: list[int], s: SequenceScores | None, k: int, decode: De
     for t in range(1, len(ids)):
         row_ids, row_lps = tids[t - 1], tlps[t - 1]
         own = ids[t]
-        rank = row_ids.index(own) + 1 if own in row_ids else len(row_ids) + 1
+        rank = _rank(row_ids, own)
         d = {str(own): {"logprob": _lp(lps[t - 1]), "rank": rank, "decoded_token": decode(own)}}
         for r in range(k):
             d.setdefault(str(row_ids[r]), {"logprob": _lp(row_lps[r]), "rank": r + 1, "decoded_token": decode(row_ids[r])})
@@ -285,3 +283,11 @@ def scored_tokens(p: Plan) -> list[np.ndarray]:
     """The token ids each prompt is scored as: the prompt, plus a filler token (id 0) when the
     next token is wanted (the last position's distribution is then the next-token one)."""
     return [np.asarray(ids + [0] if p.generate else ids, dtype=np.int64) for ids in p.prompts]
+
+
+def _rank(row_ids: list[int], own: int) -> int:
+    """The 1-based rank of `own` in the top-k row; k + 1 (a lower bound) when it is not in it."""
+    try:
+        return row_ids.index(own) + 1
+    except ValueError:
+        return len(row_ids) + 1

@@ -30,11 +30,14 @@ CLIENT_ID_HEADER = "x-eopd-client"
 def client_key(context: grpc.aio.ServicerContext) -> str:
     """Who a request is from, for per-client limits and the batcher's fair queuing: the
     x-eopd-client metadata, else the peer address without its port."""
-    for key, value in context.invocation_metadata() or ():
-        if key == CLIENT_ID_HEADER and value:
-            return f"id:{value}"[:128]
-    peer = context.peer() or "unknown"
-    return peer.rsplit(":", 1)[0]
+    given = next((v for k, v in context.invocation_metadata() or () if k == CLIENT_ID_HEADER and v), None)
+    return client_from(given, (context.peer() or "unknown").rsplit(":", 1)[0])
+
+
+def client_from(given: str | None, peer: str) -> str:
+    """The client key of both front ends (gRPC, HTTP): `id:<x-eopd-client>` (at most 128
+    characters) when the caller names itself, else its peer address without the port."""
+    return f"id:{given}"[:128] if given else peer
 
 
 class TeacherServicer(pb_grpc.TeacherServiceServicer):
