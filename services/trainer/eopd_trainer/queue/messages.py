@@ -230,6 +230,12 @@ def _encode_candidates(msg: pb.ScoredRollout, r: Rollout) -> None:
     msg.candidate_logprobs.extend(np.asarray(r.candidate_logprobs, dtype=np.float32).reshape(-1).tolist())
 
 
+def _check_logprobs_or_inf(rid: str, name: str, values: np.ndarray) -> None:
+    """PoisonMessage unless every value is a log-prob in [MIN_LOGPROB, 0] (1e-4 of slack) or -inf."""
+    if np.any(values > 1e-4) or np.any(np.isfinite(values) & (values < MIN_LOGPROB)):
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} outside [{MIN_LOGPROB:g}, 0] (or -inf)")
+
+
 def _decode_candidates(msg: pb.ScoredRollout, rid: str, n: int, vocab_size: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The rollout's `[n, m]` candidate ids and teacher log-probs (None, None without any);
     PoisonMessage when their sizes, ids (in [-1, vocab)) or log-probs (NaN exactly at -1 filler,
@@ -252,8 +258,7 @@ def _decode_candidates(msg: pb.ScoredRollout, rid: str, n: int, vocab_size: int 
     if not np.array_equal(np.isnan(lp), filler):
         raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_logprobs must be NaN exactly at -1 filler ids")
     real = lp[~filler]
-    if np.any(real > 1e-4) or np.any(np.isfinite(real) & (real < MIN_LOGPROB)):
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_logprobs outside [{MIN_LOGPROB:g}, 0] (or -inf)")
+    _check_logprobs_or_inf(rid, "candidate_logprobs", real)
     return ids, lp
 
 
@@ -305,8 +310,7 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
     if np.any(np.isnan(tklp)):
         raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_topk_logprobs has NaN")
     # -inf marks an unused (dead) entry; +inf, a positive or an absurdly small finite value is corrupt.
-    if np.any(tklp > 1e-4) or np.any(np.isfinite(tklp) & (tklp < MIN_LOGPROB)):
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_topk_logprobs outside [{MIN_LOGPROB:g}, 0] (or -inf)")
+    _check_logprobs_or_inf(rid, "teacher_topk_logprobs", tklp)
     cand_ids, cand_lp = _decode_candidates(msg, rid, n, vocab_size)
     return Rollout(
         rollout_id=msg.rollout_id,
