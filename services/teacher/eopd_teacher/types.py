@@ -50,6 +50,41 @@ class SequenceScores:
 
 
 @dataclass(frozen=True)
+class GenerateItem:
+    """One prompt to continue `num_samples` times (a validated GenerateRequest has one per prompt).
+
+    temperature 0 means greedy; top_p 1.0 means off. With `seed` set, sample j of this item is
+    drawn from a generator seeded with (seed, item index in the request, j), so the same request
+    gives the same tokens on the same engine and hardware. Statistics of the generated positions
+    are those `ScoringEngine.score` gives for prompt + generated ids at `score_temperature`."""
+
+    prompt_id: str
+    token_ids: np.ndarray  # [P] int64
+    num_samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_token_ids: tuple[int, ...]
+    seed: int | None
+    top_k: int
+    score_temperature: float
+    index: int = 0  # position of this prompt in its request (part of the seed)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generated response: `token_ids [n]` (without the prompt; ends with the stop/EOS id
+    when finish_reason == "stop") and the statistics at those n positions (`scores.seq_id` is
+    the prompt id)."""
+
+    prompt_id: str
+    sample_index: int
+    token_ids: np.ndarray  # [n] int64
+    finish_reason: str  # "stop" | "length"
+    scores: SequenceScores
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What a loaded engine serves: the model, its vocabulary and context, the weights' dtype and the
     tokenizer. The server adds its own limits and version to make the `ModelInfo` it answers with
@@ -81,3 +116,5 @@ class ModelInfo:
     max_tokens_per_request: int = 0
     server_version: str = ""
     max_candidates: int = 0
+    max_new_tokens: int = 0
+    max_generate_samples: int = 0

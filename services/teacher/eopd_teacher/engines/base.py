@@ -15,7 +15,7 @@ import torch
 
 from ..settings import EngineSettings
 from ..stats import StatsFn, token_statistics
-from ..types import EngineInfo, ScoreItem, SequenceScores
+from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
 
 
 class ScoringEngine(abc.ABC):
@@ -27,6 +27,12 @@ class ScoringEngine(abc.ABC):
     @abc.abstractmethod
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
         """Scores validated items (in order). Items may mix lengths, top_k and temperatures."""
+
+    def generate(self, items: list[GenerateItem]) -> list[Generation]:
+        """Generates `item.num_samples` responses per validated item and returns them with their
+        statistics, grouped by item in order, samples in order. Engines that cannot generate
+        raise NotImplementedError (the server then does not serve Generate)."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate")
 
     @abc.abstractmethod
     def health(self) -> bool:
