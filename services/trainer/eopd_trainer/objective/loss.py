@@ -2,12 +2,14 @@
 
 The flow is the same for both entry points:
 
-1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there;
+1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there (only those
+   the variant reads: `inputs.flatten_tokens`; grpo reads no teacher scores, kd/gkd no old log-probs);
 2. choose the FKL positions of the variant (entropy gate, all, random, none) *before* touching the
    vocabulary, so the student's log-probs at the teacher's top-k are gathered only where needed;
 3. one chunked vocabulary pass (`vocab.vocab_stats`): log-prob of the sampled token, student
    entropy, log-probs at the teacher's top-k of the gathered tokens;
-4. per-token terms (`terms`) on these small tensors, aggregated with explicit weights.
+4. per-token terms (`terms`) on these small tensors, aggregated with explicit weights; kd's CE term
+   is `-logp` of the sampled (teacher) token from step 3, so it costs no extra vocabulary work.
 """
 
 from __future__ import annotations
