@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import urllib.request
 
 import grpc
@@ -156,8 +157,6 @@ def test_bad_field_is_refused_naming_it_and_the_server_still_serves(tiny_teacher
     with pytest.raises(grpc.RpcError) as e:
         _generate_raw(tiny_teacher.target, _req(**fields))
     assert e.value.code() == code
-    import re
-
     assert re.search(match, e.value.details()), e.value.details()
     with TeacherClient(tiny_teacher.target) as c:
         assert len(c.score([("ok", [1, 2, 3], 1)])) == 1

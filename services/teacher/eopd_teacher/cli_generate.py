@@ -13,7 +13,6 @@ entropies, topk_ids, topk_logprobs (and "text", the decoded response, when a tok
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys

@@ -16,13 +16,13 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from .batcher import Overloaded
+from .batcher import DynamicBatcher, Overloaded
 from .convert import STREAM_ENDING_KEY, info_to_pb, items_from_request, scores_to_pb
 from .convert_generate import generate_items_from_request, generation_to_pb
 from .state import ServerState
 from .status import DeadlinePassed, NotReady, describe
 from .stream_session import StreamSession
-from .types import GenerateItem
+from .types import GenerateItem, Generation
 
 log = logging.getLogger("eopd_teacher")
 
@@ -161,7 +161,7 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
                 for g in generations:
                     yield generation_to_pb(request.request_id, g)
 
-    async def _run_generate_job(self, batcher, job: list[GenerateItem], deadline: float | None) -> list:
+    async def _run_generate_job(self, batcher: DynamicBatcher, job: list[GenerateItem], deadline: float | None) -> list[Generation]:
         """One engine job on the batcher; the engine is told to stop (`cancelled`) once this call
         is cancelled or its deadline has passed, so an abandoned generation frees the engine."""
         gone = threading.Event()
