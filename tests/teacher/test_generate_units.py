@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,8 @@ from eopd_teacher.engines.sampling import nucleus_probs, sample_next, sample_see
 from eopd_teacher.servicer import generate_jobs, generate_tokens
 from eopd_teacher.settings import TeacherSettings
 from eopd_teacher.state import served_info
-from eopd_teacher.types import EngineInfo, Generation, ModelInfo, ScoreItem, SequenceScores
+from eopd_teacher.status import DeadlinePassed, status_of
+from eopd_teacher.types import EngineInfo, Generation, GenerationCancelled, ModelInfo, ScoreItem, SequenceScores
 
 INFO = ModelInfo("m", "r", vocab_size=100, max_context_length=50, dtype="float32", engine="transformers", default_top_k=16,
                  max_top_k=20, tokenizer_fingerprint="f", max_sequences_per_request=4, max_tokens_per_request=400,
@@ -116,6 +118,11 @@ def test_answer_size_bound_and_not_served():
     assert generate_items_from_request(_req(max_new_tokens=30, top_k=20), INFO, max_response_bytes=1 << 20)
     with pytest.raises(GenerateNotServed, match="not served"):
         generate_items_from_request(_req(), ModelInfo(**(INFO.__dict__ | {"max_new_tokens": 0})))
+
+
+def test_generate_statuses():
+    assert status_of(GenerateNotServed("x")) == grpc.StatusCode.UNIMPLEMENTED
+    assert status_of(DeadlinePassed("x")) == status_of(GenerationCancelled("x")) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_generation_round_trip():
