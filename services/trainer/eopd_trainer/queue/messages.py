@@ -387,7 +387,8 @@ def _check_lengths(msg: pb.ScoredRollout, rid: str, n: int, k: int, *, origin: s
         if given or not graded:
             raise PoisonMessage(f"inconsistent ScoredRollout {rid}: top_k must be >= 1 (top_k 0, no teacher scores, "
                                 f"only for a graded rollout with a reward" + (f"; {given[0]} is set)" if given else ")"))
-    want = {"teacher_logprobs": n, "teacher_entropies": n, "teacher_topk_ids": n * k, "teacher_topk_logprobs": n * k}
+    rows = n if k else 0  # graded only: every teacher array empty
+    want = {"teacher_logprobs": rows, "teacher_entropies": rows, "teacher_topk_ids": n * k, "teacher_topk_logprobs": n * k}
     if not (origin == ORIGIN_TEACHER and len(msg.old_logprobs) == 0):
         want["old_logprobs"] = n
     for name, count in want.items():
