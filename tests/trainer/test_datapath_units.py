@@ -267,3 +267,32 @@ def test_grader_rewards_with_evals_extraction(tmp_path):
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="no field 'answer'"):
         load_answers([bad])
+
+
+# The report's warm-up marks ------------------------------------------------------------------------
+
+def test_report_names_and_shades_the_warmup(tmp_path):
+    from eopd_trainer.eval.report import _mark_warmup, stages_line, warmup_iterations
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.yaml").write_text("loss:\n  variant: eopd\n")
+    rows = [{"kind": "iteration", "iteration": i, "stage": "kd-warmup" if i <= 2 else "eopd", "iter/loss": 1.0 / i}
+            for i in range(1, 5)]
+    (run / "train_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert warmup_iterations(rows) == [1, 2]
+    assert "run: kd-warmup (iterations 1-2, shaded in the training curves), then eopd" in stages_line([run])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    _mark_warmup(ax, {run: rows})
+    spans = [p for p in ax.patches]
+    assert len(spans) == 1 and spans[0].get_label() == "kd-warmup"
+    x0, x1 = spans[0].get_x(), spans[0].get_x() + spans[0].get_width()
+    assert (x0, x1) == (0.5, 2.5)
+    plt.close(fig)
+    (run / "train_metrics.jsonl").write_text("".join(json.dumps({**r, "stage": "eopd"}) + "\n" for r in rows))
+    assert stages_line([run]) == ""  # no warm-up: nothing to name
