@@ -49,7 +49,8 @@ class TeacherGenerator:
         return dict(num_samples=task.num_teacher_samples, max_new_tokens=ro.max_response_length,
                     temperature=ro.temperature, top_p=ro.top_p, stop_token_ids=self.stop_ids,
                     seed=generation_seed(self.cfg.seed, task.task_seq), top_k=te.top_k,
-                    score_temperature=te.temperature, timeout=te.timeout_s)
+                    score_temperature=te.temperature, timeout=te.timeout_s,
+                    request_id=f"{self.worker_id}-{task.task_id}")
 
     async def generate(self, task: PromptTask, prompt_ids: Sequence[int]) -> list:
         """The teacher's Generations for the task (sample_index 0 .. num_teacher_samples - 1)."""
