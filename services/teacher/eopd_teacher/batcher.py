@@ -7,6 +7,10 @@ choice: clients take turns (fair queuing over tokens, each client's share of one
 `max_client_tokens`, so a large request is served over several batches and other clients'
 requests are served between them), sequences of similar length are grouped. Admission is bounded
 by the tokens waiting in the queue.
+
+Other engine work (generation: `submit_job`) waits in a FIFO beside the scoring queue and runs on
+the same worker thread as one job, so the engine never runs two things at once; when both wait,
+jobs and scoring batches take turns, so neither starves the other.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +40,15 @@ class Draining(Exception):
 class BatcherDied(Draining):
     """The batcher's loop died (a bug): pending and new work fail with UNAVAILABLE, so clients
     retry on another replica, and the server reports itself not ready."""
+
+
+@dataclass(eq=False)
+class _Job:
+    """One engine job (`fn()` on the worker thread), `tokens` counted against the queue limit."""
+
+    fn: Callable[[], object]
+    tokens: int
+    ticket: asyncio.Future
 
 
 @dataclass
@@ -64,6 +78,8 @@ class DynamicBatcher:
         self._obs = observer or BatchObserver()
         self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
         self._counter = 0
+        self._jobs: deque[_Job] = deque()
+        self._job_turn = False  # when both wait: a job next (True) or a scoring batch (False)
         self._wakeup = asyncio.Event()
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eopd-engine")
@@ -91,9 +107,11 @@ class DynamicBatcher:
         self._died = exc
         log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
         err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
-        for w in self._queue.clear():
-            if not w.ticket.done():
-                w.ticket.set_exception(err)
+        tickets = [w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
+        self._jobs.clear()
+        for ticket in tickets:
+            if not ticket.done():
+                ticket.set_exception(err)
         self._busy = False
         if self.on_died is not None:
             try:
@@ -103,24 +121,43 @@ class DynamicBatcher:
 
     @property
     def queued_tokens(self) -> int:
-        return self._queue.tokens
+        return self._queue.tokens + sum(j.tokens for j in self._jobs)
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._busy
+        return not self._queue and not self._jobs and not self._busy
 
-    async def submit(self, items: list[ScoreItem], client: str = "") -> list[SequenceScores]:
-        """Scores `items` (all or nothing) for `client` (the key of fair queuing); raises
-        Overloaded or Draining before queueing."""
+    def _admit(self, tokens: int) -> None:
+        """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
+        `tokens` more may wait."""
         if self._died is not None:
             raise BatcherDied(f"the server's batcher stopped ({type(self._died).__name__}: {self._died}); retry on another replica")
         if self._closed:
             raise Draining("the server is shutting down")
+        waiting = self.queued_tokens
+        if waiting + tokens > self.max_queue_tokens and (self._queue or self._jobs):
+            raise Overloaded(f"queue full: {waiting} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}")
+
+    async def submit_job(self, fn: Callable[[], object], tokens: int) -> object:
+        """Runs `fn()` (engine work other than scoring: generation) on the engine's worker thread
+        as one job, in turn with scoring batches; `tokens` count against the queue limit while it
+        waits. Raises Overloaded or Draining before queueing. A caller cancelled before its job
+        starts withdraws it; one cancelled while it runs leaves it to finish, its result dropped."""
+        self._admit(tokens)
+        job = _Job(fn, tokens, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        self._wakeup.set()
+        try:
+            return await job.ticket
+        except BaseException:
+            job.ticket.cancel()
+            raise
+
+    async def submit(self, items: list[ScoreItem], client: str = "") -> list[SequenceScores]:
+        """Scores `items` (all or nothing) for `client` (the key of fair queuing); raises
+        Overloaded or Draining before queueing."""
         tokens = sum(it.num_tokens for it in items)
-        if self._queue.tokens + tokens > self.max_queue_tokens and self._queue:
-            raise Overloaded(
-                f"queue full: {self._queue.tokens} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}"
-            )
+        self._admit(tokens)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         entries = []
@@ -140,7 +177,7 @@ class DynamicBatcher:
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while (self._queue or self._busy) and self._died is None:
+        while (self._queue or self._jobs or self._busy) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
         if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
@@ -161,6 +198,20 @@ class DynamicBatcher:
 
     def _drop_cancelled(self) -> None:
         self._queue.drop(lambda w: w.ticket.done())
+        if any(j.ticket.done() for j in self._jobs):
+            self._jobs = deque(j for j in self._jobs if not j.ticket.done())
+
+    async def _run_job(self, job: _Job) -> None:
+        """One job on the worker thread; its result or error goes to its caller."""
+        self._busy = True
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, job.fn)
+        except Exception as exc:  # noqa: BLE001 - the job's own failure, for its caller
+            job.ticket.done() or job.ticket.set_exception(exc)
+        else:
+            job.ticket.done() or job.ticket.set_result(result)
+        finally:
+            self._busy = False
 
     def _form_batch(self) -> list[Waiting]:
         """The next batch (scheduling.FairQueue: fair by client, grouped by length)."""
@@ -170,11 +221,16 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         while True:
             self._drop_cancelled()
+            if self._jobs and (self._job_turn or not self._queue):
+                self._job_turn = False
+                await self._run_job(self._jobs.popleft())
+                continue
             oldest = self._queue.oldest()
             if oldest is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            self._job_turn = True  # a job, if one waits, goes after this batch
             # Wait (briefly) for the batch to fill unless the budget is already reached.
             deadline = oldest.enqueued + self.max_wait_s
             while self._queue.tokens < self.max_batch_tokens and not self._closed:
