@@ -67,7 +67,7 @@ def test_sampled_completions_equal_grpc_generate(teacher, tokenizer):
             want = {tokenizer.decode([int(tid)]): float(v) for tid, v in zip(g.scores.topk_ids[t], g.scores.topk_logprobs[t])}
             assert all(abs(top[s] - v) <= 1e-6 for s, v in want.items())
             assert len(top) <= k + 1
-        assert "prompt_logprobs" not in choice
+        assert choice["prompt_logprobs"] is None and "prompt_entropies" not in choice
     assert got["usage"] == {"prompt_tokens": sum(map(len, PROMPTS)), "completion_tokens": sum(len(g.token_ids) for g in ref),
                             "total_tokens": sum(map(len, PROMPTS)) + sum(len(g.token_ids) for g in ref),
                             "prompt_tokens_details": None, "completion_tokens_details": None}

@@ -144,7 +144,7 @@ def test_generation_response_in_vllms_shape():
     assert lp["token_logprobs"] == pytest.approx(gens[0][0].scores.token_logprobs.tolist())
     assert list(lp["top_logprobs"][0]) == ["<4>"]  # the token is its own top-1 here: k = 1 adds nothing
     assert ch[0]["completion_entropies"] == pytest.approx(gens[0][0].scores.entropies.tolist())
-    assert "prompt_logprobs" not in ch[0]
+    assert ch[0]["prompt_logprobs"] is None and "prompt_entropies" not in ch[0]
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 3 + 3 + 2 + 1
     assert body["usage"]["total_tokens"] == 12
     json.dumps(body, allow_nan=False)

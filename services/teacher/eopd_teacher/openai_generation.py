@@ -72,6 +72,7 @@ def _choice(req: CompletionRequest, p: Plan, index: int, ids: list[int], prompt_
         logprobs = logprobs_object(tokens + more[0], token_lps + more[1], tops + more[2])
     choice: dict = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": g.finish_reason,
                     "stop_reason": stop_reason}
+    choice["prompt_logprobs"] = None  # as vLLM: null when not asked
     if p.prompt_k is not None:
         choice["prompt_logprobs"], choice["prompt_entropies"] = prompt_logprobs(ids, prompt_scores, p.prompt_k, decode)
     if p.logprobs_k is not None:
