@@ -10,7 +10,6 @@ the session's one vLLM engine (`engines`, conftest.py).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -27,6 +26,7 @@ from eopd_teacher.types import GenerateItem, Generation, ScoreItem  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 ATOL, RTOL = 1e-5, 1e-6  # Score of the same tokens in another batch (vLLM's CPU kernels differ by batch shape)
+SERVER_ATOL = 1e-4  # ... and compiled statistics (the server) vs eager (the fixture engine): measured 1.2e-5
 PROMPTS = [[17, 4031, 950, 12, 8811], [5, 60, 700], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
@@ -141,6 +141,7 @@ def test_server_subprocess_generates_with_vllm_over_tcp(eng):
     for g, e in zip(got, expected, strict=True):
         assert (g.prompt_id, g.sample_index, g.finish_reason) == (e.prompt_id, e.sample_index, e.finish_reason)
         np.testing.assert_array_equal(g.token_ids, e.token_ids)
-        np.testing.assert_allclose(g.scores.token_logprobs, e.scores.token_logprobs, atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(g.scores.entropies, e.scores.entropies, atol=ATOL, rtol=RTOL)
-        assert dataclasses.replace(g.scores, token_logprobs=e.scores.token_logprobs).topk_ids.tolist() == e.scores.topk_ids.tolist()
+        # the server's statistics are compiled (compile_statistics), the fixture engine's eager: fp32 rounding
+        np.testing.assert_allclose(g.scores.token_logprobs, e.scores.token_logprobs, atol=SERVER_ATOL, rtol=0)
+        np.testing.assert_allclose(g.scores.entropies, e.scores.entropies, atol=SERVER_ATOL, rtol=0)
+        np.testing.assert_array_equal(g.scores.topk_ids, e.scores.topk_ids)
