@@ -140,7 +140,7 @@ class TransformersEngine(ScoringEngine):
         stop = torch.tensor(sorted(self._eos_ids | set(item.stop_token_ids)), dtype=torch.long)
         prompt = torch.from_numpy(item.token_ids).view(1, -1).to(dev)
         step = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-        cache = step.cache
+        cache_key, cache = _cache_of(step)
         if rows > 1:
             cache.batch_repeat_interleave(rows)
         logits = step.logits[:, -1].expand(rows, -1)
@@ -157,10 +157,18 @@ class TransformersEngine(ScoringEngine):
             stopped |= live & torch.isin(nxt, stop)
             if bool(stopped.all()) or t + 1 == item.max_new_tokens:
                 break
-            step = model(input_ids=nxt.view(rows, 1).to(dev), cache=cache, use_cache=True, logits_to_keep=1)
-            cache, logits = step.cache, step.logits[:, -1]
+            step = model(input_ids=nxt.view(rows, 1).to(dev), use_cache=True, logits_to_keep=1, **{cache_key: cache})
+            cache, logits = _cache_of(step)[1], step.logits[:, -1]
         responses = [tokens[j, : lengths[j]].numpy().copy() for j in range(rows)]
         return responses, ["stop" if bool(s) else "length" for s in stopped]
+
+
+def _cache_of(output) -> tuple[str, object]:
+    """The KV cache of a causal-LM forward's output and the keyword that passes it back: transformers
+    >= 5.2x names both `cache`, earlier releases (the vLLM venv's 5.19) `past_key_values`."""
+    if getattr(output, "cache", None) is not None:
+        return "cache", output.cache
+    return "past_key_values", output.past_key_values
 
 
 def _eos_ids(lm: LoadedModel) -> frozenset[int]:
