@@ -10,14 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from eopd_teacher.client import AsyncTeacherClient
-
 from tests.trainer.test_run_e2e import TINY, eopd
 
 pytestmark = pytest.mark.integration
-
-needs_generate = pytest.mark.skipif(not hasattr(AsyncTeacherClient, "generate"),
-                                    reason="the teacher's Generate client (branch gen-teacher) is not merged yet")
 
 B = 8  # tiny: train.batch_size; n_samples 2 -> 4 tasks per iteration
 
@@ -51,14 +46,12 @@ def test_grpo_runs_without_a_teacher_process(tmp_path):
     assert set(json.loads((run_dir / "eval.json").read_text())["models"]) == {"teacher", "final"}
 
 
-@needs_generate
 def test_kd_trains_on_teacher_generated_responses(tmp_path):
     run_dir, res, iters, _ = run_tiny(tmp_path, "loss.variant=kd", "eval.models=[final]")
     for r in iters:
         assert r["stage"] == "kd" and r["iter/teacher_origin_frac"] == 1.0 and r["iter/staleness_max"] == 0.0
 
 
-@needs_generate
 def test_gkd_mixes_teacher_and_student_samples_as_drawn(tmp_path):
     from eopd_trainer.config.stages import teacher_samples
 
@@ -69,7 +62,6 @@ def test_gkd_mixes_teacher_and_student_samples_as_drawn(tmp_path):
         assert r["stage"] == "gkd" and r["iter/teacher_origin_frac"] == pytest.approx(expected)
 
 
-@needs_generate
 def test_eopd_after_a_kd_warmup(tmp_path):
     run_dir, res, iters, _ = run_tiny(tmp_path, "train.warmup_kd_iterations=1", "eval.models=[final]", iterations=3)
     assert [r["stage"] for r in iters] == ["kd-warmup", "eopd", "eopd"]
