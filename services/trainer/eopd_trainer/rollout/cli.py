@@ -15,7 +15,8 @@ import sys
 from ..config import ConfigError, config_for_process
 from .samplers.base import SamplerUnavailable
 from .teacher_checks import TeacherIncompatible, TokenizerMismatch
-from .worker import RolloutWorker, TeacherRefused
+from .teacher_wait import TeacherRefused
+from .worker import RolloutWorker
 
 EXIT_TOKENIZER_MISMATCH = 3
 

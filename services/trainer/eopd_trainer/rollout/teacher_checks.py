@@ -1,16 +1,22 @@
-"""Checks of the teacher before the worker takes any task: the tokenizer (`check_tokenizer`, with
-`teacher.token_remap` explaining moved special tokens) and the teacher's limits against this run's
-requests (`check_teacher_limits`)."""
+"""Checks of the teacher before the worker takes any task (`check_teacher`, both in order): the
+tokenizer (`check_tokenizer`, with `teacher.token_remap` explaining moved special tokens) and the
+teacher's limits against this run's requests (`check_teacher_limits`)."""
 
 from __future__ import annotations
 
+import logging
 from itertools import combinations
 from typing import TYPE_CHECKING
 
 from eopd_common.models import describe_tokenizer_difference, load_tokenizer, tokenizer_fingerprint
 
+from ..config.stages import run_needs_teacher_generation
+
 if TYPE_CHECKING:
     from ..config import RunConfig
+
+
+log = logging.getLogger("eopd.rollout")
 
 
 class TokenizerMismatch(RuntimeError):
@@ -93,6 +99,19 @@ def check_tokenizer(info, tokenizer, student_spec: str, token_remap: dict[int, i
     )
 
 
+def check_teacher(info, cfg: RunConfig, tokenizer, worker_id: str) -> str:
+    """The checks of the teacher (ModelInfo `info`) before any task: the tokenizer (when
+    teacher.check_tokenizer), then the limits; returns its model name@revision."""
+    if cfg.teacher.check_tokenizer:
+        moved = check_tokenizer(info, tokenizer, cfg.student.model, cfg.teacher.token_remap)
+        if moved:
+            log.info("teacher tokenizer: the student's vocabulary, special tokens moved by teacher.token_remap (%s)",
+                     moved)
+    check_teacher_limits(info, cfg, tokenizer)  # after the tokenizer check: its message is the more specific
+    log.info("teacher %s ready (%s, top-k max %d); worker %s", info.model_name, info.engine, info.max_top_k, worker_id)
+    return f"{info.model_name}@{info.model_revision}"
+
+
 class TeacherIncompatible(RuntimeError):
     """The teacher cannot serve this run's requests (context, top-k, request size, vocabulary)."""
 
@@ -129,8 +148,6 @@ def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
 def generation_problems(info, cfg: RunConfig) -> list[str]:
     """What stops the teacher from generating this run's off-policy responses (KD warm-up, kd, gkd:
     config/stages.py), naming the config keys; [] when the run asks for none or it can."""
-    from ..config.stages import run_needs_teacher_generation
-
     warmup = cfg.train.warmup_kd_iterations
     if not run_needs_teacher_generation(cfg.loss, warmup):
         return []
