@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from .experiment_table import run_facts
-from .report import read_iterations
+from .run_files import read_iterations
 
 #: (panel title, iteration key) of the training figure.
 TRAINING_PANELS = (

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from .report import extra_sets, read_eval, read_iterations
+from .run_files import extra_sets, read_eval, read_iterations
 
 
 def last_quarter(run_dir: Path, key: str) -> float | None:
