@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .objective import group_advantages
 from .queue.messages import Rollout
 
 # The largest top-k a micro-batch is packed (padded) to: teacher.top_k's upper bound. The learner
@@ -146,8 +147,6 @@ def rollout_advantages(rollouts: Sequence[Rollout], eps: float) -> dict[str, flo
     of one prompt), `objective.group_advantages(rewards [B], group_ids [B], eps) -> [B]`. Call it on
     a whole iteration (every sample of a task together) before splitting into mini-batches. A
     rollout without a reward is a ValueError naming it."""
-    from .objective import group_advantages
-
     missing = [r.rollout_id for r in rollouts if r.reward is None]
     if missing:
         raise ValueError(f"rollouts {missing[:5]}: no reward (grpo's advantages need the task grader's reward)")

@@ -27,6 +27,7 @@ vLLM is imported in `start()` only.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 def eos_ids_of_dir(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     """The model's end-of-sequence ids: `eos_token_id` of generation_config.json, of config.json
     (and its `text_config`) and of the tokenizer; any may list several or none."""
-    import json
-
     sources: list[Any] = []
     gen_file = model_dir / "generation_config.json"
     if gen_file.is_file():

@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
 from ..config.stages import run_needs_teacher
@@ -48,6 +47,7 @@ from ..faults import Faults
 from ..learner.metrics import trim_records
 from .local_queue import QueueChoice, choose_queue, run_key_file
 from .prepare import prepare, validate
+from .progress import Progress
 from .resume import (
     RunDirBusy,
     RunLock,
@@ -67,39 +67,6 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see TrainingAttempt.write_config)
-
-
-class _Progress:
-    """Follows `<run_dir>/train_metrics.jsonl` into a tqdm bar, from iteration `initial` (a resumed
-    run: the file was trimmed to the committed iteration before the learner started)."""
-
-    def __init__(self, path: Path, total: int, initial: int = 0):
-        self.path, self.done = path, initial
-        self.offset = path.stat().st_size if initial and path.exists() else 0
-        self.last: dict = {}
-        self.bar = tqdm(total=total, initial=initial, desc="eopd run", unit="it", dynamic_ncols=True, file=sys.stderr)
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open() as fh:
-            fh.seek(self.offset)
-            chunk = fh.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        for line in complete.splitlines():
-            rec = json.loads(line)
-            if rec.get("kind") != "iteration" or int(rec["iteration"]) <= self.done:
-                continue
-            self.last = rec
-            self.bar.set_postfix(stage=rec.get("stage", "-"), loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
-                                 fkl=f"{rec.get('iter/fkl_gated_mean', 0):.3f}")
-            self.bar.update(int(rec["iteration"]) - self.done)
-            self.done = int(rec["iteration"])
-
-    def close(self) -> None:
-        self.poll()
-        self.bar.close()
 
 
 def say(msg: str) -> None:
@@ -252,7 +219,7 @@ class TrainingAttempt:
         self.stop = _StopSignal()
         self.teacher: TeacherChild | None = None
         self.learner: Child | None = None
-        self.progress: _Progress | None = None
+        self.progress: Progress | None = None
         self.config_path = run_dir / "run.yaml"
 
     def run(self) -> tuple[int, RunConfig]:
@@ -360,7 +327,7 @@ class TrainingAttempt:
     def follow_learner(self) -> None:
         """The progress bar until the learner exits; RunError if it fails or another child dies."""
         first = self.start.iteration if self.start.resumed else 0
-        progress = self.progress = _Progress(self.run_dir / "train_metrics.jsonl", self.total, initial=first)
+        progress = self.progress = Progress(self.run_dir / "train_metrics.jsonl", self.total, initial=first)
         t_learn = time.monotonic()
         while self.learner.alive():
             self.stop.check()

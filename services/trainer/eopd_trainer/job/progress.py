@@ -1,0 +1,42 @@
+"""`eopd run`'s progress bar: the learner's train_metrics.jsonl followed into tqdm."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class Progress:
+    """Follows `<run_dir>/train_metrics.jsonl` into a tqdm bar, from iteration `initial` (a resumed
+    run: the file was trimmed to the committed iteration before the learner started)."""
+
+    def __init__(self, path: Path, total: int, initial: int = 0):
+        self.path, self.done = path, initial
+        self.offset = path.stat().st_size if initial and path.exists() else 0
+        self.last: dict = {}
+        self.bar = tqdm(total=total, initial=initial, desc="eopd run", unit="it", dynamic_ncols=True, file=sys.stderr)
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as fh:
+            fh.seek(self.offset)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") != "iteration" or int(rec["iteration"]) <= self.done:
+                continue
+            self.last = rec
+            self.bar.set_postfix(stage=rec.get("stage", "-"), loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
+                                 fkl=f"{rec.get('iter/fkl_gated_mean', 0):.3f}")
+            self.bar.update(int(rec["iteration"]) - self.done)
+            self.done = int(rec["iteration"])
+
+    def close(self) -> None:
+        self.poll()
+        self.bar.close()
