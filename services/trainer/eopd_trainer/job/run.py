@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from ..config import ConfigError, RunConfig, dump_config, load_config
 from ..config.stages import run_needs_teacher
 from ..data import load_prompts
