@@ -53,6 +53,18 @@ def utf8_id_bytes(request_id: str, sequence_ids: Iterable[str]) -> int:
     return len(request_id.encode()) + sum(len(sid.encode()) for sid in sequence_ids)
 
 
+def check_item_id(item_id: str, seen: set[str], field: str, kind: str, where: str) -> None:
+    """A sequence's or prompt's id: non-empty, at most MAX_ID_CHARS, unique within its request
+    (`seen`, updated). `field` is e.g. "sequences[3]", `kind` "sequence" or "prompt"."""
+    if not item_id:
+        raise InvalidRequest(f"{field}.id: must be non-empty{where}")
+    if len(item_id) > MAX_ID_CHARS:
+        raise InvalidRequest(f"{field}.id: longer than {MAX_ID_CHARS} characters{where}")
+    if item_id in seen:
+        raise InvalidRequest(f"{field}.id: duplicate {kind} id {item_id!r}{where}")
+    seen.add(item_id)
+
+
 def temperature_in_range(temperature: float) -> bool:
     """[MIN_TEMPERATURE, MAX_TEMPERATURE], compared in float32, the type of the field on the wire:
     1e-4 sent as a float32 arrives as 9.99999974e-05, which the documented minimum must admit."""
@@ -94,13 +106,7 @@ def items_from_request(
     for i, seq in enumerate(req.sequences):
         field = f"sequences[{i}]"
         sid = seq.id
-        if not sid:
-            raise InvalidRequest(f"{field}.id: must be non-empty{where}")
-        if len(sid) > MAX_ID_CHARS:
-            raise InvalidRequest(f"{field}.id: longer than {MAX_ID_CHARS} characters{where}")
-        if sid in seen:
-            raise InvalidRequest(f"{field}.id: duplicate sequence id {sid!r}{where}")
-        seen.add(sid)
+        check_item_id(sid, seen, field, "sequence", where)
         n = len(seq.token_ids)
         label = f"{field} (id {sid!r}){where}"
         if n == 0:

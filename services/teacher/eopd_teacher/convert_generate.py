@@ -20,6 +20,7 @@ from .convert import (
     MIN_TEMPERATURE,
     InvalidRequest,
     RequestTooLarge,
+    check_item_id,
     response_bytes_bound,
     scores_from_pb,
     scores_to_pb,
@@ -115,13 +116,7 @@ def generate_items_from_request(
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}]"
         pid = prompt.id
-        if not pid:
-            raise InvalidRequest(f"{field}.id: must be non-empty{where}")
-        if len(pid) > MAX_ID_CHARS:
-            raise InvalidRequest(f"{field}.id: longer than {MAX_ID_CHARS} characters{where}")
-        if pid in seen:
-            raise InvalidRequest(f"{field}.id: duplicate prompt id {pid!r}{where}")
-        seen.add(pid)
+        check_item_id(pid, seen, field, "prompt", where)
         n = len(prompt.token_ids)
         if n == 0:
             raise InvalidRequest(f"{field}.token_ids: empty prompt, id {pid!r}{where}")
