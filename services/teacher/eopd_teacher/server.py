@@ -148,7 +148,8 @@ class TeacherServer:
         self.memory.start()
         opts = grpc_options(s)
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory)
+            StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory,
+                              request_bytes=self.state.request_bytes)
         ]
         token = s.bearer_token()
         if token:

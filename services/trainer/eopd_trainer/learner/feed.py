@@ -252,9 +252,7 @@ class RolloutFeed:
         cfg = self.cfg
         try:
             r = decode_rollout(e.data or b"", vocab_size=self.vocab_size, limits=self.limits)
-            check_rollout_metadata(r, temperature=cfg.loss.temperature, top_k=cfg.teacher.top_k,
-                                   max_response_length=cfg.rollout.max_response_length,
-                                   num_candidates=cfg.loss.num_candidates,
+            check_rollout_metadata(r, temperature=cfg.loss.temperature, num_candidates=cfg.loss.num_candidates,
                                    n_samples=cfg.rollout.n_samples, published_tasks=self.published_tasks)
         except PoisonMessage as exc:
             self.rollouts.dead_letter(e, exc.reason)  # counted in <ns>:counts (dead_letter)
