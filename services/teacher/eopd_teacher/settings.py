@@ -31,6 +31,7 @@ class EngineSettings:
     cache_dir: Path
     threads: int
     chunk_size: int
+    prefill_chunk_tokens: int
     compile_statistics: bool
     fp32_projection: bool
     warmup_top_k: int
@@ -133,6 +134,12 @@ class TeacherSettings(ServiceSettings):
 
     # Batching and admission
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
+    prefill_chunk_tokens: int = Field(
+        512, ge=0,
+        description="transformers engine: padded tokens per engine step (chunked prefill, the KV cache carried between "
+        "steps); the batcher serves other clients' batches between the steps of a longer batch, so a small request "
+        "waits for about one step, not one batch. 0: whole batches (the vLLM engine always scores whole batches)",
+    )
     max_batch_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
     max_batch_tokens_per_client: int = Field(
         4096, ge=1,
