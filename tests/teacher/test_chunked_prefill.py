@@ -1,10 +1,11 @@
 """Chunked prefill (engines/chunked_prefill.py) gives the numbers of one unchunked pass, in float32,
 on tiny-random and SmolLM2-135M, for mixed batches (lengths, score_from, top_k, temperatures,
 candidates) and step sizes that do not divide the width: top-k ids equal, entropies within 1e-5,
-log-probs within max(1e-5, 3 x the unchunked pass's own batch noise), the largest difference
-between a sequence scored alone and inside the batch without chunking (the CPU kernels' reduction
-order). Measured on SmolLM2: that noise is up to 1.5e-5 (log-probs reach -25, logits ~30), chunked
-vs unchunked up to 2.9e-5; on tiny-random both are below 1e-5."""
+log-probs within 1e-5 on tiny-random and, on SmolLM2, within max(1e-5, 3 x the unchunked pass's
+own batch noise): the largest difference between a sequence scored alone and inside the batch
+without chunking (the CPU kernels' reduction order). Measured on SmolLM2: that noise is up to
+1.5e-5 (log-probs reach -25, logits ~30), chunked vs unchunked up to 2.9e-5 (docs/teacher.md:
+1.6e-5 to 5.7e-5 between a batch of one and a padded batch, measured over runs)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_chunked_equals_unchunked(model, chunk_tokens):
     whole = eng.score(items)
     noise = max(float(np.abs(np.concatenate([alone.token_logprobs - a.token_logprobs, (alone.topk_logprobs - a.topk_logprobs).ravel()])).max())
                 for a, alone in zip(whole, (eng.score([it])[0] for it in items)))
-    tol = max(ATOL, 3 * noise)
+    # 1e-5 on the tiny model; on SmolLM2 the unchunked pass's own batch noise is above it.
+    tol = ATOL if model == "tiny-random" else max(ATOL, 3 * noise)
     print(f"{model}: unchunked alone vs batch {noise:.2e}, tolerance {tol:.2e}")
     chunked, steps = _run_steps(eng, items)
     width = max(it.num_tokens for it in items)
