@@ -16,33 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
 from ..settings import EngineSettings
-from ..stats import StatsFn, token_statistics
+from ..stats import StatsFn, TokenStatistics, token_statistics
 from ..types import ScoreItem, SequenceScores
-
-
-def _flat_targets(items: list[ScoreItem], logit_factor: float):
-    """Per scored position of the batch, in item order (N = sum of num_scored): the row and column
-    of its predicting hidden state `[N]`, its target `[N]`, inverse temperature `[N]` and
-    candidate ids `[N, m]` (-1 filler; None when no item asks for candidates)."""
-    rows = torch.cat([torch.full((it.num_scored,), r, dtype=torch.long) for r, it in enumerate(items)])
-    cols = torch.cat([torch.arange(it.score_from - 1, it.num_tokens - 1) for it in items])
-    targets = torch.cat([torch.from_numpy(it.token_ids[it.score_from :]) for it in items]).long()
-    inv_t = torch.cat([torch.full((it.num_scored,), logit_factor / it.temperature) for it in items])
-    m = max(it.num_candidates for it in items)
-    candidates = None
-    if m:
-        candidates = torch.full((targets.shape[0], m), -1, dtype=torch.int64)
-        offset = 0
-        for it in items:
-            if it.num_candidates:
-                candidates[offset : offset + it.num_scored, : it.num_candidates] = torch.from_numpy(it.candidate_ids)
-            offset += it.num_scored
-    return rows, cols, targets, inv_t, candidates
+from .base import flat_targets, split_scores
 
 
 def score_in_steps(
@@ -67,7 +47,10 @@ def score_in_steps(
         ids[row, : it.num_tokens] = torch.from_numpy(it.token_ids)
         attn[row, : it.num_tokens] = 1
     ids, attn = ids.to(device), attn.to(device)
-    rows, cols, targets, inv_t, candidates = _flat_targets(items, logit_factor)
+    # Per scored position (item order): the row and column of its predicting hidden state.
+    rows = torch.cat([torch.full((it.num_scored,), r, dtype=torch.long) for r, it in enumerate(items)])
+    cols = torch.cat([torch.arange(it.score_from - 1, it.num_tokens - 1) for it in items])
+    targets, inv_t, candidates = flat_targets(items, logit_factor)
     n, k = targets.shape[0], max(it.top_k for it in items)
     m = 0 if candidates is None else candidates.shape[1]
     out_lp, out_ent = torch.empty(n), torch.empty(n)
@@ -94,20 +77,4 @@ def score_in_steps(
         del hidden
         if stop < width:
             yield None
-    yield _split(items, out_lp, out_ent, out_ids, out_tlp, out_clp)
-
-
-def _split(items, lp, ent, ids, tlp, clp) -> list[SequenceScores]:
-    """The flat `[N]` / `[N, k]` / `[N, m]` outputs, per sequence."""
-    lp, ent, clp = lp.numpy(), ent.numpy(), clp.numpy()
-    ids, tlp = ids.numpy().astype(np.int32), tlp.numpy()
-    out, offset = [], 0
-    for it in items:
-        sl = slice(offset, offset + it.num_scored)
-        out.append(SequenceScores(
-            seq_id=it.seq_id, token_logprobs=lp[sl], entropies=ent[sl],
-            topk_ids=np.ascontiguousarray(ids[sl, : it.top_k]), topk_logprobs=np.ascontiguousarray(tlp[sl, : it.top_k]),
-            candidate_logprobs=np.ascontiguousarray(clp[sl, : it.num_candidates]) if it.num_candidates else None,
-        ))
-        offset += it.num_scored
-    return out
+    yield split_scores(items, TokenStatistics(out_lp, out_ent, out_ids, out_tlp, out_clp))
