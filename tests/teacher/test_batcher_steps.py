@@ -21,12 +21,14 @@ def _item(sid: str, n: int) -> ScoreItem:
 
 
 class Steps:
-    """steps_fn: `n_steps(items)` steps per batch; records ("step", first id, j) and whole batches."""
+    """steps_fn: ceil(width / (step_tokens // rows)) steps per batch; `log` records every engine call
+    in order: ("step", first id, j) for a step, ("whole", first id, 0) for a batch scored whole
+    (`whole`, the score_fn)."""
 
     def __init__(self, step_tokens: int, fail_on: str | None = None):
         self.step_tokens = step_tokens
         self.log: list[tuple] = []
-        self.whole = Recorder()
+        self.record = Recorder()
         self.gate = threading.Event()
         self.gate.set()
         self.fail_on = fail_on
@@ -40,7 +42,11 @@ class Steps:
             if self.fail_on and any(it.seq_id == self.fail_on for it in items) and j == 1:
                 raise RuntimeError("engine failure")
             self.log.append(("step", items[0].seq_id, j))
-            yield None if j < n - 1 else self.whole(items)
+            yield None if j < n - 1 else self.record(items)
+
+    def whole(self, items):
+        self.log.append(("whole", items[0].seq_id, 0))
+        return self.record(items)
 
 
 async def test_other_clients_request_runs_between_the_steps_of_a_large_batch():
@@ -56,11 +62,11 @@ async def test_other_clients_request_runs_between_the_steps_of_a_large_batch():
     await asyncio.sleep(0.01)
     steps.gate.set()
     small_res = await asyncio.wait_for(small, 10)
-    steps_before_small = sum(1 for e in steps.log if e[1].startswith("b"))
     big_res = await asyncio.wait_for(big, 10)
+    steps_before_small = steps.log.index(("whole", "s", 0))
     assert [r.seq_id for r in small_res] == ["s"]
     assert steps_before_small == 1  # the big batch's step in progress when it arrived, no more
-    assert steps.whole.batches[0] == ["s"]  # small (16 tokens <= step_tokens): scored whole
+    assert steps.record.batches[0] == ["s"]  # small (16 tokens <= step_tokens): scored whole
     assert [r.seq_id for r in big_res] == [it.seq_id for it in big_items]
     big_steps = [e for e in steps.log if e[1].startswith("b")]
     assert len(big_steps) == 2 * 16
@@ -75,7 +81,7 @@ async def test_a_failing_step_fails_only_its_culprit():
     def whole(items):  # the retry one by one after the failed step: the culprit fails again
         if any(it.seq_id == "bad" for it in items):
             raise RuntimeError("engine failure")
-        return steps.whole(items)
+        return steps.record(items)
 
     b = DynamicBatcher(whole, max_batch_tokens=4096, max_wait_s=0.05, max_queue_tokens=1 << 20,
                        steps_fn=steps, step_tokens=8)
