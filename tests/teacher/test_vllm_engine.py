@@ -4,7 +4,7 @@ batching and prefix independence, a soft-capping teacher refused before vLLM sta
 server subprocess with `--engine vllm` over TCP.
 
 Runs where vLLM is installed (`.venv-vllm`, see scripts/vllm_env.sh); skipped only when
-`import vllm` fails. One vLLM engine is alive at a time in this process (`engines` fixture):
+`import vllm` fails. One vLLM engine is alive at a time in this process (`engines` fixture, conftest.py):
 tiny-random for the first tests, then the Granite teacher, then SmolLM2 for the last ones (tests
 run in file order).
 """
@@ -43,34 +43,6 @@ TIE_ATOL = 1e-5  # top-k ids may differ only where probabilities tie within this
 BATCH_ATOL = 1e-5  # alone vs in a batch (vLLM's CPU kernels are not bit-identical across batch shapes)
 BATCH_RTOL = 1e-6  # ... and the fp32 rounding scales with the magnitude (a log-prob of -38 moves by ~1e-5)
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-class _Engines:
-    """At most one live vLLM engine per process: asking for another model shuts the current one."""
-
-    def __init__(self):
-        self.current: VllmEngine | None = None
-
-    def get(self, model: str) -> VllmEngine:
-        if self.current is not None and self.current.settings.model == model:
-            return self.current
-        self.close()
-        eng = VllmEngine(TeacherSettings(model=model, engine="vllm", chunk_size=7, compile_statistics=False).engine_settings())
-        eng.load()
-        self.current = eng
-        return eng
-
-    def close(self) -> None:
-        if self.current is not None:
-            self.current.shutdown()
-            self.current = None
-
-
-@pytest.fixture(scope="session")
-def engines():
-    e = _Engines()
-    yield e
-    e.close()
 
 
 @pytest.fixture(scope="module")

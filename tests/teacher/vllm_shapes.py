@@ -17,13 +17,18 @@ REQUESTS = {
     "trl_prompt_logprobs": {"prompt": SEQS, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 5},
     # echo with completion logprobs, only the prompt's own token in prompt_logprobs
     "echo_logprobs": {"prompt": SEQS[:1], "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 3, "prompt_logprobs": 0},
+    # max_tokens > 1 (eopd: the Generate path), greedy on both, with completion log-probs, the token ids
+    # and the stop id that ends it (its text left out, its id kept, stop_reason)
+    "generate_greedy": {"prompt": SEQS, "max_tokens": 5, "temperature": 0.0, "logprobs": 2, "return_token_ids": True},
+    "generate_stop": {"prompt": SEQS[:1], "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "stop_token_ids": [38670],
+                      "return_token_ids": True},
     # a field eopd refuses (n > 1: it scores): vLLM answers it, so only the error shape of a field
     # both refuse is compared
     "bad_prompt_logprobs": {"prompt": SEQS[:1], "max_tokens": 1, "prompt_logprobs": -5},
 }
 # Keys only one side has, documented in docs/teacher.md: eopd's extension, and vLLM 0.32 fields
 # of its own machinery (encoder-cache transfer, request metrics, MoE routing) eopd does not send.
-EOPD_ONLY = {"prompt_entropies"}
+EOPD_ONLY = {"prompt_entropies", "completion_entropies"}
 VLLM_ONLY = {"ec_transfer_params", "metrics", "routed_experts"}
 
 

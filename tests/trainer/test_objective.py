@@ -696,7 +696,8 @@ def _storages(*tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
 
 
-@pytest.mark.parametrize("variant,extra_buffers", [("eopd", 1), ("opd", 1), ("full_fkl", 1), ("entropy_bonus", 2)])
+@pytest.mark.parametrize("variant,extra_buffers", [("eopd", 1), ("opd", 1), ("full_fkl", 1), ("entropy_bonus", 2),
+                                                    ("kd", 1), ("gkd", 1)])
 @pytest.mark.parametrize("vocab_metrics", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_vocab_sized_allocations(variant, extra_buffers, vocab_metrics, temperature):
@@ -762,6 +763,7 @@ def test_metrics_on_hand_made_inputs():
         "fkl_loss": fkl0 / 2,
         "entropy_loss": 0.0,
         "topk_rkl_loss": 0.0,
+        "ce": -(ln(0.5) + ln(3 / 8)) / 2,  # mean -log pi_theta(x_t) over the valid tokens
         "clip_frac": 0.5,
         "ratio_mean": (1 + r1) / 2,
         "approx_kl": (0.0 - 0.5) / 2,

@@ -8,12 +8,17 @@ choice: clients take turns (fair queuing over tokens, each client's share of one
 requests are served between them), sequences of similar length are grouped. Admission is bounded
 by the tokens waiting in the queue.
 
+Other engine work (generation: `submit_job`) waits in a FIFO beside the scoring queue and runs on
+the same worker thread as one job, so the engine never runs two things at once; when both wait,
+jobs and scoring batches take turns, so neither starves the other.
+
 Chunked prefill (`steps_fn`, the transformers engine's `score_steps`): a batch of more than
-`step_tokens` padded tokens is a job scored in steps of at most that many (the KV cache kept between
+`step_tokens` padded tokens is scored in steps of at most that many (the KV cache kept between
 them), and the loop runs one step at a time: when the next batch of the fair queue is anchored on a
-client with no job in progress, it starts as a new job and runs next (at most MAX_JOBS at once, each
-holding its KV cache), then the jobs take turns step by step. So a small request from another client
-waits for about one step of a large batch, not the whole batch (issue 17, section 4).
+client with no batch in progress, it starts at once and runs next (at most MAX_IN_PROGRESS at once,
+each holding its KV cache), then the batches in progress take turns step by step (and a waiting
+generation job goes between two steps). So a small request from another client waits for about one
+step of a large batch, not the whole batch (issue 17, section 4).
 """
 
 from __future__ import annotations
@@ -45,29 +50,38 @@ class BatcherDied(Draining):
     retry on another replica, and the server reports itself not ready."""
 
 
+@dataclass(eq=False)
+class _Job:
+    """One engine job (`fn()` on the worker thread), `tokens` counted against the queue limit."""
+
+    fn: Callable[[], object]
+    tokens: int
+    ticket: asyncio.Future
+
+
+# Scoring batches in progress at once (each scored in steps holds its KV cache between them).
+MAX_IN_PROGRESS = 4
+
+StepsFn = Callable[[list[ScoreItem]], Iterator["list[SequenceScores] | None"]]
+
+
+@dataclass(eq=False)
+class _InProgress:
+    """A scoring batch in progress: its sequences, its step generator (None: scored whole by one
+    `score_fn` call), the engine seconds spent on it so far and its clients."""
+
+    batch: list[Waiting]
+    steps: Iterator[list[SequenceScores] | None] | None
+    seconds: float = 0.0
+    clients: set[str] = field(default_factory=set)
+
+
 @dataclass
 class BatchObserver:
     """Hooks for metrics; all optional."""
 
     on_batch: Callable[[int, int, int, float], None] | None = None  # (sequences, real tokens, padded tokens, seconds)
     on_queue: Callable[[int, int], None] | None = None  # (sequences, tokens) waiting
-
-
-# Batches being scored in steps at once (each holds its KV cache between steps).
-MAX_JOBS = 4
-
-StepsFn = Callable[[list[ScoreItem]], Iterator["list[SequenceScores] | None"]]
-
-
-@dataclass(eq=False)
-class _Job:
-    """One batch in progress: its sequences, its step generator (None: scored whole by one
-    `score_fn` call), and the engine seconds spent on it so far."""
-
-    batch: list[Waiting]
-    steps: Iterator[list[SequenceScores] | None] | None
-    seconds: float = 0.0
-    clients: set[str] = field(default_factory=set)
 
 
 class DynamicBatcher:
@@ -89,13 +103,15 @@ class DynamicBatcher:
         self._score_fn = score_fn
         self._steps_fn = steps_fn if step_tokens > 0 else None
         self.step_tokens = step_tokens
-        self._jobs: deque[_Job] = deque()  # the next to step first
+        self._in_progress: deque[_InProgress] = deque()  # scoring batches; the next to step first
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
         self.max_queue_tokens = max_queue_tokens
         self._obs = observer or BatchObserver()
         self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
         self._counter = 0
+        self._jobs: deque[_Job] = deque()
+        self._job_turn = False  # when both wait: a job next (True) or a scoring batch (False)
         self._wakeup = asyncio.Event()
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eopd-engine")
@@ -123,10 +139,13 @@ class DynamicBatcher:
         self._died = exc
         log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
         err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
-        for w in [*self._queue.clear(), *(w for job in self._jobs for w in job.batch)]:
-            if not w.ticket.done():
-                w.ticket.set_exception(err)
+        tickets = ([w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
+                   + [w.ticket for b in self._in_progress for w in b.batch])
         self._jobs.clear()
+        self._in_progress.clear()
+        for ticket in tickets:
+            if not ticket.done():
+                ticket.set_exception(err)
         self._busy = False
         if self.on_died is not None:
             try:
@@ -136,24 +155,43 @@ class DynamicBatcher:
 
     @property
     def queued_tokens(self) -> int:
-        return self._queue.tokens
+        return self._queue.tokens + sum(j.tokens for j in self._jobs)
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._busy and not self._jobs
+        return not self._queue and not self._jobs and not self._busy and not self._in_progress
 
-    async def submit(self, items: list[ScoreItem], client: str = "") -> list[SequenceScores]:
-        """Scores `items` (all or nothing) for `client` (the key of fair queuing); raises
-        Overloaded or Draining before queueing."""
+    def _admit(self, tokens: int) -> None:
+        """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
+        `tokens` more may wait."""
         if self._died is not None:
             raise BatcherDied(f"the server's batcher stopped ({type(self._died).__name__}: {self._died}); retry on another replica")
         if self._closed:
             raise Draining("the server is shutting down")
+        waiting = self.queued_tokens
+        if waiting + tokens > self.max_queue_tokens and (self._queue or self._jobs):
+            raise Overloaded(f"queue full: {waiting} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}")
+
+    async def submit_job(self, fn: Callable[[], object], tokens: int) -> object:
+        """Runs `fn()` (engine work other than scoring: generation) on the engine's worker thread
+        as one job, in turn with scoring batches; `tokens` count against the queue limit while it
+        waits. Raises Overloaded or Draining before queueing. A caller cancelled before its job
+        starts withdraws it; one cancelled while it runs leaves it to finish, its result dropped."""
+        self._admit(tokens)
+        job = _Job(fn, tokens, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        self._wakeup.set()
+        try:
+            return await job.ticket
+        except BaseException:
+            job.ticket.cancel()
+            raise
+
+    async def submit(self, items: list[ScoreItem], client: str = "") -> list[SequenceScores]:
+        """Scores `items` (all or nothing) for `client` (the key of fair queuing); raises
+        Overloaded or Draining before queueing."""
         tokens = sum(it.num_tokens for it in items)
-        if self._queue.tokens + tokens > self.max_queue_tokens and self._queue:
-            raise Overloaded(
-                f"queue full: {self._queue.tokens} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}"
-            )
+        self._admit(tokens)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         entries = []
@@ -173,7 +211,7 @@ class DynamicBatcher:
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while (self._queue or self._busy or self._jobs) and self._died is None:
+        while (self._queue or self._jobs or self._busy or self._in_progress) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
         if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
@@ -194,37 +232,56 @@ class DynamicBatcher:
 
     def _drop_cancelled(self) -> None:
         self._queue.drop(lambda w: w.ticket.done())
+        if any(j.ticket.done() for j in self._jobs):
+            self._jobs = deque(j for j in self._jobs if not j.ticket.done())
+
+    async def _run_job(self, job: _Job) -> None:
+        """One job on the worker thread; its result or error goes to its caller."""
+        self._busy = True
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, job.fn)
+        except Exception as exc:  # noqa: BLE001 - the job's own failure, for its caller
+            job.ticket.done() or job.ticket.set_exception(exc)
+        else:
+            job.ticket.done() or job.ticket.set_result(result)
+        finally:
+            self._busy = False
 
     def _form_batch(self) -> list[Waiting]:
         """The next batch (scheduling.FairQueue: fair by client, grouped by length)."""
         return self._queue.take_batch()
 
     async def _run(self) -> None:
-        """One engine call at a time: start the next batch as a job when it may start, else run
-        one step of the job whose turn it is."""
+        """One engine call at a time: a generation job when it is its turn; else start the next
+        scoring batch when it may start, and run one step of the batch in progress whose turn it is."""
         while True:
             self._drop_cancelled()
-            if self._queue and self._may_start_job():
-                if not self._jobs:  # nothing in progress: wait (briefly) for the batch to fill
+            if self._jobs and (self._job_turn or (not self._queue and not self._in_progress)):
+                self._job_turn = False
+                await self._run_job(self._jobs.popleft())
+                continue
+            if self._queue and self._may_start_batch():
+                if not self._in_progress:  # nothing in progress: wait (briefly) for the batch to fill
                     await self._wait_to_fill()
                     self._drop_cancelled()
                     if not self._queue:
                         continue
-                self._start_job(self._form_batch())
+                self._start_batch(self._form_batch())
                 self._report_queue()
-            if self._jobs:
-                await self._step(self._jobs[0])
-            elif not self._queue:
+            if self._in_progress:
+                self._job_turn = True  # a generation job, if one waits, goes after this step
+                await self._step(self._in_progress[0])
+            elif not self._queue and not self._jobs:
                 self._wakeup.clear()
                 await self._wakeup.wait()
 
-    def _may_start_job(self) -> bool:
-        """No job in progress, or the next batch's anchor is a client without one (and fewer than
-        MAX_JOBS run): then it goes between the steps of the others."""
-        if not self._jobs:
+    def _may_start_batch(self) -> bool:
+        """No batch in progress, or the next batch's anchor is a client without one (and fewer than
+        MAX_IN_PROGRESS are): then it goes between the steps of the others."""
+        if not self._in_progress:
             return True
-        busy = set().union(*(job.clients for job in self._jobs))
-        return len(self._jobs) < MAX_JOBS and self._queue.next_client() not in busy
+        busy = set().union(*(b.clients for b in self._in_progress))
+        return len(self._in_progress) < MAX_IN_PROGRESS and self._queue.next_client() not in busy
 
     async def _wait_to_fill(self) -> None:
         """Until the oldest waiting sequence has waited max_wait_s, the budget is reached, or closing."""
@@ -242,16 +299,16 @@ class DynamicBatcher:
             except asyncio.TimeoutError:
                 return
 
-    def _start_job(self, batch: list[Waiting]) -> None:
+    def _start_batch(self, batch: list[Waiting]) -> None:
         """The batch runs next: in steps when it is larger than step_tokens (and the engine can)."""
         items = [w.item for w in batch]
         padded = max(it.num_tokens for it in items) * len(items)
         steps = self._steps_fn(items) if self._steps_fn is not None and padded > self.step_tokens else None
-        self._jobs.appendleft(_Job(batch, steps, clients={w.client for w in batch}))
+        self._in_progress.appendleft(_InProgress(batch, steps, clients={w.client for w in batch}))
 
-    async def _step(self, job: _Job) -> None:
-        """One engine call for `job`: its next step (then it goes to the back of the turn), or all
-        of it; delivers its results when it is done."""
+    async def _step(self, job: _InProgress) -> None:
+        """One engine call for the batch `job`: its next step (then it goes to the back of the
+        turn), or all of it; delivers its results when it is done."""
         if all(w.ticket.done() for w in job.batch):  # every request of it was cancelled
             self._finish(job)
             return
@@ -275,7 +332,7 @@ class DynamicBatcher:
             self._busy = False
             job.seconds += time.perf_counter() - started
         if results is None:  # more steps to go: the other jobs' turn first
-            self._jobs.rotate(-1)
+            self._in_progress.rotate(-1)
             return
         self._finish(job)
         if self._obs.on_batch:
@@ -288,8 +345,8 @@ class DynamicBatcher:
             if not w.ticket.done():
                 w.ticket.set_result(r)
 
-    def _finish(self, job: _Job) -> None:
-        self._jobs.remove(job)
+    def _finish(self, job: _InProgress) -> None:
+        self._in_progress.remove(job)
         if job.steps is not None:
             job.steps.close()  # frees its KV cache now
 

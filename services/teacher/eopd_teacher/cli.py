@@ -1,8 +1,9 @@
-"""`eopd-teacher`: serve | info | score.
+"""`eopd-teacher`: serve | info | score | generate.
 
     eopd-teacher serve --model smollm2-135m --host 127.0.0.1 --grpc-port 50051 --http-port 8000
     eopd-teacher info --target 127.0.0.1:50051
     eopd-teacher score --target 127.0.0.1:50051 --input FILE.jsonl [--output OUT.jsonl]
+    eopd-teacher generate --target 127.0.0.1:50051 --input PROMPTS.jsonl [--output OUT.jsonl] (cli_generate.py)
 
 `score` input lines are either token ids, {"id": ..., "token_ids": [...], "score_from": N}, or
 text, {"id": ..., "prompt": "...", "response": "..."} (the response's tokens are scored; add
@@ -29,6 +30,7 @@ from eopd_common.client_security import ClientSecurity, SecurityFileError
 from eopd_common.models import default_cache_dir, load_tokenizer, tokenizer_fingerprint
 from eopd_common.settings import SettingsError, add_arguments, settings_from_args
 
+from .cli_generate import GenerateFailed, add_generate_parser, cmd_generate
 from .client import TeacherClient
 from .settings import TeacherSettings
 
@@ -63,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--batch-size", type=int, default=16, help="sequences per request")
     score.add_argument("--timeout", type=float, default=300.0)
+    add_generate_parser(sub, _client_arguments)
     return p
 
 
@@ -85,7 +88,7 @@ def _client(args, security: ClientSecurity, timeout: float) -> TeacherClient:
     return TeacherClient(args.target, timeout=timeout, security=security)
 
 
-def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
+def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir, command: str = "score"):
     """The tokenizer that encodes text rows: `tokenizer_spec`, else the served model's looked up by
     its name on this machine; it must match the served tokenizer's fingerprint. Exits with a
     message naming `--tokenizer` when it cannot be found or does not match."""
@@ -94,9 +97,9 @@ def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
         tok = load_tokenizer(spec, cache_dir)
     except Exception as exc:  # noqa: BLE001 - a bad spec, missing files, an unreadable tokenizer
         if tokenizer_spec:
-            raise SystemExit(f"eopd-teacher score: cannot load the tokenizer of --tokenizer {spec!r}: {exc}") from None
+            raise SystemExit(f"eopd-teacher {command}: cannot load the tokenizer of --tokenizer {spec!r}: {exc}") from None
         raise SystemExit(
-            f"eopd-teacher score: text input needs the served model's tokenizer, but the served model {spec!r} "
+            f"eopd-teacher {command}: text input needs the served model's tokenizer, but the served model {spec!r} "
             f"cannot be loaded on this machine by that name ({exc}). Pass --tokenizer with a preset, Hugging Face "
             "model directory or .gguf file that has the served model's tokenizer."
         ) from None
@@ -104,7 +107,7 @@ def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir):
         which = f"--tokenizer {spec!r}" if tokenizer_spec else f"the model {spec!r} found on this machine"
         hint = "" if tokenizer_spec else " Pass --tokenizer with the served model's tokenizer."
         raise SystemExit(
-            f"eopd-teacher score: the tokenizer of {which} differs from the served model's (fingerprint "
+            f"eopd-teacher {command}: the tokenizer of {which} differs from the served model's (fingerprint "
             f"{tokenizer_fingerprint(tok)[:12]}... vs {info.tokenizer_fingerprint[:12]}...), so its token ids "
             f"would mean other tokens to the teacher.{hint}"
         )
@@ -208,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             with _client(args, security, args.timeout) as client:
                 print(json.dumps(client.wait_ready(args.timeout).__dict__, indent=2))
             return 0
+        if args.command == "generate":
+            with _client(args, security, args.timeout) as client:
+                return cmd_generate(args, client, _text_tokenizer)
         return _cmd_score(args, security)
-    except _ScoreFailed as exc:
+    except (_ScoreFailed, GenerateFailed) as exc:
         print(f"eopd-teacher {args.command}: {exc}", file=sys.stderr)
     except grpc.RpcError as err:
         print(f"eopd-teacher {args.command}: {args.target}: {err.code().name}: {err.details()}", file=sys.stderr)

@@ -49,8 +49,8 @@ async def _one_message(request_iterator) -> bytes:
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions of TeacherService handlers to statuses (never a dead stream or a bare
-    UNKNOWN), logs unexpected ones, and counts every RPC by method and code. Unary calls beyond
-    `max_concurrent_calls` at once are refused (RESOURCE_EXHAUSTED, retryable) before their body
+    UNKNOWN), logs unexpected ones, and counts every RPC by method and code. Unary calls (and
+    Generate, unary in, streamed out) beyond `max_concurrent_calls` at once are refused (RESOURCE_EXHAUSTED, retryable) before their body
     is read; large messages hand their memory back once done (`memory`)."""
 
     def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None,
@@ -127,6 +127,38 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
             # Request-streaming on the server side only (the wire is the same): the handler reads the body.
             return grpc.stream_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:  # Generate: one request, answers streamed
+            inner_us = handler.unary_stream
+            decode_us = _decoder(handler.request_deserializer)
+
+            async def unary_stream(request_iterator, context):
+                started = time.perf_counter()
+                nbytes = 0
+                self.calls += 1
+                try:
+                    limit = self.max_concurrent_calls
+                    if limit is not None and self.calls > limit:
+                        self.memory.refused_unread()
+                        raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
+                    raw = await _one_message(request_iterator)
+                    nbytes = len(raw)
+                    async for response in inner_us(decode_us(raw), context):
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
+                    self._finish(method, grpc.StatusCode.CANCELLED, None)
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await self._abort(context, method, exc)
+                    return
+                finally:
+                    self.calls -= 1
+                    self.memory.message_done(nbytes)
+                self._finish(method, grpc.StatusCode.OK, started)
+
+            # Streaming both ways on the server side only (the wire is the same): the handler reads the body.
+            return grpc.stream_stream_rpc_method_handler(unary_stream, response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             inner_ss = handler.stream_stream
             decode_ss = _decoder(handler.request_deserializer)

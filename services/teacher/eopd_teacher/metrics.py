@@ -21,6 +21,8 @@ class TeacherMetrics:
         )
         self.sequences = Counter("eopd_teacher_sequences_scored", "sequences scored", registry=r)
         self.tokens_scored = Counter("eopd_teacher_tokens_scored", "positions scored (response tokens)", registry=r)
+        self.generations = Counter("eopd_teacher_generations", "responses generated (Generate; one per prompt and sample)", registry=r)
+        self.tokens_generated = Counter("eopd_teacher_tokens_generated", "tokens generated (Generate)", registry=r)
         self.tokens_forward = Counter("eopd_teacher_tokens_forward", "tokens run through the model (prompt + response)", registry=r)
         self.batch_sequences = Histogram(
             "eopd_teacher_batch_sequences", "sequences per forward batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r
@@ -34,7 +36,7 @@ class TeacherMetrics:
         self.batch_latency = Histogram("eopd_teacher_batch_latency_seconds", "engine time per batch", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_sequences = Gauge("eopd_teacher_queue_sequences", "sequences waiting for a batch", registry=r)
         self.queue_tokens = Gauge("eopd_teacher_queue_tokens", "tokens waiting for a batch", registry=r)
-        self.inflight = Gauge("eopd_teacher_inflight_requests", "ScoreRequests being served", registry=r)
+        self.inflight = Gauge("eopd_teacher_inflight_requests", "ScoreRequests and GenerateRequests being served", registry=r)
         self.statistics_compiled = Gauge(
             "eopd_teacher_statistics_compiled",
             "1 when the statistics run under torch.compile, 0 on the eager path (compile_statistics off, or compiling failed)",

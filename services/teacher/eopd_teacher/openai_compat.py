@@ -4,7 +4,9 @@ and `GET /health`, for trainers that speak vLLM's OpenAI server (TRL's
 
 One scoring path: a request becomes an `eopd.v1` ScoreRequest served by the gRPC servicer's own
 scoring (the same validation, per-request and per-client limits, batcher, engine and metrics);
-only the JSON shapes differ (`openai_format.py`). Auth is the HTTP app's bearer token. Errors are
+only the JSON shapes differ (`openai_format.py`). `max_tokens` > 1 becomes a GenerateRequest served
+by the servicer's Generate path (`generate_request`; the prompts' own log-probs, when asked, by a
+ScoreRequest first), answered in vLLM's shape (`openai_generation.py`). Auth is the HTTP app's bearer token. Errors are
 in vLLM's shape (`{"error": {"message", "type", "param", "code"}}`) with the field named: 400
 for a wrong field, 404 for another model, 413 over a per-request limit, 429 when overloaded, 503
 while loading or draining.
@@ -18,6 +20,7 @@ import re
 import time
 
 import grpc
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -25,6 +28,7 @@ from pydantic import ValidationError
 from eopd.v1 import teacher_pb2 as pb
 
 from .convert import RequestTooLarge, scores_from_pb
+from .openai_generation import Sampling, generation_response, sampling
 from .openai_format import (
     CompatError,
     CompletionRequest,
@@ -39,6 +43,7 @@ from .openai_format import (
 from .servicer import CLIENT_ID_HEADER, TeacherServicer, client_from
 from .state import ServerState
 from .status import describe
+from .types import Generation
 
 log = logging.getLogger("eopd_teacher")
 
@@ -56,6 +61,17 @@ _FIELDS = [
     (re.compile(r", id '\d+'"), ""),
     (re.compile(r"^sequences:"), "prompt:"),
     (re.compile(r"\btop_k\b"), "prompt_logprobs"),
+]
+# ... and in the Generate path's messages (GenerateRequest fields -> the vLLM request's).
+_GENERATE_FIELDS = [
+    (re.compile(r"prompts\[(\d+)\]\.token_ids(\[\d+\])?"), r"prompt[\1]\2"),
+    (re.compile(r"prompts\[(\d+)\](?: \(id '[^']*'\))?"), r"prompt[\1]"),
+    (re.compile(r", id '\d+'"), ""),
+    (re.compile(r"^prompts:"), "prompt:"),
+    (re.compile(r"\bmax_new_tokens\b"), "max_tokens"),
+    (re.compile(r"\bnum_samples\b"), "n"),
+    (re.compile(r"\bscore_temperature\b"), "temperature"),
+    (re.compile(r"\btop_k\b"), "logprobs"),
 ]
 BODY_BYTES_PER_TOKEN = 16  # a token id as JSON takes at most 7 bytes ("49151, "); text a few bytes a token
 _PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*)")
@@ -85,11 +101,12 @@ def body_limit(max_message_bytes: int, max_tokens_per_request: int) -> int:
     return min(max_message_bytes, max(BODY_BYTES_PER_TOKEN * max_tokens_per_request, 1 << 20))
 
 
-def _compat_error(exc: BaseException) -> CompatError:
-    """The shared path's exception as a vLLM-shaped error: field names translated, status mapped
-    (a per-request limit: 413, not retryable as is; overload: 429)."""
+def _compat_error(exc: BaseException, fields: list = _FIELDS) -> CompatError:
+    """The shared path's exception as a vLLM-shaped error: field names translated (`fields`: the
+    Score path's or the Generate path's), status mapped (a per-request limit: 413, not retryable
+    as is; overload: 429)."""
     code, message = describe(exc)
-    for pattern, repl in _FIELDS:
+    for pattern, repl in fields:
         message = pattern.sub(repl, message)
     status = 413 if isinstance(exc, RequestTooLarge) else HTTP_STATUS.get(code, 500)
     m = _PARAM.match(message)
@@ -155,14 +172,56 @@ class CompletionsRoute:
             info, _ = self.state.check_ready()
         except Exception as exc:  # noqa: BLE001 - loading / draining: 503
             raise _compat_error(exc) from None
-        p = plan(req, served_model=info.model_name, max_top_k=info.max_top_k, vocab_size=info.vocab_size, tokenize=self._tokenize())
+        p = plan(req, served_model=info.model_name, max_top_k=info.max_top_k, vocab_size=info.vocab_size, tokenize=self._tokenize(),
+                 max_new_tokens=info.max_new_tokens)
+        sample = sampling(req) if p.sample else None
         estimate = json_bytes_estimate(p)
         if estimate > s.max_message_bytes:
             raise CompatError(413, f"prompt: an answer of about {estimate} bytes of JSON would exceed the server's "
                                    f"message limit of {s.max_message_bytes} bytes; split the request or ask fewer log-probs", "prompt")
         scores = await self._score(request, p, req.echo)
-        return json.dumps(completion_response(req, p, scores, info.model_name, self.decoder(),
-                                              f"eopd-{info.server_version}"), separators=(",", ":")).encode()
+        fingerprint = f"eopd-{info.server_version}"
+        if sample is None:
+            answer = completion_response(req, p, scores, info.model_name, self.decoder(), fingerprint)
+        else:
+            generations = await self._generate(request, p, sample)
+            answer = generation_response(req, p, scores, generations, info.model_name, self.decoder(),
+                                         self._text_of(req.skip_special_tokens), self._eos_id(), fingerprint)
+        return json.dumps(answer, separators=(",", ":")).encode()
+
+    def _text_of(self, skip_special_tokens: bool):
+        """A completion's text as vLLM's detokenizer gives it: the served tokenizer's decode of the
+        ids (special tokens skipped as the request says); without a tokenizer, the per-token join."""
+        tok = self._tokenizer()
+        if tok is None:
+            decode = self.decoder()
+            return lambda ids: "".join(decode(t) or "" for t in ids)
+        return lambda ids: tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _eos_id(self) -> int | None:
+        return getattr(self._tokenizer(), "eos_token_id", None)
+
+    async def _generate(self, request: Request, p, sample: Sampling) -> list[list[Generation]]:
+        """The n completions of every prompt of `p`, through the gRPC servicer's Generate path (its
+        validation, limits, engine and metrics), grouped by prompt in sample order."""
+        req = pb.GenerateRequest(
+            prompts=[pb.Prompt(id=str(i), token_ids=ids) for i, ids in enumerate(p.prompts)], num_samples=p.n,
+            max_new_tokens=p.max_tokens, temperature=sample.temperature, top_p=sample.top_p,
+            stop_token_ids=list(sample.stop_token_ids), top_k=max(p.logprobs_k or 0, 1), score_temperature=p.temperature)
+        if sample.seed is not None:
+            req.seed = sample.seed
+        try:
+            answers = await self.servicer.generate_request(req, _client(request))
+        except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
+            err = _compat_error(exc, _GENERATE_FIELDS)
+            if err.status == 500:
+                log.error("/v1/completions (generation) failed: %s", err, exc_info=exc)
+            raise err from None
+        out: list[list[Generation]] = [[] for _ in p.prompts]
+        for r in sorted(answers, key=lambda r: (int(r.prompt_id), r.sample_index)):
+            out[int(r.prompt_id)].append(Generation(r.prompt_id, r.sample_index, np.asarray(r.token_ids, dtype=np.int64),
+                                                    r.finish_reason, scores_from_pb(r.scores)))
+        return out
 
     async def _score(self, request: Request, p, echo: bool) -> list:
         """Scores every prompt of `p` that needs it through the gRPC servicer's path."""

@@ -1,6 +1,7 @@
 """vLLM's `/v1/completions` shapes for scoring, as pure functions: the request model (the fields
 vLLM accepts that eopd can honour, validated with the field named), the scoring plan of one prompt,
-and the answer built from eopd's `SequenceScores`. No I/O here: the route is `openai_compat.py`.
+and the answer built from eopd's `SequenceScores`. No I/O here: the route is `openai_compat.py`;
+the answer of `max_tokens` > 1 (teacher generation) is `openai_generation.py`.
 
 The answer is vLLM's (`choices[i].prompt_logprobs`: `null` first, then per position a dict keyed
 by the token id as a string, `{logprob, rank, decoded_token}`, the prompt's token plus the top-k),
@@ -8,7 +9,8 @@ with one extension per choice: `prompt_entropies`, the exact full-vocabulary ent
 (`null` first), which vLLM clients ignore.
 
 Two documented differences from vLLM: the one completion token of `max_tokens: 1` is the
-teacher's most likely next token (greedy, whatever the sampling fields say); and the `rank` of a
+teacher's most likely next token (greedy, whatever the sampling fields say; `max_tokens` > 1
+samples, through the Generate path); and the `rank` of a
 prompt token outside the top-k is `k + 1`, a lower bound (eopd computes ranks within the top-k;
 vLLM counts the whole vocabulary). Every log-prob below -9999 (-inf included) is sent as -9999.0,
 as vLLM clamps them, since JSON has no infinity.
@@ -24,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from .openai_logprobs import Decoder, logprob_entries, logprobs_object, lp_clamped, prompt_logprobs
 from .types import SequenceScores
 
-LOGPROB_FLOOR = -9999.0
 # An estimate of one prompt-logprob entry's JSON bytes besides its decoded token (key, logprob,
 # rank, field names), used to refuse before scoring an answer over the server's message limit.
 JSON_ENTRY_BYTES = 72  # measured ~69 on SmolLM2 (bench_openai_compat: 1922 B per scored token at k = 20)
@@ -42,7 +44,7 @@ class CompletionRequest(BaseModel):
 
     model: str | None = None
     prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: int | None = Field(16, description="0 or 1 (vLLM's default, 16, is refused: eopd does not generate)")
+    max_tokens: int | None = Field(16, description="0: score; 1: score + the greedy next token; > 1: generate (Generate)")
     echo: bool = False
     temperature: float | None = None
     logprobs: int | None = None
@@ -52,7 +54,8 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     add_special_tokens: bool = True
     return_token_ids: bool = False
-    # Sampling fields: accepted; they do not change the greedy completion token.
+    # Sampling fields: with max_tokens > 1 honoured (openai_generation.sampling); with 0 or 1 accepted and
+    # ignored (they do not change the greedy completion token).
     user: str | None = None
     seed: int | None = None
     top_p: float | None = None
@@ -105,24 +108,36 @@ class Plan:
     top_k: int  # what the engine computes (>= 1)
     prompt_k: int | None  # prompt_logprobs asked (None: not asked)
     logprobs_k: int | None
-    temperature: float
+    temperature: float  # of the statistics (1.0 when the request's is 0 or absent)
+    max_tokens: int = 0  # > 1: generated through the Generate path (openai_generation.py)
+    n: int = 1  # completions per prompt (> 1 only with max_tokens > 1)
+
+    @property
+    def sample(self) -> bool:
+        """max_tokens > 1: the teacher generates (vLLM's sampler where vLLM is the engine)."""
+        return self.max_tokens > 1
 
 
-def plan(req: CompletionRequest, *, served_model: str, max_top_k: int, vocab_size: int, tokenize) -> Plan:
+def plan(req: CompletionRequest, *, served_model: str, max_top_k: int, vocab_size: int, tokenize,
+         max_new_tokens: int = 0) -> Plan:
     """Validates the fields eopd checks beyond their types (in vLLM's terms, the field named);
-    the token-level checks (vocabulary, context, per-request limits) are the gRPC path's."""
+    the token-level checks (vocabulary, context, per-request limits) are the gRPC path's.
+    `max_new_tokens` is the server's Generate bound (ModelInfo.max_new_tokens; 0: Generate not
+    served, so `max_tokens` > 1 is refused)."""
     if req.model is not None and req.model != served_model:
         raise CompatError(404, f"model: the model `{req.model}` does not exist (this server serves `{served_model}`)", "model")
-    if req.n != 1:
-        raise CompatError(400, f"n: {req.n} completions per prompt; eopd-teacher scores, n must be 1", "n")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # vLLM's default
+    if max_tokens < 0:
+        raise CompatError(400, f"max_tokens: {max_tokens} must be >= 0", "max_tokens")
+    if max_tokens > 1 and max_new_tokens <= 0:
+        raise CompatError(400, f"max_tokens: {max_tokens}; this teacher does not serve generation (its engine cannot "
+                               "generate, or max_new_tokens is 0): use 0 or 1 (1: the greedy next token)", "max_tokens")
+    if req.n < 1 or (req.n != 1 and max_tokens <= 1):
+        raise CompatError(400, f"n: {req.n} completions per prompt; must be 1 unless max_tokens > 1", "n")
     if req.best_of not in (None, 1):
         raise CompatError(400, f"best_of: {req.best_of}; must be 1 or absent", "best_of")
     if req.stream:
         raise CompatError(400, "stream: streaming is not supported by eopd-teacher's /v1/completions", "stream")
-    if req.max_tokens not in (0, 1):
-        raise CompatError(
-            400, f"max_tokens: {req.max_tokens}; eopd-teacher scores and does not generate: use 0 or 1 (1: the greedy next token)",
-            "max_tokens")
     for name, neutral in PENALTY_NEUTRAL.items():
         value = getattr(req, name)
         if value is not None and value != neutral:
@@ -143,8 +158,8 @@ def plan(req: CompletionRequest, *, served_model: str, max_top_k: int, vocab_siz
     if req.echo and ks["prompt_logprobs"] is None:  # as vLLM: the echoed prompt's log-probs are prompt log-probs
         ks["prompt_logprobs"] = ks["logprobs"]
     prompts = prompt_ids(req, tokenize)
-    return Plan(prompts, req.max_tokens == 1, max(ks["prompt_logprobs"] or 0, ks["logprobs"] or 0, 1),
-                ks["prompt_logprobs"], ks["logprobs"], float(temperature))
+    return Plan(prompts, max_tokens == 1, max(ks["prompt_logprobs"] or 0, ks["logprobs"] or 0, 1),
+                ks["prompt_logprobs"], ks["logprobs"], float(temperature), max_tokens, req.n)
 
 
 def prompt_ids(req: CompletionRequest, tokenize) -> list[list[int]]:
@@ -169,48 +184,12 @@ def prompt_ids(req: CompletionRequest, tokenize) -> list[list[int]]:
 
 
 def json_bytes_estimate(p: Plan) -> int:
-    """An estimate of the JSON answer's size (entries x JSON_ENTRY_BYTES), to refuse before scoring."""
-    positions = sum(len(ids) + int(p.generate) for ids in p.prompts)
+    """An estimate of the JSON answer's size (entries x JSON_ENTRY_BYTES), to refuse before scoring;
+    with max_tokens > 1, every one of the n completions at its longest."""
+    copies, generated = (p.n, p.n * p.max_tokens) if p.sample else (1, int(p.generate))  # each choice repeats its prompt's
+    positions = sum(len(ids) * copies + generated for ids in p.prompts)
     per_position = (p.prompt_k or 0) + (p.logprobs_k or 0) + 2
     return positions * per_position * JSON_ENTRY_BYTES
-
-
-def _lp(x: float) -> float:
-    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-class Decoder:
-    """Token id -> decoded string as vLLM reports it (`tokenizer.decode([id])`), cached."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._cache: dict[int, str | None] = {}
-
-    def __call__(self, tid: int) -> str | None:
-        if tid not in self._cache:  # "" and None are cached answers too
-            self._cache[tid] = self._tok.decode([tid]) if self._tok is not None else None
-        return self._cache[tid]
-
-
-def prompt_logprobs(ids: list[int], s: SequenceScores | None, k: int, decode: Decoder) -> tuple[list, list]:
-    """vLLM's `prompt_logprobs` (null, then per position {id: {logprob, rank, decoded_token}}: the
-    prompt's token and the top k) and eopd's `prompt_entropies` (null, then one float per position)."""
-    out: list = [None]
-    ent: list = [None]
-    if s is None:
-        return out, ent
-    lps, ents = s.token_logprobs.tolist(), s.entropies.tolist()
-    tids, tlps = s.topk_ids.tolist(), s.topk_logprobs.tolist()
-    for t in range(1, len(ids)):
-        row_ids, row_lps = tids[t - 1], tlps[t - 1]
-        own = ids[t]
-        rank = _rank(row_ids, own)
-        d = {str(own): {"logprob": _lp(lps[t - 1]), "rank": rank, "decoded_token": decode(own)}}
-        for r in range(k):
-            d.setdefault(str(row_ids[r]), {"logprob": _lp(row_lps[r]), "rank": r + 1, "decoded_token": decode(row_ids[r])})
-        out.append(d)
-        ent.append(ents[t - 1])
-    return out, ent
 
 
 def completion_logprobs(ids: list[int], s: SequenceScores | None, p: Plan, echo: bool, decode: Decoder) -> dict | None:
@@ -219,31 +198,15 @@ def completion_logprobs(ids: list[int], s: SequenceScores | None, p: Plan, echo:
     if p.logprobs_k is None:
         return None
     k = p.logprobs_k
-    pk = p.prompt_k or 0
     tokens, token_lps, tops = [], [], []
-    rows = [] if s is None else list(zip(s.token_logprobs.tolist(), s.topk_ids.tolist(), s.topk_logprobs.tolist(), strict=True))
     if echo:
-        tokens.append(decode(ids[0]))
-        token_lps.append(None)
-        tops.append(None)
-        for t in range(1, len(ids)):
-            lp, row_ids, row_lps = rows[t - 1]
-            tokens.append(decode(ids[t]))
-            token_lps.append(_lp(lp))
-            top = {decode(ids[t]): _lp(lp)}
-            for r in range(pk):
-                top.setdefault(decode(row_ids[r]), _lp(row_lps[r]))
-            tops.append(top)
+        tokens, token_lps, tops = logprob_entries(ids, s, p.prompt_k or 0, decode, first=True)
     if p.generate:
-        _, row_ids, row_lps = rows[-1]
+        row_ids, row_lps = s.topk_ids[-1].tolist(), s.topk_logprobs[-1].tolist()
         tokens.append(decode(row_ids[0]))
-        token_lps.append(_lp(row_lps[0]))
-        tops.append({decode(row_ids[r]): _lp(row_lps[r]) for r in range(max(k, 1))} if k else {decode(row_ids[0]): _lp(row_lps[0])})
-    offsets, at = [], 0
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok or "")
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+        token_lps.append(lp_clamped(row_lps[0]))
+        tops.append({decode(row_ids[r]): lp_clamped(row_lps[r]) for r in range(max(k, 1))} if k else {decode(row_ids[0]): lp_clamped(row_lps[0])})
+    return logprobs_object(tokens, token_lps, tops)
 
 
 def completion_response(req: CompletionRequest, p: Plan, scores: list[SequenceScores | None], served_model: str,
@@ -264,7 +227,12 @@ def completion_response(req: CompletionRequest, p: Plan, scores: list[SequenceSc
         choice["prompt_token_ids"] = ids if req.return_token_ids else None
         choice["token_ids"] = ([gen_id] if gen_id is not None else []) if req.return_token_ids else None
         choices.append(choice)
-    completion_tokens = len(choices) if p.generate else 0
+    return response_envelope(choices, prompt_tokens, len(choices) if p.generate else 0, served_model, fingerprint)
+
+
+def response_envelope(choices: list[dict], prompt_tokens: int, completion_tokens: int, served_model: str,
+                      fingerprint: str) -> dict:
+    """vLLM's CompletionResponse around `choices`, with its usage counts."""
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -283,11 +251,3 @@ def scored_tokens(p: Plan) -> list[np.ndarray]:
     """The token ids each prompt is scored as: the prompt, plus a filler token (id 0) when the
     next token is wanted (the last position's distribution is then the next-token one)."""
     return [np.asarray(ids + [0] if p.generate else ids, dtype=np.int64) for ids in p.prompts]
-
-
-def _rank(row_ids: list[int], own: int) -> int:
-    """The 1-based rank of `own` in the top-k row; k + 1 (a lower bound) when it is not in it."""
-    try:
-        return row_ids.index(own) + 1
-    except ValueError:
-        return len(row_ids) + 1

@@ -220,7 +220,7 @@ class TeacherServer:
         batcher.on_died = self._batcher_died
         batcher.start()
         self.state.batcher = batcher
-        self.state.info = served_info(info, s)
+        self.state.info = served_info(info, s, can_generate=self.state.engine.can_generate)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         engine = self.state.engine

@@ -1,21 +1,28 @@
 """`eopd.v1.TeacherService`: validate, queue on the batcher, convert back. The ScoreStream loop
-itself is `stream_session.StreamSession`."""
+itself is `stream_session.StreamSession`; Generate's jobs are `generate_jobs`."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from .batcher import Overloaded
+from .batcher import DynamicBatcher, Overloaded
 from .convert import STREAM_ENDING_KEY, info_to_pb, items_from_request, scores_to_pb
+from .convert_generate import generate_items_from_request, generation_to_pb
 from .state import ServerState
-from .status import NotReady, describe
+from .status import DeadlinePassed, NotReady, describe
 from .stream_session import StreamSession
+from .types import GenerateItem, Generation
 
 log = logging.getLogger("eopd_teacher")
 
@@ -40,16 +47,39 @@ def client_from(given: str | None, peer: str) -> str:
     return f"id:{given}"[:128] if given else peer
 
 
+def generate_tokens(item: GenerateItem) -> int:
+    """What generating `item` holds: (prompt + max_new_tokens) x num_samples tokens."""
+    return (len(item.token_ids) + item.max_new_tokens) * item.num_samples
+
+
+def generate_jobs(items: list[GenerateItem], max_tokens: int) -> Iterator[list[GenerateItem]]:
+    """Consecutive runs of `items` of at most `max_tokens` (`generate_tokens`) each, at least one
+    item per run: one engine job each, so a large request leaves the engine to scoring batches
+    between its jobs, its answers are sent as each job ends, and what is not yet started is
+    withdrawn when the caller goes away."""
+    job: list[GenerateItem] = []
+    used = 0
+    for item in items:
+        tokens = generate_tokens(item)
+        if job and used + tokens > max_tokens:
+            yield job
+            job, used = [], 0
+        job.append(item)
+        used += tokens
+    if job:
+        yield job
+
+
 class TeacherServicer(pb_grpc.TeacherServiceServicer):
     """Short delegations: validate, queue on the batcher, convert back."""
 
     def __init__(self, state: ServerState):
         self.state = state
 
-    async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
-        info, batcher = self.state.check_ready()
-        items = items_from_request(request, info, require_request_id=stream, max_response_bytes=self.state.settings.max_message_bytes)
-        tokens = sum(it.num_tokens for it in items)
+    @contextlib.contextmanager
+    def _in_flight(self, client: str, tokens: int) -> Iterator[None]:
+        """Holds `tokens` of `client`'s per-client in-flight budget (Overloaded beyond it, unless
+        the client has nothing else in flight) and the in-flight gauge while the body runs."""
         inflight = self.state.inflight_tokens
         limit = self.state.settings.max_inflight_tokens_per_client
         if inflight.get(client, 0) + tokens > limit and inflight.get(client, 0) > 0:
@@ -57,12 +87,18 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         inflight[client] = inflight.get(client, 0) + tokens
         self.state.metrics.inflight.inc()
         try:
-            results = await batcher.submit(items, client)
+            yield
         finally:
             self.state.metrics.inflight.dec()
             inflight[client] -= tokens
             if inflight[client] <= 0:
                 del inflight[client]
+
+    async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
+        info, batcher = self.state.check_ready()
+        items = items_from_request(request, info, require_request_id=stream, max_response_bytes=self.state.settings.max_message_bytes)
+        with self._in_flight(client, sum(it.num_tokens for it in items)):
+            results = await batcher.submit(items, client)
         m = self.state.metrics
         m.sequences.inc(len(items))
         m.tokens_scored.inc(sum(it.num_scored for it in items))
@@ -106,6 +142,53 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
                 yield response
         finally:
             self.state.open_streams -= 1
+
+    async def _generate(self, request: pb.GenerateRequest, client: str, deadline: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """Validates the whole request, then runs its jobs (`generate_jobs`) one after another on
+        the batcher and yields each generation as its job ends (prompt order, samples in order).
+        `deadline` (time.monotonic(); None: none): no job starts after it."""
+        info, batcher = self.state.check_ready()
+        s = self.state.settings
+        items = generate_items_from_request(request, info, max_response_bytes=s.max_message_bytes)
+        m = self.state.metrics
+        with self._in_flight(client, sum(generate_tokens(it) for it in items)):
+            for job in generate_jobs(items, s.max_batch_tokens):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlinePassed(f"the call's deadline passed before prompt {job[0].prompt_id!r} was generated")
+                generations = await self._run_generate_job(batcher, job, deadline)
+                m.generations.inc(len(generations))
+                m.tokens_generated.inc(sum(len(g.token_ids) for g in generations))
+                for g in generations:
+                    yield generation_to_pb(request.request_id, g)
+
+    async def _run_generate_job(self, batcher: DynamicBatcher, job: list[GenerateItem], deadline: float | None) -> list[Generation]:
+        """One engine job on the batcher; the engine is told to stop (`cancelled`) once this call
+        is cancelled or its deadline has passed, so an abandoned generation frees the engine."""
+        gone = threading.Event()
+
+        def cancelled() -> bool:
+            return gone.is_set() or (deadline is not None and time.monotonic() >= deadline)
+
+        engine = self.state.engine
+        # An engine whose `generate` takes no `cancelled` runs each job to its end.
+        kwargs = {"cancelled": cancelled} if "cancelled" in inspect.signature(engine.generate).parameters else {}
+        try:
+            return await batcher.submit_job(functools.partial(engine.generate, job, **kwargs),
+                                            sum(generate_tokens(it) for it in job))
+        except BaseException:
+            gone.set()
+            raise
+
+    async def generate_request(self, request: pb.GenerateRequest, client: str) -> list[pb.GenerateResponse]:
+        """A Generate from another front end (the HTTP `/v1/completions`): the same validation,
+        limits, batcher and metrics as `Generate`; every answer, in prompt then sample order."""
+        return [r async for r in self._generate(request, client, None)]
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        async for response in self._generate(request, client_key(context), deadline):
+            yield response
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         if self.state.info is None:

@@ -132,6 +132,10 @@ class TeacherSettings(ServiceSettings):
     compile_statistics: bool = Field(True, description="fuse the per-chunk statistics with torch.compile")
     fp32_projection: bool = Field(False, description="run the output projection in float32 for low-precision weights")
 
+    # Generation (the Generate RPC; served only by engines that can generate)
+    max_new_tokens: int = Field(1024, ge=1, description="largest GenerateRequest.max_new_tokens")
+    max_generate_samples: int = Field(16, ge=1, description="largest GenerateRequest.num_samples (responses per prompt)")
+
     # Batching and admission
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
     prefill_chunk_tokens: int = Field(

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from .engines.base import ScoringEngine
 
 
-def served_info(engine_info: EngineInfo, settings: TeacherSettings) -> ModelInfo:
+def served_info(engine_info: EngineInfo, settings: TeacherSettings, *, can_generate: bool = False) -> ModelInfo:
     """What GetModelInfo answers: the engine's model, plus what this server admits (top-k, capped at
-    the vocabulary; sequences and tokens per request) and its version."""
+    the vocabulary; sequences and tokens per request; Generate's bounds, 0 when the engine cannot
+    generate) and its version."""
     return ModelInfo(
         **asdict(engine_info),
         default_top_k=settings.default_top_k,
@@ -31,6 +32,8 @@ def served_info(engine_info: EngineInfo, settings: TeacherSettings) -> ModelInfo
         max_tokens_per_request=settings.max_tokens_per_request,
         server_version=__version__,
         max_candidates=min(settings.max_candidates, engine_info.vocab_size),
+        max_new_tokens=min(settings.max_new_tokens, engine_info.max_context_length - 1) if can_generate else 0,
+        max_generate_samples=settings.max_generate_samples if can_generate else 0,
     )
 
 

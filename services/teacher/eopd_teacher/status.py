@@ -11,12 +11,18 @@ from eopd.v1 import teacher_pb2 as pb
 
 from .batcher import Draining, Overloaded
 from .convert import InvalidRequest, RequestTooLarge
+from .convert_generate import GenerateNotServed
+from .types import GenerationCancelled
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
 
 
 class NotReady(Exception):
     """The model is still loading: UNAVAILABLE."""
+
+
+class DeadlinePassed(Exception):
+    """The call's deadline passed between Generate's jobs: DEADLINE_EXCEEDED."""
 
 
 # Exceptions the servicer raises, and the status each maps to.
@@ -26,6 +32,9 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
     NotReady: grpc.StatusCode.UNAVAILABLE,
+    GenerateNotServed: grpc.StatusCode.UNIMPLEMENTED,
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    GenerationCancelled: grpc.StatusCode.DEADLINE_EXCEEDED,  # (a cancelled caller hears nothing)
 }
 
 

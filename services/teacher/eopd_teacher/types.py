@@ -84,6 +84,11 @@ class Generation:
     scores: SequenceScores
 
 
+class GenerationCancelled(Exception):
+    """`ScoringEngine.generate` stopped early: its caller went away or its deadline passed (the
+    engine's `cancelled()` returned True)."""
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What a loaded engine serves: the model, its vocabulary and context, the weights' dtype and the

@@ -8,7 +8,7 @@ positions, in order, for every response token: N = sum of response lengths.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,13 +37,17 @@ class PackedSequences:
 
 @dataclass(frozen=True)
 class PackedBatch(PackedSequences):
-    old_logprobs: torch.Tensor = None  # [N] float32
-    teacher_logprobs: torch.Tensor = None  # [N]
-    teacher_entropy: torch.Tensor = None  # [N]
-    topk_ids: torch.Tensor = None  # [N, k] long
-    topk_logprobs: torch.Tensor = None  # [N, k]
+    old_logprobs: torch.Tensor = None  # [N] float32 (zeros, unread, for teacher-generated responses)
+    # The teacher's scores; None when no rollout of the micro-batch has any (grpo: graded, not scored).
+    teacher_logprobs: torch.Tensor | None = None  # [N]
+    teacher_entropy: torch.Tensor | None = None  # [N]
+    topk_ids: torch.Tensor | None = None  # [N, k] long
+    topk_logprobs: torch.Tensor | None = None  # [N, k]
     candidate_ids: torch.Tensor | None = None  # [N, m] long, -1 filler (None: no rollout has candidates)
     candidate_logprobs: torch.Tensor | None = None  # [N, m] teacher log-probs there, NaN at filler
+    # [N] float32 each response token's advantage: its rollout's (grpo: group-normalised reward,
+    # `rollout_advantages`) broadcast to its tokens; None when not given.
+    advantages: torch.Tensor | None = None
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PackedSequences:
@@ -82,21 +86,24 @@ def _pad_topk(arr: np.ndarray, k: int, fill) -> np.ndarray:
     return out
 
 
-def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = MAX_TOP_K) -> PackedBatch:
+def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = MAX_TOP_K,
+                  advantages: Mapping[str, float] | None = None) -> PackedBatch:
     """Everything the loss needs for a micro-batch of rollouts. Differing top-k sizes are padded
     with id 0 at log-prob -inf (zero teacher mass, ignored by the forward KL), up to `max_top_k`:
-    a rollout with a larger top-k is a ValueError naming it, before anything is allocated."""
+    a rollout with a larger top-k is a ValueError naming it, before anything is allocated.
+
+    Without teacher scores in any rollout (grpo) the teacher fields are None; a micro-batch mixing
+    scored and unscored rollouts is a ValueError. `advantages` (rollout id -> its advantage, e.g.
+    `rollout_advantages`) gives `PackedBatch.advantages [N]`, each rollout's value at every one of
+    its response tokens; a rollout missing from it is a ValueError naming it."""
     over = [r.rollout_id for r in rollouts if r.top_k > max_top_k]
     if over:
         raise ValueError(f"rollouts {over[:5]}: top_k above the packing's maximum {max_top_k}")
     seqs = pack_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
-    k = max(r.top_k for r in rollouts)
 
     def cat(name: str, dtype) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([np.asarray(getattr(r, name)) for r in rollouts]).astype(dtype))
 
-    topk_ids = np.concatenate([_pad_topk(r.teacher_topk_ids, k, 0) for r in rollouts]).astype(np.int64)
-    topk_lp = np.concatenate([_pad_topk(r.teacher_topk_logprobs, k, -np.inf) for r in rollouts]).astype(np.float32)
     return PackedBatch(
         input_ids=seqs.input_ids,
         attention_mask=seqs.attention_mask,
@@ -104,12 +111,51 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = 
         sampled_ids=seqs.sampled_ids,
         seq_index=seqs.seq_index,
         old_logprobs=cat("old_logprobs", np.float32),
-        teacher_logprobs=cat("teacher_logprobs", np.float32),
-        teacher_entropy=cat("teacher_entropies", np.float32),
-        topk_ids=torch.from_numpy(topk_ids),
-        topk_logprobs=torch.from_numpy(topk_lp),
+        **_pack_teacher(rollouts, cat),
         **_pack_candidates(rollouts),
+        advantages=None if advantages is None else _broadcast_advantages(rollouts, advantages),
     )
+
+
+def _pack_teacher(rollouts: Sequence[Rollout], cat) -> dict:
+    """The teacher's scores `[N]` / `[N, k]` (top-k padded to the widest), or {} when none has any."""
+    scored = [r.has_teacher_scores for r in rollouts]
+    if not any(scored):
+        return {}
+    if not all(scored):
+        missing = [r.rollout_id for r in rollouts if not r.has_teacher_scores]
+        raise ValueError(f"rollouts {missing[:5]}: no teacher scores, in a micro-batch with scored rollouts")
+    k = max(r.top_k for r in rollouts)
+    topk_ids = np.concatenate([_pad_topk(r.teacher_topk_ids, k, 0) for r in rollouts]).astype(np.int64)
+    topk_lp = np.concatenate([_pad_topk(r.teacher_topk_logprobs, k, -np.inf) for r in rollouts]).astype(np.float32)
+    return {"teacher_logprobs": cat("teacher_logprobs", np.float32), "teacher_entropy": cat("teacher_entropies", np.float32),
+            "topk_ids": torch.from_numpy(topk_ids), "topk_logprobs": torch.from_numpy(topk_lp)}
+
+
+def _broadcast_advantages(rollouts: Sequence[Rollout], advantages: Mapping[str, float]) -> torch.Tensor:
+    """[N] float32: rollout b's advantage repeated over its n_b response tokens, in packing order."""
+    missing = [r.rollout_id for r in rollouts if r.rollout_id not in advantages]
+    if missing:
+        raise ValueError(f"rollouts {missing[:5]}: no advantage given")
+    return torch.from_numpy(np.concatenate([np.full(r.num_response_tokens, advantages[r.rollout_id], np.float32)
+                                            for r in rollouts]))
+
+
+def rollout_advantages(rollouts: Sequence[Rollout], eps: float) -> dict[str, float]:
+    """Each rollout's group-normalised advantage (GRPO): the rewards grouped by task_id (the samples
+    of one prompt), `objective.group_advantages(rewards [B], group_ids [B], eps) -> [B]`. Call it on
+    a whole iteration (every sample of a task together) before splitting into mini-batches. A
+    rollout without a reward is a ValueError naming it."""
+    from .objective import group_advantages
+
+    missing = [r.rollout_id for r in rollouts if r.reward is None]
+    if missing:
+        raise ValueError(f"rollouts {missing[:5]}: no reward (grpo's advantages need the task grader's reward)")
+    tasks = {t: i for i, t in enumerate(dict.fromkeys(r.task_id for r in rollouts))}
+    rewards = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float64)
+    groups = torch.tensor([tasks[r.task_id] for r in rollouts], dtype=torch.long)
+    adv = group_advantages(rewards, groups, eps)
+    return {r.rollout_id: float(a) for r, a in zip(rollouts, adv.tolist(), strict=True)}
 
 
 def _pack_candidates(rollouts: Sequence[Rollout]) -> dict:

@@ -1,6 +1,6 @@
 """Python clients of the teacher (sync and asyncio). Protobuf stays inside: callers pass token ids
 and get numpy arrays back (`token_logprobs [n]`, `entropies [n]`, `topk_ids [n, k]`,
-`topk_logprobs [n, k]`).
+`topk_logprobs [n, k]`); `generate` returns `Generation`s (the sampled ids and those statistics).
 
 Targets are gRPC target strings: `host:port`, or `dns:///teacher-headless:50051` to balance over
 every replica behind a headless Kubernetes Service (`load_balancing="round_robin"`, the default
@@ -25,7 +25,7 @@ retry policy), `unary` (the two clients), `stream` (their ScoreStream machinery)
 the public API and re-exports their public names.
 """
 
-from .requests import RequestFailed, ScoreBatch, SequenceInput, build_request
+from .requests import RequestFailed, ScoreBatch, SequenceInput, build_generate_request, build_request
 from .stream import StallReport, StreamStalled
 from .unary import AsyncTeacherClient, TeacherClient
 
@@ -37,5 +37,6 @@ __all__ = [
     "StallReport",
     "StreamStalled",
     "TeacherClient",
+    "build_generate_request",
     "build_request",
 ]

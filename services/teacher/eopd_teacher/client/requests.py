@@ -1,5 +1,6 @@
 """What a client sends and what a failed request looks like: `SequenceInput`, `ScoreBatch`,
-`build_request` (callers' sequences to a protobuf `ScoreRequest`) and `RequestFailed`."""
+`build_request` (callers' sequences to a protobuf `ScoreRequest`), `build_generate_request`
+(prompts to a `GenerateRequest`) and `RequestFailed`."""
 
 from __future__ import annotations
 
@@ -63,6 +64,25 @@ def build_request(sequences: Iterable, *, top_k: int = 0, temperature: float = 0
         temperature=temperature,
         sequences=[_sequence_pb(s) for s in seqs],
     )
+
+
+def build_generate_request(
+    prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+    stop_token_ids=(), seed: int | None = None, top_k: int = 0, score_temperature: float = 1.0, request_id: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest from `prompts`: a list of token-id lists (ids "0", "1", ...) or a dict
+    {prompt id: token ids}. temperature 0 is greedy; the client always sends the values given
+    (1.0 for temperature), never the proto's 0-means-default."""
+    pairs = prompts.items() if isinstance(prompts, dict) else ((str(i), ids) for i, ids in enumerate(prompts))
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        prompts=[pb.Prompt(id=str(pid), token_ids=np.asarray(ids, dtype=np.int64).tolist()) for pid, ids in pairs],
+        num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        stop_token_ids=[int(t) for t in stop_token_ids], top_k=top_k, score_temperature=score_temperature,
+    )
+    if seed is not None:
+        req.seed = int(seed)
+    return req
 
 
 class RequestFailed(Exception):

@@ -14,11 +14,18 @@ from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
 from ..convert import info_from_pb, scores_from_pb
-from ..types import ModelInfo, SequenceScores
+from ..convert_generate import generation_from_pb
+from ..types import Generation, ModelInfo, SequenceScores
 from . import stream
 from .channel import ChannelClient, _CallPlan
-from .requests import RequestFailed, ScoreBatch, build_request
+from .requests import RequestFailed, ScoreBatch, build_generate_request, build_request
 from .stream import StallReport
+
+
+def _in_request_order(request: pb.GenerateRequest, answers: list[pb.GenerateResponse]) -> list[Generation]:
+    """Generate's answers (sent in any order) by prompt in request order, then sample index."""
+    rank = {p.id: i for i, p in enumerate(request.prompts)}
+    return [generation_from_pb(r) for r in sorted(answers, key=lambda r: (rank.get(r.prompt_id, len(rank)), r.sample_index))]
 
 
 class TeacherClient(ChannelClient):
@@ -80,6 +87,21 @@ class TeacherClient(ChannelClient):
         req = build_request(sequences, top_k=top_k, temperature=temperature, request_id=request_id)
         resp = self._call(self._stub.Score, req, timeout)
         return [scores_from_pb(r) for r in resp.results]
+
+    def generate(
+        self, prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+        stop_token_ids: Iterable[int] = (), seed: int | None = None, top_k: int = 0, score_temperature: float = 1.0,
+        request_id: str = "", timeout: float | None = None,
+    ) -> list[Generation]:
+        """Samples `num_samples` responses per prompt (a list of token-id lists, ids "0", "1", ...,
+        or a dict {prompt id: token ids}); returns them by prompt, then sample index, each with
+        the statistics Score gives at its positions (at `score_temperature`). temperature 0 is
+        greedy. Retried (the whole call) as unary calls are."""
+        req = build_generate_request(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, stop_token_ids=stop_token_ids, seed=seed, top_k=top_k,
+                                     score_temperature=score_temperature, request_id=request_id)
+        answers = self._call(lambda r, **kw: list(self._stub.Generate(r, **kw)), req, timeout)
+        return _in_request_order(req, answers)
 
     def score_stream(
         self, batches: Iterable[ScoreBatch], timeout: float | None = None, *, on_error: str = "raise"
@@ -147,6 +169,21 @@ class AsyncTeacherClient(ChannelClient):
         req = build_request(sequences, top_k=top_k, temperature=temperature, request_id=request_id)
         resp = await self._call(self._stub.Score, req, timeout)
         return [scores_from_pb(r) for r in resp.results]
+
+    async def generate(
+        self, prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+        stop_token_ids: Iterable[int] = (), seed: int | None = None, top_k: int = 0, score_temperature: float = 1.0,
+        request_id: str = "", timeout: float | None = None,
+    ) -> list[Generation]:
+        """As `TeacherClient.generate`."""
+        req = build_generate_request(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, stop_token_ids=stop_token_ids, seed=seed, top_k=top_k,
+                                     score_temperature=score_temperature, request_id=request_id)
+
+        async def collect(r, **kw) -> list[pb.GenerateResponse]:
+            return [answer async for answer in self._stub.Generate(r, **kw)]
+
+        return _in_request_order(req, await self._call(collect, req, timeout))
 
     def score_stream(
         self,

@@ -9,13 +9,14 @@ for a sequence whether it is scored alone or with others.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..settings import EngineSettings
 from ..stats import StatsFn, TokenStatistics, token_statistics
-from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
+from ..types import EngineInfo, GenerateItem, Generation, GenerationCancelled, ScoreItem, SequenceScores  # noqa: F401
 
 
 class ScoringEngine(abc.ABC):
@@ -28,11 +29,18 @@ class ScoringEngine(abc.ABC):
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
         """Scores validated items (in order). Items may mix lengths, top_k and temperatures."""
 
-    def generate(self, items: list[GenerateItem]) -> list[Generation]:
+    def generate(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None) -> list[Generation]:
         """Generates `item.num_samples` responses per validated item and returns them with their
-        statistics, grouped by item in order, samples in order. Engines that cannot generate
-        raise NotImplementedError (the server then does not serve Generate)."""
+        statistics, grouped by item in order, samples in order. `cancelled` (optional), polled
+        between decoding steps: once it returns True the caller is gone (cancelled, deadline
+        passed) and the engine may stop early by raising GenerationCancelled. Engines that cannot
+        generate raise NotImplementedError (the server then does not serve Generate)."""
         raise NotImplementedError(f"{type(self).__name__} does not generate")
+
+    @property
+    def can_generate(self) -> bool:
+        """True when this engine implements `generate` (the server then serves Generate)."""
+        return type(self).generate is not ScoringEngine.generate
 
     @abc.abstractmethod
     def health(self) -> bool:

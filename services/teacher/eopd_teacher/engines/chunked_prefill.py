@@ -14,6 +14,7 @@ step they are split per sequence. Numbers equal the unchunked ones to float32 ro
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -59,10 +60,12 @@ def score_in_steps(
     weight, bias = head.weight, getattr(head, "bias", None)
     step = max(1, chunk_tokens // batch)
     cache = DynamicCache()
+    # transformers >= 5.2x names the cache argument `cache`, earlier releases (the vLLM venv's 5.19) `past_key_values`.
+    cache_key = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     for start in range(0, width, step):
         stop = min(start + step, width)
-        hidden = decoder(input_ids=ids[:, start:stop], attention_mask=attn[:, :stop], cache=cache,
-                         use_cache=True).last_hidden_state  # [B, stop - start, d]
+        hidden = decoder(input_ids=ids[:, start:stop], attention_mask=attn[:, :stop], use_cache=True,
+                         **{cache_key: cache}).last_hidden_state  # [B, stop - start, d]
         sel = torch.nonzero((cols >= start) & (cols < stop)).squeeze(-1)
         if sel.numel():
             h = hidden[rows[sel].to(device), (cols[sel] - start).to(device)]

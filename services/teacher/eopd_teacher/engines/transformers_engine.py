@@ -5,13 +5,16 @@ through the output projection, in chunks (`stats.token_statistics`), so no `[bat
 tensor is ever built. A logit scaling after the projection (Granite's `logits_scaling`, Cohere's
 `logit_scale`) is folded into the inverse temperature; soft-capping is refused at load
 (`eopd_common.logits.scoring_logit_factor`).
+
+`generate` samples with a KV cache (the prompt's prefill once, repeated for the samples) and then
+scores prompt + generated ids with `score` itself, so Generate's statistics are Score's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,9 +24,10 @@ from eopd_common.models import LoadedModel, load_causal_lm, tokenizer_fingerprin
 
 from ..settings import EngineSettings
 from ..stats import ChunkStats
-from ..types import EngineInfo, ScoreItem, SequenceScores
+from ..types import EngineInfo, GenerateItem, Generation, GenerationCancelled, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 from .chunked_prefill import score_in_steps
+from .sampling import sample_next, sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class TransformersEngine(ScoringEngine):
         self._stats_fn = ChunkStats(compile=False)
         self._logit_factor = 1.0
         self._healthy = False
+        self._eos_ids: frozenset[int] = frozenset()
 
     def load(self) -> EngineInfo:
         s = self.settings
@@ -46,6 +51,7 @@ class TransformersEngine(ScoringEngine):
         lm = load_causal_lm(s.model, dtype=s.dtype, device=self._device, cache_dir=s.cache_dir)
         self._logit_factor = scoring_logit_factor(lm.model.config, s.model)  # refuses soft-capping
         self._lm = lm
+        self._eos_ids = _eos_ids(lm)
         # Compiled statistics, or the eager path if compiling fails (at the warm-up below or later).
         self._stats_fn = ChunkStats(compile=s.compile_statistics)
         vocab = self._lm.model.get_output_embeddings().weight.shape[0]
@@ -120,3 +126,77 @@ class TransformersEngine(ScoringEngine):
             yield out
             if out is not None:
                 return
+
+    @torch.inference_mode()
+    def generate(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None) -> list[Generation]:
+        """Per item, `num_samples` responses sampled together (`_sample`), then their statistics
+        by `score` on prompt + response at `score_temperature` (score_from = len(prompt)).
+        `cancelled` is polled before every decoding step (GenerationCancelled once it is True)."""
+        assert self._lm is not None, "engine not loaded"
+        out: list[Generation] = []
+        for item in items:
+            with self._lock:
+                responses, reasons = self._sample(item, cancelled or (lambda: False))
+            prompt_len = len(item.token_ids)
+            scores = self.score([
+                ScoreItem(item.prompt_id, np.concatenate([item.token_ids, r]), prompt_len, item.top_k, item.score_temperature)
+                for r in responses
+            ])
+            out += [Generation(item.prompt_id, j, r, reason, s) for j, (r, reason, s) in enumerate(zip(responses, reasons, scores))]
+        return out
+
+    def _sample(self, item: GenerateItem, cancelled: Callable[[], bool]) -> tuple[list[np.ndarray], list[str]]:
+        """The `num_samples` responses of one prompt (`[n_j]` int64 each, ending with the stop or
+        EOS id that ended it) and their finish reasons. One prefill of the prompt, its cache
+        repeated to `num_samples` rows, then one decode step per new token for every row until all
+        rows have stopped or `max_new_tokens` are drawn. Sample j draws from its own generator
+        (`sample_seed(item.seed, item.index, j)`)."""
+        model, dev, rows = self._lm.model, self._device, item.num_samples
+        generators = None
+        if item.temperature > 0:
+            generators = [torch.Generator().manual_seed(sample_seed(item.seed, item.index, j)) for j in range(rows)]
+        stop = torch.tensor(sorted(self._eos_ids | set(item.stop_token_ids)), dtype=torch.long)
+        prompt = torch.from_numpy(item.token_ids).view(1, -1).to(dev)
+        step = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        cache_key, cache = _cache_of(step)
+        if rows > 1:
+            cache.batch_repeat_interleave(rows)
+        logits = step.logits[:, -1].expand(rows, -1)
+        tokens = torch.zeros((rows, item.max_new_tokens), dtype=torch.long)
+        lengths = torch.zeros(rows, dtype=torch.long)
+        stopped = torch.zeros(rows, dtype=torch.bool)
+        for t in range(item.max_new_tokens):
+            if cancelled():
+                raise GenerationCancelled(f"generation of prompt {item.prompt_id!r} stopped after {t} tokens: its caller went away")
+            nxt = sample_next(logits, item.temperature, item.top_p, generators)
+            live = ~stopped
+            tokens[live, t] = nxt[live]
+            lengths[live] += 1
+            stopped |= live & torch.isin(nxt, stop)
+            if bool(stopped.all()) or t + 1 == item.max_new_tokens:
+                break
+            step = model(input_ids=nxt.view(rows, 1).to(dev), use_cache=True, logits_to_keep=1, **{cache_key: cache})
+            cache, logits = _cache_of(step)[1], step.logits[:, -1]
+        responses = [tokens[j, : lengths[j]].numpy().copy() for j in range(rows)]
+        return responses, ["stop" if bool(s) else "length" for s in stopped]
+
+
+def _cache_of(output) -> tuple[str, object]:
+    """The KV cache of a causal-LM forward's output and the keyword that passes it back: transformers
+    >= 5.2x names both `cache`, earlier releases (the vLLM venv's 5.19) `past_key_values`."""
+    if getattr(output, "cache", None) is not None:
+        return "cache", output.cache
+    return "past_key_values", output.past_key_values
+
+
+def _eos_ids(lm: LoadedModel) -> frozenset[int]:
+    """The model's end-of-sequence ids (generation config, model config, tokenizer; any may list
+    several or none)."""
+    ids: set[int] = set()
+    sources = (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer)
+    for src in sources:
+        value = getattr(src, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
+    return frozenset(ids)

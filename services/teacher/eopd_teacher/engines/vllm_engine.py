@@ -23,6 +23,12 @@ How (checked against vLLM 0.32, the pinned version; see docs/vllm.md):
   sequence is always computed in one step); vLLM's attention is per sequence, so neighbours in a
   step never mix. A sequence's last token is not sent: its hidden state predicts nothing scored.
 
+Generation (`generate`, the Generate RPC and `/v1/completions` with `max_tokens` > 1) uses vLLM's own
+sampler: a second `vllm.LLM` in vLLM's generate runner over the same directory
+(`vllm_generator.VllmGenerator`) draws the responses, and their statistics come from this engine's
+scoring path on prompt + response (score_from = len(prompt), at the item's score temperature), so
+they are exactly Score's. On GPU the two engines share `vllm_gpu_memory_utilization` half and half.
+
 vLLM wants a Hugging Face directory (`eopd_common.model_dirs.materialise_model_dir`): the
 `tiny-random` preset is saved once under `cache_dir/tiny-random-<seed>-<config hash>/` (weights +
 tokenizer), `smollm2-135m` and GGUF files are materialised as for the transformers engine. The
@@ -52,8 +58,9 @@ from eopd_common.vllm_args import describe_kwargs, engine_kwargs, prepare_vllm_p
 
 from ..settings import EngineSettings
 from ..stats import ChunkStats
-from ..types import EngineInfo, ScoreItem, SequenceScores
+from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
+from .vllm_generator import VllmGenerator, eos_ids_of_dir
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,7 @@ class VllmEngine(ScoringEngine):
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self._llm: Any = None
+        self._generator: VllmGenerator | None = None
         self._weight: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
         self._device = "cpu"
@@ -139,13 +147,15 @@ class VllmEngine(ScoringEngine):
         self.tokenizer = load_tokenizer(s.model, cache_dir)
         on_cpu = current_platform.is_cpu()
         self._device = "cpu" if on_cpu else s.resolved_device()
+        # Two engines (scoring, sampling) share the GPU memory vLLM may take.
+        shared = engine_kwargs(dtype=s.dtype, tensor_parallel_size=s.vllm_tensor_parallel_size,
+                               gpu_memory_utilization=s.vllm_gpu_memory_utilization / 2, enforce_eager=s.vllm_enforce_eager,
+                               kv_cache_gib=s.vllm_kv_cache_gib, max_model_len=s.vllm_max_model_len, on_cpu=on_cpu)
         kwargs: dict[str, Any] = dict(
             runner="pooling",
             convert="embed",
             pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
-            **engine_kwargs(dtype=s.dtype, tensor_parallel_size=s.vllm_tensor_parallel_size,
-                            gpu_memory_utilization=s.vllm_gpu_memory_utilization, enforce_eager=s.vllm_enforce_eager,
-                            kv_cache_gib=s.vllm_kv_cache_gib, max_model_len=s.vllm_max_model_len, on_cpu=on_cpu),
+            **shared,
             enable_prefix_caching=False,
             enable_chunked_prefill=False,
             seed=0,
@@ -155,6 +165,8 @@ class VllmEngine(ScoringEngine):
         log.info("starting vLLM on %s (%s)", model_dir, describe_kwargs(kwargs, skip=("pooler_config",)))
         self._llm = LLM(str(model_dir), **kwargs)
         max_len = int(self._llm.llm_engine.model_config.max_model_len)
+        self._generator = VllmGenerator(model_dir, eos_ids_of_dir(model_dir, self.tokenizer))
+        self._generator.start(shared, on_cpu=on_cpu)
 
         torch_dtype = getattr(torch, s.dtype)
         weight, bias = load_output_projection(model_dir, torch_dtype)
@@ -178,10 +190,13 @@ class VllmEngine(ScoringEngine):
         return self.info
 
     def health(self) -> bool:
-        return self._healthy and self._llm is not None
+        return self._healthy and self._llm is not None and self._generator is not None
 
     def shutdown(self) -> None:
         self._healthy = False
+        generator, self._generator = self._generator, None
+        if generator is not None:
+            generator.shutdown()
         llm, self._llm = self._llm, None
         self._weight = self._bias = None
         if llm is not None:
@@ -222,3 +237,26 @@ class VllmEngine(ScoringEngine):
         h = torch.cat([hs[it.score_from - 1 :] for it, hs in zip(items, hidden)]).to(self._device)
         del hidden
         return scores_from_hidden(items, h, self._weight, self._bias, self.settings, self._stats_fn, self._logit_factor)
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, items: list[GenerateItem]) -> list[Generation]:
+        """vLLM's sampler draws every item's `num_samples` responses (one `generate` call), then one
+        `score` batch of prompt + response (score_from = len(prompt), at `score_temperature`, the
+        item's top-k) gives their statistics: exactly what Score answers for those tokens."""
+        if not items:
+            return []
+        assert self._generator is not None and self._weight is not None, "engine not loaded"
+        with self._lock:
+            try:
+                drawn = self._generator.sample(items)
+                scored = [
+                    ScoreItem(it.prompt_id, np.concatenate([it.token_ids, ids]), len(it.token_ids), it.top_k, it.score_temperature)
+                    for it, responses in zip(items, drawn, strict=True) for ids, _ in responses
+                ]
+                scores = iter(self._score(scored))
+            except self._dead_error:
+                self._healthy = False
+                raise
+        return [Generation(it.prompt_id, j, ids, reason, next(scores))
+                for it, responses in zip(items, drawn, strict=True) for j, (ids, reason) in enumerate(responses)]

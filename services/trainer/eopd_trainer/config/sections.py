@@ -219,6 +219,10 @@ class TrainConfig(_Section):
     mini_batch_size: int = Field(32, ge=1, description="B_mini: rollouts per optimizer step (paper: 32 -> 4 steps per iteration).")
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward per process (gradient accumulation makes up B_mini).")
     iterations: int | None = Field(None, ge=1, description="Training iterations; default: from `epochs`.")
+    warmup_kd_iterations: int = Field(
+        0, ge=0, description="KD warm-up (prune-then-distill): the first this many iterations train with loss variant "
+        "kd on teacher-generated responses (the teacher's Generate), then loss.variant; counted in `iterations`. "
+        "Shown as stage kd-warmup in the progress line, train_metrics.jsonl and the report.")
     epochs: float = Field(3.0, gt=0, description="Passes over the training prompts when `iterations` is not given (paper: 3 on MATH).")
     lr: float = Field(3e-6, gt=0, description="Peak learning rate (paper: 3e-6).")
     weight_decay: float = Field(0.0, ge=0)
@@ -314,12 +318,23 @@ class RunConfig(_Section):
                 f"({held}): rollouts stay in the stream until the checkpoint that trained on them is committed, so "
                 "a smaller bound stops the workers before the learner has a batch (deadlock)"
             )
+        self._stages_consistent()
         if abs(self.rollout.temperature - self.loss.temperature) > 1e-9:
             raise ValueError(
                 f"rollout.temperature ({self.rollout.temperature}) must equal loss.temperature ({self.loss.temperature}): "
                 "the old log-probs and the ratio must be taken at the same temperature"
             )
         return self
+
+    def _stages_consistent(self) -> None:
+        """The KD warm-up and the off-policy / graded variants against the rest of the config."""
+        t, variant = self.train, self.loss.variant
+        if t.iterations is not None and t.warmup_kd_iterations > t.iterations:
+            raise ValueError(f"train.warmup_kd_iterations ({t.warmup_kd_iterations}) is more than train.iterations "
+                             f"({t.iterations})")
+        if variant == "grpo" and self.rollout.n_samples < 2:
+            raise ValueError(f"rollout.n_samples ({self.rollout.n_samples}) must be >= 2 for loss.variant=grpo: its "
+                             "advantages are normalised within each prompt's group of samples (one sample: always 0)")
 
     # Derived quantities -------------------------------------------------------------------
     @property

@@ -98,6 +98,7 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
                 ys = [r[key] for r in recs if key in r and "iteration" in r]
                 if xs:
                     ax.plot(xs, ys, marker=".", label=f"{_label(run)} {key.removeprefix('iter/')}")
+        _mark_warmup(ax, iters)
         if title in REFERENCES:
             y, label = REFERENCES[title]
             ax.axhline(y, color="grey", linestyle=":", linewidth=1.2, label=label)
@@ -168,6 +169,35 @@ def _nats(v) -> str:
 
 def _text(v) -> str:
     return "–" if v is None or v == "" else html.escape(str(v))
+
+
+def warmup_iterations(recs: list[dict]) -> list[int]:
+    """The iterations of a run's KD warm-up stage (records with stage "kd-warmup")."""
+    return sorted({int(r["iteration"]) for r in recs if r.get("stage") == "kd-warmup" and "iteration" in r})
+
+
+def _mark_warmup(ax, iters: dict) -> None:
+    """A shaded span over each run's KD warm-up iterations (one legend entry), on a training curve."""
+    labelled = False
+    for recs in iters.values():
+        warm = warmup_iterations(recs)
+        if warm:
+            ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="tab:orange", alpha=0.12,
+                       label=None if labelled else "kd-warmup")
+            labelled = True
+
+
+def stages_line(runs: list[Path]) -> str:
+    """The header's line naming each run's training stages, e.g. "run: kd-warmup (iterations 1-2), then eopd"."""
+    out = []
+    for run in runs:
+        recs = read_iterations(run)
+        warm = warmup_iterations(recs)
+        variant = _variant(run) or next((r.get("stage") for r in recs if r.get("stage") not in (None, "kd-warmup")), "")
+        if warm:
+            out.append(f"{_label(run)}: kd-warmup (iterations {min(warm)}-{max(warm)}, shaded in the training curves), "
+                       f"then {variant or '?'}")
+    return "<p>Stages: " + html.escape("; ".join(out)) + "</p>" if out else ""
 
 
 def _variant(run: Path) -> str:
@@ -258,6 +288,7 @@ def render(runs: list[Path]) -> str:
               "td.ok .mark{color:#17702b;font-weight:bold}td.bad .mark{color:#a31515;font-weight:bold}"
               ".detail{color:#666}</style></head><body>"),
              "<h1>eopd report</h1><p>Runs: " + ", ".join(html.escape(str(r)) for r in runs) + "</p>",
+             stages_line(runs),
              "<h2>Held-out evaluation (shaped like the paper's Table 2)</h2>", table(runs), "<h2>Figures</h2>"]
     for title, data in figs:
         parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>")

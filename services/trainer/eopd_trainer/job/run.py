@@ -13,7 +13,9 @@
    dies); it says which one;
 3. starts the teacher (`eopd-teacher serve --model teacher.model` on port 0, reporting the ports it
    bound: `teacher_proc.py`), the learner and, once the teacher's /readyz answers, one rollout worker,
-   as separate processes, logs in `<run_dir>/logs/` (`supervisor.py`);
+   as separate processes, logs in `<run_dir>/logs/` (`supervisor.py`); a run that needs no teacher
+   to train (loss.variant grpo without train.warmup_kd_iterations) starts none and says so (the
+   evaluation still loads teacher.model in-process for its ceiling and KL columns);
 4. supervises them: a progress bar from the learner's `train_metrics.jsonl`; Ctrl-C / SIGTERM stop
    every process cleanly (the learner keeps its last committed checkpoint); a process that dies
    makes the run exit 1 with the tail of its log;
@@ -39,6 +41,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
+from ..config.stages import run_needs_teacher
 from ..data import load_prompts
 from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
 from ..faults import Faults
@@ -89,7 +92,7 @@ class _Progress:
             if rec.get("kind") != "iteration" or int(rec["iteration"]) <= self.done:
                 continue
             self.last = rec
-            self.bar.set_postfix(loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
+            self.bar.set_postfix(stage=rec.get("stage", "-"), loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
                                  fkl=f"{rec.get('iter/fkl_gated_mean', 0):.3f}")
             self.bar.update(int(rec["iteration"]) - self.done)
             self.done = int(rec["iteration"])
@@ -278,10 +281,14 @@ class TrainingAttempt:
     def _train(self) -> None:
         cpu0 = time.process_time()
         queue, ns = self.start_queue()
-        self.start_teacher()
+        if run_needs_teacher(self.cfg.loss, self.cfg.train.warmup_kd_iterations):
+            self.start_teacher()
+        else:
+            say(self.no_teacher_note())
         self.write_config(queue, ns)
         self.start_learner()
-        self.wait_teacher_ready()
+        if self.teacher is not None:
+            self.wait_teacher_ready()
         self.start_worker()
         self.follow_learner()
         # CPU of this process so far: the progress bar and, with the embedded queue, the queue server
@@ -311,11 +318,23 @@ class TrainingAttempt:
         gp, _ = self.teacher.ports(self.teacher_timeout, on_poll=self._poll)
         say(f"teacher {self.cfg.teacher.model} starting on 127.0.0.1:{gp} (log {self.teacher.log_path})")
 
+    def no_teacher_note(self) -> str:
+        """What `eopd run` says when training needs no teacher (grpo without a KD warm-up)."""
+        cfg = self.cfg
+        note = f"loss.variant={cfg.loss.variant} trains without a teacher: no teacher process started (the worker grades its samples)"
+        evaluating = cfg.eval.enabled and cfg.data.eval_files and cfg.teacher.model
+        if evaluating and "teacher" in cfg.eval.models:
+            return note + f"; teacher {cfg.teacher.model} used for evaluation only (eval.models has teacher: the ceiling and the KL columns)"
+        if evaluating:
+            return note + f"; teacher {cfg.teacher.model} used for evaluation only (the KL columns of eval.json)"
+        return note
+
     def write_config(self, queue: QueueChoice, ns: str) -> None:
         # The learner's lease outlives a sleeping laptop: its TTL runs on Redis' wall clock, so a short one
         # expired while the machine slept and the learner refused to commit after waking up (exit 6).
         # On one machine the run directory's lock already keeps a second learner out.
-        self.cfg = _effective(self.cfg, target=self.teacher.target,
+        target = self.teacher.target if self.teacher is not None else self.cfg.teacher.target
+        self.cfg = _effective(self.cfg, target=target,
                               queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
                                      "auth_key_file": run_key_file(self.run_dir, self.cfg.queue),
                                      "lease_ttl_s": max(self.cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
+from ..config.stages import IterationPlan, plan_iteration, task_iteration, task_teacher_samples
 from ..data import prompt_index
 from ..queue.announce import announce, current_announcement
 from ..queue.lease import Lease, LeaseLost
@@ -78,6 +79,7 @@ class _Batch:
 
     need: int
     version: int
+    plan: IterationPlan  # the iteration's loss variant and what it needs of a rollout
     rollouts: dict[str, tuple[str, bytes, Rollout]] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)
     queue_wait: float = 0.0
@@ -129,7 +131,8 @@ class RolloutFeed:
         rebuilt = rebuild_if_lost(self.redis, self.keys, self.state, n_samples=cfg.rollout.n_samples,
                                   fields=self.tasks.fields,
                                   prompt_of=lambda seq: prompt_index(seq, self.num_prompts, seed=cfg.seed,
-                                                                     shuffle=cfg.data.shuffle))
+                                                                     shuffle=cfg.data.shuffle),
+                                  teacher_of=lambda seq: self.teacher_samples(seq, self.state["iteration"] + 1))
         if rebuilt:
             log.warning("%s", rebuilt)
         # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
@@ -187,13 +190,23 @@ class RolloutFeed:
             return 0
         pipe = self.redis.pipeline(transaction=True)
         for seq in range(published, published + n_new):
+            meant_for = task_iteration(seq, iteration=iteration, prompts_per_iteration=cfg.prompts_per_iteration,
+                                       max_staleness=cfg.effective_max_staleness)
             task = PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
-                              cfg.rollout.n_samples, self.state["policy_version"])
+                              cfg.rollout.n_samples, self.state["policy_version"],
+                              num_teacher_samples=self.teacher_samples(seq, meant_for))
             pipe.xadd(self.keys.tasks, self.tasks.fields(encode_task(task)))
         pipe.set(self.keys.tasks_next, published + n_new)
         pipe.execute()
         self.published_tasks = published + n_new
         return n_new
+
+    def teacher_samples(self, seq: int, iteration: int) -> int:
+        """num_teacher_samples of task `seq` meant for `iteration` (config/stages.py: all during the
+        KD warm-up and for kd, drawn per sample for gkd, else 0)."""
+        cfg = self.cfg
+        return task_teacher_samples(cfg.loss, cfg.train.warmup_kd_iterations, seed=cfg.seed, task_seq=seq,
+                                    num_samples=cfg.rollout.n_samples, iteration=iteration)
 
     def record_tasks_published(self) -> None:
         """The task counter into the state at a commit (what a rebuild of a lost queue starts from)."""
@@ -204,7 +217,8 @@ class RolloutFeed:
         """B admissible rollouts, decoded once, with their bytes, entry ids and collection statistics;
         None when a stop was requested (SIGTERM/SIGINT) while waiting."""
         self.publish_tasks(iteration)
-        batch = _Batch(need=self.cfg.train.batch_size, version=self.state["policy_version"])
+        batch = _Batch(need=self.cfg.train.batch_size, version=self.state["policy_version"],
+                       plan=plan_iteration(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration))
         while batch.missing > 0:
             if self.stop_requested:
                 return None
@@ -252,14 +266,20 @@ class RolloutFeed:
         cfg = self.cfg
         try:
             r = decode_rollout(e.data or b"", vocab_size=self.vocab_size, limits=self.limits)
-            check_rollout_metadata(r, temperature=cfg.loss.temperature, num_candidates=cfg.loss.num_candidates,
-                                   n_samples=cfg.rollout.n_samples, published_tasks=self.published_tasks)
+            plan = batch.plan
+            check_rollout_metadata(r, temperature=cfg.loss.temperature, num_candidates=plan.loss.num_candidates,
+                                   n_samples=cfg.rollout.n_samples, published_tasks=self.published_tasks,
+                                   variant=plan.stage, needs_teacher_scores=plan.needs_teacher_scores,
+                                   accepts_teacher_origin=plan.accepts_teacher_origin, needs_reward=plan.needs_reward)
         except PoisonMessage as exc:
             self.rollouts.dead_letter(e, exc.reason)  # counted in <ns>:counts (dead_letter)
             self._rejected(f"dead letter {e.entry_id}: {exc.reason}")
             return
+        # A teacher-generated rollout (origin teacher) is exempt from the staleness drop: no student
+        # weights made it. A policy-gradient iteration never admits one (dead-lettered above).
         d = admit(r.rollout_id, r.policy_version, current_version=batch.version,
-                  max_staleness=cfg.effective_max_staleness, trained=self.ledger, in_batch=set(batch.rollouts))
+                  max_staleness=cfg.effective_max_staleness, trained=self.ledger, in_batch=set(batch.rollouts),
+                  off_policy=r.off_policy)
         if d.kind is Admit.TRAIN:
             batch.rollouts[r.rollout_id] = (e.entry_id, e.data, r)
             batch.staleness.append(d.staleness)
@@ -289,6 +309,7 @@ class RolloutFeed:
             "dead_letters_total": float(counters["dead_letters"]),
             "response_length_mean": sum(r.num_response_tokens for r in rollouts) / len(rollouts),
             "truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
+            "teacher_origin_frac": sum(r.off_policy for r in rollouts) / len(rollouts),
             "sample_to_train_s": (time.time_ns() - min(r.sampled_unix_ns for r in rollouts)) / 1e9,
             "queue_wait_s": batch.queue_wait,
         }

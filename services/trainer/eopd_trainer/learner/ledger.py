@@ -29,12 +29,14 @@ class Decision:
 
 
 def admit(rollout_id: str, policy_version: int, *, current_version: int, max_staleness: int,
-          trained: Ledger, in_batch: set[str]) -> Decision:
+          trained: Ledger, in_batch: set[str], off_policy: bool = False) -> Decision:
     """What to do with a rollout at an iteration that starts from weights `current_version`.
 
     staleness = current_version - policy_version (0 in the paper's synchronous Algorithm 1).
+    An `off_policy` rollout (teacher-generated: no student weights made it) has staleness 0 and is
+    never stale or future; duplicates are recognised as for any other (exactly-once by id).
     """
-    staleness = current_version - policy_version
+    staleness = 0 if off_policy else current_version - policy_version
     if rollout_id in trained or rollout_id in in_batch:
         return Decision(Admit.DUPLICATE, staleness)
     if staleness < 0:

@@ -13,7 +13,8 @@ One iteration i (Algorithm 1), starting from policy version v = i - 1:
 3. the rollouts' bytes are broadcast to every rank; the B rollouts are shuffled deterministically
    and split into B / B_mini mini-batches; each is one optimizer step made of micro-batches
    (gradient accumulation, data parallel over ranks), the loss from `compute_loss` with the
-   token-mean over the whole mini-batch;
+   token-mean over the whole mini-batch; the loss variant is the iteration's (`config/stages.py`:
+   "kd" during the first train.warmup_kd_iterations, then loss.variant);
 4. checkpoint commit (DeepSpeed state + HF export + trainer_state.json with the ledger of trained
    rollout ids), then the new weights are published as version i, then the iteration's stream
    entries are acknowledged and deleted.
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_config
+from ..config.stages import plan_iteration, stage_name
 from ..data import load_prompts
 from ..faults import Faults
 from ..queue.messages import decode_rollout
@@ -114,7 +116,8 @@ class LearnerLoop:
                 stopped = True
                 break
             t_collect = time.monotonic() - t0
-            steps = self.trainer.train_iteration(iteration, collected.rollouts, self.state["optimizer_steps"])
+            plan = plan_iteration(cfg.loss, cfg.train.warmup_kd_iterations, iteration)  # kd during the warm-up
+            steps = self.trainer.train_iteration(iteration, collected.rollouts, self.state["optimizer_steps"], plan.loss)
             self.state["optimizer_steps"] += len(steps)
             self.ledger.record(iteration, [r.rollout_id for r in collected.rollouts])
             self.state.update(iteration=iteration, policy_version=iteration, ledger=self.ledger.to_json(),
@@ -127,7 +130,7 @@ class LearnerLoop:
                 self.publish_weights(iteration)
             if records is not None:
                 records.log(iteration, steps, collected.stats, t_collect, time.monotonic() - t0,
-                            self.state["optimizer_steps"])
+                            self.state["optimizer_steps"], stage=plan.stage)
         if records is not None:
             self._finish(stopped, iteration, records)
         return 0
@@ -162,7 +165,8 @@ class LearnerLoop:
             self.state["metrics"] = [
                 {"step": st, "values": v, **extra} for st, v, extra in
                 IterationLog.records(iteration, steps, stats, t_collect, time.monotonic() - t0,
-                                     self.state["optimizer_steps"])]
+                                     self.state["optimizer_steps"],
+                                     stage=stage_name(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration))]
         self.faults.hit("learner.before_commit", iteration=iteration)
         self._check_lease()  # fencing: a learner that lost the namespace commits nothing
         self.trainer.save_checkpoint(iteration, self.state)

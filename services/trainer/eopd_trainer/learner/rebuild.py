@@ -51,10 +51,13 @@ def tasks_to_republish(*, trained: Iterable[str], settled: Iterable[str], start:
     return [seq for seq in range(start, published) if any(f"t{seq}-s{j}" not in done for j in range(n_samples))]
 
 
-def rebuild_if_lost(client, keys, state: dict[str, Any], *, n_samples: int, prompt_of, fields=None) -> str | None:
+def rebuild_if_lost(client, keys, state: dict[str, Any], *, n_samples: int, prompt_of, fields=None,
+                    teacher_of=None) -> str | None:
     """Puts back what the queue lost (see the module); None when it lost nothing. `prompt_of(seq)`
-    is the prompt index of task `seq` (`data.prompt_index`); `fields(data)` the fields of a task
-    entry (`StreamQueue.fields`: signed with the run's key), default unsigned."""
+    is the prompt index of task `seq` (`data.prompt_index`); `teacher_of(seq)` its
+    num_teacher_samples (default 0; config/stages.py, a deterministic draw: the same as before);
+    `fields(data)` the fields of a task entry (`StreamQueue.fields`: signed with the run's key),
+    default unsigned."""
     published = published_at_commit(state)
     raw = client.get(keys.tasks_next)
     in_queue = int(raw) if raw is not None else None
@@ -67,7 +70,8 @@ def rebuild_if_lost(client, keys, state: dict[str, Any], *, n_samples: int, prom
     version = int(state["policy_version"])
     pipe = client.pipeline(transaction=True)
     for seq in seqs:
-        data = encode_task(PromptTask(seq, prompt_of(seq), n_samples, version))
+        data = encode_task(PromptTask(seq, prompt_of(seq), n_samples, version,
+                                      num_teacher_samples=teacher_of(seq) if teacher_of is not None else 0))
         pipe.xadd(keys.tasks, fields(data) if fields is not None else {b"data": data})
     pipe.set(keys.tasks_next, published)
     restored = ""

@@ -28,30 +28,34 @@ class IterationLog:
 
     @staticmethod
     def records(iteration: int, steps: list[dict[str, float]], stats: dict[str, float], t_collect: float,
-                t_total: float, optimizer_steps: int) -> list[tuple[int, dict[str, float], dict]]:
+                t_total: float, optimizer_steps: int, stage: str = "") -> list[tuple[int, dict[str, float], dict]]:
         """(step, values, extra) of every metrics record of an iteration: its steps, then the summary
-        (`optimizer_steps`: the run's count after the iteration)."""
+        (`optimizer_steps`: the run's count after the iteration). `stage` (the iteration's loss
+        variant, or "kd-warmup") goes into every record's extra fields."""
         base = optimizer_steps - len(steps)
         per_step = {k: stats[k] for k in ("queue_backlog", "staleness_mean", "staleness_max")}
-        out = [(base + i, {**m, **per_step}, {"iteration": iteration, "kind": "step"}) for i, m in enumerate(steps, 1)]
+        tag = {"stage": stage} if stage else {}
+        out = [(base + i, {**m, **per_step}, {"iteration": iteration, "kind": "step", **tag})
+               for i, m in enumerate(steps, 1)]
         summary = _summary(steps)
         summary.update(stats, collect_s=t_collect, iteration_s=t_total,
                        idle_frac=stats.get("queue_wait_s", 0.0) / t_total if t_total > 0 else 0.0)
         out.append((optimizer_steps, {f"iter/{k}": v for k, v in summary.items()},
-                    {"iteration": iteration, "kind": "iteration"}))
+                    {"iteration": iteration, "kind": "iteration", **tag}))
         return out
 
     def log(self, iteration: int, steps: list[dict[str, float]], stats: dict[str, float], t_collect: float,
-            t_total: float, optimizer_steps: int) -> None:
-        for step, values, extra in self.records(iteration, steps, stats, t_collect, t_total, optimizer_steps):
+            t_total: float, optimizer_steps: int, stage: str = "") -> None:
+        for step, values, extra in self.records(iteration, steps, stats, t_collect, t_total, optimizer_steps, stage):
             self.metrics.log(step, values, **extra)
         summary = _summary(steps)
-        msg = (f"iter {iteration}/{self.total_iterations} loss {summary['loss']:.4f} pg {summary['pg_loss']:.4f} "
+        msg = (f"iter {iteration}/{self.total_iterations} [{stage or '-'}] loss {summary['loss']:.4f} "
+               f"pg {summary['pg_loss']:.4f} "
                f"fkl {summary['fkl_loss']:.4f} gate {summary.get('gate_ratio', 0):.3f} "
                f"stale {stats['staleness_mean']:.2f} backlog {int(stats['queue_backlog'])}")
         log.info(msg)
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{summary['loss']:.4f}", gate=f"{summary.get('gate_ratio', 0):.2f}",
+            self.progress.set_postfix(stage=stage or "-", loss=f"{summary['loss']:.4f}", gate=f"{summary.get('gate_ratio', 0):.2f}",
                                       stale=f"{stats['staleness_mean']:.1f}", backlog=int(stats["queue_backlog"]))
             self.progress.update(1)
 

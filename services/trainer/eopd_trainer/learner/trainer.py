@@ -16,10 +16,18 @@ from eopd_common.logits import logit_transforms
 from eopd_common.models import load_causal_lm, pad_token_id
 from huggingface_hub.utils import disable_progress_bars
 
-from ..batching import PackedBatch, gradient_accumulation_steps, pack_rollouts, shard, shuffle_for_iteration, split
+from ..batching import (
+    PackedBatch,
+    gradient_accumulation_steps,
+    pack_rollouts,
+    rollout_advantages,
+    shard,
+    shuffle_for_iteration,
+    split,
+)
 from ..config import RunConfig
 from ..faults import Faults
-from ..objective import METRIC_KEYS, compute_loss, compute_loss_from_hidden, step_generator
+from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, get_variant, step_generator
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import export_state_dict, prune_weights, save_weights
 from .checkpoint import CheckpointManager
@@ -115,20 +123,29 @@ class PolicyTrainer:
         return int(self.engine.global_steps)
 
     # Training ----------------------------------------------------------------------------------
-    def micro_loss(self, packed: PackedBatch, denominator: float,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_loss(self, packed: PackedBatch, denominator: float, generator: torch.Generator | None = None,
+                   loss_cfg: LossConfig | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch under `loss_cfg` (default loss config; the KD warm-up passes
+        its kd copy). Teacher inputs are None when the micro-batch has none (grpo), advantages
+        given when packed with them (grpo)."""
         dev = self.device
         ids, am = packed.input_ids.to(dev), packed.attention_mask.to(dev)
         pos = packed.positions.to(dev)
+
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dev)
+
         args = dict(
             sampled_ids=packed.sampled_ids.to(dev), old_logprobs=packed.old_logprobs.to(dev),
-            teacher_logprobs=packed.teacher_logprobs.to(dev), teacher_entropy=packed.teacher_entropy.to(dev),
-            teacher_topk_ids=packed.topk_ids.to(dev), teacher_topk_logprobs=packed.topk_logprobs.to(dev),
-            config=self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
+            teacher_logprobs=opt(packed.teacher_logprobs), teacher_entropy=opt(packed.teacher_entropy),
+            teacher_topk_ids=opt(packed.topk_ids), teacher_topk_logprobs=opt(packed.topk_logprobs),
+            config=loss_cfg or self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
             generator=generator,
         )
         if packed.candidate_ids is not None:  # per-position candidates (eopd_topk_rkl)
             args.update(candidate_ids=packed.candidate_ids.to(dev), candidate_logprobs=packed.candidate_logprobs.to(dev))
+        if packed.advantages is not None:  # grpo: group-normalised rewards per token
+            args.update(advantages=packed.advantages.to(dev))
         module = self.engine.module
         if self.fused_loss:
             hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
@@ -138,11 +155,23 @@ class PolicyTrainer:
         logits = self.engine(input_ids=ids, attention_mask=am).logits
         return compute_loss(logits.reshape(-1, logits.shape[-1])[pos], **args)
 
-    def train_iteration(self, iteration: int, rollouts: list[Rollout], opt_step: int) -> list[dict[str, float]]:
+    def train_iteration(self, iteration: int, rollouts: list[Rollout], opt_step: int,
+                        loss_cfg: LossConfig | None = None) -> list[dict[str, float]]:
         """One optimizer step per mini-batch of the shuffled rollouts; `opt_step` is the run's
-        0-based index of the first one. Returns each step's metrics (one per optimizer step taken)."""
+        0-based index of the first one; `loss_cfg` the iteration's loss (config/stages.py: kd during
+        the warm-up; default loss config). Returns each step's metrics (one per optimizer step taken).
+
+        A variant whose advantages are given (grpo) gets each rollout's group-normalised reward
+        (`rollout_advantages`), computed over the whole iteration before the mini-batch split so a
+        task's samples are normalised together (sync mode: an iteration holds every sample of its
+        tasks; async mode: a task's samples can straddle iterations, each part normalised within
+        its iteration)."""
         cfg = self.cfg
-        seq_mean = cfg.loss.aggregation == "seq-mean-token-mean"
+        loss_cfg = loss_cfg or cfg.loss
+        seq_mean = loss_cfg.aggregation == "seq-mean-token-mean"
+        advantages = None
+        if get_variant(loss_cfg.variant).advantages_from == "given":
+            advantages = rollout_advantages(rollouts, loss_cfg.grpo_eps)
         ordered = shuffle_for_iteration(rollouts, cfg.seed, iteration)
         steps = []
         for step, mini in enumerate(split(ordered, cfg.train.mini_batch_size), 1):
@@ -155,11 +184,11 @@ class PolicyTrainer:
             loss_sum = {k: 0.0 for k in LOSS_TERMS}
             lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
             for micro_index, micro in enumerate(split(local, cfg.train.micro_batch_size)):
-                packed = pack_rollouts(micro, self.pad_id)
+                packed = pack_rollouts(micro, self.pad_id, advantages=advantages)
                 # random_fkl's draw: different at every step, rank and micro-batch, the same again
                 # when a resumed run redoes this step.
-                gen = step_generator(cfg.loss.random_seed, iteration, opt_step, self.rank, micro_index)
-                loss, m = self.micro_loss(packed, denominator, gen)
+                gen = step_generator(loss_cfg.random_seed, iteration, opt_step, self.rank, micro_index)
+                loss, m = self.micro_loss(packed, denominator, gen, loss_cfg)
                 self.engine.backward(loss)
                 self.engine.step()
                 rows.append(({k: v for k, v in m.items() if k not in LOSS_TERMS}, packed.num_tokens))

@@ -8,13 +8,14 @@ r"""The EOPD objective and its baselines as pure tensor functions (paper sec. 2.
 Shapes (flat form; a batched [B, T, ...] form with a [B, T] mask is accepted too):
 
     student_logits          [N, V]  student logits at the N response positions of a mini-batch
-    sampled_ids             [N]     token x_t sampled by the behaviour policy pi_old
+    sampled_ids             [N]     token x_t sampled by the behaviour policy pi_old (kd/gkd: or the teacher)
     old_logprobs            [N]     log pi_old(x_t)
     teacher_logprobs        [N]     log pi_te(x_t)
     teacher_entropy         [N]     H_te,t = -sum_v pi_te(v) log pi_te(v)   (full vocabulary)
     teacher_topk_ids        [N, k]  S_t^k, the teacher's top-k ids
     teacher_topk_logprobs   [N, k]  log pi_te(v), v in S_t^k (full-vocabulary normalisation)
     mask                    [N]     valid (response, non-padding) tokens
+    advantages (keyword)    [N]     per-token advantages, for variants with advantages_from "given" (grpo)
 
 Maths, per valid token t (log pi_theta is the student's full-vocabulary log-softmax of logits / T):
 
@@ -29,8 +30,18 @@ Maths, per valid token t (log pi_theta is the student's full-vocabulary log-soft
 Aggregation ("token-mean", Algorithm 1): `L = sum_t w_t EOPD_t` with `w_t = 1 / #valid tokens`,
 the same weight for both terms (the FKL is *not* averaged over the gated tokens only).
 "seq-mean-token-mean" averages within each sequence, then over sequences. The baselines (opd,
-opd_fkl, full_fkl, random_fkl, entropy_bonus, advantage_shaping) are registered by name in
-`variants`; see its table. `eopd_topk_rkl` (beyond the paper) replaces OPD_t by the reverse KL
+opd_fkl, full_fkl, random_fkl, entropy_bonus, advantage_shaping, kd, gkd, grpo) are registered by
+name in `variants`; see its table. The paper's other baselines (app. A, sec. 5.5):
+
+    KD_t   = ce_weight * (-log pi_theta(x_t)) + kl_weight * FKL_t   on teacher-generated responses
+    GKD_t  = FKL_t    on a mix: share gkd_lambda student samples, the rest teacher-generated
+    GRPO_t = max(-r_t A_t, -clip(r_t) A_t) with A_t the caller's `advantages` (no teacher scores):
+             group_advantages(rewards, group_ids, grpo_eps) = (R - mean_g) / (std_g + eps),
+             std_g Bessel-corrected as in TRL's GRPOTrainer, repeated over each response's tokens.
+
+kd and gkd take no old log-probs (`old_logprobs=None` is accepted: no ratio, no clip); grpo's four
+teacher inputs may be None and are never read; the variant's `teacher_share` says which share of
+responses the data path has the teacher generate. `eopd_topk_rkl` (beyond the paper) replaces OPD_t by the reverse KL
 summed exactly over the student's top-k ids (`candidate_ids` / `candidate_logprobs [N, m]` keyword
 arguments: the teacher's log-probs at them, from per-position candidate scoring).
 
@@ -55,7 +66,14 @@ k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 from .config import LossConfig
 from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
 from .rng import step_generator, step_seed
-from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
+from .terms import (
+    aggregation_weights,
+    clipped_pg_loss,
+    group_advantages,
+    shaped_advantages,
+    topk_forward_kl,
+    topk_reverse_kl,
+)
 from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
 from .vocab import VocabPlan, vocab_stats
 
@@ -73,6 +91,7 @@ __all__ = [
     "topk_forward_kl",
     "topk_reverse_kl",
     "shaped_advantages",
+    "group_advantages",
     "aggregation_weights",
     "VocabPlan",
     "vocab_stats",

@@ -24,7 +24,7 @@ class LossConfig(BaseModel):
     variant: str = Field(
         "eopd",
         description="Loss variant, by registered name: opd, eopd, opd_fkl, full_fkl, random_fkl, "
-        "entropy_bonus, advantage_shaping, eopd_topk_rkl (see eopd_trainer.objective.variants).",
+        "entropy_bonus, advantage_shaping, eopd_topk_rkl, kd, gkd, grpo (see eopd_trainer.objective.variants).",
     )
     tau: float = Field(0.8, ge=0.0, description="Teacher-entropy threshold (nats) of the FKL gate.")
     alpha: float = Field(
@@ -59,6 +59,30 @@ class LossConfig(BaseModel):
     shaping_kappa: float = Field(
         2.0, gt=1.0, description="advantage_shaping: kappa (> 1) of psi(H) = min(alpha * H, |A| / kappa)."
     )
+    ce_weight: float = Field(
+        0.5,
+        ge=0.0,
+        description="kd: weight of the cross-entropy on the teacher's tokens, -log pi_theta(x_t) "
+        "(app. A, DistillKit: 0.5).",
+    )
+    kl_weight: float = Field(
+        0.5,
+        ge=0.0,
+        description="kd: weight of the forward KL over the teacher's renormalised top-k (app. A, DistillKit: 0.5).",
+    )
+    gkd_lambda: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="gkd: share of on-policy student samples in a batch (Agarwal et al.'s lambda; the "
+        "rest are teacher-generated). The paper runs 0.5, 0.8 and 1.0 (sec. 5.5).",
+    )
+    grpo_eps: float = Field(
+        1e-4,
+        gt=0.0,
+        description="grpo: added to each group's reward std before dividing, (r - mean) / (std + eps) "
+        "(TRL GRPOTrainer's 1e-4).",
+    )
     candidate_k: int = Field(
         16,
         ge=1,
@@ -83,6 +107,17 @@ class LossConfig(BaseModel):
         """Per-position candidates the variant needs in each rollout: `candidate_k` for a variant
         with a top-k reverse KL (eopd_topk_rkl), else 0."""
         return self.candidate_k if VARIANTS[self.variant].topk_rkl else 0
+
+    @property
+    def teacher_share(self) -> float:
+        """Expected share of a batch's responses that the teacher generates for this variant
+        (kd 1, gkd 1 - gkd_lambda, the others 0); see `Variant.teacher_share`."""
+        return float(VARIANTS[self.variant].teacher_share(self))
+
+    @property
+    def needs_teacher_scores(self) -> bool:
+        """Whether the variant's loss reads the teacher's per-token scores (False for grpo)."""
+        return VARIANTS[self.variant].needs_teacher_scores
 
     @field_validator("variant")
     @classmethod

@@ -2,36 +2,42 @@
 
 The flow is the same for both entry points:
 
-1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there;
+1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there (only those
+   the variant reads: `inputs.flatten_tokens`; grpo reads no teacher scores, kd/gkd no old log-probs);
 2. choose the FKL positions of the variant (entropy gate, all, random, none) *before* touching the
    vocabulary, so the student's log-probs at the teacher's top-k are gathered only where needed;
 3. one chunked vocabulary pass (`vocab.vocab_stats`): log-prob of the sampled token, student
    entropy, log-probs at the teacher's top-k of the gathered tokens;
-4. per-token terms (`terms`) on these small tensors, aggregated with explicit weights.
+4. per-token terms (`terms`) on these small tensors, aggregated with explicit weights; kd's CE term
+   is `-logp` of the sampled (teacher) token from step 3, so it costs no extra vocabulary work.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .config import LossConfig
+from .inputs import Tokens, candidates, check_valid_inputs, flatten_tokens
 from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
 from .variants import PositionContext, get_variant
 from .vocab import VocabPlan, vocab_stats
 
 DEFAULT_CONFIG = LossConfig()
 
-#: Keys of the metrics dict, always present (student_entropy and topk_overlap need vocab_metrics,
-#: or for student_entropy a variant that uses it; they are absent otherwise).
+#: Keys of the metrics dict. Present for every variant that takes the inputs they are measured on:
+#: clip_frac, ratio_mean, approx_kl* need old_logprobs (kd / gkd may omit them), advantage_* an
+#: advantage, gate_ratio, fkl_gated_mean, teacher_* the teacher's scores (grpo has none); absent
+#: otherwise. student_entropy and topk_overlap (not listed) need vocab_metrics, or for
+#: student_entropy a variant that uses it. `ce` is the mean of -log pi_theta(x_t) over the valid
+#: tokens, whatever the variant (kd's loss adds ce_weight times it).
 METRIC_KEYS = (
     "loss",
     "pg_loss",
     "fkl_loss",
     "entropy_loss",
     "topk_rkl_loss",
+    "ce",
     "clip_frac",
     "ratio_mean",
     "approx_kl",
@@ -47,168 +53,65 @@ METRIC_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class _Tokens:
-    """Per-token inputs, flattened to N tokens."""
-
-    sampled_ids: Tensor  # [N] long
-    old_logprobs: Tensor  # [N]
-    teacher_logprobs: Tensor  # [N]
-    teacher_entropy: Tensor  # [N]
-    topk_ids: Tensor  # [N, k] long
-    topk_logprobs: Tensor  # [N, k]
-    mask: Tensor  # [N] bool
-    seq_index: Tensor | None  # [N] long
-    cand_ids: Tensor | None = None  # [N, m] long, -1 filler (eopd_topk_rkl)
-    cand_logprobs: Tensor | None = None  # [N, m] teacher log-probs at cand_ids (NaN at filler)
-
-
-def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple[Tensor | None, Tensor | None]:
-    if cand_ids is None and cand_logprobs is None:
-        return None, None
-    if cand_ids is None or cand_logprobs is None:
-        raise ValueError("candidate_ids and candidate_logprobs go together")
-    for name, t in (("candidate_ids", cand_ids), ("candidate_logprobs", cand_logprobs)):
-        if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead:
-            raise ValueError(f"{name} must have shape {lead + ('m',)}, got {tuple(t.shape)}")
-    if cand_ids.shape != cand_logprobs.shape:
-        raise ValueError("candidate_ids and candidate_logprobs must have the same shape")
-    m = cand_ids.shape[-1]
-    return cand_ids.reshape(-1, m), cand_logprobs.reshape(-1, m)
-
-
-def _flatten_tokens(lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
-                    topk_ids, topk_logprobs, mask, seq_index, cand_ids=None, cand_logprobs=None) -> _Tokens:
-    """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N]."""
-    if len(lead) not in (1, 2):
-        raise ValueError(f"expected [N, ...] or [B, T, ...] inputs, got leading shape {lead}")
-    device = sampled_ids.device
-    if mask is None:
-        mask = torch.ones(lead, dtype=torch.bool, device=device)
-    for name, t in (("sampled_ids", sampled_ids), ("old_logprobs", old_logprobs),
-                    ("teacher_logprobs", teacher_logprobs), ("teacher_entropy", teacher_entropy),
-                    ("mask", mask)):
-        if tuple(t.shape) != lead:
-            raise ValueError(f"{name} must have shape {lead}, got {tuple(t.shape)}")
-    for name, t in (("teacher_topk_ids", topk_ids), ("teacher_topk_logprobs", topk_logprobs)):
-        if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead or t.shape[-1] < 1:
-            raise ValueError(f"{name} must have shape {lead + ('k',)} with k >= 1, got {tuple(t.shape)}")
-    if topk_ids.shape != topk_logprobs.shape:
-        raise ValueError("teacher_topk_ids and teacher_topk_logprobs must have the same shape")
-    if len(lead) == 2:
-        if seq_index is not None:
-            raise ValueError("seq_index is implied by batched [B, T] inputs; pass it only with flat [N] inputs")
-        b, t = lead
-        seq_index = torch.arange(b, device=device).repeat_interleave(t)
-    elif seq_index is not None and tuple(seq_index.shape) != lead:
-        raise ValueError(f"seq_index must have shape {lead}, got {tuple(seq_index.shape)}")
-    k = topk_ids.shape[-1]
-    cand_ids, cand_logprobs = _flatten_candidates(lead, cand_ids, cand_logprobs)
-    return _Tokens(
-        sampled_ids=sampled_ids.reshape(-1),
-        old_logprobs=old_logprobs.reshape(-1),
-        teacher_logprobs=teacher_logprobs.reshape(-1),
-        teacher_entropy=teacher_entropy.reshape(-1),
-        topk_ids=topk_ids.reshape(-1, k),
-        topk_logprobs=topk_logprobs.reshape(-1, k),
-        mask=mask.reshape(-1) != 0,
-        seq_index=None if seq_index is None else seq_index.reshape(-1),
-        cand_ids=cand_ids,
-        cand_logprobs=cand_logprobs,
-    )
-
-
-def _check_valid_inputs(vocab: int, dtype: torch.dtype, *, sampled: Tensor, old_logprobs: Tensor,
-                        teacher_logprobs: Tensor, teacher_entropy: Tensor, topk_ids: Tensor,
-                        topk_logprobs: Tensor, topk_finite: Tensor) -> None:
-    """Raises ValueError, naming the tensor and its number of bad valid positions, on out-of-range
-    ids, non-finite per-token inputs, or NaN / +inf teacher top-k log-probs (-inf is allowed there:
-    an absent candidate). The per-token tensors are checked in the compute dtype, so values that
-    overflow it count as non-finite. One device-to-host sync for all checks."""
-    counts = torch.stack([
-        ((sampled < 0) | (sampled >= vocab)).sum(),
-        (topk_finite & ((topk_ids < 0) | (topk_ids >= vocab))).sum(),
-        (~torch.isfinite(old_logprobs)).sum(),
-        (~torch.isfinite(teacher_logprobs)).sum(),
-        (~torch.isfinite(teacher_entropy)).sum(),
-        (torch.isnan(topk_logprobs) | (topk_logprobs == torch.inf)).sum(),
-    ]).tolist()
-    if not any(counts):
-        return
-    kind = {torch.float32: "float32", torch.float64: "float64"}.get(dtype, str(dtype))
-    messages = []
-    for name, n in zip(("sampled_ids", "teacher_topk_ids"), counts[:2]):
-        if n:
-            messages.append(f"{name} has {n} id(s) out of range [0, {vocab}) at valid positions")
-    for name, n in zip(("old_logprobs", "teacher_logprobs", "teacher_entropy"), counts[2:5]):
-        if n:
-            messages.append(f"{name} has {n} non-finite value(s) (NaN, +-inf, or beyond the {kind} range) "
-                            "at valid positions")
-    if counts[5]:
-        messages.append(f"teacher_topk_logprobs has {counts[5]} NaN or +inf value(s) at valid positions "
-                        "(-inf, an absent candidate, is allowed)")
-    raise ValueError("; ".join(messages))
-
-
-def _candidates(variant, tokens: _Tokens, valid: Tensor, vocab: int, dtype: torch.dtype,
-                name: str) -> tuple[Tensor, Tensor, Tensor] | None:
-    """For a `topk_rkl` variant: the valid tokens' candidate ids `[M, m]` (filler made 0), the
-    teacher's log-probs there `[M, m]` and which candidates count `[M, m]` (an id, not -1 filler,
-    with a finite teacher log-prob); None for other variants."""
-    if not variant.topk_rkl:
-        return None
-    if tokens.cand_ids is None:
-        raise ValueError(f"loss variant {name!r} needs candidate_ids and candidate_logprobs (the student's top-k "
-                         "ids at each position and the teacher's log-probs there)")
-    ids = tokens.cand_ids[valid].long()
-    t_lp = tokens.cand_logprobs[valid].detach().to(dtype)
-    out_of_range = int(((ids < -1) | (ids >= vocab)).sum())
-    if out_of_range:
-        raise ValueError(f"candidate_ids has {out_of_range} id(s) out of range [0, {vocab}) (-1 is filler) at valid positions")
-    ok = (ids >= 0) & torch.isfinite(t_lp)
-    return torch.where(ok, ids, 0), t_lp, ok
-
-
 def _mean(x: Tensor) -> Tensor:
     return x.mean() if x.numel() else x.new_zeros(())
 
 
-def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
+def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
                denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
     variant = get_variant(cfg.variant)
     valid = tokens.mask.nonzero().squeeze(1)  # [M]
     m = valid.numel()
     sampled = tokens.sampled_ids[valid].long()
-    old = tokens.old_logprobs[valid].detach().to(dtype)
-    t_lp = tokens.teacher_logprobs[valid].detach().to(dtype)
-    t_ent_in = tokens.teacher_entropy[valid].detach()  # its own dtype: the gate is decided on it
-    t_ent = t_ent_in.to(dtype)
-    t_ids = tokens.topk_ids[valid].long()
-    t_tlp = tokens.topk_logprobs[valid].detach().to(dtype)
+
+    def at_valid(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x[valid].detach().to(dtype)
+
+    old = at_valid(tokens.old_logprobs)  # None only without a pg term
+    given_adv = at_valid(tokens.advantages)  # advantages_from == "given"
+    has_teacher = variant.needs_teacher_scores
+    if has_teacher:
+        t_lp = at_valid(tokens.teacher_logprobs)
+        t_ent_in = tokens.teacher_entropy[valid].detach()  # its own dtype: the gate is decided on it
+        t_ent = t_ent_in.to(dtype)
+        t_ids = tokens.topk_ids[valid].long()
+        t_tlp = at_valid(tokens.topk_logprobs)
+        t_finite = torch.isfinite(t_tlp)  # [M, k]; -inf entries carry no teacher mass
+    else:  # no teacher scores (grpo): nothing of the teacher is read; no gate, no top-k
+        t_lp = t_ent_in = t_ent = None
+        t_ids = torch.zeros(m, 0, dtype=torch.long, device=valid.device)
+        t_tlp = torch.zeros(m, 0, dtype=dtype, device=valid.device)
+        t_finite = torch.zeros(m, 0, dtype=torch.bool, device=valid.device)
     k = t_ids.shape[1]
-    t_finite = torch.isfinite(t_tlp)  # [M, k]; -inf entries carry no teacher mass
-    _check_valid_inputs(vocab, dtype, sampled=sampled, old_logprobs=old, teacher_logprobs=t_lp,
-                        teacher_entropy=t_ent, topk_ids=t_ids, topk_logprobs=t_tlp, topk_finite=t_finite)
+    check_valid_inputs(vocab, dtype, sampled=sampled,
+                       per_token={"old_logprobs": old, "teacher_logprobs": t_lp, "teacher_entropy": t_ent,
+                                  "advantages": given_adv},
+                       topk_ids=t_ids if has_teacher else None, topk_logprobs=t_tlp if has_teacher else None,
+                       topk_finite=t_finite)
     t_ids = torch.where(t_finite, t_ids, 0)  # ids of -inf entries are never used: make them safe
 
     # 2. positions of the FKL, before the vocabulary pass. The gate compares the teacher entropy in
     # the dtype it was given (tau rounded to that dtype), not after the cast to the compute dtype:
     # an fp64 entropy just below tau must not round up to tau in fp32.
-    gate = t_ent_in >= cfg.tau if cfg.gate == "ge" else t_ent_in > cfg.tau
+    if has_teacher:
+        gate = t_ent_in >= cfg.tau if cfg.gate == "ge" else t_ent_in > cfg.tau
+    else:
+        gate = torch.zeros(m, dtype=torch.bool, device=valid.device)
     if generator is None:  # deterministic in (random_seed, M): see step_generator for training loops
         generator = torch.Generator().manual_seed(cfg.random_seed)
     fkl_pos = variant.fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
     fkl_coef = variant.fkl_coef(cfg) if fkl_pos is not None else 0.0
     apply_fkl = fkl_pos is not None and fkl_coef != 0.0
     gathered = (gate | fkl_pos) if apply_fkl else gate  # gated rows are gathered for the metric
-    cand = _candidates(variant, tokens, valid, vocab, dtype, cfg.variant)
+    cand = candidates(variant, tokens, valid, vocab, dtype, cfg.variant)
     if cand is not None:  # the student's top-k is gathered at every row: gather the teacher's there too
         gathered = torch.ones_like(gate)
     gather_pos = gathered.nonzero().squeeze(1)  # [G]
     gather_ids = t_ids[gather_pos] if cand is None else torch.cat([t_ids, cand[0]], dim=1)
 
-    # 3. one chunked pass over the vocabulary.
+    # 3. one chunked pass over the vocabulary (the CE term is -logp of the sampled token: no extra pass).
     entropy_coef = variant.entropy_coef(cfg)
+    ce_coef = variant.ce_coef(cfg)
     need_entropy = entropy_coef != 0.0 or variant.shape_advantage or cfg.vocab_metrics
     plan = VocabPlan(
         rows=valid,
@@ -230,11 +133,15 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
         cfg.aggregation, m, None if tokens.seq_index is None else tokens.seq_index[valid],
         denominator, device=valid.device, dtype=dtype,
     )
-    adv = t_lp - old
-    adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa) if variant.shape_advantage else adv
-    pg_t, ratio, clipped = clipped_pg_loss(
-        logp if variant.pg else logp.detach(), old, adv_used, cfg.clip_low, cfg.clip_high
-    )
+    adv = given_adv if variant.advantages_from == "given" else (t_lp - old if old is not None else None)
+    adv_used = adv
+    if variant.shape_advantage and adv is not None:
+        adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
+    if old is not None:
+        pg_t, ratio, clipped = clipped_pg_loss(
+            logp if variant.pg else logp.detach(), old, adv_used if adv_used is not None else torch.zeros_like(old),
+            cfg.clip_low, cfg.clip_high,
+        )
     fkl_g = topk_forward_kl(logp_topk, t_tlp[gather_pos])  # [G]
 
     zero = w.new_zeros(())
@@ -254,6 +161,8 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
     if entropy_coef != 0.0:
         entropy_loss = -entropy_coef * (w * s_ent).sum()
         terms.append(entropy_loss)
+    if ce_coef != 0.0:
+        terms.append(ce_coef * (w * -logp).sum())
     if terms:
         loss = terms[0]
         for t in terms[1:]:
@@ -262,31 +171,37 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
         loss = logp[:0].sum()  # an exact 0 that is part of the graph (zero gradient), like no token
 
     with torch.no_grad():
-        gated_in_gather = gate[gather_pos]
         values = {
             "loss": loss,
             "pg_loss": pg_loss,
             "fkl_loss": fkl_loss,
             "entropy_loss": entropy_loss,
             "topk_rkl_loss": rkl_loss,
-            "clip_frac": _mean(clipped.to(dtype)),
-            "ratio_mean": _mean(ratio),
-            "approx_kl": _mean(old - logp),
-            "approx_kl_k3": _mean(ratio - 1.0 - (logp - old)),
-            "advantage_mean": _mean(adv),
-            "advantage_shaped_mean": _mean(adv_used),
-            "gate_ratio": _mean(gate.to(dtype)),
+            "ce": _mean(-logp),
             "fkl_ratio": _mean(fkl_pos.to(dtype)) if apply_fkl else zero,
-            "fkl_gated_mean": _mean(fkl_g[gated_in_gather]),
-            "teacher_entropy": _mean(t_ent),
-            "teacher_topk_mass": _mean(torch.where(t_finite, t_tlp.exp(), 0.0).sum(dim=1)),
             "n_tokens": torch.tensor(float(m), dtype=dtype, device=w.device),
         }
+        if old is not None:  # the behaviour policy's ratio (absent for kd / gkd without old_logprobs)
+            values.update({
+                "clip_frac": _mean(clipped.to(dtype)),
+                "ratio_mean": _mean(ratio),
+                "approx_kl": _mean(old - logp),
+                "approx_kl_k3": _mean(ratio - 1.0 - (logp - old)),
+            })
+        if adv is not None:
+            values.update({"advantage_mean": _mean(adv), "advantage_shaped_mean": _mean(adv_used)})
+        if has_teacher:  # measured on the teacher's scores (absent for grpo)
+            values.update({
+                "gate_ratio": _mean(gate.to(dtype)),
+                "fkl_gated_mean": _mean(fkl_g[gate[gather_pos]]),
+                "teacher_entropy": _mean(t_ent),
+                "teacher_topk_mass": _mean(torch.where(t_finite, t_tlp.exp(), 0.0).sum(dim=1)),
+            })
         if need_entropy:
             values["student_entropy"] = _mean(s_ent)
         if cand is not None:
             values["student_candidate_mass"] = _mean(torch.where(cand[2], logp_cand.exp(), 0.0).sum(dim=1))
-        if cfg.vocab_metrics:
+        if cfg.vocab_metrics and has_teacher:
             # share of the teacher's candidates (its finite top-k entries) in the student's top-k;
             # rows with no finite teacher entry have no candidate and are left out of the mean
             hit = (s_topk[:, :, None] == t_ids[:, None, :]) & t_finite[:, None, :]  # [M, s, k]
@@ -300,11 +215,11 @@ def _objective(tokens: _Tokens, cfg: LossConfig, source: dict, vocab: int, dtype
 def compute_loss(
     student_logits: Tensor,
     sampled_ids: Tensor,
-    old_logprobs: Tensor,
-    teacher_logprobs: Tensor,
-    teacher_entropy: Tensor,
-    teacher_topk_ids: Tensor,
-    teacher_topk_logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    teacher_logprobs: Tensor | None,
+    teacher_entropy: Tensor | None,
+    teacher_topk_ids: Tensor | None,
+    teacher_topk_logprobs: Tensor | None,
     mask: Tensor | None = None,
     config: LossConfig = DEFAULT_CONFIG,
     *,
@@ -313,6 +228,7 @@ def compute_loss(
     generator: torch.Generator | None = None,
     candidate_ids: Tensor | None = None,
     candidate_logprobs: Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The distillation loss from student logits, chunked over tokens.
 
@@ -322,10 +238,14 @@ def compute_loss(
         student_logits: [N, V] or [B, T, V], any float dtype (computed in fp32, fp64 kept).
         sampled_ids: [N] / [B, T] long, the token sampled by the behaviour policy.
         old_logprobs: [N] / [B, T], its log-prob under the behaviour policy (at the temperature).
+            May be None for a variant without a pg term (kd, gkd: no ratio, no clip); the ratio
+            metrics are then absent.
         teacher_logprobs: [N] / [B, T], its log-prob under the teacher.
         teacher_entropy: [N] / [B, T], the teacher's full-vocabulary entropy (nats).
         teacher_topk_ids: [N, k] / [B, T, k] long, the teacher's top-k ids.
         teacher_topk_logprobs: [N, k] / [B, T, k], their teacher log-probs (-inf allowed).
+            The four teacher inputs may be None for a variant with `needs_teacher_scores` False
+            (grpo), which never reads them.
         mask: [N] / [B, T], bool or 0/1; None means every token is valid. Inputs at masked
             positions are never read (they may hold padding ids, NaN, -inf...).
         config: a `LossConfig`.
@@ -341,6 +261,9 @@ def compute_loss(
         candidate_ids: [N, m] / [B, T, m] long, the student's top-k ids per token (-1 filler), for
             variants with `topk_rkl` (eopd_topk_rkl); ignored by the others.
         candidate_logprobs: the same shape, the teacher's log-probs at those ids (NaN at filler).
+        advantages: [N] / [B, T], per-token advantages (detached here), required by variants with
+            `advantages_from == "given"` (grpo: `group_advantages` of the rewards, repeated over each
+            response's tokens); ignored by the others, which take A = teacher_logprobs - old_logprobs.
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor (an exact, differentiable 0 when no token is valid) and
@@ -349,9 +272,9 @@ def compute_loss(
     if student_logits.dim() not in (2, 3):
         raise ValueError(f"student_logits must be [N, V] or [B, T, V], got {tuple(student_logits.shape)}")
     vocab = student_logits.shape[-1]
-    tokens = _flatten_tokens(tuple(student_logits.shape[:-1]), sampled_ids, old_logprobs, teacher_logprobs,
-                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index,
-                             candidate_ids, candidate_logprobs)
+    tokens = flatten_tokens(get_variant(config.variant), tuple(student_logits.shape[:-1]), sampled_ids, old_logprobs,
+                            teacher_logprobs, teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
+                            seq_index, candidate_ids, candidate_logprobs, advantages)
     logits = student_logits.reshape(-1, vocab)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return _objective(tokens, config, {"logits": logits}, vocab, dtype, denominator, generator)
@@ -361,11 +284,11 @@ def compute_loss_from_hidden(
     hidden: Tensor,
     weight: Tensor,
     sampled_ids: Tensor,
-    old_logprobs: Tensor,
-    teacher_logprobs: Tensor,
-    teacher_entropy: Tensor,
-    teacher_topk_ids: Tensor,
-    teacher_topk_logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    teacher_logprobs: Tensor | None,
+    teacher_entropy: Tensor | None,
+    teacher_topk_ids: Tensor | None,
+    teacher_topk_logprobs: Tensor | None,
     mask: Tensor | None = None,
     bias: Tensor | None = None,
     config: LossConfig = DEFAULT_CONFIG,
@@ -375,6 +298,7 @@ def compute_loss_from_hidden(
     generator: torch.Generator | None = None,
     candidate_ids: Tensor | None = None,
     candidate_logprobs: Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The same loss from final hidden states and the output projection; logits never materialised.
 
@@ -391,9 +315,9 @@ def compute_loss_from_hidden(
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [N, D] or [B, T, D], got {tuple(hidden.shape)}")
     vocab = weight.shape[0]
-    tokens = _flatten_tokens(tuple(hidden.shape[:-1]), sampled_ids, old_logprobs, teacher_logprobs,
-                             teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask, seq_index,
-                             candidate_ids, candidate_logprobs)
+    tokens = flatten_tokens(get_variant(config.variant), tuple(hidden.shape[:-1]), sampled_ids, old_logprobs,
+                            teacher_logprobs, teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
+                            seq_index, candidate_ids, candidate_logprobs, advantages)
     h = hidden.reshape(-1, hidden.shape[-1])
     dtype = torch.float64 if torch.promote_types(h.dtype, weight.dtype) == torch.float64 else torch.float32
     return _objective(tokens, config, {"hidden": h, "weight": weight, "bias": bias}, vocab, dtype,

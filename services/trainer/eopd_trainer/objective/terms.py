@@ -123,3 +123,45 @@ def aggregation_weights(
         n_seq = float(denominator) if denominator is not None else float(counts.numel())
         return 1.0 / (counts[inverse].to(dtype) * n_seq)
     raise ValueError(f"unknown aggregation mode {mode!r}")
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float) -> Tensor:
+    """GRPO's group-normalised advantages (Shao et al.; TRL GRPOTrainer, scale_rewards="group").
+
+    `A_i = (r_i - mean_g) / (std_g + eps)` over the responses i of group g = group_ids[i] (the
+    samples of one prompt), with `std_g` the sample standard deviation (Bessel-corrected, n - 1),
+    as TRL computes it with `torch.Tensor.std`. A group of one response (where that std is
+    undefined) and a group whose rewards are all equal get exactly 0.
+
+    Args:
+        rewards: [B] float, one scalar reward per response (finite).
+        group_ids: [B] integer, any ids (need not be contiguous or sorted).
+        eps: > 0, added to the std (TRL: 1e-4; `LossConfig.grpo_eps`).
+    Returns:
+        [B] advantages, in the rewards' dtype (float32 for integer rewards), computed in fp64, no grad.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape [B], got {tuple(rewards.shape)}")
+    if tuple(group_ids.shape) != tuple(rewards.shape):
+        raise ValueError(f"group_ids must have shape {tuple(rewards.shape)}, got {tuple(group_ids.shape)}")
+    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
+    r = rewards.detach().to(torch.float64)
+    if r.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    bad = int((~torch.isfinite(r)).sum())
+    if bad:
+        raise ValueError(f"rewards has {bad} non-finite value(s)")
+    _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n = counts.to(torch.float64)
+    mean = torch.zeros_like(n).index_add_(0, inv, r) / n
+    dev = r - mean[inv]
+    var = torch.zeros_like(n).index_add_(0, inv, dev * dev) / (n - 1.0).clamp(min=1.0)
+    adv = dev / (var.sqrt()[inv] + eps)
+    hi = torch.full_like(n, -torch.inf).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full_like(n, torch.inf).scatter_reduce(0, inv, r, "amin")
+    degenerate = (counts < 2) | (hi == lo)  # [G]: std undefined, or every reward equal
+    return torch.where(degenerate[inv], 0.0, adv).to(out_dtype)

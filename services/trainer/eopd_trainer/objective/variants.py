@@ -7,16 +7,31 @@ where they are used (for `eopd`, only at gated tokens):
     loss_t = [pg]  max(-r A', -clip(r) A')          A' = A, or A + psi(H_student) if shaped
            + fkl_coef * 1[t in fkl_positions] * FKL_t
            - entropy_coef * H_student,t
+           + ce_coef * (-log pi_theta(x_t))
 
-| name              | pg  | FKL at                          | fkl_coef | entropy_coef | shaped A |
-|-------------------|-----|---------------------------------|----------|--------------|----------|
-| opd               | yes | nowhere                         | -        | 0            | no       |
-| eopd              | yes | teacher entropy >= tau (or >)   | alpha    | 0            | no       |
-| opd_fkl           | no  | every valid token               | 1        | 0            | no       |
-| full_fkl          | yes | every valid token               | alpha    | 0            | no       |
-| random_fkl        | yes | random `random_fraction` share  | alpha    | 0            | no       |
-| entropy_bonus     | yes | nowhere                         | -        | entropy_coef | no       |
-| advantage_shaping | yes | nowhere                         | -        | 0            | yes      |
+A is `teacher_logprobs - old_logprobs` (advantages_from "teacher") or the caller's per-token
+`advantages` (advantages_from "given", e.g. GRPO's group-normalised rewards, `group_advantages`).
+
+| name              | pg  | A       | FKL at                          | fkl_coef  | entropy_coef | ce_coef   | shaped A | teacher share   |
+|-------------------|-----|---------|---------------------------------|-----------|--------------|-----------|----------|-----------------|
+| opd               | yes | teacher | nowhere                         | -         | 0            | 0         | no       | 0               |
+| eopd              | yes | teacher | teacher entropy >= tau (or >)   | alpha     | 0            | 0         | no       | 0               |
+| opd_fkl           | no  | -       | every valid token               | 1         | 0            | 0         | no       | 0               |
+| full_fkl          | yes | teacher | every valid token               | alpha     | 0            | 0         | no       | 0               |
+| random_fkl        | yes | teacher | random `random_fraction` share  | alpha     | 0            | 0         | no       | 0               |
+| entropy_bonus     | yes | teacher | nowhere                         | -         | entropy_coef | 0         | no       | 0               |
+| advantage_shaping | yes | teacher | nowhere                         | -         | 0            | 0         | yes      | 0               |
+| kd                | no  | -       | every valid token               | kl_weight | 0            | ce_weight | no       | 1               |
+| gkd               | no  | -       | every valid token               | 1         | 0            | 0         | no       | 1 - gkd_lambda  |
+| grpo              | yes | given   | nowhere (no teacher scores)     | -         | 0            | 0         | no       | 0               |
+
+(eopd_topk_rkl, beyond the paper: no pg, the exact reverse KL over the student's top-k candidates,
+plus alpha * FKL at gated tokens.) "teacher share" is the expected share of a batch's responses
+that the teacher generates instead of the student (`Variant.teacher_share`): kd trains only on
+teacher responses (off-policy, app. A), gkd mixes them with on-policy samples (Agarwal et al.,
+sec. 5.5). For those responses `sampled_ids` are the teacher's tokens; the loss itself does not
+depend on who generated a response (kd and gkd have no ratio, no old log-probs, no clip). grpo
+needs no teacher scores at all (`needs_teacher_scores` False): its teacher inputs may be None.
 
 Add one with `register_variant(Variant(name=..., ...))`; `LossConfig(variant=name)` then accepts it.
 """
@@ -25,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -85,6 +100,14 @@ def _no_entropy(cfg: "LossConfig") -> float:
     return 0.0
 
 
+def _no_ce(cfg: "LossConfig") -> float:
+    return 0.0
+
+
+def _no_teacher_share(cfg: "LossConfig") -> float:
+    return 0.0
+
+
 @dataclass(frozen=True)
 class Variant:
     """A named loss variant; see the module docstring for the formula."""
@@ -98,6 +121,14 @@ class Variant:
     shape_advantage: bool = False
     # Adds the exact reverse KL over the student's top-k (needs candidate_ids / candidate_logprobs).
     topk_rkl: bool = False
+    # Weight of the cross-entropy -log pi_theta(x_t) on the response tokens (kd: ce_weight).
+    ce_coef: Callable[["LossConfig"], float] = _no_ce
+    # "teacher": A = teacher_logprobs - old_logprobs; "given": the `advantages` argument (grpo).
+    advantages_from: Literal["teacher", "given"] = "teacher"
+    # Expected share of a batch's responses generated by the teacher (kd 1, gkd 1 - gkd_lambda).
+    teacher_share: Callable[["LossConfig"], float] = _no_teacher_share
+    # Whether the loss reads the teacher's per-token scores (teacher_logprobs, entropy, top-k).
+    needs_teacher_scores: bool = True
 
     def needs_student_entropy_grad(self, cfg: "LossConfig") -> bool:
         return self.entropy_coef(cfg) != 0.0
@@ -116,10 +147,22 @@ def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
     if not isinstance(variant, Variant):
         raise TypeError(f"register_variant expects a Variant, got {type(variant).__name__}")
     if (not variant.pg and not variant.topk_rkl and variant.fkl_positions is nowhere
-            and variant.entropy_coef is _no_entropy):
+            and variant.entropy_coef is _no_entropy and variant.ce_coef is _no_ce):
         raise ValueError(
-            f"loss variant {variant.name!r} has no term: set pg=True, fkl_positions or entropy_coef"
+            f"loss variant {variant.name!r} has no term: set pg=True, fkl_positions, entropy_coef or ce_coef"
         )
+    if variant.advantages_from not in ("teacher", "given"):
+        raise ValueError(f"loss variant {variant.name!r}: advantages_from must be 'teacher' or 'given', "
+                         f"got {variant.advantages_from!r}")
+    if not variant.needs_teacher_scores:
+        uses = [name for name, used in (
+            ("fkl_positions", variant.fkl_positions is not nowhere),
+            ("topk_rkl", variant.topk_rkl),
+            ("pg with advantages_from='teacher'", variant.pg and variant.advantages_from == "teacher"),
+        ) if used]
+        if uses:
+            raise ValueError(f"loss variant {variant.name!r} has needs_teacher_scores=False but uses them: "
+                             + ", ".join(uses))
     if variant.name in VARIANTS and not replace:
         raise ValueError(f"loss variant {variant.name!r} is already registered")
     VARIANTS[variant.name] = variant
@@ -176,5 +219,37 @@ register_variant(
         pg=False,
         fkl_positions=gated,
         topk_rkl=True,
+    )
+)
+register_variant(
+    Variant(
+        "kd",
+        "Off-policy KD (app. A, DistillKit): on teacher-generated responses, ce_weight * CE(teacher tokens) "
+        "+ kl_weight * FKL over the teacher's renormalised top-k at every token.",
+        pg=False,
+        fkl_positions=everywhere,
+        fkl_coef=lambda cfg: cfg.kl_weight,
+        ce_coef=lambda cfg: cfg.ce_weight,
+        teacher_share=lambda cfg: 1.0,
+    )
+)
+register_variant(
+    Variant(
+        "gkd",
+        "GKD (Agarwal et al.; sec. 5.5): FKL over the teacher's top-k at every token, on a mix of on-policy "
+        "student samples (share gkd_lambda) and teacher-generated responses.",
+        pg=False,
+        fkl_positions=everywhere,
+        fkl_coef=lambda cfg: 1.0,
+        teacher_share=lambda cfg: 1.0 - cfg.gkd_lambda,
+    )
+)
+register_variant(
+    Variant(
+        "grpo",
+        "GRPO (Shao et al.; sec. 5.1, app. A): the clipped surrogate with the caller's group-normalised "
+        "reward advantages (group_advantages); no teacher scores.",
+        advantages_from="given",
+        needs_teacher_scores=False,
     )
 )

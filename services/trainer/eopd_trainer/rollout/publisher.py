@@ -1,5 +1,6 @@
 """Scored rollouts out (`Publisher`): a Rollout message is made of a sampled response and its
-teacher scores, and added to `<ns>:rollouts`, waiting while the stream is over `queue.max_backlog`."""
+teacher scores (or, variant grpo, its reward from the task grader), and added to `<ns>:rollouts`,
+waiting while the stream is over `queue.max_backlog`."""
 
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ class Publisher:
             sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), teacher_model=teacher_model,
             candidate_ids=p.old_topk_ids,  # student ids (before the remap), scored by the teacher below
             candidate_logprobs=scores.candidate_logprobs if p.old_topk_ids is not None else None,
+        )
+
+    def to_graded_rollout(self, p: Pending, reward: float) -> Rollout:
+        """A student sample graded, not scored (variant grpo): the task grader's `reward`, no teacher
+        call (top_k 0, empty teacher arrays)."""
+        ro = self.cfg.rollout
+        empty = np.zeros(0, dtype=np.float32)
+        t = now_ns()
+        return Rollout(
+            rollout_id=p.rollout_id, task_id=p.task.task_id, prompt_index=p.task.prompt_index,
+            sample_index=p.sample_index, prompt_ids=np.asarray(p.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(p.response_ids, dtype=np.int32), old_logprobs=p.old_logprobs,
+            teacher_logprobs=empty, teacher_entropies=empty, teacher_topk_ids=np.zeros((0, 0), dtype=np.int32),
+            teacher_topk_logprobs=np.zeros((0, 0), dtype=np.float32), policy_version=p.policy_version,
+            truncated=p.truncated, sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
+            sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=t, reward=float(reward),
         )
 
     async def publish(self, rollout: Rollout) -> bool:

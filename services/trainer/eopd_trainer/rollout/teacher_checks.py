@@ -120,6 +120,30 @@ def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
     outside = sorted(t for t in cfg.teacher.token_remap.values() if t >= info.vocab_size)
     if outside:
         problems.append(f"teacher.token_remap: target ids {outside} outside the teacher's vocabulary [0, {info.vocab_size})")
+    problems += generation_problems(info, cfg)
     if problems:
         raise TeacherIncompatible(f"the teacher {info.model_name!r} at {cfg.teacher.target} cannot serve this run: "
                                   + "; ".join(problems))
+
+
+def generation_problems(info, cfg: RunConfig) -> list[str]:
+    """What stops the teacher from generating this run's off-policy responses (KD warm-up, kd, gkd:
+    config/stages.py), naming the config keys; [] when the run asks for none or it can."""
+    from ..config.stages import run_needs_teacher_generation
+
+    warmup = cfg.train.warmup_kd_iterations
+    if not run_needs_teacher_generation(cfg.loss, warmup):
+        return []
+    why = f"train.warmup_kd_iterations={warmup}" if warmup else f"loss.variant={cfg.loss.variant}"
+    max_new, max_samples = getattr(info, "max_new_tokens", 0), getattr(info, "max_generate_samples", 0)
+    if not max_new:
+        return [f"{why} needs the teacher to generate responses (Generate), and this teacher does not serve Generate "
+                "(ModelInfo.max_new_tokens 0)"]
+    problems = []
+    if cfg.rollout.max_response_length > max_new:
+        problems.append(f"rollout.max_response_length ({cfg.rollout.max_response_length}) exceeds the teacher's "
+                        f"Generate max_new_tokens ({max_new}) ({why})")
+    if max_samples and cfg.rollout.n_samples > max_samples:
+        problems.append(f"rollout.n_samples ({cfg.rollout.n_samples}) exceeds the teacher's max_generate_samples "
+                        f"({max_samples}) ({why})")
+    return problems

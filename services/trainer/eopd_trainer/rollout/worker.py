@@ -2,7 +2,9 @@
 
 Loop: take PromptTasks from `<ns>:tasks` (group "rollout": first its own pending entries after a
 restart, then entries idle on dead workers via XAUTOCLAIM, then new ones); make sure it holds the
-policy version the task asks for (reloading announced weights); sample `num_samples` responses
+policy version the task asks for (reloading announced weights); have the teacher generate the
+task's first `num_teacher_samples` responses (`teacher_gen.py`: off-policy, origin teacher, published
+at once: KD, the KD warm-up, GKD's teacher share); sample the other responses
 per prompt (`rollout.engine`: transformers or vLLM, `samplers.make_sampler`); compute the old
 log-probs (by default with a transformers forward pass); send the sequences to the teacher over
 `teacher.streams` pipelined `ScoreStream`s (the client re-sends them after a teacher restart, and
@@ -10,7 +12,9 @@ after `teacher.timeout_s` without an answer it reconnects and re-sends them; aft
 `teacher.retry_timeout_s` of silence the worker exits with StreamStalled); publish each
 ScoredRollout on `<ns>:rollouts` (waiting while the stream is over `max_backlog`); acknowledge the task once all its rollouts are published, or dead-letter it with
 the reason when the teacher rejected one of its requests or answered it unusably. A task re-done after a crash yields
-the same rollout ids, which the learner recognises as duplicates.
+the same rollout ids, which the learner recognises as duplicates. With loss.variant grpo the student's
+samples are graded by the task grader (`grader.py`) instead of scored, and a grpo run without a KD
+warm-up never connects to a teacher.
 
 The worker's parts: `TaskBook` (task_book.py: the tasks it holds, settled there), `VersionTracker`
 (versions.py: the policy version), `RequestShaper` and `BatchQueue` (requests.py: requests out,
@@ -26,23 +30,31 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import grpc
 from eopd_teacher.client import AsyncTeacherClient, RequestFailed, StallReport
 
 from ..config import RunConfig
 from ..data import load_prompts, render_prompt
 from ..faults import Faults
-from ..queue.messages import PromptTask, now_ns
+from ..config.stages import run_needs_teacher
+from ..objective import get_variant
+from ..queue.messages import PromptTask, now_ns, rollout_id
 from ..queue.signing import signer_for
 from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect
 from .metrics import WorkerMetrics
 from .publisher import Publisher
+from .grader import TaskGrader
 from .requests import BatchQueue, Pending, RequestShaper, answer_problems
 from .samplers import make_sampler
 from .task_book import TaskBook
 from .teacher_checks import check_teacher_limits, check_tokenizer
+from .teacher_gen import TeacherGenerator
 from .versions import VersionTracker
 
 log = logging.getLogger("eopd.rollout")
+
+# Generate errors the client has retried for teacher.retry_timeout_s already: the worker gives up.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class StopRequested(Exception):
@@ -89,6 +101,11 @@ class RolloutWorker:
                                        weights_dir=cfg.weights_dir)
         self.publisher = Publisher(self.rollouts, self.redis, self.keys, cfg, self.faults, self.metrics,
                                    self.worker_id, self.stop)
+        variant = get_variant(cfg.loss.variant)
+        # Student samples: scored by the teacher, or (grpo) graded by the task grader and never sent.
+        self.score_students = bool(variant.needs_teacher_scores)
+        self.grader = (TaskGrader.from_files(cfg.data.train_files, self.tokenizer, cfg.eval.headline)
+                       if variant.advantages_from == "given" else None)
         self.book.resume_pending()
 
     def prompt_ids(self, index: int) -> list[int]:
@@ -103,7 +120,8 @@ class RolloutWorker:
     def _sample(self, work: list[tuple[str, PromptTask]]) -> list[Pending]:
         ro = self.cfg.rollout
         self.faults.hit("rollout.sample", count=self.published)
-        flat = [(eid, task, j) for eid, task in work for j in range(task.num_samples)]
+        # The first num_teacher_samples of a task are the teacher's (Generate); the student samples the rest.
+        flat = [(eid, task, j) for eid, task in work for j in range(task.num_teacher_samples, task.num_samples)]
         out: list[Pending] = []
         for start in range(0, len(flat), ro.generation_batch_size):
             chunk = flat[start : start + ro.generation_batch_size]
@@ -130,6 +148,8 @@ class RolloutWorker:
     # Main loop -------------------------------------------------------------------------------
     async def run(self) -> int:
         cfg = self.cfg
+        if not run_needs_teacher(cfg.loss, cfg.train.warmup_kd_iterations):
+            return await self._run_graded()
         security = cfg.teacher.client_security()  # token / TLS files: read now, fail at start if unreadable
         client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
                                     retry_timeout=cfg.teacher.retry_timeout_s, security=security)
@@ -149,9 +169,10 @@ class RolloutWorker:
             answers = client.score_stream(queue, max_in_flight=cfg.teacher.max_in_flight, streams=cfg.teacher.streams,
                                           on_error="yield", stall_timeout_s=cfg.teacher.timeout_s,
                                           give_up_s=cfg.teacher.retry_timeout_s, on_stall=self._on_stall)
+            generator = TeacherGenerator(client, cfg, sorted(self.sampler.stop), self.worker_id)
             beat = asyncio.create_task(self.book.heartbeat())
             try:
-                producer = asyncio.create_task(self._produce(shaper, queue))
+                producer = asyncio.create_task(self._produce(shaper, queue, generator, teacher_model))
                 consumer = asyncio.create_task(self._consume(answers, shaper, teacher_model))
                 return await self._finish(consumer, producer, shaper)
             finally:
@@ -172,9 +193,34 @@ class RolloutWorker:
                  self.worker_id)
         return f"{info.model_name}@{info.model_revision}"
 
-    async def _produce(self, shaper: RequestShaper, queue: BatchQueue) -> None:
-        """Takes tasks, samples them with the policy version they ask for, and queues their
-        requests for the teacher, until the run is done or the worker stops; then closes the queue."""
+    async def _run_graded(self) -> int:
+        """A run without the teacher (grpo, no KD warm-up): tasks are sampled, graded and published
+        until the run is done or a stop signal (unfinished tasks stay pending, re-done later)."""
+        log.info("loss.variant=%s needs no teacher: worker %s grades its samples (no teacher call)",
+                 self.cfg.loss.variant, self.worker_id)
+        beat = asyncio.create_task(self.book.heartbeat())
+        try:
+            producer = asyncio.create_task(self._produce(None, None, None, ""))
+            stopping = asyncio.create_task(self.stop.wait())
+            await asyncio.wait({producer, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not producer.done():
+                producer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await producer
+                return 0
+            await producer
+        finally:
+            beat.cancel()
+        log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
+        return 0
+
+    async def _produce(self, shaper: RequestShaper | None, queue: BatchQueue | None,
+                       generator: TeacherGenerator | None, teacher_model: str) -> None:
+        """Takes tasks, has the teacher generate their first num_teacher_samples responses
+        (published at once), samples the rest with the policy version they ask for, and queues
+        their requests for the teacher (or grades and publishes them: grpo), until the run is done
+        or the worker stops; then closes the queue."""
         ro = self.cfg.rollout
         try:
             while not self.stop.is_set():
@@ -190,15 +236,65 @@ class RolloutWorker:
                     continue
                 if not await self.versions.ensure(max(t.min_policy_version for _, t in work)):
                     break
+                for eid, task in work:
+                    self.book.expect(eid, task.num_samples)
+                for eid, task in work:
+                    if task.num_teacher_samples:
+                        await self._teacher_samples(eid, task, generator, teacher_model)
+                if all(t.num_teacher_samples == t.num_samples for _, t in work):
+                    continue
                 with self.metrics.sample_seconds.time():
                     pending = await asyncio.to_thread(self._sample, work)
                 self.faults.hit("rollout.after_sample", count=self.published)
-                for eid, task in work:
-                    self.book.expect(eid, task.num_samples)
+                if not self.score_students:
+                    await self._publish_graded(pending)
+                    continue
                 for batch in shaper.shape(pending):
                     await queue.put(batch)
         finally:
-            await queue.close()
+            if queue is not None:
+                await queue.close()
+
+    async def _teacher_samples(self, eid: str, task: PromptTask, generator: TeacherGenerator | None,
+                               teacher_model: str) -> None:
+        """The task's first num_teacher_samples responses, generated by the teacher and published
+        (origin teacher); a request the teacher refuses for good dead-letters the task."""
+        ids = [rollout_id(task.task_seq, j) for j in range(task.num_teacher_samples)]
+        if generator is None:  # cannot happen: run() starts the teacher whenever a task can ask for it
+            for rid in ids:
+                await self.book.settle(eid, rid, "a task asks for teacher samples and this worker has no teacher")
+            return
+        prompt = self.prompt_ids(task.prompt_index)
+        try:
+            gens = await generator.generate(task, prompt)
+            problem = generator.problems(task, gens)
+        except RequestFailed as exc:
+            problem = f"teacher rejected Generate ({exc.code.name}): {exc.details}"
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRYABLE:
+                raise  # the client retried for teacher.retry_timeout_s already: the worker gives up
+            problem = f"teacher rejected Generate ({exc.code().name}): {exc.details()}"
+        if problem is not None:
+            log.warning("task %s: %s", task.task_id, problem)
+            self.metrics.unscored.labels("generate").inc(len(ids))
+            for rid in ids:
+                await self.book.settle(eid, rid, problem)
+            return
+        for gen in gens:
+            reward = self.grader.reward(task.prompt_index, gen.token_ids) if self.grader is not None else None
+            rollout = generator.to_rollout(task, prompt, gen, policy_version=max(self.versions.version, 0),
+                                           teacher_model=teacher_model, reward=reward)
+            if not await self.publisher.publish(rollout):
+                return  # stopping: the task stays pending and is reclaimed later
+            await self.book.settle(eid, rollout.rollout_id)
+
+    async def _publish_graded(self, pending: list[Pending]) -> None:
+        """grpo: each student sample graded by the task grader and published without a teacher call."""
+        for p in pending:
+            reward = self.grader.reward(p.task.prompt_index, p.response_ids)
+            if not await self.publisher.publish(self.publisher.to_graded_rollout(p, reward)):
+                return  # stopping: the task stays pending and is reclaimed later
+            await self.book.settle(p.entry_id, p.rollout_id)
 
     async def _consume(self, answers: AsyncIterator, shaper: RequestShaper, teacher_model: str) -> None:
         """Takes the teacher's answers, one per request, until the requests end."""

@@ -136,6 +136,7 @@ class TransformersSampler:
             model, tokenizer = loaded.model, loaded.tokenizer
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pad_id = pad_token_id(tokenizer)
+        self.stop = stop_ids(self.model, tokenizer)  # the student's EOS ids (the teacher's Generate stops on them too)
         self.logprob_chunk_size = logprob_chunk_size
         check_head_reproduces_logits(self.model)  # the old-log-prob pass projects hidden states itself
 

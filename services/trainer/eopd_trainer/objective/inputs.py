@@ -1,0 +1,173 @@
+"""The loss's per-token inputs: shape checks, flattening to N tokens, and validity checks.
+
+`flatten_tokens` takes the flat `[N, ...]` or batched `[B, T, ...]` tensors of `compute_loss`,
+checks their shapes against the leading shape and flattens them to `[N]` / `[N, k]`. Which inputs
+are required depends on the variant: the teacher's per-token scores only when it reads them
+(`Variant.needs_teacher_scores`; grpo does not, and they are then never read), `old_logprobs`
+only with a policy-gradient term, `advantages` only with `advantages_from == "given"`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Per-token inputs, flattened to N tokens; None where the variant does not use them."""
+
+    sampled_ids: Tensor  # [N] long
+    old_logprobs: Tensor | None  # [N]; None only for variants without a pg term
+    teacher_logprobs: Tensor | None  # [N]; None for variants without teacher scores
+    teacher_entropy: Tensor | None  # [N]
+    topk_ids: Tensor | None  # [N, k] long
+    topk_logprobs: Tensor | None  # [N, k]
+    mask: Tensor  # [N] bool
+    seq_index: Tensor | None  # [N] long
+    cand_ids: Tensor | None = None  # [N, m] long, -1 filler (eopd_topk_rkl)
+    cand_logprobs: Tensor | None = None  # [N, m] teacher log-probs at cand_ids (NaN at filler)
+    advantages: Tensor | None = None  # [N], for advantages_from == "given" (grpo)
+
+
+def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple[Tensor | None, Tensor | None]:
+    if cand_ids is None and cand_logprobs is None:
+        return None, None
+    if cand_ids is None or cand_logprobs is None:
+        raise ValueError("candidate_ids and candidate_logprobs go together")
+    for name, t in (("candidate_ids", cand_ids), ("candidate_logprobs", cand_logprobs)):
+        if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead:
+            raise ValueError(f"{name} must have shape {lead + ('m',)}, got {tuple(t.shape)}")
+    if cand_ids.shape != cand_logprobs.shape:
+        raise ValueError("candidate_ids and candidate_logprobs must have the same shape")
+    m = cand_ids.shape[-1]
+    return cand_ids.reshape(-1, m), cand_logprobs.reshape(-1, m)
+
+
+def flatten_tokens(variant, lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
+                   topk_ids, topk_logprobs, mask, seq_index, cand_ids=None, cand_logprobs=None,
+                   advantages=None) -> Tokens:
+    """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N].
+
+    Raises ValueError naming the argument when one the variant needs is missing or misshapen;
+    inputs it does not use are dropped unread (teacher scores for grpo, `advantages` for the
+    variants that take A from the teacher)."""
+    if len(lead) not in (1, 2):
+        raise ValueError(f"expected [N, ...] or [B, T, ...] inputs, got leading shape {lead}")
+    name = variant.name
+    device = sampled_ids.device
+    if mask is None:
+        mask = torch.ones(lead, dtype=torch.bool, device=device)
+    per_token = [("sampled_ids", sampled_ids), ("mask", mask)]
+    if variant.pg:
+        if old_logprobs is None:
+            raise ValueError(f"loss variant {name!r} needs old_logprobs (its clipped ratio is against them)")
+    if old_logprobs is not None:
+        per_token.append(("old_logprobs", old_logprobs))
+    uses_teacher = variant.needs_teacher_scores
+    if uses_teacher:
+        missing = [n for n, t in (("teacher_logprobs", teacher_logprobs), ("teacher_entropy", teacher_entropy),
+                                  ("teacher_topk_ids", topk_ids), ("teacher_topk_logprobs", topk_logprobs))
+                   if t is None]
+        if missing:
+            raise ValueError(f"loss variant {name!r} needs the teacher's scores: {', '.join(missing)} missing")
+        per_token += [("teacher_logprobs", teacher_logprobs), ("teacher_entropy", teacher_entropy)]
+    else:
+        teacher_logprobs = teacher_entropy = topk_ids = topk_logprobs = None
+    if variant.advantages_from == "given":
+        if advantages is None:
+            raise ValueError(f"loss variant {name!r} needs advantages (per-token, e.g. group_advantages of the "
+                             "rewards broadcast over each response's tokens)")
+        per_token.append(("advantages", advantages))
+    else:
+        advantages = None
+    for n, t in per_token:
+        if tuple(t.shape) != lead:
+            raise ValueError(f"{n} must have shape {lead}, got {tuple(t.shape)}")
+    if uses_teacher:
+        for n, t in (("teacher_topk_ids", topk_ids), ("teacher_topk_logprobs", topk_logprobs)):
+            if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead or t.shape[-1] < 1:
+                raise ValueError(f"{n} must have shape {lead + ('k',)} with k >= 1, got {tuple(t.shape)}")
+        if topk_ids.shape != topk_logprobs.shape:
+            raise ValueError("teacher_topk_ids and teacher_topk_logprobs must have the same shape")
+    if len(lead) == 2:
+        if seq_index is not None:
+            raise ValueError("seq_index is implied by batched [B, T] inputs; pass it only with flat [N] inputs")
+        b, t = lead
+        seq_index = torch.arange(b, device=device).repeat_interleave(t)
+    elif seq_index is not None and tuple(seq_index.shape) != lead:
+        raise ValueError(f"seq_index must have shape {lead}, got {tuple(seq_index.shape)}")
+    cand_ids, cand_logprobs = _flatten_candidates(lead, cand_ids, cand_logprobs)
+
+    def flat(x, extra=False):
+        if x is None:
+            return None
+        return x.reshape(-1, x.shape[-1]) if extra else x.reshape(-1)
+
+    return Tokens(
+        sampled_ids=sampled_ids.reshape(-1),
+        old_logprobs=flat(old_logprobs),
+        teacher_logprobs=flat(teacher_logprobs),
+        teacher_entropy=flat(teacher_entropy),
+        topk_ids=flat(topk_ids, True),
+        topk_logprobs=flat(topk_logprobs, True),
+        mask=mask.reshape(-1) != 0,
+        seq_index=flat(seq_index),
+        cand_ids=cand_ids,
+        cand_logprobs=cand_logprobs,
+        advantages=flat(advantages),
+    )
+
+
+def check_valid_inputs(vocab: int, dtype: torch.dtype, *, sampled: Tensor, per_token: dict[str, Tensor | None],
+                       topk_ids: Tensor | None, topk_logprobs: Tensor | None, topk_finite: Tensor | None) -> None:
+    """Raises ValueError, naming the tensor and its number of bad valid positions, on out-of-range
+    ids, non-finite per-token inputs (`per_token`: name -> [M] values at the valid tokens, None
+    when absent), or NaN / +inf teacher top-k log-probs (-inf is allowed there: an absent
+    candidate). The per-token tensors are checked in the compute dtype, so values that overflow
+    it count as non-finite. One device-to-host sync for all checks."""
+    names = [n for n, t in per_token.items() if t is not None]
+    zero = sampled.new_zeros(())
+    has_topk = topk_ids is not None
+    counts = torch.stack([
+        ((sampled < 0) | (sampled >= vocab)).sum(),
+        (topk_finite & ((topk_ids < 0) | (topk_ids >= vocab))).sum() if has_topk else zero,
+        *[(~torch.isfinite(per_token[n])).sum() for n in names],
+        (torch.isnan(topk_logprobs) | (topk_logprobs == torch.inf)).sum() if has_topk else zero,
+    ]).tolist()
+    if not any(counts):
+        return
+    kind = {torch.float32: "float32", torch.float64: "float64"}.get(dtype, str(dtype))
+    messages = []
+    for name, n in zip(("sampled_ids", "teacher_topk_ids"), counts[:2]):
+        if n:
+            messages.append(f"{name} has {n} id(s) out of range [0, {vocab}) at valid positions")
+    for name, n in zip(names, counts[2:-1]):
+        if n:
+            messages.append(f"{name} has {n} non-finite value(s) (NaN, +-inf, or beyond the {kind} range) "
+                            "at valid positions")
+    if counts[-1]:
+        messages.append(f"teacher_topk_logprobs has {counts[-1]} NaN or +inf value(s) at valid positions "
+                        "(-inf, an absent candidate, is allowed)")
+    raise ValueError("; ".join(messages))
+
+
+def candidates(variant, tokens: Tokens, valid: Tensor, vocab: int, dtype: torch.dtype,
+               name: str) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For a `topk_rkl` variant: the valid tokens' candidate ids `[M, m]` (filler made 0), the
+    teacher's log-probs there `[M, m]` and which candidates count `[M, m]` (an id, not -1 filler,
+    with a finite teacher log-prob); None for other variants."""
+    if not variant.topk_rkl:
+        return None
+    if tokens.cand_ids is None:
+        raise ValueError(f"loss variant {name!r} needs candidate_ids and candidate_logprobs (the student's top-k "
+                         "ids at each position and the teacher's log-probs there)")
+    ids = tokens.cand_ids[valid].long()
+    t_lp = tokens.cand_logprobs[valid].detach().to(dtype)
+    out_of_range = int(((ids < -1) | (ids >= vocab)).sum())
+    if out_of_range:
+        raise ValueError(f"candidate_ids has {out_of_range} id(s) out of range [0, {vocab}) (-1 is filler) at valid positions")
+    ok = (ids >= 0) & torch.isfinite(t_lp)
+    return torch.where(ok, ids, 0), t_lp, ok
