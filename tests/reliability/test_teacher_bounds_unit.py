@@ -1,5 +1,6 @@
 """Pure logic behind the teacher's bounds (tests/reliability/test_teacher_bounds.py runs them end to
-end): when memory passes run, the open-file limit, the gRPC options."""
+end): when memory passes run, the open-file limit, the gRPC options, the
+server-wide byte budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import resource
 import pytest
 
 from eopd_teacher import resources
-from eopd_teacher.resources import LARGE_MESSAGE_BYTES, MemoryReturner, raise_open_file_limit, resident_bytes
+from eopd_teacher.resources import LARGE_MESSAGE_BYTES, ByteBudget, MemoryReturner, raise_open_file_limit, resident_bytes
 from eopd_teacher.server import grpc_options
 from eopd_teacher.settings import MiB, TeacherSettings
 
@@ -99,3 +100,36 @@ def test_receive_limit_is_the_smaller_of_the_two():
     assert opts["grpc.max_receive_message_length"] == 8 * MiB and opts["grpc.max_send_message_length"] == 64 * MiB
     opts = dict(grpc_options(TeacherSettings(max_message_bytes=MiB)))
     assert opts["grpc.max_receive_message_length"] == MiB == opts["grpc.max_send_message_length"]
+
+
+def test_byte_budget_admits_up_to_its_limit_and_a_request_alone():
+    b = ByteBudget(10)
+    assert b.try_take(6) and b.try_take(4) and b.held == 10 and not b.has_room
+    assert not b.try_take(1) and b.held == 10  # refused: nothing taken
+    b.give(6)
+    assert b.has_room and not b.try_take(7) and b.try_take(6)
+    b.give(10)
+    assert b.held == 0 and b.peak == 10
+    assert b.try_take(25) and b.held == 25  # alone: always admitted (the limit is >= the receive limit)
+    b.give(25)
+
+
+def test_byte_budget_wait_room_returns_once_bytes_are_given_back():
+    async def main():
+        b = ByteBudget(10)
+        b.try_take(10)
+        waiter = asyncio.ensure_future(b.wait_room())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        b.give(1)
+        await asyncio.wait_for(waiter, 5)
+        return b.has_room
+
+    assert asyncio.run(main())
+
+
+def test_byte_budget_must_hold_the_largest_request():
+    assert TeacherSettings().max_inflight_request_bytes >= TeacherSettings().max_request_bytes
+    with pytest.raises(ValueError, match="max_inflight_request_bytes"):
+        TeacherSettings(max_inflight_request_bytes=4 * MiB, max_request_bytes=8 * MiB)
+    TeacherSettings(max_inflight_request_bytes=2 * MiB, max_request_bytes=8 * MiB, max_message_bytes=2 * MiB)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from eopd.v1 import rollout_pb2 as pb
 from eopd_common.models import load_causal_lm
 from eopd_teacher.types import SequenceScores
 from eopd_trainer.batching import pack_rollouts
@@ -47,9 +48,18 @@ def test_rollout_candidates_round_trip_and_bytes():
     assert 5 * 3 * 5 <= extra <= 5 * 3 * (4 + 5) + 16
 
 
+def _without_last_row_on_the_wire(r) -> bytes:
+    """A forged entry: the candidates' last row dropped from the encoded message (a `Rollout` itself
+    cannot hold candidates of the wrong shape)."""
+    msg = pb.ScoredRollout.FromString(encode_rollout(r))
+    m = msg.num_candidates
+    del msg.candidate_ids[-m:]
+    del msg.candidate_logprobs[-m:]
+    return msg.SerializeToString()
+
+
 @pytest.mark.parametrize("mutate, reason", [
-    (lambda r: dataclasses.replace(r, candidate_ids=r.candidate_ids[:-1], candidate_logprobs=r.candidate_logprobs[:-1]),
-     "candidate_ids has 12 values, expected 15"),
+    (lambda r: _without_last_row_on_the_wire(r), "candidate_ids has 12 values, expected 15"),
     (lambda r: dataclasses.replace(r, candidate_ids=np.where(r.candidate_ids < 0, -1, 100).astype(np.int32)),
      "candidate_ids outside [-1, 100)"),
     (lambda r: dataclasses.replace(r, candidate_logprobs=np.zeros_like(r.candidate_logprobs)),
@@ -59,16 +69,17 @@ def test_rollout_candidates_round_trip_and_bytes():
 ])
 def test_inconsistent_candidates_are_poison(mutate, reason):
     r = mutate(with_candidates(make_rollout(n=5, k=4)))
+    data = r if isinstance(r, bytes) else encode_rollout(r)
     with pytest.raises(PoisonMessage, match=reason.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        decode_rollout(encode_rollout(r), vocab_size=100)
+        decode_rollout(data, vocab_size=100)
 
 
 def test_a_rollout_without_the_candidates_the_variant_needs_is_refused():
     r = make_rollout(n=5, k=4)
-    check_rollout_metadata(r, temperature=1.0, top_k=4, max_response_length=10)
+    check_rollout_metadata(r, temperature=1.0)
     with pytest.raises(PoisonMessage, match="0 per-position candidates, the loss variant needs loss.candidate_k 3"):
-        check_rollout_metadata(r, temperature=1.0, top_k=4, max_response_length=10, num_candidates=3)
-    check_rollout_metadata(with_candidates(r), temperature=1.0, top_k=4, max_response_length=10, num_candidates=3)
+        check_rollout_metadata(r, temperature=1.0, num_candidates=3)
+    check_rollout_metadata(with_candidates(r), temperature=1.0, num_candidates=3)
 
 
 def test_pack_rollouts_carries_candidates_padded_with_filler():
@@ -131,3 +142,18 @@ def test_worker_refuses_a_teacher_that_serves_too_few_candidates():
     with pytest.raises(TeacherIncompatible, match=r"loss.candidate_k \(9, per-position candidates of loss.variant "
                                                    r"eopd_topk_rkl\) exceeds the teacher's max_candidates \(8\)"):
         check_teacher_limits(info, load_config(TINY, ["loss.variant=eopd_topk_rkl", "loss.candidate_k=9"]), tok)
+
+
+def test_candidate_fields_are_all_set_or_all_none_in_one_place():
+    """`Rollout.__post_init__`: candidate_ids and candidate_logprobs come together, both [n, m]."""
+    r = with_candidates(make_rollout(n=5, k=4), m=3)
+    assert r.num_candidates == 3
+    with pytest.raises(ValueError, match="candidate_ids and candidate_logprobs must be given together"):
+        dataclasses.replace(r, candidate_logprobs=None)
+    with pytest.raises(ValueError, match="candidate_ids and candidate_logprobs must be given together"):
+        dataclasses.replace(r, candidate_ids=None)
+    with pytest.raises(ValueError, match=r"must both be \[n, m\] with n = 5"):
+        dataclasses.replace(r, candidate_logprobs=r.candidate_logprobs[:, :2])
+    with pytest.raises(ValueError, match=r"must both be \[n, m\] with n = 5"):
+        dataclasses.replace(r, candidate_ids=r.candidate_ids[:4], candidate_logprobs=r.candidate_logprobs[:4])
+    assert dataclasses.replace(r, candidate_ids=None, candidate_logprobs=None).num_candidates == 0

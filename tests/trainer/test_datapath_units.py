@@ -204,7 +204,7 @@ def test_graded_rollout_roundtrip_and_its_limits():
 
 
 def _check(r, **kw):
-    args = dict(temperature=1.0, top_k=4, max_response_length=16, n_samples=2, published_tasks=10)
+    args = dict(temperature=1.0, n_samples=2, published_tasks=10)
     check_rollout_metadata(r, **{**args, **kw})
 
 
@@ -218,8 +218,8 @@ def test_learner_checks_of_origin_reward_and_scores():
     _check(graded(), variant="grpo", needs_teacher_scores=False, accepts_teacher_origin=False, needs_reward=True)
     with pytest.raises(PoisonMessage, match="no reward, loss variant grpo needs"):
         _check(make_rollout(), variant="grpo", needs_teacher_scores=False, needs_reward=True)
-    with pytest.raises(PoisonMessage, match="teacher top_k 4 is larger"):  # scores present: still checked
-        _check(make_rollout(), top_k=2, needs_teacher_scores=False)
+    with pytest.raises(PoisonMessage, match="top_k 4 differs from teacher.top_k 2"):  # scores present: still checked
+        decode_rollout(encode_rollout(make_rollout()), limits=RolloutLimits(16, 16, 2))  # (RolloutLimits' bound)
 
 
 def test_task_num_teacher_samples_roundtrip_and_bound():

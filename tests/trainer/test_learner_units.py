@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from eopd_trainer.learner.ledger import RejectStreak
-from eopd_trainer.queue.messages import PoisonMessage, Rollout, check_rollout_metadata, decode_rollout, encode_rollout
+from eopd_trainer.queue.messages import (PoisonMessage, Rollout, RolloutLimits, check_rollout_metadata, decode_rollout,
+                                         encode_rollout)
 
 
 def rollout(rid: str = "t3-s1", n: int = 4, k: int = 8, **changes) -> Rollout:
@@ -25,9 +26,11 @@ def rollout(rid: str = "t3-s1", n: int = 4, k: int = 8, **changes) -> Rollout:
 
 
 def check(r: Rollout, **kw) -> None:
-    args = {"temperature": 0.7, "top_k": 8, "max_response_length": 4, **kw}
-    # Through the wire format, as the learner sees it (the temperature is a float32 field).
-    check_rollout_metadata(decode_rollout(encode_rollout(r), vocab_size=100), **args)
+    args = {"temperature": 0.7, **kw}
+    # Through the wire format and the run's bounds, as the learner sees it (the temperature is a
+    # float32 field; top_k and the response length are RolloutLimits' to check).
+    limits = RolloutLimits(max_prompt_length=16, max_response_length=4, top_k=8)
+    check_rollout_metadata(decode_rollout(encode_rollout(r), vocab_size=100, limits=limits), **args)
 
 
 def test_metadata_accepted():
@@ -38,11 +41,11 @@ def test_metadata_accepted():
 
 @pytest.mark.parametrize(("r", "kw", "reason"), [
     (rollout(sampling_temperature=1.0), {}, "rollout t3-s1: sampling_temperature 1 differs from loss.temperature 0.7"),
-    (rollout(k=4), {}, "rollout t3-s1: teacher top_k 4 is smaller than teacher.top_k 8"),
-    (rollout(k=16), {}, "rollout t3-s1: teacher top_k 16 is larger than teacher.top_k 8"),
+    (rollout(k=4), {}, "inconsistent ScoredRollout t3-s1: top_k 4 differs from teacher.top_k 8"),
+    (rollout(k=16), {}, "inconsistent ScoredRollout t3-s1: top_k 16 differs from teacher.top_k 8"),
     (rollout(), {"published_tasks": 3}, "rollout t3-s1: task t3 was never published (the learner published 3 tasks)"),
     (rollout(), {"n_samples": 1}, "rollout t3-s1: sample_index 1 is not below rollout.n_samples 1"),
-    (rollout(n=5), {}, "rollout t3-s1: 5 response tokens, more than rollout.max_response_length 4"),
+    (rollout(n=5), {}, "oversized ScoredRollout t3-s1: response_ids has 5 tokens, more than rollout.max_response_length 4"),
     (rollout(sample_index=0), {}, "rollout t3-s1: rollout_id does not match task_id 't3' and sample_index 0 (expected 't3-s0')"),
     (rollout(task_id="t4"), {}, "rollout t3-s1: rollout_id does not match task_id 't4' and sample_index 1"),
     (rollout(task_id="task3"), {}, "rollout t3-s1: task_id 'task3' is not of the form t<seq>"),

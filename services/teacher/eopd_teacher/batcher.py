@@ -11,6 +11,14 @@ by the tokens waiting in the queue.
 Other engine work (generation: `submit_job`) waits in a FIFO beside the scoring queue and runs on
 the same worker thread as one job, so the engine never runs two things at once; when both wait,
 jobs and scoring batches take turns, so neither starves the other.
+
+Chunked prefill (`steps_fn`, the transformers engine's `score_steps`): a batch of more than
+`step_tokens` padded tokens is scored in steps of at most that many (the KV cache kept between
+them), and the loop runs one step at a time: when the next batch of the fair queue is anchored on a
+client with no batch in progress, it starts at once and runs next (at most MAX_IN_PROGRESS at once,
+each holding its KV cache), then the batches in progress take turns step by step (and a waiting
+generation job goes between two steps). So a small request from another client waits for about one
+step of a large batch, not the whole batch (issue 17, section 4).
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .scheduling import FairQueue, Waiting
 from .types import ScoreItem, SequenceScores
@@ -51,6 +59,23 @@ class _Job:
     ticket: asyncio.Future
 
 
+# Scoring batches in progress at once (each scored in steps holds its KV cache between them).
+MAX_IN_PROGRESS = 4
+
+StepsFn = Callable[[list[ScoreItem]], Iterator["list[SequenceScores] | None"]]
+
+
+@dataclass(eq=False)
+class _InProgress:
+    """A scoring batch in progress: its sequences, its step generator (None: scored whole by one
+    `score_fn` call), the engine seconds spent on it so far and its clients."""
+
+    batch: list[Waiting]
+    steps: Iterator[list[SequenceScores] | None] | None
+    seconds: float = 0.0
+    clients: set[str] = field(default_factory=set)
+
+
 @dataclass
 class BatchObserver:
     """Hooks for metrics; all optional."""
@@ -69,9 +94,16 @@ class DynamicBatcher:
         max_queue_tokens: int,
         max_client_tokens: int | None = None,
         observer: BatchObserver | None = None,
+        steps_fn: StepsFn | None = None,
+        step_tokens: int = 0,
     ):
-        """`max_client_tokens`: one client's share of one batch (None: the whole budget)."""
+        """`max_client_tokens`: one client's share of one batch (None: the whole budget).
+        `steps_fn` (chunked prefill): scores a batch of more than `step_tokens` padded tokens in
+        steps, other clients' batches served between them (None: every batch whole)."""
         self._score_fn = score_fn
+        self._steps_fn = steps_fn if step_tokens > 0 else None
+        self.step_tokens = step_tokens
+        self._in_progress: deque[_InProgress] = deque()  # scoring batches; the next to step first
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
         self.max_queue_tokens = max_queue_tokens
@@ -107,8 +139,10 @@ class DynamicBatcher:
         self._died = exc
         log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
         err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
-        tickets = [w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
+        tickets = ([w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
+                   + [w.ticket for b in self._in_progress for w in b.batch])
         self._jobs.clear()
+        self._in_progress.clear()
         for ticket in tickets:
             if not ticket.done():
                 ticket.set_exception(err)
@@ -125,7 +159,7 @@ class DynamicBatcher:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._jobs and not self._busy
+        return not self._queue and not self._jobs and not self._busy and not self._in_progress
 
     def _admit(self, tokens: int) -> None:
         """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
@@ -177,7 +211,7 @@ class DynamicBatcher:
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while (self._queue or self._jobs or self._busy) and self._died is None:
+        while (self._queue or self._jobs or self._busy or self._in_progress) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
         if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
@@ -218,57 +252,103 @@ class DynamicBatcher:
         return self._queue.take_batch()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        """One engine call at a time: a generation job when it is its turn; else start the next
+        scoring batch when it may start, and run one step of the batch in progress whose turn it is."""
         while True:
             self._drop_cancelled()
-            if self._jobs and (self._job_turn or not self._queue):
+            if self._jobs and (self._job_turn or (not self._queue and not self._in_progress)):
                 self._job_turn = False
                 await self._run_job(self._jobs.popleft())
                 continue
-            oldest = self._queue.oldest()
-            if oldest is None:
+            if self._queue and self._may_start_batch():
+                if not self._in_progress:  # nothing in progress: wait (briefly) for the batch to fill
+                    await self._wait_to_fill()
+                    self._drop_cancelled()
+                    if not self._queue:
+                        continue
+                self._start_batch(self._form_batch())
+                self._report_queue()
+            if self._in_progress:
+                self._job_turn = True  # a generation job, if one waits, goes after this step
+                await self._step(self._in_progress[0])
+            elif not self._queue and not self._jobs:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                continue
-            self._job_turn = True  # a job, if one waits, goes after this batch
-            # Wait (briefly) for the batch to fill unless the budget is already reached.
-            deadline = oldest.enqueued + self.max_wait_s
-            while self._queue.tokens < self.max_batch_tokens and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-            self._drop_cancelled()
-            if not self._queue:
-                continue
-            batch = self._form_batch()
-            self._report_queue()
-            items = [p.item for p in batch]
-            self._busy = True
-            started = time.perf_counter()
+
+    def _may_start_batch(self) -> bool:
+        """No batch in progress, or the next batch's anchor is a client without one (and fewer than
+        MAX_IN_PROGRESS are): then it goes between the steps of the others."""
+        if not self._in_progress:
+            return True
+        busy = set().union(*(b.clients for b in self._in_progress))
+        return len(self._in_progress) < MAX_IN_PROGRESS and self._queue.next_client() not in busy
+
+    async def _wait_to_fill(self) -> None:
+        """Until the oldest waiting sequence has waited max_wait_s, the budget is reached, or closing."""
+        oldest = self._queue.oldest()
+        if oldest is None:
+            return
+        deadline = oldest.enqueued + self.max_wait_s
+        while self._queue.tokens < self.max_batch_tokens and not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
             try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _start_batch(self, batch: list[Waiting]) -> None:
+        """The batch runs next: in steps when it is larger than step_tokens (and the engine can)."""
+        items = [w.item for w in batch]
+        padded = max(it.num_tokens for it in items) * len(items)
+        steps = self._steps_fn(items) if self._steps_fn is not None and padded > self.step_tokens else None
+        self._in_progress.appendleft(_InProgress(batch, steps, clients={w.client for w in batch}))
+
+    async def _step(self, job: _InProgress) -> None:
+        """One engine call for the batch `job`: its next step (then it goes to the back of the
+        turn), or all of it; delivers its results when it is done."""
+        if all(w.ticket.done() for w in job.batch):  # every request of it was cancelled
+            self._finish(job)
+            return
+        loop = asyncio.get_running_loop()
+        items = [w.item for w in job.batch]
+        self._busy = True
+        started = time.perf_counter()
+        try:
+            if job.steps is None:
                 results = await loop.run_in_executor(self._executor, self._score_fn, items)
-            except Exception as exc:  # the engine failed on this batch
-                if len(batch) == 1:
-                    batch[0].ticket.done() or batch[0].ticket.set_exception(exc)
-                else:  # one at a time, so that only the culprit fails
-                    await self._score_one_by_one(batch)
-                continue
-            finally:
-                self._busy = False
-            if self._obs.on_batch:
-                width = max(it.num_tokens for it in items)
-                try:
-                    self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), time.perf_counter() - started)
-                except Exception:  # noqa: BLE001 - metrics must not break scoring
-                    log.exception("batch observer on_batch failed")
-            for w, r in zip(batch, results, strict=True):
-                if not w.ticket.done():
-                    w.ticket.set_result(r)
+            else:
+                results = await loop.run_in_executor(self._executor, next, job.steps)
+        except Exception as exc:  # the engine failed on this batch
+            self._finish(job)
+            if len(job.batch) == 1:
+                job.batch[0].ticket.done() or job.batch[0].ticket.set_exception(exc)
+            else:  # one at a time, so that only the culprit fails
+                await self._score_one_by_one(job.batch)
+            return
+        finally:
+            self._busy = False
+            job.seconds += time.perf_counter() - started
+        if results is None:  # more steps to go: the other jobs' turn first
+            self._in_progress.rotate(-1)
+            return
+        self._finish(job)
+        if self._obs.on_batch:
+            width = max(it.num_tokens for it in items)
+            try:
+                self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), job.seconds)
+            except Exception:  # noqa: BLE001 - metrics must not break scoring
+                log.exception("batch observer on_batch failed")
+        for w, r in zip(job.batch, results, strict=True):
+            if not w.ticket.done():
+                w.ticket.set_result(r)
+
+    def _finish(self, job: _InProgress) -> None:
+        self._in_progress.remove(job)
+        if job.steps is not None:
+            job.steps.close()  # frees its KV cache now
 
     async def _score_one_by_one(self, batch: list[Waiting]) -> None:
         """After an engine error on a batch of several items: each item alone (the numbers do not

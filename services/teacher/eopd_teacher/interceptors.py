@@ -19,7 +19,7 @@ import grpc
 from .batcher import Overloaded
 from .convert import NOT_RETRYABLE_KEY, InvalidRequest, RequestTooLarge
 from .metrics import TeacherMetrics
-from .resources import MemoryReturner
+from .resources import ByteBudget, MemoryReturner
 from .status import SERVICE_NAME, describe
 
 log = logging.getLogger("eopd_teacher")
@@ -53,8 +53,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     Generate, unary in, streamed out) beyond `max_concurrent_calls` at once are refused (RESOURCE_EXHAUSTED, retryable) before their body
     is read; large messages hand their memory back once done (`memory`)."""
 
-    def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None):
+    def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None,
+                 request_bytes: ByteBudget | None = None):
         self.metrics = metrics
+        self.request_bytes = request_bytes  # the server-wide budget (unary bodies; streams: stream_session)
         self.max_concurrent_calls = max_concurrent_calls
         self.calls = 0  # unary TeacherService calls in progress
         self.memory = memory or MemoryReturner()
@@ -92,7 +94,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request_iterator, context):
                 started = time.perf_counter()
-                nbytes = 0
+                nbytes = taken = 0
                 self.calls += 1
                 try:
                     limit = self.max_concurrent_calls
@@ -101,6 +103,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                         raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
                     raw = await _one_message(request_iterator)
                     nbytes = len(raw)
+                    if self.request_bytes is not None:
+                        if not self.request_bytes.try_take(nbytes):
+                            raise Overloaded(f"{self.request_bytes.held} request bytes in flight, this call adds {nbytes}, "
+                                             f"limit {self.request_bytes.limit} (max_inflight_request_bytes); retry later")
+                        taken = nbytes
                     response = await inner_uu(decode(raw), context)
                 except grpc.aio.AbortError:
                     raise
@@ -112,6 +119,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     raise AssertionError("unreachable") from exc
                 finally:
                     self.calls -= 1
+                    if taken:
+                        self.request_bytes.give(taken)
                     self.memory.message_done(nbytes)
                 self._finish(method, grpc.StatusCode.OK, started)
                 return response

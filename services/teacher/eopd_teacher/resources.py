@@ -14,6 +14,9 @@
   arenas' free pages back (in a thread). A pass runs `DELAY_S` after the last large message of a
   burst, and at least every `MIN_INTERVAL_S` during a long one (and never more often). On a C library without these calls (musl, macOS)
   only the collection runs.
+- `ByteBudget`: the request bytes admitted and not yet answered, across every unary call and
+  ScoreStream, bounded in total by `max_inflight_request_bytes` (issue 17, section 2): per-call
+  and per-stream limits alone let 1024 streams x 64 requests each hold gigabytes.
 """
 
 from __future__ import annotations
@@ -75,6 +78,64 @@ def _libc() -> ctypes.CDLL | None:
     except OSError:
         return None
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+class ByteBudget:
+    """Request bytes (their wire size) admitted and not yet answered, at most `limit` in total.
+
+    The interceptor takes a unary call's bytes once its body is read (refusing the call with
+    RESOURCE_EXHAUSTED when they do not fit) and gives them back when it is answered; a ScoreStream
+    takes each request's bytes once it is read (waiting for bytes to be given back, `wait_freed`,
+    when they do not fit) and gives them back when its handler is done, and does not read its next
+    request while the budget is full (`wait_room`), so under load the bytes stay with the client (HTTP/2 flow
+    control) instead of being read and refused. A request alone is always admitted (the limit is
+    at least the largest message gRPC accepts: settings)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self.peak = 0  # the most ever held at once (tests, diagnostics)
+        self._room = asyncio.Event()
+        self._room.set()
+        self._waiters: list[asyncio.Future] = []  # wait_freed() callers
+
+    @property
+    def has_room(self) -> bool:
+        return self.held < self.limit
+
+    def try_take(self, nbytes: int) -> bool:
+        """Admits `nbytes` if they fit (or nothing is held); False otherwise (nothing taken)."""
+        if self.held + nbytes > self.limit and self.held > 0:
+            return False
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+        if not self.has_room:
+            self._room.clear()
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+        if self.has_room:
+            self._room.set()
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def wait_freed(self) -> None:
+        """Returns the next time bytes are given back."""
+        freed = asyncio.get_running_loop().create_future()
+        self._waiters.append(freed)
+        try:
+            await freed
+        finally:
+            if freed in self._waiters:
+                self._waiters.remove(freed)
+
+    async def wait_room(self) -> None:
+        """Returns once less than `limit` is held."""
+        while not self.has_room:
+            await self._room.wait()
 
 
 class MemoryReturner:

@@ -105,11 +105,17 @@ class FairQueue:
         self._remove(everything)
         return everything
 
+    def next_client(self) -> str | None:
+        """The client whose oldest sequence anchors the next batch (None if nothing waits)."""
+        if not self._waiting:
+            return None
+        return min(self._waiting, key=lambda c: (self._vtime[c], self._waiting[c][0].seq))
+
     def take_batch(self) -> list[Waiting]:
         """Removes and returns the next batch (the anchor first); [] if nothing waits."""
         if not self._waiting:
             return []
-        client = min(self._waiting, key=lambda c: (self._vtime[c], self._waiting[c][0].seq))
+        client = self.next_client()
         anchor = self._waiting[client][0]
         self._vclock = self._vtime[client]
         chosen = self._fill(anchor)

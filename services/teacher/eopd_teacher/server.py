@@ -148,7 +148,8 @@ class TeacherServer:
         self.memory.start()
         opts = grpc_options(s)
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory)
+            StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory,
+                              request_bytes=self.state.request_bytes)
         ]
         token = s.bearer_token()
         if token:
@@ -213,6 +214,8 @@ class TeacherServer:
             max_queue_tokens=s.max_queue_tokens,
             max_client_tokens=s.max_batch_tokens_per_client,
             observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue),
+            steps_fn=getattr(self.state.engine, "score_steps", None),  # chunked prefill, where the engine can
+            step_tokens=s.prefill_chunk_tokens,
         )
         batcher.on_died = self._batcher_died
         batcher.start()

@@ -31,6 +31,7 @@ class EngineSettings:
     cache_dir: Path
     threads: int
     chunk_size: int
+    prefill_chunk_tokens: int
     compile_statistics: bool
     fp32_projection: bool
     warmup_top_k: int
@@ -75,6 +76,13 @@ class TeacherSettings(ServiceSettings):
         8 * MiB, ge=MiB,
         description="gRPC receive limit (the smaller of this and max_message_bytes applies): the largest request the "
         "per-request limits allow is ~6.9 MB (2^19 tokens of up to 5 bytes, 4096 ids of 256 four-byte characters)",
+    )
+    max_inflight_request_bytes: int = Field(
+        512 * MiB, ge=MiB,
+        description="request bytes (wire size) admitted and not yet answered, across every unary call and ScoreStream: "
+        "beyond, a unary call gets RESOURCE_EXHAUSTED (retryable) and a stream request an in-band RESOURCE_EXHAUSTED "
+        "(retryable), and streams stop reading until there is room; at least the receive limit (docs/reliability.md, "
+        "\"Teacher memory and connections\", states the total bound)",
     )
     max_concurrent_calls: int = Field(
         64, ge=1,
@@ -130,6 +138,12 @@ class TeacherSettings(ServiceSettings):
 
     # Batching and admission
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")
+    prefill_chunk_tokens: int = Field(
+        512, ge=0,
+        description="transformers engine: padded tokens per engine step (chunked prefill, the KV cache carried between "
+        "steps); the batcher serves other clients' batches between the steps of a longer batch, so a small request "
+        "waits for about one step, not one batch. 0: whole batches (the vLLM engine always scores whole batches)",
+    )
     max_batch_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
     max_batch_tokens_per_client: int = Field(
         4096, ge=1,
@@ -140,7 +154,11 @@ class TeacherSettings(ServiceSettings):
     max_queue_tokens: int = Field(1 << 20, ge=1, description="queued tokens beyond which requests get RESOURCE_EXHAUSTED")
     max_sequences_per_request: int = Field(4096, ge=1, description="sequences per request")
     max_tokens_per_request: int = Field(1 << 19, ge=1, description="tokens per request (all sequences)")
-    max_streams: int = Field(1024, ge=1, description="concurrent ScoreStream calls (RESOURCE_EXHAUSTED beyond)")
+    max_streams: int = Field(
+        256, ge=1,
+        description="concurrent ScoreStream calls (RESOURCE_EXHAUSTED beyond); each may be receiving one message of up to "
+        "the receive limit outside max_inflight_request_bytes, so this times max_request_bytes is part of the memory bound",
+    )
     max_inflight_tokens_per_client: int = Field(
         1 << 19, ge=1, description="tokens one client (x-eopd-client metadata, else peer address) may have in flight"
     )
@@ -171,6 +189,10 @@ class TeacherSettings(ServiceSettings):
     def _check(self) -> "TeacherSettings":
         if self.default_top_k > self.max_top_k:
             raise ValueError(f"default_top_k ({self.default_top_k}) must be <= max_top_k ({self.max_top_k})")
+        receive_limit = min(self.max_request_bytes, self.max_message_bytes)
+        if self.max_inflight_request_bytes < receive_limit:
+            raise ValueError(f"max_inflight_request_bytes ({self.max_inflight_request_bytes}) must be >= the receive limit "
+                             f"min(max_request_bytes, max_message_bytes) ({receive_limit}), or a largest request could never be admitted")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file must be given together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .batcher import Draining, DynamicBatcher
 from .metrics import TeacherMetrics
+from .resources import ByteBudget
 from .settings import TeacherSettings
 from .status import NotReady
 from .types import EngineInfo, ModelInfo
@@ -48,6 +49,10 @@ class ServerState:
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     inflight_tokens: dict[str, int] = field(default_factory=dict)
     open_streams: int = 0
+    request_bytes: ByteBudget = field(init=False)  # max_inflight_request_bytes, shared by all calls
+
+    def __post_init__(self) -> None:
+        self.request_bytes = ByteBudget(self.settings.max_inflight_request_bytes)
 
     @property
     def ready(self) -> bool:

@@ -11,6 +11,13 @@ requests already in flight are answered, then the stream ends with the first err
 for the client to half-close. If the call itself ends (cancelled by the client, deadline), every
 task is cancelled, which withdraws their sequences from the batcher.
 
+Bytes in flight: each request's wire size is taken from the server-wide `ByteBudget`
+(`max_inflight_request_bytes`) once it is read and given back when its handler task ends; while
+the budget is full the reader does not ask gRPC for the next message (it stays with the client, HTTP/2 flow
+control); a request read that does not fit waits for room (at most BUDGET_WAIT_S, then it is
+answered in band with a retryable RESOURCE_EXHAUSTED). So a stream holds at most one message
+outside the budget.
+
 A stream with no request in flight and none received for `stream_idle_timeout_s` fails with
 `StreamIdle` (UNAVAILABLE, a stream-level failure like the others: the client re-opens it), so idle
 streams cannot hold every one of the server's `max_streams` slots for ever (issue 17, section 3).
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from eopd.v1 import teacher_pb2 as pb
 
+from .batcher import Overloaded
 from .convert import InvalidRequest
 from .status import STREAM_LEVEL, NotReady, describe
 
@@ -34,6 +42,10 @@ if TYPE_CHECKING:
 
 # Requests of one stream served at once; beyond that, reading pauses.
 MAX_INFLIGHT_PER_STREAM = 64
+
+# How long a request read while the server's byte budget cannot hold it waits for room before it is
+# refused in band (RESOURCE_EXHAUSTED, retryable).
+BUDGET_WAIT_S = 30.0
 
 # How long a ScoreStream that announced its end (StreamEnding) waits for the client to half-close.
 STREAM_ENDING_GRACE_S = 5.0
@@ -63,6 +75,8 @@ class StreamSession:
         self._latency = servicer.state.metrics.latency.labels("ScoreStream")
         self._idle_timeout_s = servicer.state.settings.stream_idle_timeout_s
         self._last_active = time.monotonic()  # a request read or an answer handed to gRPC
+        self._budget = servicer.state.request_bytes
+        self._waiting_room = False  # the reader waits for room in the byte budget (not idle)
 
     async def responses(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> AsyncIterator[pb.ScoreResponse]:
         """The answers, in the order they are ready; raises the stream's failure at its end."""
@@ -88,7 +102,7 @@ class StreamSession:
             left = self._last_active + self._idle_timeout_s - time.monotonic()
             if left > 0:
                 await asyncio.sleep(left)
-            elif self._tasks or not self._out.empty():
+            elif self._tasks or not self._out.empty() or self._waiting_room:
                 self._last_active = time.monotonic()  # busy: not idle
             else:
                 self._fail(StreamIdle(f"stream idle for {self._idle_timeout_s:g}s (no request in flight); "
@@ -100,9 +114,11 @@ class StreamSession:
         if len(self._failure) == 1:
             self._out.put_nowait(_FAILED)
 
-    def _answer_error(self, request_id: str, exc: BaseException) -> None:
+    def _answer_error(self, request_id: str, exc: BaseException, *, retryable: bool = False) -> None:
         """A request-level failure, answered in band (its slot is released once sent)."""
-        self._out.put_nowait(self._servicer._in_band_error(request_id, exc))
+        answer = self._servicer._in_band_error(request_id, exc)
+        answer.error.retryable = retryable
+        self._out.put_nowait(answer)
 
     async def _handle(self, req: pb.ScoreRequest) -> None:
         started = time.perf_counter()
@@ -121,10 +137,37 @@ class StreamSession:
         self._servicer.state.metrics.stream_requests.labels("OK").inc()
         self._out.put_nowait(response)  # its slot is released once the answer is sent
 
+    async def _take_budget(self, nbytes: int) -> bool:
+        """Takes `nbytes` from the server's byte budget, waiting up to BUDGET_WAIT_S for room (the
+        message already read is the one this stream holds outside the budget); False if none came."""
+        deadline = time.monotonic() + BUDGET_WAIT_S
+        self._waiting_room = True
+        try:
+            while not self._budget.try_take(nbytes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._budget.wait_freed(), left)
+            return True
+        finally:
+            self._waiting_room = False
+
     async def _read(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            async for req in request_iterator:
+            reader = aiter(request_iterator)
+            while True:
+                if not self._budget.has_room:  # full: leave the next message with the client
+                    self._waiting_room = True
+                    try:
+                        await self._budget.wait_room()
+                    finally:
+                        self._waiting_room = False
+                try:
+                    req = await anext(reader)
+                except StopAsyncIteration:
+                    break
                 self._last_active = time.monotonic()
                 if self._failure:
                     continue  # the stream is ending: drop what arrives until the client half-closes
@@ -137,11 +180,19 @@ class StreamSession:
                         f"request_id: {req.request_id!r} is already in flight on this stream; "
                         "request ids must be unique among the unanswered requests of a stream"))
                     continue
+                nbytes = req.ByteSize()
+                if not await self._take_budget(nbytes):
+                    self._answer_error(req.request_id, Overloaded(
+                        f"{self._budget.held} request bytes in flight on the server, this request adds {nbytes}, limit "
+                        f"{self._budget.limit} (max_inflight_request_bytes); retry later"), retryable=True)
+                    continue
                 if req.request_id:
                     self._inflight_ids.add(req.request_id)
                 task = loop.create_task(self._handle(req))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                # A callback, not the handler's `finally`: a task cancelled before it starts runs none of it.
+                task.add_done_callback(lambda _, n=nbytes: self._budget.give(n))
         except Exception as exc:  # noqa: BLE001 - a broken client stream
             self._fail(exc, "")
         finally:

@@ -18,7 +18,7 @@ from .objective import group_advantages
 from .queue.messages import Rollout
 
 # The largest top-k a micro-batch is packed (padded) to: teacher.top_k's upper bound. The learner
-# admits only rollouts of exactly teacher.top_k (`check_rollout_metadata`); this is the packing's
+# admits only rollouts of exactly teacher.top_k (`RolloutLimits`, while decoding); this is the packing's
 # own guard, so no rollout can make it pad every rollout of a micro-batch to a huge k.
 MAX_TOP_K = 1024
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..settings import EngineSettings
-from ..stats import StatsFn, token_statistics
+from ..stats import StatsFn, TokenStatistics, token_statistics
 from ..types import EngineInfo, GenerateItem, Generation, GenerationCancelled, ScoreItem, SequenceScores  # noqa: F401
 
 
@@ -74,17 +74,7 @@ def scores_from_hidden(
     model's logits are `logit_factor * (hidden @ weight.T + bias)`); it is folded into each
     position's inverse temperature, so the statistics are those of `model(...).logits` at the
     item's temperature."""
-    targets = torch.cat([torch.from_numpy(it.token_ids[it.score_from :]) for it in items])
-    inv_t = torch.cat([torch.full((it.num_scored,), logit_factor / it.temperature) for it in items])
-    m = max(it.num_candidates for it in items)
-    candidates = None
-    if m:  # [sum(num_scored), m], each item's rows padded with -1 filler to the batch's widest m
-        candidates = torch.full((targets.shape[0], m), -1, dtype=torch.int64)
-        offset = 0
-        for it in items:
-            if it.num_candidates:
-                candidates[offset : offset + it.num_scored, : it.num_candidates] = torch.from_numpy(it.candidate_ids)
-            offset += it.num_scored
+    targets, inv_t, candidates = flat_targets(items, logit_factor)
     stats = token_statistics(
         hidden,
         weight,
@@ -97,6 +87,30 @@ def scores_from_hidden(
         stats_fn=stats_fn,
         candidates=candidates,
     )
+    return split_scores(items, stats)
+
+
+def flat_targets(items: list[ScoreItem], logit_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The scored positions of `items`, in item order (N = sum of num_scored): targets `[N]` int64,
+    inverse temperatures `[N]` (the logit factor folded in) and candidate ids `[N, m]` (each item's
+    rows padded with -1 filler to the widest m; None when no item asks for candidates)."""
+    targets = torch.cat([torch.from_numpy(it.token_ids[it.score_from :]) for it in items]).long()
+    inv_t = torch.cat([torch.full((it.num_scored,), logit_factor / it.temperature) for it in items])
+    m = max(it.num_candidates for it in items)
+    candidates = None
+    if m:
+        candidates = torch.full((targets.shape[0], m), -1, dtype=torch.int64)
+        offset = 0
+        for it in items:
+            if it.num_candidates:
+                candidates[offset : offset + it.num_scored, : it.num_candidates] = torch.from_numpy(it.candidate_ids)
+            offset += it.num_scored
+    return targets, inv_t, candidates
+
+
+def split_scores(items: list[ScoreItem], stats: TokenStatistics) -> list[SequenceScores]:
+    """Flat statistics of the scored positions of `items` (in item order), per sequence (each with
+    its own top_k and candidates)."""
     lp, ent = stats.token_logprobs.numpy(), stats.entropies.numpy()
     clp = stats.candidate_logprobs.numpy()
     tids, tlp = stats.topk_ids.numpy().astype(np.int32), stats.topk_logprobs.numpy()

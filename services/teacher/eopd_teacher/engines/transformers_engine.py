@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from ..settings import EngineSettings
 from ..stats import ChunkStats
 from ..types import EngineInfo, GenerateItem, Generation, GenerationCancelled, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
+from .chunked_prefill import score_in_steps
 from .sampling import sample_next, sample_seed
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,23 @@ class TransformersEngine(ScoringEngine):
         head = model.get_output_embeddings()
         return scores_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn,
                                   self._logit_factor)
+
+    @torch.inference_mode()
+    def score_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:
+        """`score` in steps of at most `prefill_chunk_tokens` padded tokens (chunked prefill,
+        `chunked_prefill.score_in_steps`): each `next()` runs one step and yields None, the last
+        yields the scores. The batcher serves other clients' batches between the steps."""
+        assert self._lm is not None, "engine not loaded"
+        model = self._lm.model
+        steps = score_in_steps(model.get_decoder(), model.get_output_embeddings(), items,
+                               chunk_tokens=self.settings.prefill_chunk_tokens, settings=self.settings,
+                               stats_fn=self._stats_fn, logit_factor=self._logit_factor, device=self._device)
+        while True:
+            with self._lock:  # per step: another job's steps run in between
+                out = next(steps)
+            yield out
+            if out is not None:
+                return
 
     @torch.inference_mode()
     def generate(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None) -> list[Generation]:

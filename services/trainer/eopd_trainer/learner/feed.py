@@ -267,9 +267,7 @@ class RolloutFeed:
         try:
             r = decode_rollout(e.data or b"", vocab_size=self.vocab_size, limits=self.limits)
             plan = batch.plan
-            check_rollout_metadata(r, temperature=cfg.loss.temperature, top_k=cfg.teacher.top_k,
-                                   max_response_length=cfg.rollout.max_response_length,
-                                   num_candidates=plan.loss.num_candidates,
+            check_rollout_metadata(r, temperature=cfg.loss.temperature, num_candidates=plan.loss.num_candidates,
                                    n_samples=cfg.rollout.n_samples, published_tasks=self.published_tasks,
                                    variant=plan.stage, needs_teacher_scores=plan.needs_teacher_scores,
                                    accepts_teacher_origin=plan.accepts_teacher_origin, needs_reward=plan.needs_reward)

@@ -131,6 +131,19 @@ class Rollout:
         """False for a graded-only rollout (grpo: no teacher call, empty teacher arrays, top_k 0)."""
         return self.top_k > 0
 
+    def __post_init__(self) -> None:
+        """The one place the candidate fields are kept together: both None, or both `[n, m]`
+        (`num_candidates` is m, read off `candidate_ids`)."""
+        ids, lps = self.candidate_ids, self.candidate_logprobs
+        if (ids is None) != (lps is None):
+            raise ValueError(f"rollout {self.rollout_id}: candidate_ids and candidate_logprobs must be given together "
+                             f"(candidate_ids {'None' if ids is None else 'set'}, candidate_logprobs {'None' if lps is None else 'set'})")
+        if ids is not None:
+            n = int(self.response_ids.shape[0])
+            if ids.ndim != 2 or ids.shape[0] != n or lps.shape != ids.shape:
+                raise ValueError(f"rollout {self.rollout_id}: candidate_ids {tuple(ids.shape)} and candidate_logprobs "
+                                 f"{tuple(lps.shape)} must both be [n, m] with n = {n} response tokens")
+
     @property
     def num_candidates(self) -> int:
         return 0 if self.candidate_ids is None else int(self.candidate_ids.shape[1])
@@ -152,7 +165,10 @@ class RolloutLimits:
 
     max_prompt_length: int  # data.max_prompt_length
     max_response_length: int  # rollout.max_response_length
-    top_k: int  # teacher.top_k: exactly what the workers ask the teacher for
+    # teacher.top_k, exactly (what the workers ask the teacher for): a smaller k is a differently
+    # configured or truncating teacher and changes the forward-KL term; a larger one would make
+    # the packing pad every rollout to it.
+    top_k: int
 
     @classmethod
     def from_config(cls, cfg) -> RolloutLimits:
@@ -398,22 +414,18 @@ def _check_lengths(msg: pb.ScoredRollout, rid: str, n: int, k: int, *, origin: s
                                 f"({n} response tokens, top_k {k})")
 
 
-def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_response_length: int,
-                           num_candidates: int = 0, n_samples: int | None = None,
+def check_rollout_metadata(r: Rollout, *, temperature: float, num_candidates: int = 0, n_samples: int | None = None,
                            published_tasks: int | None = None, variant: str = "", needs_teacher_scores: bool = True,
                            accepts_teacher_origin: bool = True, needs_reward: bool = False) -> None:
-    """What the learner requires of a decoded rollout beyond its own consistency; raises
-    PoisonMessage with the reason (the rollout is dead-lettered, not trained):
+    """What the learner requires of a decoded rollout beyond its own consistency and the bounds
+    `RolloutLimits` checks while decoding (prompt and response lengths, top-k = teacher.top_k or 0);
+    raises PoisonMessage with the reason (the rollout is dead-lettered, not trained):
 
     - sampled at `temperature` (loss.temperature: the old log-probs and the ratio must be taken
       at the same temperature; a float32 field, so compared to a relative 1e-6);
-    - teacher top-k of exactly `top_k` (teacher.top_k, what the workers ask for: a smaller k is a
-      differently configured or truncating teacher and changes the forward-KL term; a larger one
-      is not what this run asked for and would make the packing pad every rollout to it);
     - `rollout_id` equal to `t{seq}-s{sample_index}` with `task_id` `t{seq}` (the exactly-once
       accounting is by these ids), of a published task (`seq < published_tasks`, the learner's
       `<ns>:tasks:next`) and a sample the task asked for (`sample_index < n_samples`);
-    - at most `max_response_length` response tokens (rollout.max_response_length);
     - at least `num_candidates` per-position candidates (loss.candidate_k when the loss variant
       needs them, e.g. eopd_topk_rkl; 0 otherwise);
     - what the iteration's loss `variant` needs: teacher scores (`needs_teacher_scores`; a graded-only
@@ -430,14 +442,9 @@ def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_re
     if not r.has_teacher_scores:
         if needs_teacher_scores:
             raise PoisonMessage(f"rollout {rid}: no teacher scores (top_k 0), {what} needs them")
-        top_k = 0  # graded only: nothing of the teacher's to check
     if not math.isclose(r.sampling_temperature, temperature, rel_tol=1e-6, abs_tol=1e-9):
         raise PoisonMessage(f"rollout {rid}: sampling_temperature {r.sampling_temperature:g} differs from loss.temperature "
                             f"{temperature:g}")
-    if r.top_k < top_k:
-        raise PoisonMessage(f"rollout {rid}: teacher top_k {r.top_k} is smaller than teacher.top_k {top_k}")
-    if r.top_k > top_k:
-        raise PoisonMessage(f"rollout {rid}: teacher top_k {r.top_k} is larger than teacher.top_k {top_k}")
     m = _TASK_ID.fullmatch(r.task_id)
     if m is None:
         raise PoisonMessage(f"rollout {rid}: task_id {r.task_id!r} is not of the form t<seq>")
@@ -450,9 +457,6 @@ def check_rollout_metadata(r: Rollout, *, temperature: float, top_k: int, max_re
                             f"{published_tasks} tasks)")
     if n_samples is not None and r.sample_index >= n_samples:
         raise PoisonMessage(f"rollout {rid}: sample_index {r.sample_index} is not below rollout.n_samples {n_samples}")
-    if r.num_response_tokens > max_response_length:
-        raise PoisonMessage(f"rollout {rid}: {r.num_response_tokens} response tokens, more than "
-                            f"rollout.max_response_length {max_response_length}")
     if r.num_candidates < num_candidates:
         raise PoisonMessage(f"rollout {rid}: {r.num_candidates} per-position candidates, the loss variant needs "
                             f"loss.candidate_k {num_candidates}")
