@@ -14,7 +14,8 @@ from eopd_common.models import load_causal_lm
 from eopd_teacher.types import SequenceScores
 from eopd_trainer.batching import pack_rollouts
 from eopd_trainer.objective import LossConfig
-from eopd_trainer.queue.messages import PoisonMessage, PromptTask, check_rollout_metadata, decode_rollout, encode_rollout
+from eopd_trainer.queue.messages import PoisonMessage, PromptTask, decode_rollout, encode_rollout
+from eopd_trainer.queue.rollout_checks import check_rollout_metadata
 from eopd_trainer.rollout.requests import Pending, RequestShaper, answer_problems
 from eopd_trainer.rollout.samplers.transformers_sampler import sequence_logprobs
 from eopd_trainer.config import TeacherConfig

@@ -23,12 +23,12 @@ from eopd_trainer.config.stages import (
 )
 from eopd_trainer.learner.ledger import Admit, Ledger, admit
 from eopd_trainer.objective import VARIANTS, LossConfig
+from eopd_trainer.queue.rollout_checks import check_rollout_metadata
 from eopd_trainer.queue.messages import (
     ORIGIN_TEACHER,
     PoisonMessage,
     PromptTask,
     RolloutLimits,
-    check_rollout_metadata,
     decode_rollout,
     decode_task,
     encode_rollout,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from eopd_trainer.learner.ledger import RejectStreak
-from eopd_trainer.queue.messages import (PoisonMessage, Rollout, RolloutLimits, check_rollout_metadata, decode_rollout,
+from eopd_trainer.queue.rollout_checks import check_rollout_metadata
+from eopd_trainer.queue.messages import (PoisonMessage, Rollout, RolloutLimits, decode_rollout,
                                          encode_rollout)
 
 

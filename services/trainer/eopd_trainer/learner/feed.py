@@ -27,10 +27,10 @@ from ..queue.messages import (
     PromptTask,
     Rollout,
     RolloutLimits,
-    check_rollout_metadata,
     decode_rollout,
     encode_task,
 )
+from ..queue.rollout_checks import check_rollout_metadata
 from ..queue.signing import signer_for
 from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect, read_counts
 from .ledger import (
