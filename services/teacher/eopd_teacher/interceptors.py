@@ -81,6 +81,25 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         trailing = ((NOT_RETRYABLE_KEY, "0"),) if isinstance(exc, RequestTooLarge) else ()
         await context.abort(code, message, trailing_metadata=trailing)
 
+    async def _admit(self, request_iterator) -> tuple[bytes, int]:
+        """Admission of a call with one request message (Score, Generate, GetModelInfo): refused
+        before its body is read beyond `max_concurrent_calls` (this call already counted in
+        `self.calls`), its body read, its bytes taken from the server-wide budget
+        (`max_inflight_request_bytes`). Returns the body and the bytes taken, which the caller
+        gives back when the call ends; raises Overloaded (RESOURCE_EXHAUSTED, retryable)."""
+        limit = self.max_concurrent_calls
+        if limit is not None and self.calls > limit:
+            self.memory.refused_unread()
+            raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
+        raw = await _one_message(request_iterator)
+        if self.request_bytes is None:
+            return raw, 0
+        if not self.request_bytes.try_take(len(raw)):
+            self.memory.message_done(len(raw))
+            raise Overloaded(f"{self.request_bytes.held} request bytes in flight, this call adds {len(raw)}, "
+                             f"limit {self.request_bytes.limit} (max_inflight_request_bytes); retry later")
+        return raw, len(raw)
+
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
@@ -97,17 +116,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 nbytes = taken = 0
                 self.calls += 1
                 try:
-                    limit = self.max_concurrent_calls
-                    if limit is not None and self.calls > limit:
-                        self.memory.refused_unread()
-                        raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
-                    raw = await _one_message(request_iterator)
+                    raw, taken = await self._admit(request_iterator)
                     nbytes = len(raw)
-                    if self.request_bytes is not None:
-                        if not self.request_bytes.try_take(nbytes):
-                            raise Overloaded(f"{self.request_bytes.held} request bytes in flight, this call adds {nbytes}, "
-                                             f"limit {self.request_bytes.limit} (max_inflight_request_bytes); retry later")
-                        taken = nbytes
                     response = await inner_uu(decode(raw), context)
                 except grpc.aio.AbortError:
                     raise
@@ -133,14 +143,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request_iterator, context):
                 started = time.perf_counter()
-                nbytes = 0
+                nbytes = taken = 0
                 self.calls += 1
                 try:
-                    limit = self.max_concurrent_calls
-                    if limit is not None and self.calls > limit:
-                        self.memory.refused_unread()
-                        raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
-                    raw = await _one_message(request_iterator)
+                    raw, taken = await self._admit(request_iterator)
                     nbytes = len(raw)
                     async for response in inner_us(decode_us(raw), context):
                         yield response
@@ -154,6 +160,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     return
                 finally:
                     self.calls -= 1
+                    if taken:
+                        self.request_bytes.give(taken)
                     self.memory.message_done(nbytes)
                 self._finish(method, grpc.StatusCode.OK, started)
 
