@@ -20,7 +20,6 @@ import re
 import time
 
 import grpc
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -28,6 +27,7 @@ from pydantic import ValidationError
 from eopd.v1 import teacher_pb2 as pb
 
 from .convert import RequestTooLarge, scores_from_pb
+from .convert_generate import generation_from_pb
 from .openai_generation import Sampling, generation_response, sampling
 from .openai_format import (
     CompatError,
@@ -219,8 +219,7 @@ class CompletionsRoute:
             raise err from None
         out: list[list[Generation]] = [[] for _ in p.prompts]
         for r in sorted(answers, key=lambda r: (int(r.prompt_id), r.sample_index)):
-            out[int(r.prompt_id)].append(Generation(r.prompt_id, r.sample_index, np.asarray(r.token_ids, dtype=np.int64),
-                                                    r.finish_reason, scores_from_pb(r.scores)))
+            out[int(r.prompt_id)].append(generation_from_pb(r))
         return out
 
     async def _score(self, request: Request, p, echo: bool) -> list:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import threading
 import time
@@ -170,10 +169,8 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
             return gone.is_set() or (deadline is not None and time.monotonic() >= deadline)
 
         engine = self.state.engine
-        # An engine whose `generate` takes no `cancelled` runs each job to its end.
-        kwargs = {"cancelled": cancelled} if "cancelled" in inspect.signature(engine.generate).parameters else {}
         try:
-            return await batcher.submit_job(functools.partial(engine.generate, job, **kwargs),
+            return await batcher.submit_job(functools.partial(engine.generate, job, cancelled=cancelled),
                                             sum(generate_tokens(it) for it in job))
         except BaseException:
             gone.set()

@@ -16,7 +16,7 @@ import torch
 
 from ..settings import EngineSettings
 from ..stats import StatsFn, TokenStatistics, token_statistics
-from ..types import EngineInfo, GenerateItem, Generation, GenerationCancelled, ScoreItem, SequenceScores  # noqa: F401
+from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
 
 
 class ScoringEngine(abc.ABC):

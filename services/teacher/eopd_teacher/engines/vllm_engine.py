@@ -240,10 +240,11 @@ class VllmEngine(ScoringEngine):
 
     # -- generation ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, items: list[GenerateItem]) -> list[Generation]:
+    def generate(self, items: list[GenerateItem], *, cancelled=None) -> list[Generation]:
         """vLLM's sampler draws every item's `num_samples` responses (one `generate` call), then one
         `score` batch of prompt + response (score_from = len(prompt), at `score_temperature`, the
-        item's top-k) gives their statistics: exactly what Score answers for those tokens."""
+        item's top-k) gives their statistics: exactly what Score answers for those tokens.
+        `cancelled` is not polled: vLLM generates the whole job in one call."""
         if not items:
             return []
         assert self._generator is not None and self._weight is not None, "engine not loaded"

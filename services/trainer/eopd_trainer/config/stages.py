@@ -98,8 +98,8 @@ def plan_iteration(loss: LossConfig, warmup_iterations: int, iteration: int) -> 
     cfg = iteration_loss(loss, warmup_iterations, iteration)
     v = get_variant(cfg.variant)
     return IterationPlan(iteration=iteration, stage=stage_name(loss, warmup_iterations, iteration), loss=cfg,
-                         needs_teacher_scores=bool(v.needs_teacher_scores), accepts_teacher_origin=not v.pg,
-                         needs_reward=v.advantages_from == "given", teacher_share=float(v.teacher_share(cfg)))
+                         needs_teacher_scores=cfg.needs_teacher_scores, accepts_teacher_origin=not v.pg,
+                         needs_reward=v.advantages_from == "given", teacher_share=cfg.teacher_share)
 
 
 def task_teacher_samples(loss: LossConfig, warmup_iterations: int, *, seed: int, task_seq: int, num_samples: int,
@@ -111,10 +111,9 @@ def task_teacher_samples(loss: LossConfig, warmup_iterations: int, *, seed: int,
 
 def run_needs_teacher_generation(loss: LossConfig, warmup_iterations: int) -> bool:
     """Some task of the run asks the teacher to generate (KD warm-up, kd, gkd with lambda < 1)."""
-    cfg = iteration_loss(loss, warmup_iterations, warmup_iterations + 1)
-    return warmup_iterations > 0 or get_variant(cfg.variant).teacher_share(cfg) > 0
+    return warmup_iterations > 0 or loss.teacher_share > 0
 
 
 def run_needs_teacher(loss: LossConfig, warmup_iterations: int) -> bool:
     """The workers need the teacher at all: to generate, or to score (every variant but grpo)."""
-    return run_needs_teacher_generation(loss, warmup_iterations) or bool(get_variant(loss.variant).needs_teacher_scores)
+    return run_needs_teacher_generation(loss, warmup_iterations) or loss.needs_teacher_scores
