@@ -10,7 +10,8 @@
 # Pass@k for k = 1, 2, 4, 8, as the paper). The teacher and the initial student are the same models
 # in every run: the first run evaluates them (held-out and variants sets); the first variant's run of
 # each seed evaluates its final student on both sets, every other run on the held-out set
-# (EVAL_ALL=1: everything in every run).
+# (EVAL_ALL=1: everything in every run; FINAL_ONLY=1: only the final student on the held-out set,
+# when archived runs of the same preset and seeds have evaluated the rest).
 #
 # Resumable across machines: with ARCHIVE=DIR each finished run's small files (run.yaml, eval*.json,
 # train_metrics.jsonl, run_summary.json: what the report and the tables read) are copied to
@@ -78,7 +79,9 @@ for i in "${!order[@]}"; do
     continue
   fi
   evals=(eval.n_samples=8)
-  if [ -z "${EVAL_ALL:-}" ]; then
+  if [ -n "${FINAL_ONLY:-}" ]; then
+    evals+=("eval.models=[final]" eval.variants=false)
+  elif [ -z "${EVAL_ALL:-}" ]; then
     if [ "$i" != 0 ]; then evals+=("eval.models=[final]"); fi
     if [ "$v" != "${variants[0]}" ]; then evals+=(eval.variants=false); fi
   fi

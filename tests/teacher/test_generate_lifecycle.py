@@ -63,11 +63,14 @@ def test_smollm2_generates_what_score_agrees_with():
         prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
         (greedy,) = c.generate([prompt], max_new_tokens=12, temperature=0.0, top_k=4)
         sampled = c.generate([prompt], num_samples=2, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=0, top_k=4)
+        # The same scoring path, on batches of other shapes (two samples scored together): CPU kernels
+        # round differently per shape, up to 1.3e-5 measured on SmolLM2 with one thread (the tiny
+        # model's tests hold 1e-5), so 5e-5 here; a wrong position or temperature is off by > 1e-2.
         for g in [greedy, *sampled]:
             (s,) = c.score([("x", prompt + g.token_ids.tolist(), len(prompt))], top_k=4)
-            np.testing.assert_allclose(g.scores.token_logprobs, s.token_logprobs, atol=1e-5, rtol=0)
-            np.testing.assert_allclose(g.scores.entropies, s.entropies, atol=1e-5, rtol=0)
-            np.testing.assert_allclose(g.scores.topk_logprobs, s.topk_logprobs, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(g.scores.token_logprobs, s.token_logprobs, atol=5e-5, rtol=0)
+            np.testing.assert_allclose(g.scores.entropies, s.entropies, atol=5e-5, rtol=0)
+            np.testing.assert_allclose(g.scores.topk_logprobs, s.topk_logprobs, atol=5e-5, rtol=0)
         (s,) = c.score([("x", prompt + greedy.token_ids.tolist(), len(prompt))], top_k=1)
         np.testing.assert_array_equal(greedy.token_ids, s.topk_ids[:, 0])
         assert "Paris" in tok.decode(greedy.token_ids.tolist())

@@ -85,9 +85,9 @@ def test_iteration_plans():
 
     loss = LossConfig(variant="eopd", ce_weight=0.3)
     warm, after = plan_iteration(loss, 1, 1), plan_iteration(loss, 1, 2)
-    assert (warm.stage, warm.variant, warm.loss.ce_weight, warm.teacher_share) == (WARMUP_STAGE, "kd", 0.3, 1.0)
+    assert (warm.stage, warm.loss.variant, warm.loss.ce_weight, warm.teacher_share) == (WARMUP_STAGE, "kd", 0.3, 1.0)
     assert warm.accepts_teacher_origin and warm.needs_teacher_scores and not warm.needs_reward
-    assert (after.stage, after.variant, after.teacher_share, after.accepts_teacher_origin) == ("eopd", "eopd", 0.0, False)
+    assert (after.stage, after.loss.variant, after.teacher_share, after.accepts_teacher_origin) == ("eopd", "eopd", 0.0, False)
     grpo = plan_iteration(LossConfig(variant="grpo"), 0, 1)
     assert grpo.needs_reward and not grpo.needs_teacher_scores and not grpo.accepts_teacher_origin
     gkd = plan_iteration(LossConfig(variant="gkd", gkd_lambda=0.8), 0, 1)
@@ -272,7 +272,7 @@ def test_grader_rewards_with_evals_extraction(tmp_path):
 # The report's warm-up marks ------------------------------------------------------------------------
 
 def test_report_names_and_shades_the_warmup(tmp_path):
-    from eopd_trainer.eval.report import _mark_warmup, stages_line, warmup_iterations
+    from eopd_trainer.eval.report_stages import mark_warmup, stages_line, warmup_iterations
 
     run = tmp_path / "run"
     run.mkdir()
@@ -288,7 +288,7 @@ def test_report_names_and_shades_the_warmup(tmp_path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
-    _mark_warmup(ax, {run: rows})
+    mark_warmup(ax, {run: rows})
     spans = [p for p in ax.patches]
     assert len(spans) == 1 and spans[0].get_label() == "kd-warmup"
     x0, x1 = spans[0].get_x(), spans[0].get_x() + spans[0].get_width()

@@ -58,3 +58,21 @@ def test_experiment_figures_written(tmp_path):
     assert names == ["exp_entropy_share.png", "exp_pass_at_k.png", "exp_training.png"]
     assert all((tmp_path / "figs" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     assert figures_main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_gkd_lambdas_and_warmup_are_separate_rows(tmp_path, capsys):
+    """Runs of one loss.variant at different GKD lambdas, or after a KD warm-up, are different
+    columns of the paper's tables: grouped by the name scripts/experiment.sh gives them."""
+    from eopd_trainer.eval.run_files import loss_label
+
+    assert loss_label({"loss": {"variant": "gkd", "gkd_lambda": 0.5}}) == "gkd0.5"
+    assert loss_label({"loss": {"variant": "eopd"}, "train": {"warmup_kd_iterations": 4}}) == "eopd+warmup4"
+    assert loss_label({"loss": {"variant": "kd"}, "train": {"warmup_kd_iterations": 0}}) == "kd"
+    runs = []
+    for name, lam, avg in (("g5", 0.5, 0.2), ("g8", 0.8, 0.3)):
+        run = fake_run(tmp_path / name, "gkd", 0, avg, [0.3] * 4)
+        (run / "run.yaml").write_text(f"loss: {{variant: gkd, gkd_lambda: {lam}}}\nseed: 0\n")
+        runs.append(run)
+    assert main([str(r) for r in runs]) == 0
+    out = capsys.readouterr().out
+    assert "| gkd0.5 / final | 1 | 0.200 |" in out and "| gkd0.8 / final | 1 | 0.300 |" in out

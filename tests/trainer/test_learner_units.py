@@ -234,6 +234,7 @@ def test_feed_aborts_on_a_rejection_streak(monkeypatch):
 def test_loop_trains_rank_0_on_the_feeds_decoded_rollouts(monkeypatch):
     """Rank 0 does not decode the broadcast bytes again (single process: no broadcast)."""
     import eopd_trainer.learner.loop as loop_module
+    from eopd_trainer.config.stages import plan_iteration
     from eopd_trainer.learner.loop import LearnerLoop
 
     feed, _, decoded = _feed(monkeypatch)
@@ -243,7 +244,8 @@ def test_loop_trains_rank_0_on_the_feeds_decoded_rollouts(monkeypatch):
     loop = LearnerLoop(feed.cfg)
     loop.rank, loop.feed = 0, feed
     monkeypatch.setattr(loop_module, "decode_rollout", lambda *a, **kw: pytest.fail("rank 0 decoded twice"))
-    collected = loop._collect_everywhere(1)
+    plan = plan_iteration(feed.cfg.loss, feed.cfg.train.warmup_kd_iterations, 1)
+    collected = loop._collect_everywhere(1, plan)
     assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"] and len(decoded) == 2
     loop.request_stop()
-    assert loop._collect_everywhere(2) is None
+    assert loop._collect_everywhere(2, plan) is None

@@ -232,6 +232,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+def eos_token_ids(*values: Any) -> frozenset[int]:
+    """The end-of-sequence ids named by `values`, each an `eos_token_id` as a generation config, a
+    model config or a tokenizer gives it: an int, a list of ints, or None."""
+    ids: set[int] = set()
+    for value in values:
+        if value is not None:
+            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
+    return frozenset(ids)
+
+
 def pad_token_id(tokenizer) -> int:
     """The id a batch of the tokenizer's sequences is padded with: its pad token, else its EOS."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -27,10 +27,11 @@ from pathlib import Path
 import grpc
 
 from eopd_common.client_security import ClientSecurity, SecurityFileError
-from eopd_common.models import default_cache_dir, load_tokenizer, tokenizer_fingerprint
+from eopd_common.models import default_cache_dir
 from eopd_common.settings import SettingsError, add_arguments, settings_from_args
 
 from .cli_generate import GenerateFailed, add_generate_parser, cmd_generate
+from .cli_text import encode_prompt, text_tokenizer
 from .client import TeacherClient
 from .settings import TeacherSettings
 
@@ -88,32 +89,6 @@ def _client(args, security: ClientSecurity, timeout: float) -> TeacherClient:
     return TeacherClient(args.target, timeout=timeout, security=security)
 
 
-def _text_tokenizer(tokenizer_spec: str | None, info, cache_dir, command: str = "score"):
-    """The tokenizer that encodes text rows: `tokenizer_spec`, else the served model's looked up by
-    its name on this machine; it must match the served tokenizer's fingerprint. Exits with a
-    message naming `--tokenizer` when it cannot be found or does not match."""
-    spec = tokenizer_spec or info.model_name
-    try:
-        tok = load_tokenizer(spec, cache_dir)
-    except Exception as exc:  # noqa: BLE001 - a bad spec, missing files, an unreadable tokenizer
-        if tokenizer_spec:
-            raise SystemExit(f"eopd-teacher {command}: cannot load the tokenizer of --tokenizer {spec!r}: {exc}") from None
-        raise SystemExit(
-            f"eopd-teacher {command}: text input needs the served model's tokenizer, but the served model {spec!r} "
-            f"cannot be loaded on this machine by that name ({exc}). Pass --tokenizer with a preset, Hugging Face "
-            "model directory or .gguf file that has the served model's tokenizer."
-        ) from None
-    if info.tokenizer_fingerprint and tokenizer_fingerprint(tok) != info.tokenizer_fingerprint:
-        which = f"--tokenizer {spec!r}" if tokenizer_spec else f"the model {spec!r} found on this machine"
-        hint = "" if tokenizer_spec else " Pass --tokenizer with the served model's tokenizer."
-        raise SystemExit(
-            f"eopd-teacher {command}: the tokenizer of {which} differs from the served model's (fingerprint "
-            f"{tokenizer_fingerprint(tok)[:12]}... vs {info.tokenizer_fingerprint[:12]}...), so its token ids "
-            f"would mean other tokens to the teacher.{hint}"
-        )
-    return tok
-
-
 def _encode(rows: list[dict], tokenizer_spec: str | None, info, cache_dir, linenos: list[int] | None = None) -> tuple[list, object]:
     """(id, token_ids, score_from) per row; the tokenizer (or None when all rows are token ids).
     `linenos` are the rows' line numbers in the input file (for messages; default 1, 2, ...)."""
@@ -128,13 +103,8 @@ def _encode(rows: list[dict], tokenizer_spec: str | None, info, cache_dir, linen
         if "prompt" not in row or "response" not in row:
             raise SystemExit(f"line {linenos[i]}: needs token_ids (+score_from) or prompt and response")
         if tok is None:
-            tok = _text_tokenizer(tokenizer_spec, info, cache_dir)
-        if row.get("chat"):
-            prompt_ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True)
-            if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-                prompt_ids = prompt_ids["input_ids"]
-        else:
-            prompt_ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+            tok = text_tokenizer(tokenizer_spec, info, cache_dir)
+        prompt_ids = encode_prompt(tok, row["prompt"], bool(row.get("chat")))
         response_ids = tok(row["response"], add_special_tokens=False)["input_ids"]
         if not prompt_ids:
             raise SystemExit(f"line {linenos[i]}: the prompt encodes to no tokens")
@@ -213,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             with _client(args, security, args.timeout) as client:
-                return cmd_generate(args, client, _text_tokenizer)
+                return cmd_generate(args, client)
         return _cmd_score(args, security)
     except (_ScoreFailed, GenerateFailed) as exc:
         print(f"eopd-teacher {args.command}: {exc}", file=sys.stderr)

@@ -22,6 +22,8 @@ import grpc
 
 from eopd_common.models import default_cache_dir
 
+from .cli_text import encode_prompt, text_tokenizer
+
 
 def add_generate_parser(sub, client_arguments) -> None:
     g = sub.add_parser("generate", help="sample responses for a JSONL file of prompts, write generations and statistics as JSONL")
@@ -45,7 +47,7 @@ class GenerateFailed(Exception):
     """A request of `generate` failed: the message names the input line and the prompt id."""
 
 
-def _prompts(rows: list[dict], linenos: list[int], args, info, text_tokenizer) -> tuple[list[tuple[str, list[int]]], object]:
+def _prompts(rows: list[dict], linenos: list[int], args, info) -> tuple[list[tuple[str, list[int]]], object]:
     """(id, token ids) per row (ids unique: default the line number) and the tokenizer (None when
     every row gave token ids)."""
     tok = None
@@ -63,23 +65,17 @@ def _prompts(rows: list[dict], linenos: list[int], args, info, text_tokenizer) -
             raise SystemExit(f"line {lineno}: needs token_ids or text")
         if tok is None:
             tok = text_tokenizer(args.tokenizer, info, default_cache_dir(), "generate")
-        if row.get("chat"):
-            ids = tok.apply_chat_template([{"role": "user", "content": row["text"]}], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = tok(row["text"], add_special_tokens=False)["input_ids"]
-        out.append((pid, list(ids)))
+        out.append((pid, encode_prompt(tok, row["text"], bool(row.get("chat")))))
     return out, tok
 
 
-def cmd_generate(args, client, text_tokenizer) -> int:
-    """Runs `generate` with an open `client`; `text_tokenizer` is the CLI's tokenizer lookup."""
+def cmd_generate(args, client) -> int:
+    """Runs `generate` with an open `client`."""
     numbered = [(n, line) for n, line in enumerate(args.input.read_text().splitlines(), start=1) if line.strip()]
     linenos = [n for n, _ in numbered]
     rows = [json.loads(line) for _, line in numbered]
     info = client.wait_ready(args.timeout)
-    prompts, tok = _prompts(rows, linenos, args, info, text_tokenizer)
+    prompts, tok = _prompts(rows, linenos, args, info)
     out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     try:
         for start in range(0, len(prompts), args.batch_size):

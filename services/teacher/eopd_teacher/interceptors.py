@@ -9,10 +9,11 @@ leave gRPC's flow-control window (issue 17, section 2)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -100,6 +101,35 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                              f"limit {self.request_bytes.limit} (max_inflight_request_bytes); retry later")
         return raw, len(raw)
 
+    async def _one_request(self, method: str, request_iterator, context: grpc.aio.ServicerContext,
+                           decode: Callable[[bytes], object], respond) -> AsyncIterator[object]:
+        """A call with one request message (Score, GetModelInfo; Generate, whose answers stream):
+        admitted (`_admit`), decoded, answered by `respond(request, context)` (an async iterator
+        of responses), its errors mapped to statuses, counted and timed; the call slot and the
+        budget's bytes given back however it ends."""
+        started = time.perf_counter()
+        nbytes = taken = 0
+        self.calls += 1
+        try:
+            raw, taken = await self._admit(request_iterator)
+            nbytes = len(raw)
+            async for response in respond(decode(raw), context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
+            self._finish(method, grpc.StatusCode.CANCELLED, None)
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await self._abort(context, method, exc)  # raises AbortError
+            return
+        finally:
+            self.calls -= 1
+            if taken:
+                self.request_bytes.give(taken)
+            self.memory.message_done(nbytes)
+        self._finish(method, grpc.StatusCode.OK, started)
+
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
@@ -107,73 +137,36 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
             return handler
         method = details.method.rsplit("/", 1)[-1]
+        decode = _decoder(handler.request_deserializer)
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
-            decode = _decoder(handler.request_deserializer)
+
+            async def answer_once(request, context):
+                yield await inner_uu(request, context)
 
             async def unary_unary(request_iterator, context):
-                started = time.perf_counter()
-                nbytes = taken = 0
-                self.calls += 1
-                try:
-                    raw, taken = await self._admit(request_iterator)
-                    nbytes = len(raw)
-                    response = await inner_uu(decode(raw), context)
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
-                    self._finish(method, grpc.StatusCode.CANCELLED, None)
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await self._abort(context, method, exc)
-                    raise AssertionError("unreachable") from exc
-                finally:
-                    self.calls -= 1
-                    if taken:
-                        self.request_bytes.give(taken)
-                    self.memory.message_done(nbytes)
-                self._finish(method, grpc.StatusCode.OK, started)
-                return response
+                responses = self._one_request(method, request_iterator, context, decode, answer_once)
+                return [response async for response in responses][0]
 
             # Request-streaming on the server side only (the wire is the same): the handler reads the body.
             return grpc.stream_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:  # Generate: one request, answers streamed
             inner_us = handler.unary_stream
-            decode_us = _decoder(handler.request_deserializer)
 
             async def unary_stream(request_iterator, context):
-                started = time.perf_counter()
-                nbytes = taken = 0
-                self.calls += 1
-                try:
-                    raw, taken = await self._admit(request_iterator)
-                    nbytes = len(raw)
-                    async for response in inner_us(decode_us(raw), context):
+                # aclosing: a caller that leaves mid-stream frees the call slot and bytes at once
+                async with contextlib.aclosing(self._one_request(method, request_iterator, context, decode, inner_us)) as responses:
+                    async for response in responses:
                         yield response
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
-                    self._finish(method, grpc.StatusCode.CANCELLED, None)
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await self._abort(context, method, exc)
-                    return
-                finally:
-                    self.calls -= 1
-                    if taken:
-                        self.request_bytes.give(taken)
-                    self.memory.message_done(nbytes)
-                self._finish(method, grpc.StatusCode.OK, started)
 
             # Streaming both ways on the server side only (the wire is the same): the handler reads the body.
             return grpc.stream_stream_rpc_method_handler(unary_stream, response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             inner_ss = handler.stream_stream
-            decode_ss = _decoder(handler.request_deserializer)
 
             async def decoded(raw_iterator):
                 async for raw in raw_iterator:
-                    request = decode_ss(raw)
+                    request = decode(raw)
                     self.memory.message_done(len(raw))  # the raw bytes are dropped here
                     yield request
 

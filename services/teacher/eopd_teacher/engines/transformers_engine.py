@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from eopd_common.logits import scoring_logit_factor
-from eopd_common.models import LoadedModel, load_causal_lm, tokenizer_fingerprint
+from eopd_common.models import LoadedModel, eos_token_ids, load_causal_lm, tokenizer_fingerprint
 
 from ..settings import EngineSettings
 from ..stats import ChunkStats
@@ -190,13 +190,6 @@ def _cache_of(output) -> tuple[str, object]:
 
 
 def _eos_ids(lm: LoadedModel) -> frozenset[int]:
-    """The model's end-of-sequence ids (generation config, model config, tokenizer; any may list
-    several or none)."""
-    ids: set[int] = set()
+    """The model's end-of-sequence ids (generation config, model config, tokenizer)."""
     sources = (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer)
-    for src in sources:
-        value = getattr(src, "eos_token_id", None)
-        if value is None:
-            continue
-        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
-    return frozenset(ids)
+    return eos_token_ids(*(getattr(src, "eos_token_id", None) for src in sources))

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from eopd_common.model_dirs import read_model_config
+from eopd_common.models import eos_token_ids
 from eopd_common.vllm_args import describe_kwargs
 
 from ..types import GenerateItem
@@ -53,11 +54,7 @@ def eos_ids_of_dir(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     config = read_model_config(model_dir)
     sources += [config.get("eos_token_id"), (config.get("text_config") or {}).get("eos_token_id"),
                 getattr(tokenizer, "eos_token_id", None)]
-    ids: set[int] = set()
-    for value in sources:
-        if value is not None:
-            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
-    return frozenset(ids)
+    return eos_token_ids(*sources)
 
 
 class VllmGenerator:

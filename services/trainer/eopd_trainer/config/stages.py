@@ -88,10 +88,6 @@ class IterationPlan:
     needs_reward: bool  # the pg term's advantages come from rewards (grpo)
     teacher_share: float  # expected share of teacher-generated responses
 
-    @property
-    def variant(self) -> str:
-        return self.loss.variant
-
 
 def plan_iteration(loss: LossConfig, warmup_iterations: int, iteration: int) -> IterationPlan:
     """The plan of iteration `iteration`: its stage, LossConfig and what its rollouts need."""

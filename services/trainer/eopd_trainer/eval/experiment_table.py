@@ -4,7 +4,8 @@ models in every run: one row each, pooled over the runs that evaluated them), on
 
     python -m eopd_trainer.eval.experiment_table runs/exp/eopd-s0 runs/exp/eopd-s1 ... [--json out.json]
 
-Runs are grouped by their `loss.variant` (run.yaml); the spread is the min-max range over the
+Runs are grouped by their loss (run.yaml's `loss.variant`, GKD's lambda and a KD warm-up named as
+scripts/experiment.sh names them: `gkd0.8`, `eopd+warmup4`); the spread is the min-max range over the
 group's runs. Columns: the headline Avg@k and Pass@k (k = 1, 2, 4, ..., n), strict and flexible
 Avg@n, the share of response tokens with entropy >= 1 (student, and the teacher on the same
 positions), FKL at teacher entropy >= tau, and, from `train_metrics.jsonl`, the gate ratio, clip
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from .run_files import extra_sets, read_eval, read_iterations
+from .run_files import extra_sets, loss_label, read_eval, read_iterations
 
 
 def last_quarter(run_dir: Path, key: str) -> float | None:
@@ -37,7 +38,7 @@ def last_quarter(run_dir: Path, key: str) -> float | None:
 def run_facts(run_dir: Path) -> dict:
     """Everything the tables need of one run, as plain numbers."""
     cfg = yaml.safe_load((run_dir / "run.yaml").read_text()) or {}
-    facts: dict = {"run": str(run_dir), "variant": cfg.get("loss", {}).get("variant", "?"), "seed": cfg.get("seed"),
+    facts: dict = {"run": str(run_dir), "variant": loss_label(cfg), "seed": cfg.get("seed"),
                    "sets": {}}
     for set_name in [None, *extra_sets(run_dir)]:
         models = {}

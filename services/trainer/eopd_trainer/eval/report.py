@@ -28,7 +28,6 @@ from .report_tables import samples_table, table
 from .run_files import SAMPLE_MODELS, extra_sets, ordered_models, read_eval, read_iterations, run_label
 
 # Importable from here as before (tests, experiment_table.py, experiment_figures.py).
-_mark_warmup = mark_warmup
 __all__ = ["CURVES", "REFERENCES", "SAMPLE_MODELS", "extra_sets", "figure_name", "figures", "main", "read_eval",
            "read_iterations", "render", "samples_table", "stages_line", "table", "warmup_iterations", "write_figures"]
 

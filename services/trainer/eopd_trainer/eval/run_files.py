@@ -46,6 +46,17 @@ def ordered_models(models: dict) -> list[tuple[str, dict]]:
     return sorted(models.items(), key=lambda kv: SAMPLE_MODELS.index(kv[0]) if kv[0] in SAMPLE_MODELS else 3)
 
 
+def loss_label(cfg: dict) -> str:
+    """A run's loss as scripts/experiment.sh names it, from its run.yaml (`cfg`): `loss.variant`;
+    GKD with its lambda (`gkd0.8`); `+warmupN` after N KD warm-up iterations."""
+    loss = cfg.get("loss") or {}
+    label = loss.get("variant", "?")
+    if label == "gkd":
+        label += str(loss.get("gkd_lambda", ""))
+    warmup = (cfg.get("train") or {}).get("warmup_kd_iterations") or 0
+    return f"{label}+warmup{warmup}" if warmup else label
+
+
 def run_variant(run: Path) -> str:
     """The run's `loss.variant` from its run.yaml ("" when there is none)."""
     cfg_path = Path(run) / "run.yaml"

@@ -213,12 +213,13 @@ class RolloutFeed:
         self.state["tasks_published"] = int(self.redis.get(self.keys.tasks_next) or 0)
 
     # Rollouts --------------------------------------------------------------------------------
-    def collect(self, iteration: int) -> Collected | None:
-        """B admissible rollouts, decoded once, with their bytes, entry ids and collection statistics;
-        None when a stop was requested (SIGTERM/SIGINT) while waiting."""
+    def collect(self, iteration: int, plan: IterationPlan | None = None) -> Collected | None:
+        """B admissible rollouts for `plan` (default: the iteration's own), decoded once, with their
+        bytes, entry ids and collection statistics; None when a stop was requested (SIGTERM/SIGINT)
+        while waiting."""
         self.publish_tasks(iteration)
-        batch = _Batch(need=self.cfg.train.batch_size, version=self.state["policy_version"],
-                       plan=plan_iteration(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration))
+        plan = plan or plan_iteration(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration)
+        batch = _Batch(need=self.cfg.train.batch_size, version=self.state["policy_version"], plan=plan)
         while batch.missing > 0:
             if self.stop_requested:
                 return None

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_config
-from ..config.stages import plan_iteration, stage_name
+from ..config.stages import IterationPlan, plan_iteration
 from ..data import load_prompts
 from ..faults import Faults
 from ..queue.messages import decode_rollout
@@ -111,12 +111,12 @@ class LearnerLoop:
         stopped = False
         for iteration in range(start_iteration + 1, self.total_iterations + 1):
             t0 = time.monotonic()
-            collected = self._collect_everywhere(iteration)
+            plan = plan_iteration(cfg.loss, cfg.train.warmup_kd_iterations, iteration)  # kd during the warm-up
+            collected = self._collect_everywhere(iteration, plan)
             if collected is None:
                 stopped = True
                 break
             t_collect = time.monotonic() - t0
-            plan = plan_iteration(cfg.loss, cfg.train.warmup_kd_iterations, iteration)  # kd during the warm-up
             steps = self.trainer.train_iteration(iteration, collected.rollouts, self.state["optimizer_steps"], plan.loss)
             self.state["optimizer_steps"] += len(steps)
             self.ledger.record(iteration, [r.rollout_id for r in collected.rollouts])
@@ -124,7 +124,7 @@ class LearnerLoop:
                               global_steps=self.trainer.global_steps)
             unacked.extend(collected.entry_ids)
             if iteration % cfg.checkpoint.every == 0 or iteration == self.total_iterations:
-                self._commit(iteration, unacked, steps, collected.stats, t_collect, t0)
+                self._commit(iteration, unacked, steps, collected.stats, t_collect, t0, plan.stage)
                 unacked = []
             else:
                 self.publish_weights(iteration)
@@ -135,13 +135,13 @@ class LearnerLoop:
             self._finish(stopped, iteration, records)
         return 0
 
-    def _collect_everywhere(self, iteration: int) -> Collected | None:
+    def _collect_everywhere(self, iteration: int, plan: IterationPlan) -> Collected | None:
         """Rank 0 collects the batch; every rank learns whether to go on (a stop: None; an abort:
         LearnerAbort everywhere) and gets the rollouts (the other ranks decode the broadcast bytes)."""
         collected, status, abort = None, 1, None
         if self.rank == 0:
             try:
-                collected = self.feed.collect(iteration)
+                collected = self.feed.collect(iteration, plan)
                 status = 1 if collected is not None else 0
             except LearnerAbort as exc:
                 status, abort = exc.code, exc
@@ -156,7 +156,7 @@ class LearnerLoop:
         return Collected(rollouts=[decode_rollout(b) for b in blobs], blobs=blobs, entry_ids=[], stats={})
 
     def _commit(self, iteration: int, unacked: list[str], steps: list[dict[str, float]], stats: dict[str, float],
-                t_collect: float, t0: float) -> None:
+                t_collect: float, t0: float, stage: str) -> None:
         """The ledger, the weights and the optimizer state describe the same instant; then the weights
         are published and, only then and only while the lease is ours, the entries acknowledged."""
         self.state["last_entry_ids"] = list(unacked)
@@ -166,7 +166,7 @@ class LearnerLoop:
                 {"step": st, "values": v, **extra} for st, v, extra in
                 IterationLog.records(iteration, steps, stats, t_collect, time.monotonic() - t0,
                                      self.state["optimizer_steps"],
-                                     stage=stage_name(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration))]
+                                     stage=stage)]
         self.faults.hit("learner.before_commit", iteration=iteration)
         self._check_lease()  # fencing: a learner that lost the namespace commits nothing
         self.trainer.save_checkpoint(iteration, self.state)

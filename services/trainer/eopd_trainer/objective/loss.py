@@ -137,11 +137,11 @@ def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype:
     adv_used = adv
     if variant.shape_advantage and adv is not None:
         adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
-    if old is not None:
-        pg_t, ratio, clipped = clipped_pg_loss(
-            logp if variant.pg else logp.detach(), old, adv_used if adv_used is not None else torch.zeros_like(old),
-            cfg.clip_low, cfg.clip_high,
-        )
+    if old is not None and variant.pg:
+        pg_t, ratio, clipped = clipped_pg_loss(logp, old, adv_used, cfg.clip_low, cfg.clip_high)
+    elif old is not None:  # no policy-gradient term (kd, gkd given old log-probs): the ratio is a metric, nothing is clipped
+        ratio = torch.exp(logp.detach() - old)
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
     fkl_g = topk_forward_kl(logp_topk, t_tlp[gather_pos])  # [G]
 
     zero = w.new_zeros(())

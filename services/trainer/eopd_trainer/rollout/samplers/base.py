@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from eopd_common.models import eos_token_ids
+
 if TYPE_CHECKING:
     from ...queue.messages import PolicyVersion
 
@@ -23,12 +25,8 @@ class Sample:
 
 
 def stop_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if src is None:
-            continue
-        ids.update([src] if isinstance(src, int) else list(src))
-    return ids
+    """The student's stop tokens: the EOS ids of its generation config and of its tokenizer."""
+    return set(eos_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id))
 
 
 def cut_response(generated: Sequence[int], stop: set[int], max_new: int) -> tuple[list[int], bool]:
