@@ -101,19 +101,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                              f"limit {self.request_bytes.limit} (max_inflight_request_bytes); retry later")
         return raw, len(raw)
 
-    async def _one_request(self, method: str, request_iterator, context: grpc.aio.ServicerContext,
-                           decode: Callable[[bytes], object], respond) -> AsyncIterator[object]:
-        """A call with one request message (Score, GetModelInfo; Generate, whose answers stream):
-        admitted (`_admit`), decoded, answered by `respond(request, context)` (an async iterator
-        of responses), its errors mapped to statuses, counted and timed; the call slot and the
-        budget's bytes given back however it ends."""
-        started = time.perf_counter()
-        nbytes = taken = 0
-        self.calls += 1
+    async def _statuses(self, method: str, context: grpc.aio.ServicerContext, responses: AsyncIterator[object],
+                        started: float | None) -> AsyncIterator[object]:
+        """`responses`, with their handler's errors mapped to statuses (never a dead stream or a bare
+        UNKNOWN) and the call counted (and timed when `started` is given)."""
         try:
-            raw, taken = await self._admit(request_iterator)
-            nbytes = len(raw)
-            async for response in respond(decode(raw), context):
+            async for response in responses:
                 yield response
         except grpc.aio.AbortError:
             raise
@@ -123,12 +116,33 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         except Exception as exc:  # noqa: BLE001
             await self._abort(context, method, exc)  # raises AbortError
             return
+        self._finish(method, grpc.StatusCode.OK, started)
+
+    async def _admitted(self, request_iterator, context: grpc.aio.ServicerContext, decode: Callable[[bytes], object],
+                        respond) -> AsyncIterator[object]:
+        """The answers of a call with one request message: admitted (`_admit`), decoded, answered by
+        `respond(request, context)`; the call slot and the budget's bytes given back however it ends."""
+        nbytes = taken = 0
+        self.calls += 1
+        try:
+            raw, taken = await self._admit(request_iterator)
+            nbytes = len(raw)
+            async for response in respond(decode(raw), context):
+                yield response
         finally:
             self.calls -= 1
             if taken:
                 self.request_bytes.give(taken)
             self.memory.message_done(nbytes)
-        self._finish(method, grpc.StatusCode.OK, started)
+
+    async def _one_request(self, method: str, request_iterator, context: grpc.aio.ServicerContext,
+                           decode: Callable[[bytes], object], respond) -> AsyncIterator[object]:
+        """A call with one request message (Score, GetModelInfo; Generate, whose answers stream):
+        `_admitted`'s answers through `_statuses`; closed early, its slot and bytes are freed at once."""
+        started = time.perf_counter()
+        async with contextlib.aclosing(self._admitted(request_iterator, context, decode, respond)) as answers:
+            async for response in self._statuses(method, context, answers, started):
+                yield response
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
@@ -171,18 +185,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     yield request
 
             async def stream_stream(request_iterator, context):
-                try:
-                    async for response in inner_ss(decoded(request_iterator), context):
-                        yield response
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:  # the client went away (cancelled, deadline passed)
-                    self._finish(method, grpc.StatusCode.CANCELLED, None)
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await self._abort(context, method, exc)
-                    return
-                self._finish(method, grpc.StatusCode.OK, None)
+                async for response in self._statuses(method, context, inner_ss(decoded(request_iterator), context), None):
+                    yield response
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=handler.response_serializer)
         return handler
