@@ -1,19 +1,20 @@
-"""The ScoreStream machinery of the clients.
+"""The ScoreStream machinery of AsyncTeacherClient (TeacherClient's, one call with no re-sending,
+is `sync_stream.py`).
 
-`sync_score_stream` is TeacherClient.score_stream: one call, no re-sending. `score_stream` is
-AsyncTeacherClient.score_stream: a `_StreamRun` reads the source in one feeder task and spreads the
-requests over `streams` lanes (`_Lane`); each lane runs its calls (`_LaneCall`) one after the other,
-and every new call of a lane first re-writes what the lane has unanswered. That is the one re-send
-path: after a retryable break (the lane's own retry loop), and after a stall (with
-`stall_timeout_s`: the teacher said nothing for that long with requests outstanding; `_watch`
-reconnects the client and restarts the lanes)."""
+`score_stream` is AsyncTeacherClient.score_stream: a `_StreamRun` reads the source in one feeder
+task and spreads the requests over `streams` lanes (`_Lane`); each lane runs its calls (`_LaneCall`)
+one after the other, and every new call of a lane first re-writes what the lane has unanswered. That
+is the one re-send path: after a retryable break (the lane's own retry loop), and after a stall
+(with `stall_timeout_s`: the teacher said nothing for that long with requests outstanding; `_watch`
+reconnects the client and restarts the lanes). A lane closed by the server with nothing of it in
+flight (its idle timeout) re-opens when it has work again."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,61 +28,7 @@ from .channel import _Backoff
 from .requests import RequestFailed, ScoreBatch, _status_code, build_request
 
 if TYPE_CHECKING:
-    from .unary import AsyncTeacherClient, TeacherClient
-
-
-# -- the blocking client's stream --------------------------------------------------------------
-class _SyncStream:
-    """One TeacherClient.score_stream call: the ids in flight, the problem found while writing
-    (a duplicate id) and the call, shared by the request iterator (run by grpc's thread) and
-    the reader."""
-
-    def __init__(self, batches: Iterable[ScoreBatch]):
-        self.batches = batches
-        self.inflight: set[str] = set()
-        self.problem: list[BaseException] = []
-        self.call = None
-
-    def requests(self) -> Iterator[pb.ScoreRequest]:
-        for b in self.batches:
-            rid = b.request_id or uuid.uuid4().hex
-            if rid in self.inflight:
-                self.problem.append(ValueError(f"request_id {rid!r} is already in flight on this score_stream; ids must be unique"))
-                self.call.cancel()
-                return
-            self.inflight.add(rid)
-            yield build_request(b.sequences, top_k=b.top_k, temperature=b.temperature, request_id=rid)
-
-
-def sync_score_stream(
-    client: TeacherClient, batches: Iterable[ScoreBatch], timeout: float | None, on_error: str
-) -> Iterator[tuple[str, list[SequenceScores] | RequestFailed]]:
-    """The body of TeacherClient.score_stream (see there)."""
-    if on_error not in ("raise", "yield"):
-        raise ValueError(f"on_error must be 'raise' or 'yield', not {on_error!r}")
-    s = _SyncStream(batches)
-    s.call = call = client._stub.ScoreStream(s.requests(), timeout=client.timeout if timeout is None else timeout,
-                                             metadata=client.metadata)
-    try:
-        for resp in call:
-            if resp.HasField("ending"):
-                continue  # not asked for here (no eopd-stream-ending metadata); the status follows
-            s.inflight.discard(resp.request_id)
-            if resp.HasField("error"):
-                failed = RequestFailed(resp.request_id, _status_code(resp.error.code), resp.error.message)
-                if on_error == "raise":
-                    raise failed
-                yield resp.request_id, failed
-                continue
-            yield resp.request_id, [scores_from_pb(r) for r in resp.results]
-    except grpc.RpcError:
-        if s.problem:
-            raise s.problem[0] from None
-        raise
-    finally:
-        call.cancel()
-    if s.problem:
-        raise s.problem[0]
+    from .unary import AsyncTeacherClient
 
 
 # -- the asyncio client's streams --------------------------------------------------------------
@@ -331,6 +278,16 @@ class _StreamRun:
         call = client._stub.ScoreStream(metadata=client.metadata + ((STREAM_ENDING_KEY, "1"),), timeout=remaining)
         return _LaneCall(self, lane, call)
 
+    async def _work_for(self, lane: _Lane) -> bool:
+        """Waits until the lane has a request unanswered (True) or the source is exhausted with
+        nothing left on the lane (False). The feeder puts every request it assigns on lane.todo;
+        what is taken here is still in lane.unanswered, which the next call writes first."""
+        while not lane.unanswered:
+            if self.exhausted:
+                return False
+            await lane.todo.get()
+        return True
+
     async def _run_lane(self, lane: _Lane) -> None:
         client = self.client
         lane.backoff = _Backoff(client.retry_timeout)
@@ -343,6 +300,14 @@ class _StreamRun:
                 except grpc.aio.AioRpcError as err:
                     call.write_task.cancel()
                     lane.written_at.clear()  # a broken call has nothing outstanding: its retry is below
+                    if not lane.unanswered and client._retryable(err):
+                        # Closed with nothing of ours in flight (the server's stream_idle_timeout_s,
+                        # a drain): no request failed, so no retry budget is spent; the lane re-opens
+                        # when it has something to send, or ends if the source is done.
+                        if not await self._work_for(lane):
+                            return
+                        lane.backoff = _Backoff(client.retry_timeout)
+                        continue
                     delay = lane.backoff.next_delay() if client._retryable(err) else None
                     if delay is not None and self.deadline is not None:
                         left = self.deadline - time.monotonic()

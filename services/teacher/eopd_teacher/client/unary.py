@@ -1,5 +1,6 @@
 """The two clients: `TeacherClient` (blocking) and `AsyncTeacherClient` (asyncio). Their unary
-calls retry here (`_CallPlan`); their `score_stream` methods delegate to `stream.py`."""
+calls retry here (`_CallPlan`); their `score_stream` methods delegate to `sync_stream.py`
+(blocking) and `stream.py` (asyncio)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from ..convert import info_from_pb, scores_from_pb
 from ..convert_generate import generation_from_pb
 from ..types import Generation, ModelInfo, SequenceScores
-from . import stream
+from . import stream, sync_stream
 from .channel import ChannelClient, _CallPlan
 from .requests import RequestFailed, ScoreBatch, build_generate_request, build_request
 from .stream import StallReport
@@ -112,7 +113,7 @@ class TeacherClient(ChannelClient):
         and the stream goes on. Submitting a request_id already in flight raises ValueError. No
         re-sending here (in-band retryable errors are reported like the others, and no stall is
         watched for): use AsyncTeacherClient.score_stream for that."""
-        return stream.sync_score_stream(self, batches, timeout, on_error)
+        return sync_stream.sync_score_stream(self, batches, timeout, on_error)
 
 
 class AsyncTeacherClient(ChannelClient):
