@@ -41,6 +41,7 @@ def test_grpo_runs_without_a_teacher_process(tmp_path):
     assert "needs no teacher" in worker
     for r in iters:
         assert r["stage"] == "grpo" and r["iter/teacher_origin_frac"] == 0.0
+        assert 0.0 <= r["iter/reward_mean"] <= 1.0  # the share of trained samples the grader found right
     for r in (r for r in rows if r.get("kind") == "step"):
         assert r["fkl_loss"] == 0.0 and r["loss"] == pytest.approx(r["pg_loss"], abs=1e-6)
     assert set(json.loads((run_dir / "eval.json").read_text())["models"]) == {"teacher", "final"}
@@ -50,6 +51,8 @@ def test_kd_trains_on_teacher_generated_responses(tmp_path):
     run_dir, res, iters, _ = run_tiny(tmp_path, "loss.variant=kd", "eval.models=[final]")
     for r in iters:
         assert r["stage"] == "kd" and r["iter/teacher_origin_frac"] == 1.0 and r["iter/staleness_max"] == 0.0
+        # no policy-gradient term, no behaviour-policy ratio: no clip fraction or approx KL to report
+        assert not {"iter/clip_frac", "iter/ratio_mean", "iter/approx_kl"} & set(r), sorted(r)
 
 
 def test_gkd_mixes_teacher_and_student_samples_as_drawn(tmp_path):
@@ -66,6 +69,7 @@ def test_eopd_after_a_kd_warmup(tmp_path):
     run_dir, res, iters, _ = run_tiny(tmp_path, "train.warmup_kd_iterations=1", "eval.models=[final]", iterations=3)
     assert [r["stage"] for r in iters] == ["kd-warmup", "eopd", "eopd"]
     assert [r["iter/teacher_origin_frac"] for r in iters] == [1.0, 0.0, 0.0]
+    assert ["iter/clip_frac" in r for r in iters] == [False, True, True]  # the ratio from the eopd stage on
     assert "stage=kd-warmup" in res.stderr or "kd-warmup" in (run_dir / "logs" / "learner.log").read_text()
     res = eopd("report", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]

@@ -33,7 +33,8 @@ class Progress:
                 continue
             self.last = rec
             self.bar.set_postfix(stage=rec.get("stage", "-"), loss=f"{rec.get('iter/loss', 0):.4f}", gate=f"{rec.get('iter/gate_ratio', 0):.2f}",
-                                 fkl=f"{rec.get('iter/fkl_gated_mean', 0):.3f}")
+                                 fkl=f"{rec.get('iter/fkl_gated_mean', 0):.3f}",
+                                 **({"reward": f"{rec['iter/reward_mean']:.2f}"} if "iter/reward_mean" in rec else {}))
             self.bar.update(int(rec["iteration"]) - self.done)
             self.done = int(rec["iteration"])
 

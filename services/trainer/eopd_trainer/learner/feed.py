@@ -301,7 +301,10 @@ class RolloutFeed:
         counters = self.state["counters"]
         rollouts = [v[2] for v in batch.rollouts.values()]
         staleness = batch.staleness
+        graded = [r.reward for r in rollouts if r.reward is not None]  # grpo: the task grader's 1.0 / 0.0
+        reward = {"reward_mean": sum(graded) / len(graded)} if graded else {}
         return {
+            **reward,
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "queue_backlog": float(self.rollouts.undelivered()),  # scored rollouts not yet read by the learner

@@ -135,11 +135,15 @@ class PolicyTrainer:
         def opt(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dev)
 
+        loss_cfg = loss_cfg or self.cfg.loss
+        # Without a policy-gradient term (kd, gkd) there is no behaviour-policy ratio to measure:
+        # teacher-generated rollouts carry zeros as old log-probs, so none are passed.
+        old = packed.old_logprobs.to(dev) if get_variant(loss_cfg.variant).pg else None
         args = dict(
-            sampled_ids=packed.sampled_ids.to(dev), old_logprobs=packed.old_logprobs.to(dev),
+            sampled_ids=packed.sampled_ids.to(dev), old_logprobs=old,
             teacher_logprobs=opt(packed.teacher_logprobs), teacher_entropy=opt(packed.teacher_entropy),
             teacher_topk_ids=opt(packed.topk_ids), teacher_topk_logprobs=opt(packed.topk_logprobs),
-            config=loss_cfg or self.cfg.loss, seq_index=packed.seq_index.to(dev), denominator=denominator,
+            config=loss_cfg, seq_index=packed.seq_index.to(dev), denominator=denominator,
             generator=generator,
         )
         if packed.candidate_ids is not None:  # per-position candidates (eopd_topk_rkl)
