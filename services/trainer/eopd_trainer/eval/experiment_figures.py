@@ -66,6 +66,19 @@ def _pass_series(rows: list[dict], ks: list[int]) -> list[list[float]]:
     return [[r.get(f"pass@{k}") for k in ks] for r in rows if all(r.get(f"pass@{k}") is not None for k in ks)]
 
 
+def colours(shared, variants: list[str]) -> dict[str, object]:
+    """One colour per label in every figure: the shared models (teacher, initial) black and grey,
+    each loss its own from matplotlib's tab10 (tab20 beyond ten), in order of first appearance."""
+    from matplotlib import colormaps
+
+    fixed = dict(zip(["teacher", "initial"], ["black", "dimgrey"]))
+    out = {n: fixed.get(n, "grey") for n in shared}
+    names = list(dict.fromkeys(v for v in variants if v not in out))
+    cmap = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    out.update({n: cmap(i % cmap.N) for i, n in enumerate(names)})
+    return out
+
+
 def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Path]:
     import matplotlib
 
@@ -77,6 +90,11 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
     finals, shared = group_facts(facts_of)
     written = []
 
+    by_variant: dict[str, list[Path]] = {}
+    for run in runs:
+        by_variant.setdefault(facts_of[run]["variant"], []).append(run)
+    colour = colours(shared, [*finals, *by_variant])
+
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, rows, style in ([(n, r, "--") for n, r in shared.items()] + [(v, r, "-") for v, r in finals.items()]):
         ks = _ks(rows)
@@ -84,8 +102,8 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
         if not series:
             continue
         mean, lo, hi = band(series)
-        (line,) = ax.plot(ks, mean, marker="o", linestyle=style, label=f"{label} ({len(series)} runs)")
-        ax.fill_between(ks, lo, hi, color=line.get_color(), alpha=0.15)
+        ax.plot(ks, mean, marker="o", linestyle=style, color=colour[label], label=f"{label} ({len(series)} runs)")
+        ax.fill_between(ks, lo, hi, color=colour[label], alpha=0.15)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("Pass@k (held-out)")
@@ -94,9 +112,6 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
     ax.legend(fontsize=8)
     written.append(_save(plt, fig, out_dir / f"{prefix}pass_at_k.png"))
 
-    by_variant: dict[str, list[Path]] = {}
-    for run in runs:
-        by_variant.setdefault(facts_of[run]["variant"], []).append(run)
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.4))
     for ax, (title, key) in zip(axes.flat, TRAINING_PANELS):
         for variant, group in by_variant.items():
@@ -104,8 +119,8 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
             mean, lo, hi = band([s for s in series if s])
             if mean:
                 xs = list(range(1, len(mean) + 1))
-                (line,) = ax.plot(xs, mean, label=f"{variant} ({len(group)} runs)")
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+                ax.plot(xs, mean, color=colour[variant], label=f"{variant} ({len(group)} runs)")
+                ax.fill_between(xs, lo, hi, color=colour[variant], alpha=0.15)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
