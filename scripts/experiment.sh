@@ -17,6 +17,8 @@
 # train_metrics.jsonl, run_summary.json: what the report and the tables read) are copied to
 # DIR/<variant>-s<seed>/, and a run already finished in OUT or archived in DIR is not run again.
 # A run takes 10-25 minutes on 2 CPU cores (docs/results.md has the measured times).
+# A finished run's checkpoints, weights/ and student-init/ (GBs a run) are deleted once it is evaluated:
+# its results are in the small files; KEEP_CHECKPOINTS=1 keeps them (to resume or re-evaluate).
 # DRY_RUN=1 prints the runs it would start.
 # Variants: a loss.variant name (eopd opd full_fkl random_fkl opd_fkl entropy_bonus advantage_shaping
 # eopd_topk_rkl kd grpo), or gkd<lambda> for GKD at that lambda (gkd0.5 gkd0.8 gkd1.0: the share of
@@ -46,6 +48,10 @@ PY
 
 archive_run() {  # what the report and the tables read, a few hundred KB per run
   mkdir -p "$2" && cp "$1"/run.yaml "$1"/eval*.json "$1"/train_metrics.jsonl "$1"/run_summary.json "$2/"
+}
+
+prune_run() {  # a finished run's big files: checkpoints (with the HF export), weights/, student-init/
+  rm -rf "$1/checkpoints" "$1/weights" "$1/student-init"
 }
 
 variant_overrides() {  # a variant's name -> its key=value overrides (see the header)
@@ -93,6 +99,7 @@ for i in "${!order[@]}"; do
     "${evals[@]}" ${OVERRIDES:-} --overwrite > "$out/$name.log" 2>&1 || rc=$?
   echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
   if [ "$rc" = 0 ] && [ -n "$archive" ]; then archive_run "$dir" "$archive/$name"; fi
+  if [ "$rc" = 0 ] && [ -z "${KEEP_CHECKPOINTS:-}" ]; then prune_run "$dir"; fi
 done
 if [ -n "${DRY_RUN:-}" ]; then exit 0; fi
 done_dirs=()
