@@ -106,4 +106,4 @@ done_dirs=()
 for d in "${dirs[@]}"; do if finished "$d"; then done_dirs+=("$d"); fi; done
 eopd report "${done_dirs[@]}" --out "$out/report.html"
 python -m eopd_trainer.eval.experiment_figures "${done_dirs[@]}" --out "$out/figures" --prefix exp_
-python -m eopd_trainer.eval.experiment_table "${done_dirs[@]}" --json "$out/facts.json" | tee "$out/table.md"
+python -m eopd_trainer.eval.experiment_table "${done_dirs[@]}" --paired opd --paired eopd --json "$out/facts.json" | tee "$out/table.md"

@@ -19,7 +19,7 @@ def fake_run(path, variant, seed, final_avg, gates):
     (path / "train_metrics.jsonl").write_text("".join(
         json.dumps({"kind": "iteration", "iteration": i + 1, "iter/gate_ratio": g, "iter/clip_frac": 0.05,
                     "iter/approx_kl": 0.01}) + "\n" for i, g in enumerate(gates)))
-    (path / "run_summary.json").write_text(json.dumps({"total_s": 700.0 + seed}))
+    (path / "run_summary.json").write_text(json.dumps({"train_s": 500.0 + seed, "total_s": 700.0 + seed}))
     return path
 
 
@@ -46,6 +46,14 @@ def test_teacher_and_initial_pooled_and_variants_paired_by_seed(tmp_path, capsys
     assert "| teacher | 4 | 0.600 (0.600–0.600) |" in out and "eopd / teacher" not in out
     # eopd - opd per seed: +0.10 (seed 0), -0.05 (seed 1); Pass@4 = 2 * avg: +0.20, -0.10
     assert "| eopd − opd | 2 | 0.025 (-0.050–0.100) | 0.050 (-0.100–0.200) |" in out
+    assert "minus eopd's" not in out
+    # --paired names the reference(s): the other direction, and each reference's own table
+    assert main([*map(str, runs), "--paired", "eopd", "--paired", "opd"]) == 0
+    out = capsys.readouterr().out
+    assert "| opd − eopd | 2 | -0.025 (-0.100–0.050) | -0.050 (-0.200–0.100) |" in out
+    assert "| eopd − opd | 2 |" in out
+    # times from run_summary.json: training and whole run, per variant over its seeds
+    assert "| eopd | 2 | 0.300 (0.300–0.300) | 0.050 (0.050–0.050) | 0.010 (0.010–0.010) | – | 500.500 (500.000–501.000) | 700.500 (700.000–701.000) |" in out
 
 
 def test_experiment_figures_written(tmp_path):
@@ -76,3 +84,13 @@ def test_gkd_lambdas_and_warmup_are_separate_rows(tmp_path, capsys):
     assert main([str(r) for r in runs]) == 0
     out = capsys.readouterr().out
     assert "| gkd0.5 / final | 1 | 0.200 |" in out and "| gkd0.8 / final | 1 | 0.300 |" in out
+
+
+def test_teacher_generated_share_is_the_mean_over_iterations(tmp_path, capsys):
+    run = fake_run(tmp_path / "g", "gkd", 0, 0.3, [0.3] * 4)
+    (run / "run.yaml").write_text("loss: {variant: gkd, gkd_lambda: 0.5}\nseed: 0\n")
+    (run / "train_metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "iteration", "iteration": i + 1, "iter/teacher_origin_frac": f}) + "\n"
+        for i, f in enumerate([0.25, 0.5, 0.75, 0.5])))
+    assert main([str(run)]) == 0
+    assert "| gkd0.5 | 1 | – | – | – | 0.500 | 500.000 | 700.000 |" in capsys.readouterr().out

@@ -3,14 +3,17 @@ seeds, per loss variant (its final student), with the teacher and the initial st
 models in every run: one row each, pooled over the runs that evaluated them), on every evaluated set.
 
     python -m eopd_trainer.eval.experiment_table runs/exp/eopd-s0 runs/exp/eopd-s1 ... [--json out.json]
+        [--paired opd --paired eopd]
 
 Runs are grouped by their loss (run.yaml's `loss.variant`, GKD's lambda and a KD warm-up named as
 scripts/experiment.sh names them: `gkd0.8`, `eopd+warmup4`); the spread is the min-max range over the
 group's runs. Columns: the headline Avg@k and Pass@k (k = 1, 2, 4, ..., n), strict and flexible
 Avg@n, the share of response tokens with entropy >= 1 (student, and the teacher on the same
 positions), FKL at teacher entropy >= tau, and, from `train_metrics.jsonl`, the gate ratio, clip
-fraction and approx KL averaged over the last quarter of training; run time from
-`run_summary.json`.
+fraction and approx KL averaged over the last quarter of training, the share of trained rollouts
+the teacher generated (mean over every iteration: KD, GKD, a warm-up); training and whole-run time
+from `run_summary.json`. `--paired NAME` (repeatable, default opd) adds, per NAME, each variant's
+final student minus NAME's on the same seed.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ def run_facts(run_dir: Path) -> dict:
         facts["sets"][set_name or "held-out"] = models
     for key in ("gate_ratio", "clip_frac", "approx_kl"):
         facts[key] = last_quarter(run_dir, key)
-    summary = run_dir / "run_summary.json"
-    facts["total_s"] = json.loads(summary.read_text()).get("total_s") if summary.is_file() else None
+    origin = [r["iter/teacher_origin_frac"] for r in read_iterations(run_dir) if "iter/teacher_origin_frac" in r]
+    facts["teacher_share"] = sum(origin) / len(origin) if origin else None
+    summary = json.loads((run_dir / "run_summary.json").read_text()) if (run_dir / "run_summary.json").is_file() else {}
+    facts["train_s"], facts["total_s"] = summary.get("train_s"), summary.get("total_s")
     return facts
 
 
@@ -65,7 +70,7 @@ def spread(values: list[float | None]) -> str:
     return f"{mean:.3f}" if len(vals) == 1 else f"{mean:.3f} ({min(vals):.3f}–{max(vals):.3f})"
 
 
-def tables(facts: list[dict]) -> str:
+def tables(facts: list[dict], paired: tuple[str, ...] = ("opd",)) -> str:
     groups: dict[str, list[dict]] = {}
     for f in facts:
         groups.setdefault(f["variant"], []).append(f)
@@ -88,18 +93,20 @@ def tables(facts: list[dict]) -> str:
             if rows:
                 out.append(f"| {label} | {len(rows)} | " + " | ".join(spread([r.get(c) for r in rows]) for c in cols) + " |")
         out.append("")
-    out.extend(paired_differences(groups))
-    out.append("### training, last quarter of iterations: mean (min–max) over seeds\n")
-    out.append("| variant | runs | gate ratio | clip fraction | approx KL | run time (s) |")
-    out.append("|---|---|---|---|---|---|")
+    for reference in paired:
+        out.extend(paired_differences(groups, reference))
+    out.append("### training: last quarter of iterations, teacher-generated share, times; mean (min–max) over seeds\n")
+    out.append("| variant | runs | gate ratio | clip fraction | approx KL | teacher-generated | training (s) | whole run (s) |")
+    out.append("|---" * 8 + "|")
     for variant, runs in groups.items():
         out.append(f"| {variant} | {len(runs)} | " + " | ".join(
-            spread([f[k] for f in runs]) for k in ("gate_ratio", "clip_frac", "approx_kl", "total_s")) + " |")
+            spread([f.get(k) for f in runs])
+            for k in ("gate_ratio", "clip_frac", "approx_kl", "teacher_share", "train_s", "total_s")) + " |")
     return "\n".join(out) + "\n"
 
 
 def paired_differences(groups: dict[str, list[dict]], reference: str = "opd") -> list[str]:
-    """Each variant's final student minus the reference variant's (OPD) on the same seed, held-out
+    """Each variant's final student minus the reference variant's (default OPD) on the same seed, held-out
     set: Avg@n and Pass@n differences, mean (min–max) over the seeds both ran. Runs of one seed
     share data, prompt order and sampling seeds, so the pairing removes the seed's own luck."""
     if reference not in groups or len(groups) < 2:
@@ -130,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Markdown tables (mean and range over seeds) of finished runs.")
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--json", type=Path, default=None, help="also write the per-run facts here")
+    p.add_argument("--paired", action="append", default=None, metavar="VARIANT",
+                   help="also tabulate each variant minus this one, paired by seed (repeatable; default opd)")
     args = p.parse_args(argv)
     missing = [r for r in args.runs if not (r / "run.yaml").is_file()]
     if missing:
@@ -138,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = [run_facts(r) for r in args.runs]
     if args.json:
         args.json.write_text(json.dumps(facts, indent=1))
-    print(tables(facts), end="")
+    print(tables(facts, tuple(args.paired or ["opd"])), end="")
     return 0
 
 
