@@ -65,6 +65,17 @@ def check_item_id(item_id: str, seen: set[str], field: str, kind: str, where: st
     seen.add(item_id)
 
 
+def vocab_ids(values, vocab_size: int, name: str, suffix: str, low: int = 0) -> np.ndarray:
+    """`values` as int64 token ids, each in [low, vocab_size) (low -1: -1 is filler). Raises
+    InvalidRequest naming the first id outside, as `{name}[j]`, with `suffix` (what it belongs to)."""
+    ids = np.asarray(values, dtype=np.int64)
+    bad = np.flatnonzero((ids < low) | (ids >= vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidRequest(f"{name}[{j}]: token id {int(ids[j])} is outside the vocabulary [0, {vocab_size}){suffix}")
+    return ids
+
+
 def temperature_in_range(temperature: float) -> bool:
     """[MIN_TEMPERATURE, MAX_TEMPERATURE], compared in float32, the type of the field on the wire:
     1e-4 sent as a float32 arrives as 9.99999974e-05, which the documented minimum must admit."""
@@ -113,13 +124,7 @@ def items_from_request(
             raise InvalidRequest(f"{field}.token_ids: empty sequence, id {sid!r}{where}")
         if n > info.max_context_length:
             raise InvalidRequest(f"{field}.token_ids: {n} tokens exceed the model's context of {info.max_context_length}, id {sid!r}{where}")
-        ids = np.asarray(seq.token_ids, dtype=np.int64)
-        bad = np.flatnonzero((ids < 0) | (ids >= info.vocab_size))
-        if bad.size:
-            j = int(bad[0])
-            raise InvalidRequest(
-                f"{field}.token_ids[{j}]: token id {int(ids[j])} is outside the vocabulary [0, {info.vocab_size}) of {label}"
-            )
+        ids = vocab_ids(seq.token_ids, info.vocab_size, f"{field}.token_ids", f" of {label}")
         if n < 2:
             raise InvalidRequest(f"{field}.token_ids: {n} token; a sequence needs at least 2 (context and a scored token), {label}")
         if not 1 <= seq.score_from < n:
@@ -154,14 +159,7 @@ def candidates_from_sequence(seq: pb.Sequence, num_scored: int, info: ModelInfo,
             f"{field}.candidate_ids: {got} ids, expected {num_scored} scored positions x num_candidates {m} = "
             f"{num_scored * m} (row-major [n, m], -1 as filler), {label}"
         )
-    ids = np.asarray(seq.candidate_ids, dtype=np.int64)
-    bad = np.flatnonzero((ids < -1) | (ids >= info.vocab_size))
-    if bad.size:
-        j = int(bad[0])
-        raise InvalidRequest(
-            f"{field}.candidate_ids[{j}]: token id {int(ids[j])} is outside the vocabulary [0, {info.vocab_size}) "
-            f"(-1 is filler) of {label}"
-        )
+    ids = vocab_ids(seq.candidate_ids, info.vocab_size, f"{field}.candidate_ids", f" (-1 is filler) of {label}", low=-1)
     return ids.reshape(num_scored, m)
 
 

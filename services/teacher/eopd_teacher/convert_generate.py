@@ -25,6 +25,7 @@ from .convert import (
     scores_from_pb,
     scores_to_pb,
     temperature_in_range,
+    vocab_ids,
 )
 from .types import GenerateItem, Generation, ModelInfo
 
@@ -63,11 +64,7 @@ def _sampling_fields(req: pb.GenerateRequest, info: ModelInfo, where: str) -> di
     top_p = float(req.top_p) or 1.0
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidRequest(f"top_p: {req.top_p} must be 0 (meaning 1.0, off) or in (0, 1]{where}")
-    stop = np.asarray(req.stop_token_ids, dtype=np.int64)
-    bad = np.flatnonzero((stop < 0) | (stop >= info.vocab_size))
-    if bad.size:
-        j = int(bad[0])
-        raise InvalidRequest(f"stop_token_ids[{j}]: token id {int(stop[j])} is outside the vocabulary [0, {info.vocab_size}){where}")
+    stop = vocab_ids(req.stop_token_ids, info.vocab_size, "stop_token_ids", where)
     top_k = req.top_k or info.default_top_k
     if top_k > info.max_top_k:
         raise InvalidRequest(f"top_k: {req.top_k} exceeds the maximum {info.max_top_k}{where}")
@@ -125,14 +122,7 @@ def generate_items_from_request(
                 f"{field}.token_ids: {n} prompt tokens + max_new_tokens {max_new} exceed the model's context of "
                 f"{info.max_context_length}, id {pid!r}{where}"
             )
-        ids = np.asarray(prompt.token_ids, dtype=np.int64)
-        bad = np.flatnonzero((ids < 0) | (ids >= info.vocab_size))
-        if bad.size:
-            j = int(bad[0])
-            raise InvalidRequest(
-                f"{field}.token_ids[{j}]: token id {int(ids[j])} is outside the vocabulary [0, {info.vocab_size}) of "
-                f"{field} (id {pid!r}){where}"
-            )
+        ids = vocab_ids(prompt.token_ids, info.vocab_size, f"{field}.token_ids", f" of {field} (id {pid!r}){where}")
         if max_response_bytes is not None:
             bound = generate_response_bytes_bound(max_new, fields["top_k"], len(rid.encode()) + len(pid.encode()))
             if bound > max_response_bytes:
