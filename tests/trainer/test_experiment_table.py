@@ -94,3 +94,16 @@ def test_teacher_generated_share_is_the_mean_over_iterations(tmp_path, capsys):
         for i, f in enumerate([0.25, 0.5, 0.75, 0.5])))
     assert main([str(run)]) == 0
     assert "| gkd0.5 | 1 | – | – | – | 0.500 | 500.000 | 700.000 |" in capsys.readouterr().out
+
+
+def test_every_loss_has_its_own_colour_and_none_is_the_initial_students_grey():
+    from matplotlib.colors import to_rgb
+
+    from eopd_trainer.eval.experiment_figures import colours
+
+    names = [f"v{i}" for i in range(12)]
+    c = colours(["teacher", "initial"], ["teacher", *names])
+    assert to_rgb(c["teacher"]) == (0.0, 0.0, 0.0) and c["initial"] == "dimgrey"
+    rgb = [to_rgb(c[n]) for n in names]
+    assert len(set(rgb)) == len(names)
+    assert not any(r == g == b for r, g, b in rgb)  # no grey among the losses

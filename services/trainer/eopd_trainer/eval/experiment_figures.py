@@ -68,14 +68,16 @@ def _pass_series(rows: list[dict], ks: list[int]) -> list[list[float]]:
 
 def colours(shared, variants: list[str]) -> dict[str, object]:
     """One colour per label in every figure: the shared models (teacher, initial) black and grey,
-    each loss its own from matplotlib's tab10 (tab20 beyond ten), in order of first appearance."""
+    each loss its own in order of first appearance: matplotlib's tab10, then tab20's light shades,
+    both without their greys (which would read as the initial student's)."""
     from matplotlib import colormaps
 
     fixed = dict(zip(["teacher", "initial"], ["black", "dimgrey"]))
     out = {n: fixed.get(n, "grey") for n in shared}
     names = list(dict.fromkeys(v for v in variants if v not in out))
-    cmap = colormaps["tab10" if len(names) <= 10 else "tab20"]
-    out.update({n: cmap(i % cmap.N) for i, n in enumerate(names)})
+    palette = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]
+    palette += [c for i, c in enumerate(colormaps["tab20"].colors) if i % 2 and i != 15]
+    out.update({n: palette[i % len(palette)] for i, n in enumerate(names)})
     return out
 
 
