@@ -52,6 +52,9 @@ def test_teacher_and_initial_pooled_and_variants_paired_by_seed(tmp_path, capsys
     out = capsys.readouterr().out
     assert "| opd − eopd | 2 | -0.025 (-0.100–0.050) | -0.050 (-0.200–0.100) |" in out
     assert "| eopd − opd | 2 |" in out
+    assert main([*map(str, runs), "--paired", "edpo"]) == 0  # a typo: said on stderr, no table
+    captured = capsys.readouterr()
+    assert "minus edpo" not in captured.out and "--paired edpo: no run of that variant here (variants: eopd, opd)" in captured.err
     # times from run_summary.json: training and whole run, per variant over its seeds
     assert "| eopd | 2 | 0.300 (0.300–0.300) | 0.050 (0.050–0.050) | 0.010 (0.010–0.010) | – | 500.500 (500.000–501.000) | 700.500 (700.000–701.000) |" in out
 

@@ -147,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     facts = [run_facts(r) for r in args.runs]
     if args.json:
         args.json.write_text(json.dumps(facts, indent=1))
-    print(tables(facts, tuple(args.paired or ["opd"])), end="")
+    paired = tuple(args.paired or ["opd"])
+    variants = sorted({f["variant"] for f in facts})
+    for name in sorted(set(paired) - set(variants)):
+        print(f"--paired {name}: no run of that variant here (variants: {', '.join(variants)}); no table for it",
+              file=sys.stderr)
+    print(tables(facts, paired), end="")
     return 0
 
 
