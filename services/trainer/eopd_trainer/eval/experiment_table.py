@@ -29,13 +29,18 @@ import yaml
 from .run_files import extra_sets, loss_label, read_eval, read_iterations
 
 
-def last_quarter(run_dir: Path, key: str) -> float | None:
-    """Mean of `iter/<key>` over the last quarter of the run's iterations."""
-    values = [r[f"iter/{key}"] for r in read_iterations(run_dir) if f"iter/{key}" in r]
+def quarter_mean(rows: list[dict], key: str) -> float | None:
+    """Mean of `iter/<key>` over the last quarter of the iteration records `rows` that have it."""
+    values = [r[f"iter/{key}"] for r in rows if f"iter/{key}" in r]
     if not values:
         return None
     tail = values[len(values) - max(1, len(values) // 4):]
     return sum(tail) / len(tail)
+
+
+def last_quarter(run_dir: Path, key: str) -> float | None:
+    """Mean of `iter/<key>` over the last quarter of the run's iterations."""
+    return quarter_mean(read_iterations(run_dir), key)
 
 
 def run_facts(run_dir: Path) -> dict:
@@ -53,9 +58,10 @@ def run_facts(run_dir: Path) -> dict:
                         "h1_teacher": m.get("high_entropy_share_teacher"), "fkl_high": m.get("fkl_high_entropy")})
             models[name] = row
         facts["sets"][set_name or "held-out"] = models
+    iterations = read_iterations(run_dir)  # train_metrics.jsonl, read once
     for key in ("gate_ratio", "clip_frac", "approx_kl"):
-        facts[key] = last_quarter(run_dir, key)
-    origin = [r["iter/teacher_origin_frac"] for r in read_iterations(run_dir) if "iter/teacher_origin_frac" in r]
+        facts[key] = quarter_mean(iterations, key)
+    origin = [r["iter/teacher_origin_frac"] for r in iterations if "iter/teacher_origin_frac" in r]
     facts["teacher_share"] = sum(origin) / len(origin) if origin else None
     summary = json.loads((run_dir / "run_summary.json").read_text()) if (run_dir / "run_summary.json").is_file() else {}
     facts["train_s"], facts["total_s"] = summary.get("train_s"), summary.get("total_s")
