@@ -68,3 +68,35 @@ def test_engine_settings_are_the_engines_part(tmp_path):
         e.model = "x"  # frozen
     # create_engine takes the service's settings (or the engine's part) and hands the engine its part.
     assert create_engine(s).settings == e == create_engine(e).settings
+
+
+def test_device_aware_defaults_resolve_from_the_device():
+    """dtype, chunked prefill and the client share follow the device (issue 30): today's values on a CPU,
+    bf16 with whole batches (a client's share = a whole batch) on CUDA; explicit values always win."""
+    from eopd_teacher.settings import device_defaults
+
+    cpu = TeacherSettings(device="cpu")
+    assert (cpu.dtype, cpu.prefill_chunk_tokens, cpu.max_batch_tokens_per_client) == ("float32", 512, 4096)
+    gpu = TeacherSettings(device="cuda:0", max_batch_tokens=32768)  # a profile, not a device: no GPU needed here
+    assert (gpu.dtype, gpu.prefill_chunk_tokens, gpu.max_batch_tokens_per_client) == ("bfloat16", 0, 32768)
+    assert device_defaults(True, 100) == {"dtype": "bfloat16", "prefill_chunk_tokens": 0, "max_batch_tokens_per_client": 100}
+    explicit = load_settings(TeacherSettings, None, {"device": "cuda", "dtype": "float32", "prefill_chunk_tokens": "256",
+                                                      "max_batch_tokens_per_client": "auto"})
+    assert (explicit.dtype, explicit.prefill_chunk_tokens, explicit.max_batch_tokens_per_client) == ("float32", 256, 16384)
+    import torch
+
+    auto = TeacherSettings()  # device auto: whatever this machine has
+    assert auto.dtype == ("bfloat16" if torch.cuda.is_available() else "float32")
+    assert auto.engine_settings().dtype == auto.dtype
+
+
+def test_device_aware_settings_refuse_bad_values_by_name(monkeypatch):
+    monkeypatch.setenv("EOPD_TEACHER_PREFILL_CHUNK_TOKENS", "-1")
+    with pytest.raises(SettingsError, match="prefill_chunk_tokens"):
+        load_settings(TeacherSettings)
+    monkeypatch.setenv("EOPD_TEACHER_PREFILL_CHUNK_TOKENS", "auto")
+    assert load_settings(TeacherSettings, None, {"device": "cpu"}).prefill_chunk_tokens == 512
+    with pytest.raises(SettingsError, match="max_batch_tokens_per_client"):
+        load_settings(TeacherSettings, None, {"max_batch_tokens_per_client": "0"})
+    with pytest.raises(SettingsError, match="device 'tpu'"):
+        load_settings(TeacherSettings, None, {"device": "tpu"})

@@ -36,6 +36,7 @@ def test_qwen3_paper_has_the_paper_hyperparameters():
     assert (cfg.teacher.top_k, cfg.loss.tau, cfg.loss.alpha, cfg.rollout.max_response_length) == (16, 0.8, 1.0, 4096)
     assert (cfg.eval.temperature, cfg.eval.top_p) == (1.0, 0.8)
     assert "Qwen3-8B" in cfg.teacher.model and "Qwen3-1.7B-Base" in cfg.student.model
+    assert cfg.teacher.dtype == "bfloat16"  # the preset names its teacher's dtype (issue 31)
 
 
 def test_validate_only_rejects_bad_values(capsys):
@@ -282,6 +283,25 @@ def test_teacher_ports_file_of_another_process_is_refused(tmp_path):
                                                 "http_scheme": "https"}))
         assert child.ports(timeout=2) == (1234, 1235) and child.http_url == "https://127.0.0.1:1235"
         assert child.probe_tls_context() is not None
+    finally:
+        sup.stop_all()
+
+
+@pytest.mark.integration
+def test_run_teacher_serves_the_configured_dtype(tmp_path):
+    """`eopd run` starts its teacher with teacher.dtype: auto is float32 on this CPU (bfloat16 on CUDA,
+    tests/teacher/test_settings.py), an explicit dtype is served as given."""
+    from eopd_teacher.client import TeacherClient
+    from eopd_trainer.job.supervisor import Supervisor
+    from eopd_trainer.job.teacher_proc import start_teacher
+
+    sup = Supervisor(tmp_path / "logs")
+    try:
+        for dtype, served in (("auto", "float32"), ("bfloat16", "bfloat16")):
+            teacher = start_teacher(sup, "tiny-random", "--dtype", dtype, name=f"teacher-{dtype}")
+            teacher.wait_ready(120)
+            with TeacherClient(teacher.target) as client:
+                assert client.info(timeout=30).dtype == served
     finally:
         sup.stop_all()
 

@@ -55,6 +55,9 @@ class TeacherConfig(_Section):
                                                   "(a difference of special tokens explained by token_remap is accepted).")
     model: str = Field("", description="Model spec `eopd run` serves as the teacher (and `eopd eval` compares against); "
                        "ignored by the learner and the workers, which use `target`.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights' dtype of the teacher `eopd run` starts (its --dtype); auto: bfloat16 on CUDA, float32 "
+        "on CPU (the teacher's device-aware default). Statistics are float32 either way.")
     auth_token_file: str = Field("", description="File holding the bearer token the workers send to the teacher (`authorization: "
                                  "Bearer ...`); when empty, the env var EOPD_TEACHER_AUTH_TOKEN is used if set. The token "
                                  "itself is never part of the config (which is written into the run directory).")

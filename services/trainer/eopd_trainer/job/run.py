@@ -280,7 +280,7 @@ class TrainingAttempt:
 
     def start_teacher(self) -> None:
         """The teacher on port 0; returns once it has reported the ports it bound (before its model loads)."""
-        self.teacher = start_teacher(self.sup, self.cfg.teacher.model)
+        self.teacher = start_teacher(self.sup, self.cfg.teacher.model, "--dtype", self.cfg.teacher.dtype)
         gp, _ = self.teacher.ports(self.teacher_timeout, on_poll=self._poll)
         say(f"teacher {self.cfg.teacher.model} starting on 127.0.0.1:{gp} (log {self.teacher.log_path})")
 
