@@ -63,13 +63,14 @@ def _loadavg() -> str:
 class _Server:
     """`eopd-teacher serve` in a subprocess and a way to drive it with `c` concurrent clients."""
 
-    def __init__(self, engine: str, dtype: str, max_batch_tokens: int):
+    def __init__(self, engine: str, dtype: str, max_batch_tokens: int, model: str = "smollm2-135m",
+                 extra: tuple[str, ...] = ()):
         from eopd_trainer.job.supervisor import Supervisor
         from eopd_trainer.job.teacher_proc import start_teacher
 
         self.sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))
-        self.proc = start_teacher(self.sup, "smollm2-135m", "--engine", engine, "--dtype", dtype, "--max-batch-tokens",
-                                  str(max_batch_tokens))  # port 0 for both servers, read from its ports file
+        self.proc = start_teacher(self.sup, model, "--engine", engine, "--dtype", dtype, "--max-batch-tokens",
+                                  str(max_batch_tokens), *extra)  # port 0 for both servers, read from its ports file
         self.gp, self.hp = self.proc.ports(600)
         self.target = self.proc.target
         self.proc.wait_ready(600)
@@ -129,34 +130,40 @@ class _Server:
         self.sup.stop_all()
 
 
-def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, rounds: int, concurrency: list[int]) -> list[dict]:
-    """Every configuration of one engine and dtype: the engine in this process, the server in a subprocess."""
+def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, rounds: int, concurrency: list[int],
+                model: str = "smollm2-135m", server_args: tuple[str, ...] = (), device: str = "auto") -> list[dict]:
+    """Every configuration of one engine and dtype: the engine in this process, the server (started
+    with `server_args` more) in a subprocess; `model` any model spec, `device` the engine's."""
     from eopd_teacher.engines import create_engine
     from eopd_teacher.settings import TeacherSettings
     from eopd_teacher.types import ScoreItem
 
-    eng = create_engine(TeacherSettings(model="smollm2-135m", dtype=dtype, engine=engine_name))
+    eng = create_engine(TeacherSettings(model=model, dtype=dtype, engine=engine_name, device=device))
     eng.load()
     tokens_per_batch = max(c["sequences"] * c["length"] for c in configs)
-    server = _Server(engine_name, dtype, tokens_per_batch)
+    server = _Server(engine_name, dtype, tokens_per_batch, model, ("--device", device, *server_args))
+    on_cuda = str(getattr(eng, "_device", "cpu")).startswith("cuda")
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     out = []
     try:
         for cfg in configs:
             seqs = _batch(cfg["sequences"], cfg["length"], cfg["prompt"])
             items = [ScoreItem(s, np.asarray(ids, dtype=np.int64), f, top_k, 1.0) for s, ids, f in seqs]
             scored = sum(len(ids) - f for _, ids, f in seqs)
-            ids = torch.tensor([x[1] for x in seqs])
+            ids = torch.tensor([x[1] for x in seqs], device=eng._device if on_cuda else "cpu")
 
             if engine_name == "transformers":
 
                 def bare():
                     with torch.inference_mode():
-                        return eng._lm.model(input_ids=ids).logits
+                        eng._lm.model(input_ids=ids).logits
+                        sync()  # the GPU's work, not only its launch
             else:  # vLLM's forward (hidden states) and the output projection at every position, no statistics
 
                 def bare():
                     with torch.inference_mode():
-                        return [torch.nn.functional.linear(h.to(eng._weight.dtype), eng._weight, eng._bias) for h in eng.hidden_states(items)]
+                        [torch.nn.functional.linear(h.to(eng._weight.dtype), eng._weight, eng._bias) for h in eng.hidden_states(items)]
+                        sync()
 
             def engine():
                 eng.score(items)

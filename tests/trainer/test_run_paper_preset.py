@@ -1,7 +1,7 @@
 """The paper preset cannot rot (issue 31): `configs/qwen3-paper.yaml` runs end to end on the CPU with
 tiny random Qwen3-shaped models that have Qwen3's vocabulary size (151936) and special-token ids
 (<|endoftext|> 151643 ends the base student, <|im_end|> 151645 the instruct teacher, ChatML chat
-template), built in code by `bench.random_qwen3`. Only paths, sizes, iterations and the student's
+template), built in code by `bench.random_models`. Only paths, sizes, iterations and the student's
 device are overridden: the preset's sync mode, its token remap and tokenizer check, chat template,
 ZeRO-2, bf16 training and bf16 teacher all run as written."""
 
@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from bench.random_qwen3 import IM_END, write_random_qwen3
+from bench.random_models import IM_END, write_random_model
 from tests.procs import ROOT
 from tests.trainer.test_run_e2e import eopd
 
@@ -23,8 +23,8 @@ DATA = ROOT / "tests" / "data"
 
 
 def test_paper_preset_runs_end_to_end_on_tiny_qwen3_shaped_models(tmp_path):
-    teacher = write_random_qwen3(tmp_path / "Qwen3-8B", role="teacher", seed=0)
-    student = write_random_qwen3(tmp_path / "Qwen3-1.7B-Base", role="student", seed=1)
+    teacher = write_random_model(tmp_path / "Qwen3-8B", role="teacher", seed=0)
+    student = write_random_model(tmp_path / "Qwen3-1.7B-Base", role="student", seed=1)
     run_dir = tmp_path / "run"
     res = eopd("run", "--config", str(PAPER), f"run_dir={run_dir}", f"teacher.model={teacher}", f"student.model={student}",
                "student.device=cpu", f"data.train_files=[{DATA / 'tiny_prompts.jsonl'}]",
