@@ -64,6 +64,7 @@ BENCHES = [
 # and measures nothing where no CUDA device is present; `--quick` runs their CPU smoke mode.
 GPU_BENCHES = [
     Bench("gpu_teacher", "bench.bench_gpu_teacher", [], ["--smoke"]),
+    Bench("gpu_trainer", "bench.bench_gpu_trainer", [], ["--smoke"]),
 ]
 
 # Per-token FLOPs of the paper's models (2 x parameters for a forward pass, 6 x for training).
