@@ -248,9 +248,9 @@ def test_pack_sequences_positions():
 def test_pack_rollouts_pads_topk():
     a, b = make_rollout("t0-s0", n=2, k=4), make_rollout("t1-s0", n=3, k=2, seed=1)
     packed = pack_rollouts([a, b], pad_id=0)
-    assert packed.topk_ids.shape == (5, 4) and packed.num_tokens == 5
-    assert torch.isinf(packed.topk_logprobs[2:, 2:]).all()
-    np.testing.assert_array_equal(packed.old_logprobs.numpy(), np.concatenate([a.old_logprobs, b.old_logprobs]))
+    assert packed.loss_inputs.teacher_topk_ids.shape == (5, 4) and packed.num_tokens == 5
+    assert torch.isinf(packed.loss_inputs.teacher_topk_logprobs[2:, 2:]).all()
+    np.testing.assert_array_equal(packed.loss_inputs.old_logprobs.numpy(), np.concatenate([a.old_logprobs, b.old_logprobs]))
 
 
 def test_minibatch_split_and_shuffle_deterministic():

@@ -3,7 +3,7 @@
 The flow is the same for both entry points:
 
 1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there (only those
-   the variant reads: `inputs.flatten_tokens`; grpo reads no teacher scores, kd/gkd no old log-probs);
+   the variant reads: `LossInputs.flatten`; grpo reads no teacher scores, kd/gkd no old log-probs);
 2. choose the FKL positions of the variant (entropy gate, all, random, none) *before* touching the
    vocabulary, so the student's log-probs at the teacher's top-k are gathered only where needed;
 3. one chunked vocabulary pass (`vocab.vocab_stats`): log-prob of the sampled token, student
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .config import LossConfig
-from .inputs import Tokens, candidates, check_valid_inputs, flatten_tokens
+from .inputs import LossInputs, candidates, check_valid_inputs
 from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
 from .variants import PositionContext, get_variant
 from .vocab import VocabPlan, vocab_stats
@@ -57,7 +57,7 @@ def _mean(x: Tensor) -> Tensor:
     return x.mean() if x.numel() else x.new_zeros(())
 
 
-def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
+def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
                denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
     variant = get_variant(cfg.variant)
     valid = tokens.mask.nonzero().squeeze(1)  # [M]
@@ -74,8 +74,8 @@ def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype:
         t_lp = at_valid(tokens.teacher_logprobs)
         t_ent_in = tokens.teacher_entropy[valid].detach()  # its own dtype: the gate is decided on it
         t_ent = t_ent_in.to(dtype)
-        t_ids = tokens.topk_ids[valid].long()
-        t_tlp = at_valid(tokens.topk_logprobs)
+        t_ids = tokens.teacher_topk_ids[valid].long()
+        t_tlp = at_valid(tokens.teacher_topk_logprobs)
         t_finite = torch.isfinite(t_tlp)  # [M, k]; -inf entries carry no teacher mass
     else:  # no teacher scores (grpo): nothing of the teacher is read; no gate, no top-k
         t_lp = t_ent_in = t_ent = None
@@ -214,21 +214,11 @@ def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype:
 
 def compute_loss(
     student_logits: Tensor,
-    sampled_ids: Tensor,
-    old_logprobs: Tensor | None,
-    teacher_logprobs: Tensor | None,
-    teacher_entropy: Tensor | None,
-    teacher_topk_ids: Tensor | None,
-    teacher_topk_logprobs: Tensor | None,
-    mask: Tensor | None = None,
+    inputs: LossInputs,
     config: LossConfig = DEFAULT_CONFIG,
     *,
-    seq_index: Tensor | None = None,
     denominator: float | None = None,
     generator: torch.Generator | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The distillation loss from student logits, chunked over tokens.
 
@@ -236,21 +226,17 @@ def compute_loss(
 
     Args:
         student_logits: [N, V] or [B, T, V], any float dtype (computed in fp32, fp64 kept).
-        sampled_ids: [N] / [B, T] long, the token sampled by the behaviour policy.
-        old_logprobs: [N] / [B, T], its log-prob under the behaviour policy (at the temperature).
-            May be None for a variant without a pg term (kd, gkd: no ratio, no clip); the ratio
-            metrics are then absent.
-        teacher_logprobs: [N] / [B, T], its log-prob under the teacher.
-        teacher_entropy: [N] / [B, T], the teacher's full-vocabulary entropy (nats).
-        teacher_topk_ids: [N, k] / [B, T, k] long, the teacher's top-k ids.
-        teacher_topk_logprobs: [N, k] / [B, T, k], their teacher log-probs (-inf allowed).
-            The four teacher inputs may be None for a variant with `needs_teacher_scores` False
-            (grpo), which never reads them.
-        mask: [N] / [B, T], bool or 0/1; None means every token is valid. Inputs at masked
-            positions are never read (they may hold padding ids, NaN, -inf...).
+        inputs: the per-token `LossInputs`, flat [N, ...] or batched [B, T, ...] like the logits
+            (see `LossInputs` for each field's shape). `old_logprobs` may be None for a variant
+            without a pg term (kd, gkd: no ratio, no clip; the ratio metrics are then absent); the
+            four teacher fields may be None for a variant with `needs_teacher_scores` False (grpo),
+            which never reads them; `candidate_ids` / `candidate_logprobs` are read by variants
+            with `topk_rkl` (eopd_topk_rkl) only; `advantages` (detached here) are required by
+            variants with `advantages_from == "given"` (grpo: `group_advantages` of the rewards,
+            repeated over each response's tokens) and ignored by the others, which take
+            A = teacher_logprobs - old_logprobs. `seq_index` is needed by "seq-mean-token-mean" in
+            the flat form (implied by the batched form).
         config: a `LossConfig`.
-        seq_index: [N] long, the sequence of each token; needed by "seq-mean-token-mean" in the
-            flat form (implied by the batched form).
         denominator: overrides the normaliser of the aggregation (tokens for "token-mean",
             sequences for "seq-mean-token-mean"), e.g. the whole mini-batch's count when the loss
             is computed per micro-batch and the gradients accumulated.
@@ -258,12 +244,6 @@ def compute_loss(
             seeded with config.random_seed on every call, so the draw is a deterministic function
             of (random_seed, number of valid tokens): equal token counts give the same positions.
             Training loops should pass `step_generator(seed, iteration, step, rank, micro_batch)`.
-        candidate_ids: [N, m] / [B, T, m] long, the student's top-k ids per token (-1 filler), for
-            variants with `topk_rkl` (eopd_topk_rkl); ignored by the others.
-        candidate_logprobs: the same shape, the teacher's log-probs at those ids (NaN at filler).
-        advantages: [N] / [B, T], per-token advantages (detached here), required by variants with
-            `advantages_from == "given"` (grpo: `group_advantages` of the rewards, repeated over each
-            response's tokens); ignored by the others, which take A = teacher_logprobs - old_logprobs.
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor (an exact, differentiable 0 when no token is valid) and
@@ -272,9 +252,7 @@ def compute_loss(
     if student_logits.dim() not in (2, 3):
         raise ValueError(f"student_logits must be [N, V] or [B, T, V], got {tuple(student_logits.shape)}")
     vocab = student_logits.shape[-1]
-    tokens = flatten_tokens(get_variant(config.variant), tuple(student_logits.shape[:-1]), sampled_ids, old_logprobs,
-                            teacher_logprobs, teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
-                            seq_index, candidate_ids, candidate_logprobs, advantages)
+    tokens = inputs.flatten(get_variant(config.variant), tuple(student_logits.shape[:-1]))
     logits = student_logits.reshape(-1, vocab)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return _objective(tokens, config, {"logits": logits}, vocab, dtype, denominator, generator)
@@ -283,22 +261,12 @@ def compute_loss(
 def compute_loss_from_hidden(
     hidden: Tensor,
     weight: Tensor,
-    sampled_ids: Tensor,
-    old_logprobs: Tensor | None,
-    teacher_logprobs: Tensor | None,
-    teacher_entropy: Tensor | None,
-    teacher_topk_ids: Tensor | None,
-    teacher_topk_logprobs: Tensor | None,
-    mask: Tensor | None = None,
+    inputs: LossInputs,
     bias: Tensor | None = None,
     config: LossConfig = DEFAULT_CONFIG,
     *,
-    seq_index: Tensor | None = None,
     denominator: float | None = None,
     generator: torch.Generator | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The same loss from final hidden states and the output projection; logits never materialised.
 
@@ -309,15 +277,14 @@ def compute_loss_from_hidden(
     Args:
         hidden: [N, D] or [B, T, D] final hidden states at the positions that predict each token.
         weight: [V, D] output projection (lm_head) weight.
+        inputs: the per-token `LossInputs`, in the form of `hidden` ([N, ...] or [B, T, ...]).
         bias: [V] or None.
         (the rest as in `compute_loss`.)
     """
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [N, D] or [B, T, D], got {tuple(hidden.shape)}")
     vocab = weight.shape[0]
-    tokens = flatten_tokens(get_variant(config.variant), tuple(hidden.shape[:-1]), sampled_ids, old_logprobs,
-                            teacher_logprobs, teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
-                            seq_index, candidate_ids, candidate_logprobs, advantages)
+    tokens = inputs.flatten(get_variant(config.variant), tuple(hidden.shape[:-1]))
     h = hidden.reshape(-1, hidden.shape[-1])
     dtype = torch.float64 if torch.promote_types(h.dtype, weight.dtype) == torch.float64 else torch.float32
     return _objective(tokens, config, {"hidden": h, "weight": weight, "bias": bias}, vocab, dtype,
