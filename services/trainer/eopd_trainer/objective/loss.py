@@ -178,6 +178,30 @@ def _vocab_pass(v: _Valid, p: _Positions, cfg: LossConfig, need_entropy: bool, v
     return logp, s_ent, logp_topk, logp_cand, s_topk
 
 
+def _term_inputs(v: _Valid, p: _Positions, tokens: LossInputs, variant, cfg: LossConfig, denominator: float | None,
+                 dtype: torch.dtype, logp: Tensor, s_ent: Tensor, logp_topk: Tensor,
+                 logp_cand: Tensor | None) -> tuple[TermInputs, Tensor | None]:
+    """Step 4: the per-token quantities the terms read (aggregation weights, the advantage, shaped
+    or given, the FKL at the gathered rows), and the unshaped advantage for the metrics."""
+    w = aggregation_weights(
+        cfg.aggregation, v.m, None if tokens.seq_index is None else tokens.seq_index[v.rows],
+        denominator, device=v.rows.device, dtype=dtype,
+    )
+    adv = v.given_adv if variant.advantages_from == "given" else (
+        v.teacher_lp - v.old if v.old is not None else None)
+    adv_used = adv
+    if variant.shape_advantage and adv is not None:
+        adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
+    x = TermInputs(
+        weights=w, logp=logp, student_entropy=s_ent, old_logprobs=v.old, advantages=adv_used,
+        fkl_positions=p.fkl, gather_pos=p.gather_pos,
+        fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[p.gather_pos]),  # [G]
+        candidate_logp=logp_cand, candidate_teacher=None if p.cand is None else p.cand[1],
+        candidate_ok=None if p.cand is None else p.cand[2],
+    )
+    return x, adv
+
+
 def _add_terms(weighted_terms, x: TermInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Step 5: `sum weight * term` in the variant's order; each term's weighted value and metrics."""
     zero = x.weights.new_zeros(())
@@ -233,6 +257,7 @@ def _diagnostics(v: _Valid, p: _Positions, x: TermInputs, adv: Tensor | None, s_
 
 def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
                denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
+    """The loss core, the same for both sources: the steps of the module docstring."""
     variant = get_variant(cfg.variant)
     weighted_terms = variant.weighted_terms(cfg)
     v = _select_valid(tokens, variant, vocab, dtype)  # 1
@@ -244,24 +269,7 @@ def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dt
                     or cfg.vocab_metrics)
     logp, s_ent, logp_topk, logp_cand, s_topk = _vocab_pass(v, p, cfg, need_entropy, vocab, source)  # 3
 
-    # 4. the per-token quantities the terms read
-    w = aggregation_weights(
-        cfg.aggregation, v.m, None if tokens.seq_index is None else tokens.seq_index[v.rows],
-        denominator, device=v.rows.device, dtype=dtype,
-    )
-    adv = v.given_adv if variant.advantages_from == "given" else (
-        v.teacher_lp - v.old if v.old is not None else None)
-    adv_used = adv
-    if variant.shape_advantage and adv is not None:
-        adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
-    x = TermInputs(
-        weights=w, logp=logp, student_entropy=s_ent, old_logprobs=v.old, advantages=adv_used,
-        fkl_positions=p.fkl, gather_pos=p.gather_pos,
-        fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[p.gather_pos]),  # [G]
-        candidate_logp=logp_cand, candidate_teacher=None if p.cand is None else p.cand[1],
-        candidate_ok=None if p.cand is None else p.cand[2],
-    )
-
+    x, adv = _term_inputs(v, p, tokens, variant, cfg, denominator, dtype, logp, s_ent, logp_topk, logp_cand)  # 4
     loss, term_values = _add_terms(weighted_terms, x, cfg)  # 5
     with torch.no_grad():  # 6
         values = {"loss": loss, **_diagnostics(v, p, x, adv, s_topk, need_entropy, cfg, dtype), **term_values}
