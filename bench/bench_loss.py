@@ -133,7 +133,7 @@ def parse_variant(variant: str) -> tuple[str, bool, float]:
 
 
 def _run(path: str, variant: str, inp: dict, chunk: int) -> None:
-    from eopd_trainer.objective import LossConfig, compute_loss, compute_loss_from_hidden
+    from eopd_trainer.objective import LossConfig, LossInputs, compute_loss, compute_loss_from_hidden
 
     name, metrics, temperature = parse_variant(variant)
     tok = (inp["sampled"], inp["old"], inp["teacher"], inp["entropy"], inp["topk_ids"], inp["topk_lp"], inp["mask"])
@@ -143,11 +143,11 @@ def _run(path: str, variant: str, inp: dict, chunk: int) -> None:
     if path == "naive":
         loss = naive_loss(inp["logits"], *tok, variant=name)
     elif path == "chunked":
-        loss, _ = compute_loss(inp["logits"], *tok, config=cfg)
+        loss, _ = compute_loss(inp["logits"], LossInputs(*tok), config=cfg)
     elif path == "naive_hidden":
         loss = naive_loss(inp["hidden_states"] @ inp["weight"].t(), *tok, variant=name)
     elif path == "hidden":
-        loss, _ = compute_loss_from_hidden(inp["hidden_states"], inp["weight"], *tok, config=cfg)
+        loss, _ = compute_loss_from_hidden(inp["hidden_states"], inp["weight"], LossInputs(*tok), config=cfg)
     else:
         raise ValueError(path)
     loss.backward()

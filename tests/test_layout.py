@@ -11,8 +11,9 @@ Runtime rules use the "top" and "local" edges; `TYPE_CHECKING` blocks are skippe
 The rules: no runtime import cycle; services/ never imports bench/ or tests/; no file over 450
 lines; the trainer's rollout/ and learner/ never import each other (they meet in queue/); the
 trainer reaches the teacher only through its client, conversion and types; the learner's Redis
-feed never imports torch and its DeepSpeed trainer never imports Redis; function-local imports
-only for the heavy or optional packages listed below.
+feed never imports torch and its DeepSpeed trainer never imports Redis; the loss variants' registry
+and flags are read only in objective/ and the iteration plan (config/stages.py); function-local
+imports only for the heavy or optional packages listed below.
 """
 
 from __future__ import annotations
@@ -252,6 +253,40 @@ def test_learner_trainer_is_redis_free():
     bad = _direct_imports("eopd_trainer.learner.trainer", (
         "redis", "eopd_trainer.queue.streams", "eopd_trainer.queue.lease", "eopd_trainer.queue.announce"))
     assert not bad, _report(bad)
+
+
+# The loss variants' registry and flags: read inside objective/ and by the iteration plan only.
+VARIANT_REGISTRY = {"get_variant", "VARIANTS", "Variant", "register_variant", "PositionContext"}
+VARIANT_FLAGS = {"pg", "advantages_from", "topk_rkl", "shape_advantage", "fkl_positions", "fkl_coef", "ce_coef",
+                 "weighted_terms", "needs_student_entropy_grad"}
+VARIANT_READERS = ("eopd_trainer.objective", "eopd_trainer.config.stages")
+
+
+def test_variant_flags_are_read_only_by_the_objective_and_the_iteration_plan():
+    """Outside objective/ and the iteration plan (config/stages.py), no module imports the variant
+    registry (get_variant, VARIANTS, Variant, ...) or reads a variant's flags (`.pg`,
+    `.advantages_from`, ...): the rollout worker, the trainer and the config ask `LossConfig`'s
+    properties (`needs_teacher_scores`, `reads_old_logprobs`, `advantages_given`, `num_candidates`,
+    `teacher_share`) or the plan (`IterationPlan`)."""
+    bad = []
+    for module, path in modules().items():
+        if not _under(module, "eopd_trainer") or any(_under(module, r) for r in VARIANT_READERS):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                sources = _targets(module, is_package, node)
+                for alias, source in zip(node.names, sources):
+                    if _under(source, "eopd_trainer.objective.variants") or (
+                            _under(source, "eopd_trainer.objective") and alias.name in VARIANT_REGISTRY):
+                        bad.append(f"{module}:{node.lineno} imports {alias.name} from {source}")
+            elif isinstance(node, ast.Import):
+                bad += [f"{module}:{node.lineno} imports {a.name}" for a in node.names
+                        if _under(a.name, "eopd_trainer.objective.variants")]
+            elif isinstance(node, ast.Attribute) and node.attr in VARIANT_FLAGS:
+                bad.append(f"{module}:{node.lineno} reads .{node.attr}")
+    assert not bad, "\n".join(bad)
 
 
 # Function-local imports allowed anywhere: optional extras and heavy packages.

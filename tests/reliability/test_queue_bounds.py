@@ -118,7 +118,7 @@ def test_forged_rollouts_beyond_the_runs_bounds_are_dead_lettered_and_honest_one
     assert reasons[3] == "rollout t0-s5: sample_index 5 is not below rollout.n_samples 2"
     assert read_counts(r, keys.counts)["dead_letter"] == 4
     packed = pack_rollouts(collected.rollouts, pad_id=0)
-    assert tuple(packed.topk_ids.shape) == (8, TOP_K)  # 2 x 4 response tokens at the run's k, no more
+    assert tuple(packed.loss_inputs.teacher_topk_ids.shape) == (8, TOP_K)  # 2 x 4 response tokens at the run's k, no more
     feed.close()
 
 
@@ -148,7 +148,7 @@ def test_pack_rollouts_cannot_be_made_to_pad_to_a_huge_k():
     honest, huge = make_rollout("t0-s0", n=16), make_rollout("t0-s1", n=1, k=200_000)
     with pytest.raises(ValueError, match=r"rollouts \['t0-s1'\]: top_k above the packing's maximum 1024"):
         pack_rollouts([honest, huge], pad_id=0)
-    assert tuple(pack_rollouts([honest], pad_id=0).topk_ids.shape) == (16, TOP_K)
+    assert tuple(pack_rollouts([honest], pad_id=0).loss_inputs.teacher_topk_ids.shape) == (16, TOP_K)
 
 
 def test_a_rollout_that_crashes_the_learner_is_dead_lettered_after_the_cap(server, tmp_path):

@@ -88,11 +88,12 @@ def test_pack_rollouts_carries_candidates_padded_with_filler():
     b = with_candidates(make_rollout("t1-s0", n=2, k=4, seed=1), m=2, seed=1)
     c = make_rollout("t2-s0", n=2, k=4, seed=2)
     packed = pack_rollouts([a, b, c], pad_id=0)
-    assert packed.candidate_ids.shape == (7, 3) and packed.candidate_logprobs.shape == (7, 3)
-    assert packed.candidate_ids[:3].tolist() == a.candidate_ids.tolist()
-    assert packed.candidate_ids[3:5, 2].tolist() == [-1, -1] and packed.candidate_ids[5:].eq(-1).all()
-    assert torch.isnan(packed.candidate_logprobs[5:]).all()
-    assert pack_rollouts([c], pad_id=0).candidate_ids is None
+    x = packed.loss_inputs
+    assert x.candidate_ids.shape == (7, 3) and x.candidate_logprobs.shape == (7, 3)
+    assert x.candidate_ids[:3].tolist() == a.candidate_ids.tolist()
+    assert x.candidate_ids[3:5, 2].tolist() == [-1, -1] and x.candidate_ids[5:].eq(-1).all()
+    assert torch.isnan(x.candidate_logprobs[5:]).all()
+    assert pack_rollouts([c], pad_id=0).loss_inputs.candidate_ids is None
 
 
 def test_old_logprob_pass_gives_the_students_topk():

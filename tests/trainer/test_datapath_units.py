@@ -123,12 +123,13 @@ def test_pack_broadcasts_each_rollouts_advantage_to_its_tokens():
     for r in rs:  # token by token, in packing order
         for _ in range(r.num_response_tokens):
             naive.append(adv[r.rollout_id])
-    assert packed.advantages.dtype == torch.float32 and packed.advantages.shape == (packed.num_tokens,)
-    assert packed.advantages.tolist() == naive
+    x = packed.loss_inputs
+    assert x.advantages.dtype == torch.float32 and x.advantages.shape == (packed.num_tokens,)
+    assert x.advantages.tolist() == naive
     # every token of sequence b carries b's advantage
     for b, r in enumerate(rs):
-        assert torch.all(packed.advantages[packed.seq_index == b] == adv[r.rollout_id])
-    assert pack_rollouts(rs, pad_id=0).advantages is None
+        assert torch.all(x.advantages[x.seq_index == b] == adv[r.rollout_id])
+    assert pack_rollouts(rs, pad_id=0).loss_inputs.advantages is None
     with pytest.raises(ValueError, match="t1-s1"):
         pack_rollouts(rs, pad_id=0, advantages={k: v for k, v in adv.items() if k != "t1-s1"})
 
@@ -143,8 +144,9 @@ def graded(rid: str = "t0-s0", n: int = 3, reward: float | None = 1.0, seed: int
 def test_pack_without_teacher_scores_and_no_mixing():
     rs = [graded("t0-s0", seed=1), graded("t0-s1", seed=2, reward=0.0)]
     packed = pack_rollouts(rs, pad_id=0, advantages={"t0-s0": 1.0, "t0-s1": -1.0})
-    assert packed.teacher_logprobs is None and packed.topk_ids is None and packed.topk_logprobs is None
-    assert packed.old_logprobs.shape == (packed.num_tokens,)
+    x = packed.loss_inputs
+    assert x.teacher_logprobs is None and x.teacher_topk_ids is None and x.teacher_topk_logprobs is None
+    assert x.old_logprobs.shape == (packed.num_tokens,)
     with pytest.raises(ValueError, match="no teacher scores"):
         pack_rollouts([rs[0], make_rollout("t1-s0")], pad_id=0)
 

@@ -74,19 +74,19 @@ def test_reject_streak():
 def test_random_fkl_draws_differ_by_step_and_repeat_on_resume():
     """The learner's generator keys (seed, iteration, optimizer step, rank, micro-batch): the
     positions random_fkl picks differ between steps and are the same when a step is redone."""
-    from eopd_trainer.objective import LossConfig, compute_loss, step_generator
+    from eopd_trainer.objective import LossConfig, LossInputs, compute_loss, step_generator
 
     cfg = LossConfig(variant="random_fkl", tau=0.5, random_seed=7)
     g = torch.Generator().manual_seed(0)
     n, v, k = 64, 32, 4
     logits = torch.randn(n, v, generator=g)
-    args = dict(sampled_ids=torch.randint(0, v, (n,), generator=g), old_logprobs=-torch.rand(n, generator=g),
-                teacher_logprobs=-torch.rand(n, generator=g), teacher_entropy=torch.rand(n, generator=g) * 2,
-                teacher_topk_ids=torch.randint(0, v, (n, k), generator=g),
-                teacher_topk_logprobs=torch.log_softmax(torch.randn(n, k, generator=g), -1), config=cfg)
+    inputs = LossInputs(sampled_ids=torch.randint(0, v, (n,), generator=g), old_logprobs=-torch.rand(n, generator=g),
+                        teacher_logprobs=-torch.rand(n, generator=g), teacher_entropy=torch.rand(n, generator=g) * 2,
+                        teacher_topk_ids=torch.randint(0, v, (n, k), generator=g),
+                        teacher_topk_logprobs=torch.log_softmax(torch.randn(n, k, generator=g), -1))
 
     def fkl(*keys: int) -> float:
-        return compute_loss(logits, **args, generator=step_generator(cfg.random_seed, *keys))[1]["fkl_loss"]
+        return compute_loss(logits, inputs, cfg, generator=step_generator(cfg.random_seed, *keys))[1]["fkl_loss"]
 
     step0, step1, rank1, micro1 = fkl(1, 0, 0, 0), fkl(1, 1, 0, 0), fkl(1, 0, 1, 0), fkl(1, 0, 0, 1)
     assert len({step0, step1, rank1, micro1}) == 4
@@ -125,7 +125,7 @@ def test_loss_path_keeps_the_students_logit_transform(kind):
     takes; the fused path is shown to be wrong for them, so the choice is needed."""
     from eopd_trainer.config import TrainConfig
     from eopd_trainer.learner.trainer import fused_loss_path
-    from eopd_trainer.objective import LossConfig, compute_loss, compute_loss_from_hidden
+    from eopd_trainer.objective import LossConfig, LossInputs, compute_loss, compute_loss_from_hidden
     from eopd_trainer.rollout.samplers.transformers_sampler import sequence_logprobs
     from tests.trainer.test_pipeline_units import RAGGED_PROMPTS, RAGGED_RESPONSES, tiny_causal_lm
 
@@ -140,15 +140,16 @@ def test_loss_path_keeps_the_students_logit_transform(kind):
     ids = torch.tensor([list(p) + list(r)])
     pos = torch.arange(len(p) - 1, len(p) + len(r) - 1)
     n = len(r)
-    args = dict(sampled_ids=torch.tensor(r), old_logprobs=old, teacher_logprobs=old - 0.1,
-                teacher_entropy=torch.ones(n), teacher_topk_ids=torch.tensor(r)[:, None],
-                teacher_topk_logprobs=torch.zeros(n, 1), config=LossConfig(variant="opd"))
+    inputs = LossInputs(sampled_ids=torch.tensor(r), old_logprobs=old, teacher_logprobs=old - 0.1,
+                        teacher_entropy=torch.ones(n), teacher_topk_ids=torch.tensor(r)[:, None],
+                        teacher_topk_logprobs=torch.zeros(n, 1))
+    opd = LossConfig(variant="opd")
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, pos]
         hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, pos]
         head = model.get_output_embeddings()
-        _, via_logits = compute_loss(logits, **args)
-        _, via_hidden = compute_loss_from_hidden(hidden, head.weight, bias=head.bias, **args)
+        _, via_logits = compute_loss(logits, inputs, opd)
+        _, via_hidden = compute_loss_from_hidden(hidden, head.weight, inputs, bias=head.bias, config=opd)
     chosen = via_hidden if fused else via_logits
     assert chosen["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and abs(chosen["approx_kl"]) < 1e-4
     if not fused:  # what the fused path would have trained on

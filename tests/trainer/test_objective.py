@@ -18,6 +18,7 @@ from eopd_trainer.objective import (
     METRIC_KEYS,
     VARIANTS,
     LossConfig,
+    LossInputs,
     Variant,
     VocabPlan,
     aggregation_weights,
@@ -116,7 +117,7 @@ def test_variant_matches_reference(variant, aggregation):
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq = make_inputs(seed=ALL_VARIANTS.index(variant))
     cfg = LossConfig(variant=variant, aggregation=aggregation, chunk_size=4, temperature=0.7,
                      entropy_coef=0.05, random_fraction=0.3)
-    loss, metrics = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg, seq_index=seq)
+    loss, metrics = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=seq), cfg)
     ref = reference_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg, seq_index=seq)
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
@@ -135,14 +136,14 @@ def test_asymmetric_clip_matches_reference(variant):
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(seed=11)
     old = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=old.dtype)  # ratios far from 1
     cfg = LossConfig(variant=variant, clip_low=0.05, clip_high=0.4, chunk_size=4)
-    loss, metrics = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
+    loss, metrics = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), cfg)
     ref = reference_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
     (g,), (g_ref,) = grads_of(loss, logits), grads_of(ref, logits)
     torch.testing.assert_close(g, g_ref, atol=ATOL, rtol=0)
     for swapped in (LossConfig(variant=variant, clip_low=0.4, clip_high=0.05, chunk_size=4),
                     LossConfig(variant=variant, clip_low=0.2, clip_high=0.2, chunk_size=4)):
-        other, m2 = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, swapped)
+        other, m2 = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), swapped)
         assert abs(other.item() - loss.item()) > 1e-6  # the bounds really act (inputs reach both sides)
     assert 0 < metrics["clip_frac"] < 1
 
@@ -154,10 +155,9 @@ def test_registry_has_every_paper_variant():
 def test_random_fkl_draw_is_seeded_and_sized():
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=40)
     cfg = LossConfig(variant="random_fkl", random_fraction=0.2)
-    a, ma = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
-    b, _ = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
-    c, _ = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask,
-                        LossConfig(variant="random_fkl", random_seed=7))
+    a, ma = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), cfg)
+    b, _ = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), cfg)
+    c, _ = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), LossConfig(variant="random_fkl", random_seed=7))
     assert torch.equal(a, b) and not torch.equal(a, c)
     m = int(mask.sum())
     assert ma["fkl_ratio"] == pytest.approx(round(0.2 * m) / m)
@@ -174,13 +174,13 @@ def _fkl_positions(cfg, generator, n=40):
 def test_random_fkl_without_generator_repeats_the_draw_for_equal_token_counts():
     """Documented behaviour: no generator -> a function of (random_seed, M) only."""
     cfg = LossConfig(variant="random_fkl", random_fraction=0.3)
-    a, _ = compute_loss(*make_inputs(n=30, seed=1)[:8], cfg)
-    b, _ = compute_loss(*make_inputs(n=30, seed=1)[:8], cfg)
+    a, _ = compute_loss(make_inputs(n=30, seed=1)[0], LossInputs(*make_inputs(n=30, seed=1)[1:8]), cfg)
+    b, _ = compute_loss(make_inputs(n=30, seed=1)[0], LossInputs(*make_inputs(n=30, seed=1)[1:8]), cfg)
     torch.testing.assert_close(a, b)
     # the loss's own draw equals randperm(M) under a generator seeded with random_seed
     logits, *args, seq = make_inputs(n=30, seed=1)
     m = int(args[-1].sum())
-    explicit, _ = compute_loss(logits, *args, cfg, generator=torch.Generator().manual_seed(cfg.random_seed))
+    explicit, _ = compute_loss(logits, LossInputs(*args), cfg, generator=torch.Generator().manual_seed(cfg.random_seed))
     torch.testing.assert_close(a, explicit)
     assert m > 10
 
@@ -214,9 +214,9 @@ def test_step_generator_is_stable_across_processes():
 def test_step_generator_in_compute_loss_changes_the_draw_per_step():
     logits, *args, _ = make_inputs(n=40)
     cfg = LossConfig(variant="random_fkl", random_fraction=0.2)
-    losses = [compute_loss(logits, *args, cfg, generator=step_generator(0, 0, step))[0].item() for step in range(4)]
+    losses = [compute_loss(logits, LossInputs(*args), cfg, generator=step_generator(0, 0, step))[0].item() for step in range(4)]
     assert len(set(losses)) == 4
-    again = compute_loss(logits, *args, cfg, generator=step_generator(0, 0, 2))[0].item()
+    again = compute_loss(logits, LossInputs(*args), cfg, generator=step_generator(0, 0, 2))[0].item()
     assert again == losses[2]
 
 
@@ -229,8 +229,8 @@ def test_step_generator_rejects_non_integer_keys(bad):
 def test_eopd_with_alpha_zero_is_opd_exactly():
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(dtype=torch.float32)
     args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
-    l_opd, m_opd = compute_loss(logits, *args, LossConfig(variant="opd"))
-    l_e0, m_e0 = compute_loss(logits, *args, LossConfig(variant="eopd", alpha=0.0))
+    l_opd, m_opd = compute_loss(logits, LossInputs(*args), LossConfig(variant="opd"))
+    l_e0, m_e0 = compute_loss(logits, LossInputs(*args), LossConfig(variant="eopd", alpha=0.0))
     assert torch.equal(l_opd, l_e0)
     (g1,), (g2,) = grads_of(l_opd, logits), grads_of(l_e0, logits)
     assert torch.equal(g1, g2)
@@ -241,8 +241,8 @@ def test_eopd_normalises_by_all_valid_tokens_not_gated_ones():
     """Algorithm 1: the FKL sum is divided by every valid token, not by the gated ones."""
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=20)
     args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
-    _, m_opd = compute_loss(logits, *args, LossConfig(variant="opd"))
-    _, m = compute_loss(logits, *args, LossConfig(variant="eopd", alpha=1.0))
+    _, m_opd = compute_loss(logits, LossInputs(*args), LossConfig(variant="opd"))
+    _, m = compute_loss(logits, LossInputs(*args), LossConfig(variant="eopd", alpha=1.0))
     assert 0 < m["gate_ratio"] < 1
     assert m["fkl_loss"] == pytest.approx(m["gate_ratio"] * m["fkl_gated_mean"], rel=1e-9)
     assert m["pg_loss"] == pytest.approx(m_opd["pg_loss"], rel=1e-12)
@@ -256,7 +256,7 @@ def test_chunk_sizes_agree(variant):
     logits, *rest, seq = make_inputs(n=17, dtype=torch.float32)
     results = []
     for chunk in (1, 3, 16, 4096):
-        loss, _ = compute_loss(logits, *rest, LossConfig(variant=variant, chunk_size=chunk))
+        loss, _ = compute_loss(logits, LossInputs(*rest), LossConfig(variant=variant, chunk_size=chunk))
         (g,) = grads_of(loss, logits)
         results.append((loss, g))
     for loss, g in results[1:]:
@@ -275,9 +275,9 @@ def test_hidden_path_matches_logits_and_reference(variant, with_bias):
     _, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq = make_inputs(n=n, vocab=vocab, k=k, seed=5)
     cfg = LossConfig(variant=variant, chunk_size=3, temperature=1.3, entropy_coef=0.1)
     args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
-    loss_h, m_h = compute_loss_from_hidden(hidden, weight, *args, bias=bias, config=cfg)
+    loss_h, m_h = compute_loss_from_hidden(hidden, weight, LossInputs(*args), bias=bias, config=cfg)
     logits = hidden @ weight.t() + (bias if with_bias else 0.0)
-    loss_l, m_l = compute_loss(logits, *args, cfg)
+    loss_l, m_l = compute_loss(logits, LossInputs(*args), cfg)
     ref = reference_loss(logits, *args, cfg)
     params = [p for p in (hidden, weight, bias) if p is not None]
     for loss in (loss_h, loss_l):
@@ -293,7 +293,7 @@ def test_hidden_path_without_weight_grad():
     hidden = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(vocab, d, dtype=torch.float64)  # frozen head
     _, *args, _ = make_inputs(n=n, vocab=vocab, k=3)
-    loss, _ = compute_loss_from_hidden(hidden, weight, *args)
+    loss, _ = compute_loss_from_hidden(hidden, weight, LossInputs(*args))
     loss.backward()
     assert hidden.grad is not None and weight.grad is None
     assert torch.isfinite(hidden.grad).all()
@@ -305,11 +305,8 @@ def test_batched_form_equals_flat_form_with_seq_index():
     seq = torch.arange(b).repeat_interleave(t)
     for agg in ("token-mean", "seq-mean-token-mean"):
         cfg = LossConfig(aggregation=agg, chunk_size=4)
-        flat, mf = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg, seq_index=seq)
-        batched, mb = compute_loss(
-            logits.view(b, t, -1), sampled.view(b, t), old.view(b, t), t_lp.view(b, t), t_ent.view(b, t),
-            t_ids.view(b, t, -1), t_tlp.view(b, t, -1), mask.view(b, t), cfg,
-        )
+        flat, mf = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=seq), cfg)
+        batched, mb = compute_loss(logits.view(b, t, -1), LossInputs(sampled.view(b, t), old.view(b, t), t_lp.view(b, t), t_ent.view(b, t), t_ids.view(b, t, -1), t_tlp.view(b, t, -1), mask.view(b, t)), cfg)
         torch.testing.assert_close(flat, batched)
         assert mf == pytest.approx(mb)
 
@@ -321,7 +318,7 @@ def test_hidden_batched_form():
     _, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=b * t, vocab=vocab, k=3)
     args = [x.view(b, t, *x.shape[1:]) for x in (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)]
     cfg = LossConfig(aggregation="seq-mean-token-mean")
-    loss, _ = compute_loss_from_hidden(hidden, weight, *args, config=cfg)
+    loss, _ = compute_loss_from_hidden(hidden, weight, LossInputs(*args), config=cfg)
     ref = reference_loss(hidden.reshape(b * t, d) @ weight.t(), sampled, old, t_lp, t_ent, t_ids, t_tlp, mask,
                          cfg, seq_index=torch.arange(b).repeat_interleave(t))
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
@@ -361,7 +358,7 @@ def test_gradcheck_vocab_stats_logits_and_hidden():
 def test_gradcheck_whole_loss(variant):
     logits, *rest, seq = make_inputs(n=6, vocab=9, k=3, seed=2)
     cfg = LossConfig(variant=variant, chunk_size=4, entropy_coef=0.3, vocab_metrics=False)
-    assert torch.autograd.gradcheck(lambda z: compute_loss(z, *rest, cfg)[0], (logits.detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(lambda z: compute_loss(z, LossInputs(*rest), cfg)[0], (logits.detach().requires_grad_(),))
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +378,7 @@ def test_gate_boundary_ge_vs_gt(logits_dtype):
     atol = ATOL if logits_dtype == torch.float64 else 1e-5
     for gate, expected in (("ge", 0.8), ("gt", 0.4)):
         cfg = LossConfig(gate=gate, tau=0.8)
-        loss, m = compute_loss(logits, *args, cfg)
+        loss, m = compute_loss(logits, LossInputs(*args), cfg)
         assert m["gate_ratio"] == pytest.approx(expected, abs=1e-6)  # metrics in the compute dtype
         assert m["fkl_ratio"] == pytest.approx(expected, abs=1e-6)
         ref = reference_loss(logits.detach().double(), *args, cfg)  # gate on the fp64 entropy
@@ -396,8 +393,8 @@ def test_gate_in_the_teacher_entropys_own_dtype_fp32():
     t_ent = torch.stack([torch.nextafter(at, torch.tensor(0.0)), at, torch.nextafter(at, torch.tensor(1.0))])
     mask = torch.ones(3, dtype=torch.bool)
     args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
-    _, m_ge = compute_loss(logits, *args, LossConfig(gate="ge"))
-    _, m_gt = compute_loss(logits, *args, LossConfig(gate="gt"))
+    _, m_ge = compute_loss(logits, LossInputs(*args), LossConfig(gate="ge"))
+    _, m_gt = compute_loss(logits, LossInputs(*args), LossConfig(gate="gt"))
     assert m_ge["gate_ratio"] == pytest.approx(2 / 3) and m_gt["gate_ratio"] == pytest.approx(1 / 3)
 
 
@@ -410,8 +407,7 @@ def test_all_masked_gives_zero_loss_with_gradient_and_no_nan():
     for variant in ALL_VARIANTS:
         for agg in ("token-mean", "seq-mean-token-mean"):
             cfg = LossConfig(variant=variant, aggregation=agg)
-            loss, m = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg,
-                                   seq_index=torch.zeros(6, dtype=torch.long))
+            loss, m = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=torch.zeros(6, dtype=torch.long)), cfg)
             assert loss.item() == 0.0 and loss.requires_grad
             (g,) = grads_of(loss, logits)
             assert torch.equal(g, torch.zeros_like(logits))
@@ -421,7 +417,7 @@ def test_all_masked_gives_zero_loss_with_gradient_and_no_nan():
 def test_empty_batch():
     logits = torch.zeros(0, 10, requires_grad=True)
     e = torch.zeros(0)
-    loss, m = compute_loss(logits, e.long(), e, e, e, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), e.bool())
+    loss, m = compute_loss(logits, LossInputs(e.long(), e, e, e, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), e.bool()))
     loss.backward()
     assert loss.item() == 0.0 and logits.grad.shape == (0, 10)
 
@@ -429,7 +425,7 @@ def test_empty_batch():
 def test_masked_positions_do_not_matter():
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=10)
     cfg = LossConfig(chunk_size=3)
-    loss, m = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
+    loss, m = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), cfg)
     inv = ~mask
     garbage = [x.clone() for x in (sampled, old, t_lp, t_ent, t_ids, t_tlp)]
     garbage[0][inv] = -1
@@ -441,7 +437,7 @@ def test_masked_positions_do_not_matter():
     logits2 = logits.detach().clone()
     logits2[inv] = float("nan")
     logits2.requires_grad_(True)
-    loss2, m2 = compute_loss(logits2, *garbage, mask, cfg)
+    loss2, m2 = compute_loss(logits2, LossInputs(*garbage, mask), cfg)
     torch.testing.assert_close(loss, loss2)
     assert m == pytest.approx(m2)
     (g,), (g2,) = grads_of(loss, logits), grads_of(loss2, logits2)
@@ -459,7 +455,7 @@ def test_neg_inf_teacher_topk_logprobs():
     t_ids[0, 3] = -1  # a dead entry may carry an invalid id
     t_tlp[1, :] = -torch.inf  # a row with no teacher mass: FKL 0
     cfg = LossConfig(variant="full_fkl")
-    loss, m = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
+    loss, m = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), cfg)
     ref = reference_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
     (g,), (g_ref,) = grads_of(loss, logits), grads_of(ref, logits)
@@ -468,9 +464,8 @@ def test_neg_inf_teacher_topk_logprobs():
     # row 0's FKL equals the FKL over its two live entries only
     only_row0 = torch.zeros(5, dtype=torch.bool)
     only_row0[0] = True
-    _, m0 = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, only_row0, LossConfig(variant="opd_fkl"))
-    _, m0_live = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids[:, :2], t_tlp[:, :2], only_row0,
-                              LossConfig(variant="opd_fkl"))
+    _, m0 = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, only_row0), LossConfig(variant="opd_fkl"))
+    _, m0_live = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids[:, :2], t_tlp[:, :2], only_row0), LossConfig(variant="opd_fkl"))
     assert m0["fkl_loss"] == pytest.approx(m0_live["fkl_loss"], abs=1e-12)
     assert all(math.isfinite(v) for v in m.values())
 
@@ -478,7 +473,7 @@ def test_neg_inf_teacher_topk_logprobs():
 def test_k_equals_one_is_cross_entropy_on_the_teacher_argmax():
     logits, sampled, old, t_lp, _, t_ids, t_tlp, mask, _ = make_inputs(k=1)
     t_ent = torch.full_like(t_lp, 5.0)
-    _, m = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, LossConfig(variant="opd_fkl"))
+    _, m = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), LossConfig(variant="opd_fkl"))
     logp = torch.log_softmax(logits.detach(), -1).gather(1, t_ids).squeeze(1)
     assert m["fkl_loss"] == pytest.approx((-logp[mask]).mean().item(), abs=1e-9)
     assert m["topk_overlap"] == pytest.approx(
@@ -488,15 +483,15 @@ def test_k_equals_one_is_cross_entropy_on_the_teacher_argmax():
 def test_denominator_override_for_micro_batches():
     logits, *args, _ = make_inputs()
     mask = args[-1]
-    loss, _ = compute_loss(logits, *args)
-    loss2, _ = compute_loss(logits, *args, denominator=2 * int(mask.sum()))
+    loss, _ = compute_loss(logits, LossInputs(*args))
+    loss2, _ = compute_loss(logits, LossInputs(*args), denominator=2 * int(mask.sum()))
     torch.testing.assert_close(loss2, loss / 2)
 
 
 def test_seq_mean_needs_a_sequence_index():
     logits, *args, _ = make_inputs()
     with pytest.raises(ValueError, match="seq_index"):
-        compute_loss(logits, *args, LossConfig(aggregation="seq-mean-token-mean"))
+        compute_loss(logits, LossInputs(*args), LossConfig(aggregation="seq-mean-token-mean"))
 
 
 def test_out_of_range_ids_at_valid_positions_raise():
@@ -504,7 +499,7 @@ def test_out_of_range_ids_at_valid_positions_raise():
     bad = sampled.clone()
     bad[0] = logits.shape[1]
     with pytest.raises(ValueError, match="out of range"):
-        compute_loss(logits, bad, *rest)
+        compute_loss(logits, LossInputs(bad, *rest))
 
 
 @pytest.mark.parametrize("name", ["old_logprobs", "teacher_logprobs", "teacher_entropy"])
@@ -517,17 +512,16 @@ def test_non_finite_per_token_inputs_at_valid_positions_raise(name, bad):
     inputs[name][~mask] = bad  # and bad masked ones, which do not count
     for variant in ("eopd", "opd", "opd_fkl"):
         with pytest.raises(ValueError, match=f"{name} has 2 non-finite"):
-            compute_loss(logits, sampled, inputs["old_logprobs"], inputs["teacher_logprobs"],
-                         inputs["teacher_entropy"], t_ids, t_tlp, mask, LossConfig(variant=variant))
+            compute_loss(logits, LossInputs(sampled, inputs["old_logprobs"], inputs["teacher_logprobs"], inputs["teacher_entropy"], t_ids, t_tlp, mask), LossConfig(variant=variant))
 
 
 def test_per_token_input_overflowing_the_compute_dtype_raises():
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=6)
     t_lp = t_lp.clone()
     t_lp[0] = -1e300  # finite in fp64, -inf in the fp32 compute dtype of fp32 logits
-    compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)  # fp64 logits: fine
+    compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask))  # fp64 logits: fine
     with pytest.raises(ValueError, match="teacher_logprobs has 1 non-finite .* float32 range"):
-        compute_loss(logits.detach().float(), sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
+        compute_loss(logits.detach().float(), LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), math.inf])
@@ -537,7 +531,7 @@ def test_nan_or_pos_inf_teacher_topk_logprobs_raise(bad):
     t_tlp[0, 1] = bad
     t_tlp[0, 3] = -math.inf  # allowed
     with pytest.raises(ValueError, match="teacher_topk_logprobs has 1 NaN or \\+inf"):
-        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
+        compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask))
 
 
 def test_errors_are_all_reported_at_once():
@@ -546,7 +540,7 @@ def test_errors_are_all_reported_at_once():
     sampled[1] = -3
     old[2] = float("nan")
     with pytest.raises(ValueError, match="sampled_ids has 1 id.*out of range.*old_logprobs has 1 non-finite"):
-        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp)
+        compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp))
 
 
 def test_variant_without_any_term_is_rejected_at_registration():
@@ -560,13 +554,13 @@ def test_variant_whose_terms_the_config_switches_off_gives_a_zero_loss():
     if name not in VARIANTS:
         register_variant(Variant(name, "FKL everywhere, weight alpha, no pg", pg=False, fkl_positions=everywhere))
     logits, *args, _ = make_inputs()
-    loss, m = compute_loss(logits, *args, LossConfig(variant=name, alpha=0.0))
+    loss, m = compute_loss(logits, LossInputs(*args), LossConfig(variant=name, alpha=0.0))
     assert loss.item() == 0.0 and loss.requires_grad
     (g,) = grads_of(loss, logits)
     assert torch.equal(g, torch.zeros_like(logits))
     assert m["loss"] == 0.0 and all(math.isfinite(v) for v in m.values())
-    loss1, _ = compute_loss(logits, *args, LossConfig(variant=name, alpha=0.5))
-    ref, _ = compute_loss(logits, *args, LossConfig(variant="opd_fkl"))
+    loss1, _ = compute_loss(logits, LossInputs(*args), LossConfig(variant=name, alpha=0.5))
+    ref, _ = compute_loss(logits, LossInputs(*args), LossConfig(variant="opd_fkl"))
     torch.testing.assert_close(loss1, 0.5 * ref)
 
 
@@ -580,17 +574,15 @@ def test_topk_overlap_counts_only_finite_teacher_candidates():
                           [-0.5, -1.5, -2.0],  # 3 candidates, 1 in: 1/3
                           [-math.inf] * 3], dtype=torch.float64)  # no candidate: left out
     n = 3
-    _, m = compute_loss(logits, torch.zeros(n, dtype=torch.long), torch.full((n,), -1.0, dtype=torch.float64),
-                        torch.full((n,), -1.0, dtype=torch.float64), torch.full((n,), 2.0, dtype=torch.float64),
-                        t_ids, t_tlp)
+    _, m = compute_loss(logits, LossInputs(torch.zeros(n, dtype=torch.long), torch.full((n,), -1.0, dtype=torch.float64), torch.full((n,), -1.0, dtype=torch.float64), torch.full((n,), 2.0, dtype=torch.float64), t_ids, t_tlp))
     assert m["topk_overlap"] == pytest.approx((1.0 + 1 / 3) / 2, abs=1e-12)
 
 
 def test_bf16_logits_close_to_fp32():
     logits, *args, _ = make_inputs(dtype=torch.float32)
-    l32, _ = compute_loss(logits, *args)
+    l32, _ = compute_loss(logits, LossInputs(*args))
     lb = logits.detach().to(torch.bfloat16).requires_grad_(True)
-    l16, _ = compute_loss(lb, *args)
+    l16, _ = compute_loss(lb, LossInputs(*args))
     l16.backward()
     assert l16.dtype == torch.float32 and lb.grad.dtype == torch.bfloat16
     assert l16.item() == pytest.approx(l32.item(), abs=0.05)
@@ -610,9 +602,9 @@ def test_fkl_gathered_only_at_gated_rows(monkeypatch):
     monkeypatch.setattr(loss_module, "vocab_stats", spy)
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=30)
     args = (sampled, old, t_lp, t_ent, t_ids, t_tlp, mask)
-    _, m = compute_loss(logits, *args, LossConfig(variant="eopd"))
+    _, m = compute_loss(logits, LossInputs(*args), LossConfig(variant="eopd"))
     assert seen["G"] == int(((t_ent >= 0.8) & mask).sum()) < int(mask.sum())
-    compute_loss(logits, *args, LossConfig(variant="full_fkl"))
+    compute_loss(logits, LossInputs(*args), LossConfig(variant="full_fkl"))
     assert seen["G"] == int(mask.sum())
 
 
@@ -628,7 +620,7 @@ def test_no_full_vocab_tensor_is_saved_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = compute_loss_from_hidden(hidden, weight, *args, config=LossConfig(chunk_size=16))
+        loss, _ = compute_loss_from_hidden(hidden, weight, LossInputs(*args), config=LossConfig(chunk_size=16))
     loss.backward()
     assert saved and max(saved) < n * vocab // 4  # hidden, weight, per-token stats: never [N, V]
 
@@ -652,7 +644,7 @@ def test_large_logit_offset_costs_no_precision(variant, temperature, vocab_metri
     mask = args[-1]
     for offset in (0.0, 1e4):
         z = (base.float() + offset).requires_grad_(True)
-        loss, m = compute_loss(z, *args, cfg)
+        loss, m = compute_loss(z, LossInputs(*args), cfg)
         (g,) = grads_of(loss, z)
         torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=0)
@@ -661,7 +653,7 @@ def test_large_logit_offset_costs_no_precision(variant, temperature, vocab_metri
     # the hidden path too: a bias of 1e4
     hidden = torch.eye(20, dtype=torch.float32).requires_grad_(True)  # hidden @ weight.T = base (exactly)
     weight = base.float().t().contiguous()
-    loss_h, _ = compute_loss_from_hidden(hidden, weight, *args, bias=torch.full((50,), 1e4), config=cfg)
+    loss_h, _ = compute_loss_from_hidden(hidden, weight, LossInputs(*args), bias=torch.full((50,), 1e4), config=cfg)
     torch.testing.assert_close(loss_h.double(), ref, atol=1e-5, rtol=0)
 
 
@@ -716,7 +708,7 @@ def test_vocab_sized_allocations(variant, extra_buffers, vocab_metrics, temperat
     weight = torch.randn(vocab, d, requires_grad=True)
     tracker = _AllocationTracker(chunk_bytes // 2)
     with tracker:
-        loss, _ = compute_loss_from_hidden(hidden, weight, *args, config=cfg)
+        loss, _ = compute_loss_from_hidden(hidden, weight, LossInputs(*args), config=cfg)
         loss.backward()
     assert hidden.grad is not None and weight.grad is not None
     assert tracker.created
@@ -725,7 +717,7 @@ def test_vocab_sized_allocations(variant, extra_buffers, vocab_metrics, temperat
 
     tracker = _AllocationTracker(chunk_bytes // 2)
     with tracker:
-        loss, _ = compute_loss(logits, *args, cfg)
+        loss, _ = compute_loss(logits, LossInputs(*args), cfg)
         loss.backward()
     own = _storages(logits, logits.grad)
     big = [(op, shape) for op, shape, numel, ptr in tracker.created if numel >= n * vocab and ptr not in own]
@@ -750,7 +742,7 @@ def test_metrics_on_hand_made_inputs():
     t_ids = torch.tensor([[0, 1], [2, 0], [0, 1]])
     t_tlp = torch.tensor([[ln(0.3), ln(0.1)], [ln(0.4), ln(0.4)], [0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([True, True, False])
-    loss, m = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, LossConfig())
+    loss, m = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), LossConfig())
 
     r1 = math.exp(0.5)
     pg0, pg1 = -0.3, max(-r1 * 1.0, -1.2 * 1.0)  # row 1 clipped
@@ -783,15 +775,13 @@ def test_metrics_on_hand_made_inputs():
     assert loss.item() == pytest.approx(expected["loss"], abs=1e-12)
 
     # advantage shaping: psi = min(0.1 * H_student, |A| / 2)
-    _, ms = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask,
-                         LossConfig(variant="advantage_shaping"))
+    _, ms = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), LossConfig(variant="advantage_shaping"))
     shaped = [0.3 + min(0.1 * h0, 0.15), 1.0 + min(0.1 * h1, 0.5)]
     assert ms["advantage_shaped_mean"] == pytest.approx(sum(shaped) / 2, abs=1e-12)
     assert ms["pg_loss"] == pytest.approx((-shaped[0] + max(-r1 * shaped[1], -1.2 * shaped[1])) / 2, abs=1e-12)
 
     # entropy bonus: loss = opd - coef * mean student entropy
-    _, mb = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask,
-                         LossConfig(variant="entropy_bonus", entropy_coef=0.01))
+    _, mb = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), LossConfig(variant="entropy_bonus", entropy_coef=0.01))
     assert mb["entropy_loss"] == pytest.approx(-0.01 * (h0 + h1) / 2, abs=1e-12)
     assert mb["loss"] == pytest.approx((pg0 + pg1) / 2 - 0.01 * (h0 + h1) / 2, abs=1e-12)
 
@@ -834,16 +824,16 @@ def test_custom_variant_registration():
     with pytest.raises(ValueError, match="already registered"):
         register_variant(Variant(name, "again"))
     logits, *args, _ = make_inputs()
-    loss_custom, _ = compute_loss(logits, *args, LossConfig(variant=name))
-    loss_full, _ = compute_loss(logits, *args, LossConfig(variant="full_fkl", alpha=0.5))
+    loss_custom, _ = compute_loss(logits, LossInputs(*args), LossConfig(variant=name))
+    loss_full, _ = compute_loss(logits, LossInputs(*args), LossConfig(variant="full_fkl", alpha=0.5))
     torch.testing.assert_close(loss_custom, loss_full)
 
 
 @pytest.mark.parametrize("variant", ["opd", "eopd", "advantage_shaping"])
 def test_diagnostics_do_not_change_the_loss_or_gradient(variant):
     logits, *args, _ = make_inputs(dtype=torch.float64)
-    with_m, m1 = compute_loss(logits, *args, LossConfig(variant=variant, vocab_metrics=True, chunk_size=5))
-    without, m2 = compute_loss(logits, *args, LossConfig(variant=variant, vocab_metrics=False, chunk_size=5))
+    with_m, m1 = compute_loss(logits, LossInputs(*args), LossConfig(variant=variant, vocab_metrics=True, chunk_size=5))
+    without, m2 = compute_loss(logits, LossInputs(*args), LossConfig(variant=variant, vocab_metrics=False, chunk_size=5))
     torch.testing.assert_close(with_m, without, atol=1e-12, rtol=0)
     (g1,), (g2,) = grads_of(with_m, logits), grads_of(without, logits)
     torch.testing.assert_close(g1, g2, atol=1e-12, rtol=0)

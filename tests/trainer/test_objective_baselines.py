@@ -15,6 +15,7 @@ from eopd_trainer.objective import (
     METRIC_KEYS,
     VARIANTS,
     LossConfig,
+    LossInputs,
     Variant,
     compute_loss,
     compute_loss_from_hidden,
@@ -117,11 +118,11 @@ def run(form, x, cfg, *, old=True, teacher=True):
     kw = dict(seq_index=x["seq"] if flat else None, advantages=shape(x["adv"]))
     if form.startswith("logits"):
         z = shape(x["logits"]).clone().requires_grad_(True)
-        loss, metrics = compute_loss(z, *args, shape(x["mask"]), cfg, **kw)
+        loss, metrics = compute_loss(z, LossInputs(*args, shape(x["mask"]), **kw), cfg)
         return loss, metrics, torch.autograd.grad(loss, [z])
     h = shape(x["hidden"]).clone().requires_grad_(True)
     w = x["weight"].clone().requires_grad_(True)
-    loss, metrics = compute_loss_from_hidden(h, w, *args, shape(x["mask"]), config=cfg, **kw)
+    loss, metrics = compute_loss_from_hidden(h, w, LossInputs(*args, shape(x["mask"]), **kw), config=cfg)
     return loss, metrics, torch.autograd.grad(loss, [h, w])
 
 
@@ -182,7 +183,7 @@ def test_kd_is_ce_plus_fkl_terms():
     """kd = ce_weight * ce + kl_weight * FKL: the metrics decompose; ce_weight 0 is gkd scaled by
     kl_weight; kl_weight 0 is the plain CE (sequence-level KD) on the teacher's tokens."""
     x = make_inputs(seed=3)
-    args = (x["logits"], x["sampled"], None, x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], x["mask"])
+    args = (x["logits"], LossInputs(x["sampled"], None, x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], x["mask"]))
     kd, m = compute_loss(*args, LossConfig(variant="kd"))
     assert m["loss"] == pytest.approx(m["fkl_loss"] + 0.5 * m["ce"], abs=1e-12)
     assert m["pg_loss"] == 0.0 and m["fkl_ratio"] == 1.0
@@ -199,8 +200,8 @@ def test_kd_and_gkd_ignore_old_logprobs_and_have_no_ratio_metrics():
     rest = (x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], x["mask"])
     for variant in ("kd", "gkd"):
         cfg = LossConfig(variant=variant)
-        a, ma = compute_loss(x["logits"], x["sampled"], None, *rest, cfg)
-        b, mb = compute_loss(x["logits"], x["sampled"], x["old"], *rest, cfg)
+        a, ma = compute_loss(x["logits"], LossInputs(x["sampled"], None, *rest), cfg)
+        b, mb = compute_loss(x["logits"], LossInputs(x["sampled"], x["old"], *rest), cfg)
         assert torch.equal(a, b)
         assert "ratio_mean" not in ma and "clip_frac" not in ma and "advantage_mean" not in ma
         assert "ratio_mean" in mb  # measured when given
@@ -210,7 +211,7 @@ def test_kd_and_gkd_ignore_old_logprobs_and_have_no_ratio_metrics():
 def test_gkd_equals_opd_fkl():
     """GKD's loss on a batch is the on-policy forward KL: the mixing is the data path's (teacher_share)."""
     x = make_inputs(seed=5)
-    args = (x["logits"], x["sampled"], x["old"], x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], x["mask"])
+    args = (x["logits"], LossInputs(x["sampled"], x["old"], x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], x["mask"]))
     a, _ = compute_loss(*args, LossConfig(variant="gkd", gkd_lambda=0.5))
     b, _ = compute_loss(*args, LossConfig(variant="opd_fkl"))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -221,10 +222,10 @@ def test_grpo_never_reads_teacher_scores():
     x = make_inputs(seed=6)
     cfg = LossConfig(variant="grpo")
     z = x["logits"].clone().requires_grad_(True)
-    a, ma = compute_loss(z, x["sampled"], x["old"], None, None, None, None, x["mask"], cfg, advantages=x["adv"])
+    a, ma = compute_loss(z, LossInputs(x["sampled"], x["old"], None, None, None, None, x["mask"], advantages=x["adv"]), cfg)
     (ga,) = torch.autograd.grad(a, [z])
     junk = torch.full((3, 2), NAN)
-    b, _ = compute_loss(z, x["sampled"], x["old"], junk, junk, junk.long(), junk, x["mask"], cfg, advantages=x["adv"])
+    b, _ = compute_loss(z, LossInputs(x["sampled"], x["old"], junk, junk, junk.long(), junk, x["mask"], advantages=x["adv"]), cfg)
     (gb,) = torch.autograd.grad(b, [z])
     assert torch.equal(a, b) and torch.equal(ga, gb)
     assert not {"gate_ratio", "fkl_gated_mean", "teacher_entropy", "teacher_topk_mass", "topk_overlap"} & set(ma)
@@ -237,8 +238,7 @@ def test_grpo_advantages_are_detached():
     x = make_inputs(seed=7)
     adv = x["adv"].clone().requires_grad_(True)
     z = x["logits"].clone().requires_grad_(True)
-    loss, _ = compute_loss(z, x["sampled"], x["old"], None, None, None, None, x["mask"], LossConfig(variant="grpo"),
-                           advantages=adv)
+    loss, _ = compute_loss(z, LossInputs(x["sampled"], x["old"], None, None, None, None, x["mask"], advantages=adv), LossConfig(variant="grpo"))
     g_z, g_adv = torch.autograd.grad(loss, [z, adv], allow_unused=True)
     assert g_adv is None and g_z.abs().sum() > 0
 
@@ -264,28 +264,30 @@ def test_errors_name_the_argument():
     z, s, old, mask = x["logits"], x["sampled"], x["old"], x["mask"]
     grpo = LossConfig(variant="grpo")
     with pytest.raises(ValueError, match="loss variant 'grpo' needs advantages"):
-        compute_loss(z, s, old, None, None, None, None, mask, grpo)
+        compute_loss(z, LossInputs(s, old, None, None, None, None, mask), grpo)
     with pytest.raises(ValueError, match="loss variant 'grpo' needs advantages"):
-        compute_loss_from_hidden(x["hidden"], x["weight"], s, old, None, None, None, None, mask, config=grpo)
+        compute_loss_from_hidden(x["hidden"], x["weight"], LossInputs(s, old, None, None, None, None, mask), config=grpo)
     with pytest.raises(ValueError, match=r"advantages must have shape \(20,\)"):
-        compute_loss(z, s, old, None, None, None, None, mask, grpo, advantages=x["adv"][:5])
+        compute_loss(z, LossInputs(s, old, None, None, None, None, mask, advantages=x["adv"][:5]), grpo)
     bad = x["adv"].clone()
     bad[0] = torch.inf
     with pytest.raises(ValueError, match=r"advantages has 1 non-finite value\(s\)"):
-        compute_loss(z, s, old, None, None, None, None, mask, grpo, advantages=bad)
+        compute_loss(z, LossInputs(s, old, None, None, None, None, mask, advantages=bad), grpo)
     with pytest.raises(ValueError, match="loss variant 'grpo' needs old_logprobs"):
-        compute_loss(z, s, None, None, None, None, None, mask, grpo, advantages=x["adv"])
+        compute_loss(z, LossInputs(s, None, None, None, None, None, mask, advantages=x["adv"]), grpo)
     with pytest.raises(ValueError, match="loss variant 'opd' needs old_logprobs"):
-        compute_loss(z, s, None, x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], mask, LossConfig(variant="opd"))
+        compute_loss(z, LossInputs(s, None, x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], mask), LossConfig(variant="opd"))
     with pytest.raises(ValueError, match="loss variant 'kd' needs the teacher's scores: teacher_topk_ids, "
                                          "teacher_topk_logprobs missing"):
-        compute_loss(z, s, None, x["t_lp"], x["t_ent"], None, None, mask, LossConfig(variant="kd"))
+        compute_loss(z, LossInputs(s, None, x["t_lp"], x["t_ent"], None, None, mask), LossConfig(variant="kd"))
     with pytest.raises(ValueError, match="needs the teacher's scores: teacher_logprobs, teacher_entropy, "
                                          "teacher_topk_ids, teacher_topk_logprobs missing"):
-        compute_loss(z, s, old, None, None, None, None, mask, LossConfig(variant="eopd"))
+        compute_loss(z, LossInputs(s, old, None, None, None, None, mask), LossConfig(variant="eopd"))
     # other variants ignore `advantages`
-    args = (z, s, old, x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], mask, LossConfig(variant="eopd"))
-    assert torch.equal(compute_loss(*args)[0], compute_loss(*args, advantages=torch.zeros(3))[0])
+    toks = (s, old, x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"], mask)
+    eopd = LossConfig(variant="eopd")
+    assert torch.equal(compute_loss(z, LossInputs(*toks), eopd)[0],
+                       compute_loss(z, LossInputs(*toks, advantages=torch.zeros(3)), eopd)[0])
 
 
 @pytest.mark.parametrize("bad", [{"ce_weight": -0.1}, {"kl_weight": -1.0}, {"gkd_lambda": 1.5},
@@ -317,7 +319,7 @@ def test_no_valid_token_gives_a_graph_attached_zero():
     z = x["logits"].clone().requires_grad_(True)
     for cfg, old, teacher in ((LossConfig(variant="kd"), None, True), (LossConfig(variant="grpo"), x["old"], False)):
         t = (x["t_lp"], x["t_ent"], x["t_ids"], x["t_tlp"]) if teacher else (None,) * 4
-        loss, m = compute_loss(z, x["sampled"], old, *t, none, cfg, advantages=x["adv"])
+        loss, m = compute_loss(z, LossInputs(x["sampled"], old, *t, none, advantages=x["adv"]), cfg)
         (g,) = torch.autograd.grad(loss, [z])
         assert loss.item() == 0.0 and torch.count_nonzero(g) == 0 and m["n_tokens"] == 0
 

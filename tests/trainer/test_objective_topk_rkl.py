@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eopd_trainer.objective import LossConfig, compute_loss, compute_loss_from_hidden
+from eopd_trainer.objective import LossConfig, LossInputs, compute_loss, compute_loss_from_hidden
 
 from tests.trainer.test_objective import ATOL, grads_of, make_inputs, reference_loss
 
@@ -51,8 +51,7 @@ def test_topk_rkl_matches_fp64_reference(aggregation):
     t_full = torch.log_softmax(torch.randn(17, 41, generator=torch.Generator().manual_seed(9), dtype=torch.float64), -1)
     c_ids, c_lp = candidates_for(logits, t_full)
     cfg = LossConfig(variant="eopd_topk_rkl", aggregation=aggregation, chunk_size=4, temperature=0.7, alpha=0.5)
-    loss, metrics = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg, seq_index=seq,
-                                 candidate_ids=c_ids, candidate_logprobs=c_lp)
+    loss, metrics = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=seq, candidate_ids=c_ids, candidate_logprobs=c_lp), cfg)
     ref = reference_topk_rkl(logits, c_ids, c_lp, t_ent, t_ids, t_tlp, mask, cfg, seq_index=seq)
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
@@ -69,8 +68,7 @@ def test_full_vocabulary_candidates_give_the_exact_reverse_kl():
     t_full = torch.log_softmax(torch.randn(9, 23, generator=torch.Generator().manual_seed(4), dtype=torch.float64), -1)
     c_ids = torch.arange(23).repeat(9, 1)
     cfg = LossConfig(variant="eopd_topk_rkl", alpha=0.0)
-    loss, _ = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg,
-                           candidate_ids=c_ids, candidate_logprobs=t_full)
+    loss, _ = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, candidate_ids=c_ids, candidate_logprobs=t_full), cfg)
     q = torch.log_softmax(logits, -1)
     kl = (q.exp() * (q - t_full)).sum(-1)
     torch.testing.assert_close(loss, kl[mask].mean(), atol=1e-12, rtol=0)
@@ -85,9 +83,8 @@ def test_hidden_path_matches_logits_path():
     logits = hidden @ weight.t()
     c_ids, c_lp = candidates_for(logits, torch.log_softmax(torch.randn(n, v, generator=g, dtype=torch.float64), -1))
     cfg = LossConfig(variant="eopd_topk_rkl", chunk_size=4)
-    a, _ = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg, candidate_ids=c_ids, candidate_logprobs=c_lp)
-    b, _ = compute_loss_from_hidden(hidden, weight, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, config=cfg,
-                                    candidate_ids=c_ids, candidate_logprobs=c_lp)
+    a, _ = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, candidate_ids=c_ids, candidate_logprobs=c_lp), cfg)
+    b, _ = compute_loss_from_hidden(hidden, weight, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, candidate_ids=c_ids, candidate_logprobs=c_lp), config=cfg)
     torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     ga, gb = grads_of(a, hidden, weight), grads_of(b, hidden, weight)
     for x, y in zip(ga, gb):
@@ -98,16 +95,13 @@ def test_missing_or_bad_candidates_are_named():
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=5, vocab=11)
     cfg = LossConfig(variant="eopd_topk_rkl")
     with pytest.raises(ValueError, match="needs candidate_ids and candidate_logprobs"):
-        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg)
+        compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), cfg)
     bad = torch.full((5, 2), 11)
     with pytest.raises(ValueError, match=rf"candidate_ids has {int(mask.sum()) * 2} id\(s\) out of range \[0, 11\)"):
-        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg,
-                     candidate_ids=bad, candidate_logprobs=torch.zeros(5, 2, dtype=torch.float64))
+        compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, candidate_ids=bad, candidate_logprobs=torch.zeros(5, 2, dtype=torch.float64)), cfg)
     with pytest.raises(ValueError, match="candidate_logprobs must have shape"):
-        compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg,
-                     candidate_ids=torch.zeros(5, 2, dtype=torch.long), candidate_logprobs=torch.zeros(4, 2))
+        compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, candidate_ids=torch.zeros(5, 2, dtype=torch.long), candidate_logprobs=torch.zeros(4, 2)), cfg)
     # other variants ignore candidates
-    a, _ = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, LossConfig(variant="eopd"))
-    b, _ = compute_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, LossConfig(variant="eopd"),
-                        candidate_ids=torch.zeros(5, 2, dtype=torch.long), candidate_logprobs=torch.zeros(5, 2))
+    a, _ = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask), LossConfig(variant="eopd"))
+    b, _ = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, candidate_ids=torch.zeros(5, 2, dtype=torch.long), candidate_logprobs=torch.zeros(5, 2)), LossConfig(variant="eopd"))
     assert torch.equal(a, b)

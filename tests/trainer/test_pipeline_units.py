@@ -248,9 +248,9 @@ def test_pack_sequences_positions():
 def test_pack_rollouts_pads_topk():
     a, b = make_rollout("t0-s0", n=2, k=4), make_rollout("t1-s0", n=3, k=2, seed=1)
     packed = pack_rollouts([a, b], pad_id=0)
-    assert packed.topk_ids.shape == (5, 4) and packed.num_tokens == 5
-    assert torch.isinf(packed.topk_logprobs[2:, 2:]).all()
-    np.testing.assert_array_equal(packed.old_logprobs.numpy(), np.concatenate([a.old_logprobs, b.old_logprobs]))
+    assert packed.loss_inputs.teacher_topk_ids.shape == (5, 4) and packed.num_tokens == 5
+    assert torch.isinf(packed.loss_inputs.teacher_topk_logprobs[2:, 2:]).all()
+    np.testing.assert_array_equal(packed.loss_inputs.old_logprobs.numpy(), np.concatenate([a.old_logprobs, b.old_logprobs]))
 
 
 def test_minibatch_split_and_shuffle_deterministic():
@@ -374,22 +374,64 @@ def test_unreadable_weights_are_transient_and_leave_the_model_untouched(tmp_path
 
 
 def test_token_remap_both_ways():
-    from eopd_trainer.rollout.requests import remap_ids
+    from eopd_trainer.rollout.requests import TokenRemap, remap_ids
 
     ids = np.array([1, 2, 3, 2])
     assert remap_ids(ids, {2: 7}).tolist() == [1, 7, 3, 7]
     assert remap_ids(np.array([[7, 5]]), {7: 2}).tolist() == [[2, 5]]  # the inverse map on top-k ids
     assert remap_ids(ids, {}) is ids
+    # the one value holding both directions
+    remap = TokenRemap.of({2: 7})
+    assert remap.teacher_ids(ids).tolist() == [1, 7, 3, 7]
+    assert remap.student_ids(np.array([[7, 5]])).tolist() == [[2, 5]]
+    assert (remap.teacher_id(2), remap.teacher_id(4)) == (7, 4)
+    assert TokenRemap.of({}).teacher_ids(ids) is ids and TokenRemap.of({}).student_ids(ids) is ids
+
+
+def test_make_rollout_builds_scored_graded_and_teacher_rollouts():
+    """The one Rollout builder: the teacher's top-k ids come back through the inverse remap, a graded
+    sample has empty teacher arrays (top_k 0), a teacher-generated one is of origin teacher; the
+    candidates' log-probs are kept only with candidate ids; each encodes and decodes."""
+    from eopd_teacher.types import SequenceScores
+
+    from eopd_trainer.config import RolloutConfig
+    from eopd_trainer.queue.messages import ORIGIN_TEACHER, PromptTask, decode_rollout, encode_rollout
+    from eopd_trainer.rollout.publisher import make_rollout
+    from eopd_trainer.rollout.requests import TokenRemap
+
+    task = PromptTask(task_seq=4, prompt_index=2, num_samples=2, min_policy_version=0)
+    n, remap = 3, TokenRemap.of({2: 7})
+    scores = SequenceScores("x", np.full(n, -1.0, np.float32), np.ones(n, np.float32),
+                            np.array([[7, 1], [3, 7], [4, 5]], np.int32), np.full((n, 2), -2.0, np.float32),
+                            candidate_logprobs=np.full((n, 1), -3.0, np.float32))
+    common = dict(remap=remap, rollout_cfg=RolloutConfig(temperature=0.5), worker_id="w", policy_version=3,
+                  truncated=False, sampled_unix_ns=10, scored_unix_ns=11)
+    old = np.full(n, -0.5, np.float32)
+    scored = make_rollout(task, 1, [1, 2], [5, 6, 2], old, scores, teacher_model="T", **common,
+                          candidate_ids=np.array([[1], [2], [3]], np.int32))
+    assert scored.rollout_id == "t4-s1" and scored.prompt_index == 2 and scored.sampling_temperature == 0.5
+    assert scored.teacher_topk_ids.tolist() == [[2, 1], [3, 2], [4, 5]] and scored.num_candidates == 1
+    assert scored.candidate_logprobs.tolist() == [[-3.0]] * n and scored.teacher_model == "T"
+    assert make_rollout(task, 1, [1, 2], [5, 6, 2], old, scores, **common).candidate_logprobs is None
+    graded = make_rollout(task, 0, [1, 2], [5, 6, 2], old, None, reward=1.0, **common)
+    assert graded.top_k == 0 and not graded.has_teacher_scores and graded.reward == 1.0
+    assert graded.teacher_logprobs.shape == (0,) and graded.teacher_topk_ids.shape == (0, 0)
+    teacher = make_rollout(task, 0, [1, 2], [5, 6, 2], np.zeros(n, np.float32), scores, origin=ORIGIN_TEACHER,
+                           **common)
+    assert teacher.off_policy and teacher.top_k == 2
+    for r in (scored, graded, teacher):
+        back = decode_rollout(encode_rollout(r))
+        assert back.rollout_id == r.rollout_id and back.top_k == r.top_k and back.origin == r.origin
 
 
 def test_token_remap_applies_to_response_tokens_only():
     """The remap translates what the student generates: a prompt's own special tokens (the chat
     template's end of turn, id 2 here) reach the teacher unchanged, the response's are remapped."""
-    from eopd_trainer.rollout.requests import teacher_tokens
+    from eopd_trainer.rollout.requests import TokenRemap, teacher_tokens
 
-    sent = teacher_tokens([1, 2, 5], [6, 2], {2: 7})
+    sent = teacher_tokens([1, 2, 5], [6, 2], TokenRemap.of({2: 7}))
     assert sent.dtype == np.int64 and sent.tolist() == [1, 2, 5, 6, 7]
-    assert teacher_tokens([1, 2], [3], {}).tolist() == [1, 2, 3]
+    assert teacher_tokens([1, 2], [3], TokenRemap.of({})).tolist() == [1, 2, 3]
 
 
 # Prompts as the student sees them, and the tokenizer check ---------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .objective import group_advantages
+from .objective import LossInputs, group_advantages
 from .queue.messages import Rollout
 
 # The largest top-k a micro-batch is packed (padded) to: teacher.top_k's upper bound. The learner
@@ -37,18 +37,23 @@ class PackedSequences:
 
 
 @dataclass(frozen=True)
-class PackedBatch(PackedSequences):
-    old_logprobs: torch.Tensor = None  # [N] float32 (zeros, unread, for teacher-generated responses)
-    # The teacher's scores; None when no rollout of the micro-batch has any (grpo: graded, not scored).
-    teacher_logprobs: torch.Tensor | None = None  # [N]
-    teacher_entropy: torch.Tensor | None = None  # [N]
-    topk_ids: torch.Tensor | None = None  # [N, k] long
-    topk_logprobs: torch.Tensor | None = None  # [N, k]
-    candidate_ids: torch.Tensor | None = None  # [N, m] long, -1 filler (None: no rollout has candidates)
-    candidate_logprobs: torch.Tensor | None = None  # [N, m] teacher log-probs there, NaN at filler
-    # [N] float32 each response token's advantage: its rollout's (grpo: group-normalised reward,
-    # `rollout_advantages`) broadcast to its tokens; None when not given.
-    advantages: torch.Tensor | None = None
+class PackedBatch:
+    """A micro-batch of rollouts: the student's inputs and the loss's per-token inputs."""
+
+    input_ids: torch.Tensor  # [b, L] long
+    attention_mask: torch.Tensor  # [b, L] long
+    positions: torch.Tensor  # [N] long, flat index into [b * L] of the position predicting each response token
+    # The loss's inputs at those N tokens (`objective.LossInputs`, flat, no mask: every token valid):
+    # sampled_ids, seq_index, old_logprobs (zeros, unread, for teacher-generated responses); the
+    # teacher's scores, None when no rollout of the micro-batch has any (grpo: graded, not scored);
+    # candidate_ids / candidate_logprobs, None when no rollout has candidates; advantages [N] float32,
+    # each response token's rollout's (grpo: group-normalised reward, `rollout_advantages`), None
+    # when not given.
+    loss_inputs: LossInputs
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PackedSequences:
@@ -95,7 +100,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = 
 
     Without teacher scores in any rollout (grpo) the teacher fields are None; a micro-batch mixing
     scored and unscored rollouts is a ValueError. `advantages` (rollout id -> its advantage, e.g.
-    `rollout_advantages`) gives `PackedBatch.advantages [N]`, each rollout's value at every one of
+    `rollout_advantages`) gives `loss_inputs.advantages [N]`, each rollout's value at every one of
     its response tokens; a rollout missing from it is a ValueError naming it."""
     over = [r.rollout_id for r in rollouts if r.top_k > max_top_k]
     if over:
@@ -105,10 +110,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = 
     def cat(name: str, dtype) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([np.asarray(getattr(r, name)) for r in rollouts]).astype(dtype))
 
-    return PackedBatch(
-        input_ids=seqs.input_ids,
-        attention_mask=seqs.attention_mask,
-        positions=seqs.positions,
+    loss_inputs = LossInputs(
         sampled_ids=seqs.sampled_ids,
         seq_index=seqs.seq_index,
         old_logprobs=cat("old_logprobs", np.float32),
@@ -116,6 +118,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = 
         **_pack_candidates(rollouts),
         advantages=None if advantages is None else _broadcast_advantages(rollouts, advantages),
     )
+    return PackedBatch(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, positions=seqs.positions,
+                       loss_inputs=loss_inputs)
 
 
 def _pack_teacher(rollouts: Sequence[Rollout], cat) -> dict:
@@ -130,7 +134,7 @@ def _pack_teacher(rollouts: Sequence[Rollout], cat) -> dict:
     topk_ids = np.concatenate([_pad_topk(r.teacher_topk_ids, k, 0) for r in rollouts]).astype(np.int64)
     topk_lp = np.concatenate([_pad_topk(r.teacher_topk_logprobs, k, -np.inf) for r in rollouts]).astype(np.float32)
     return {"teacher_logprobs": cat("teacher_logprobs", np.float32), "teacher_entropy": cat("teacher_entropies", np.float32),
-            "topk_ids": torch.from_numpy(topk_ids), "topk_logprobs": torch.from_numpy(topk_lp)}
+            "teacher_topk_ids": torch.from_numpy(topk_ids), "teacher_topk_logprobs": torch.from_numpy(topk_lp)}
 
 
 def _broadcast_advantages(rollouts: Sequence[Rollout], advantages: Mapping[str, float]) -> torch.Tensor:

@@ -335,8 +335,8 @@ class RunConfig(_Section):
         if t.iterations is not None and t.warmup_kd_iterations > t.iterations:
             raise ValueError(f"train.warmup_kd_iterations ({t.warmup_kd_iterations}) is more than train.iterations "
                              f"({t.iterations})")
-        if variant == "grpo" and self.rollout.n_samples < 2:
-            raise ValueError(f"rollout.n_samples ({self.rollout.n_samples}) must be >= 2 for loss.variant=grpo: its "
+        if self.loss.advantages_given and self.rollout.n_samples < 2:
+            raise ValueError(f"rollout.n_samples ({self.rollout.n_samples}) must be >= 2 for loss.variant={variant}: its "
                              "advantages are normalised within each prompt's group of samples (one sample: always 0)")
 
     # Derived quantities -------------------------------------------------------------------

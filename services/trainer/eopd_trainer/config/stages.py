@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..objective import LossConfig, get_variant, step_seed
+from ..objective import LossConfig, step_seed
 
 WARMUP_STAGE = "kd-warmup"
 WARMUP_VARIANT = "kd"
@@ -78,7 +78,9 @@ def task_iteration(task_seq: int, *, iteration: int, prompts_per_iteration: int,
 
 @dataclass(frozen=True)
 class IterationPlan:
-    """What an iteration's rollouts must be, for the learner's admission checks."""
+    """What an iteration's rollouts must be, for the learner's admission checks, and its loss. The
+    plan is the one reader of the variant's flags outside objective/ (through `LossConfig`'s
+    properties; tests/test_layout.py checks it): the feed and the trainer ask it."""
 
     iteration: int
     stage: str
@@ -92,10 +94,10 @@ class IterationPlan:
 def plan_iteration(loss: LossConfig, warmup_iterations: int, iteration: int) -> IterationPlan:
     """The plan of iteration `iteration`: its stage, LossConfig and what its rollouts need."""
     cfg = iteration_loss(loss, warmup_iterations, iteration)
-    v = get_variant(cfg.variant)
     return IterationPlan(iteration=iteration, stage=stage_name(loss, warmup_iterations, iteration), loss=cfg,
-                         needs_teacher_scores=cfg.needs_teacher_scores, accepts_teacher_origin=not v.pg,
-                         needs_reward=v.advantages_from == "given", teacher_share=cfg.teacher_share)
+                         needs_teacher_scores=cfg.needs_teacher_scores,
+                         accepts_teacher_origin=not cfg.reads_old_logprobs, needs_reward=cfg.advantages_given,
+                         teacher_share=cfg.teacher_share)
 
 
 def task_teacher_samples(loss: LossConfig, warmup_iterations: int, *, seed: int, task_seq: int, num_samples: int,

@@ -27,7 +27,7 @@ from ..batching import (
 )
 from ..config import RunConfig
 from ..faults import Faults
-from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, get_variant, step_generator
+from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, step_generator
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import export_state_dict, prune_weights, save_weights
 from .checkpoint import CheckpointManager
@@ -131,33 +131,23 @@ class PolicyTrainer:
         dev = self.device
         ids, am = packed.input_ids.to(dev), packed.attention_mask.to(dev)
         pos = packed.positions.to(dev)
-
-        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(dev)
-
         loss_cfg = loss_cfg or self.cfg.loss
-        # Without a policy-gradient term (kd, gkd) there is no behaviour-policy ratio to measure:
-        # teacher-generated rollouts carry zeros as old log-probs, so none are passed.
-        old = packed.old_logprobs.to(dev) if get_variant(loss_cfg.variant).pg else None
-        args = dict(
-            sampled_ids=packed.sampled_ids.to(dev), old_logprobs=old,
-            teacher_logprobs=opt(packed.teacher_logprobs), teacher_entropy=opt(packed.teacher_entropy),
-            teacher_topk_ids=opt(packed.topk_ids), teacher_topk_logprobs=opt(packed.topk_logprobs),
-            config=loss_cfg, seq_index=packed.seq_index.to(dev), denominator=denominator,
-            generator=generator,
-        )
-        if packed.candidate_ids is not None:  # per-position candidates (eopd_topk_rkl)
-            args.update(candidate_ids=packed.candidate_ids.to(dev), candidate_logprobs=packed.candidate_logprobs.to(dev))
-        if packed.advantages is not None:  # grpo: group-normalised rewards per token
-            args.update(advantages=packed.advantages.to(dev))
+        inputs = packed.loss_inputs
+        if not loss_cfg.reads_old_logprobs:
+            # Without a policy-gradient term (kd, gkd) there is no behaviour-policy ratio to measure:
+            # teacher-generated rollouts carry zeros as old log-probs, so none are passed.
+            inputs = inputs.replace(old_logprobs=None)
+        inputs = inputs.to(dev)
         module = self.engine.module
         if self.fused_loss:
             hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
             head = module.get_output_embeddings()
-            return compute_loss_from_hidden(hidden, head.weight, bias=head.bias, **args)
+            return compute_loss_from_hidden(hidden, head.weight, inputs, bias=head.bias, config=loss_cfg,
+                                            denominator=denominator, generator=generator)
         logits = self.engine(input_ids=ids, attention_mask=am).logits
-        return compute_loss(logits.reshape(-1, logits.shape[-1])[pos], **args)
+        return compute_loss(logits.reshape(-1, logits.shape[-1])[pos], inputs, loss_cfg,
+                            denominator=denominator, generator=generator)
 
     def train_iteration(self, iteration: int, rollouts: list[Rollout], opt_step: int,
                         loss_cfg: LossConfig | None = None) -> list[dict[str, float]]:
@@ -174,7 +164,7 @@ class PolicyTrainer:
         loss_cfg = loss_cfg or cfg.loss
         seq_mean = loss_cfg.aggregation == "seq-mean-token-mean"
         advantages = None
-        if get_variant(loss_cfg.variant).advantages_from == "given":
+        if loss_cfg.advantages_given:
             advantages = rollout_advantages(rollouts, loss_cfg.grpo_eps)
         ordered = shuffle_for_iteration(rollouts, cfg.seed, iteration)
         steps = []

@@ -1,11 +1,12 @@
 r"""The EOPD objective and its baselines as pure tensor functions (paper sec. 2.3, 4, 5.3-5.6, app. A).
 
-    from eopd_trainer.objective import LossConfig, compute_loss
-    loss, metrics = compute_loss(student_logits, sampled_ids, old_logprobs, teacher_logprobs,
-                                 teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
-                                 config=LossConfig(variant="eopd"))
+    from eopd_trainer.objective import LossConfig, LossInputs, compute_loss
+    inputs = LossInputs(sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
+                        teacher_topk_ids, teacher_topk_logprobs, mask)
+    loss, metrics = compute_loss(student_logits, inputs, config=LossConfig(variant="eopd"))
 
-Shapes (flat form; a batched [B, T, ...] form with a [B, T] mask is accepted too):
+Shapes (flat form; a batched [B, T, ...] form with a [B, T] mask is accepted too). The per-token
+fields are those of `LossInputs` (`inputs.py`), the one type `batching.pack_rollouts` builds:
 
     student_logits          [N, V]  student logits at the N response positions of a mini-batch
     sampled_ids             [N]     token x_t sampled by the behaviour policy pi_old (kd/gkd: or the teacher)
@@ -15,7 +16,9 @@ Shapes (flat form; a batched [B, T, ...] form with a [B, T] mask is accepted too
     teacher_topk_ids        [N, k]  S_t^k, the teacher's top-k ids
     teacher_topk_logprobs   [N, k]  log pi_te(v), v in S_t^k (full-vocabulary normalisation)
     mask                    [N]     valid (response, non-padding) tokens
-    advantages (keyword)    [N]     per-token advantages, for variants with advantages_from "given" (grpo)
+    seq_index               [N]     the sequence of each token (flat form, "seq-mean-token-mean")
+    candidate_ids           [N, m]  the student's top-m ids (eopd_topk_rkl), candidate_logprobs the teacher's there
+    advantages              [N]     per-token advantages, for variants with advantages_from "given" (grpo)
 
 Maths, per valid token t (log pi_theta is the student's full-vocabulary log-softmax of logits / T):
 
@@ -41,9 +44,9 @@ name in `variants`; see its table. The paper's other baselines (app. A, sec. 5.5
 
 kd and gkd take no old log-probs (`old_logprobs=None` is accepted: no ratio, no clip); grpo's four
 teacher inputs may be None and are never read; the variant's `teacher_share` says which share of
-responses the data path has the teacher generate. `eopd_topk_rkl` (beyond the paper) replaces OPD_t by the reverse KL
-summed exactly over the student's top-k ids (`candidate_ids` / `candidate_logprobs [N, m]` keyword
-arguments: the teacher's log-probs at them, from per-position candidate scoring).
+responses the data path has the teacher generate. `eopd_topk_rkl` (beyond the paper) replaces
+OPD_t by the reverse KL summed exactly over the student's top-k ids (`LossInputs.candidate_ids` /
+`candidate_logprobs [N, m]`: the teacher's log-probs at them, from per-position candidate scoring).
 
 Randomness: `random_fkl` draws its positions from the `generator` argument. Without one the draw
 is a deterministic function of (config.random_seed, number of valid tokens), i.e. the same
@@ -64,6 +67,7 @@ k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 """
 
 from .config import LossConfig
+from .inputs import LossInputs
 from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
 from .rng import step_generator, step_seed
 from .terms import (
@@ -79,6 +83,7 @@ from .vocab import VocabPlan, vocab_stats
 
 __all__ = [
     "LossConfig",
+    "LossInputs",
     "compute_loss",
     "compute_loss_from_hidden",
     "METRIC_KEYS",

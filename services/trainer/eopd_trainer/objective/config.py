@@ -119,6 +119,18 @@ class LossConfig(BaseModel):
         """Whether the variant's loss reads the teacher's per-token scores (False for grpo)."""
         return VARIANTS[self.variant].needs_teacher_scores
 
+    @property
+    def reads_old_logprobs(self) -> bool:
+        """Whether the variant's loss has a policy-gradient term, the ratio against the behaviour
+        policy's old log-probs (kd, gkd: no; they take None, teacher-generated responses have none)."""
+        return VARIANTS[self.variant].pg
+
+    @property
+    def advantages_given(self) -> bool:
+        """Whether the variant's advantages are given per rollout (grpo: group-normalised rewards,
+        `batching.rollout_advantages`) rather than taken from the teacher's scores."""
+        return VARIANTS[self.variant].advantages_from == "given"
+
     @field_validator("variant")
     @classmethod
     def _known_variant(cls, v: str) -> str:

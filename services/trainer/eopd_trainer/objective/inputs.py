@@ -1,14 +1,17 @@
-"""The loss's per-token inputs: shape checks, flattening to N tokens, and validity checks.
+"""The loss's per-token inputs: `LossInputs`, one type from `pack_rollouts` to the loss core.
 
-`flatten_tokens` takes the flat `[N, ...]` or batched `[B, T, ...]` tensors of `compute_loss`,
-checks their shapes against the leading shape and flattens them to `[N]` / `[N, k]`. Which inputs
-are required depends on the variant: the teacher's per-token scores only when it reads them
-(`Variant.needs_teacher_scores`; grpo does not, and they are then never read), `old_logprobs`
-only with a policy-gradient term, `advantages` only with `advantages_from == "given"`.
+`LossInputs` holds the flat `[N, ...]` or batched `[B, T, ...]` tensors the loss reads, under one
+name each (the same names as `Rollout`'s per-token arrays, `teacher_entropy` for its
+`teacher_entropies`). `LossInputs.flatten` checks their shapes against the leading shape and
+flattens them to `[N]` / `[N, k]`. Which inputs are required depends on the variant: the teacher's
+per-token scores only when it reads them (`Variant.needs_teacher_scores`; grpo does not, and they
+are then never read), `old_logprobs` only with a policy-gradient term, `advantages` only with
+`advantages_from == "given"`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,20 +19,60 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class Tokens:
-    """Per-token inputs, flattened to N tokens; None where the variant does not use them."""
+class LossInputs:
+    """Per-token inputs of the loss. Flat form: N tokens (the response tokens of a micro-batch);
+    batched form: [B, T] (then `seq_index` is implied and must be None). None where absent.
 
-    sampled_ids: Tensor  # [N] long
-    old_logprobs: Tensor | None  # [N]; None only for variants without a pg term
-    teacher_logprobs: Tensor | None  # [N]; None for variants without teacher scores
-    teacher_entropy: Tensor | None  # [N]
-    topk_ids: Tensor | None  # [N, k] long
-    topk_logprobs: Tensor | None  # [N, k]
-    mask: Tensor  # [N] bool
-    seq_index: Tensor | None  # [N] long
-    cand_ids: Tensor | None = None  # [N, m] long, -1 filler (eopd_topk_rkl)
-    cand_logprobs: Tensor | None = None  # [N, m] teacher log-probs at cand_ids (NaN at filler)
-    advantages: Tensor | None = None  # [N], for advantages_from == "given" (grpo)
+    sampled_ids            [N] long     token x_t sampled by the behaviour policy (kd/gkd: or the teacher)
+    old_logprobs           [N]          log pi_old(x_t); None only for variants without a pg term
+    teacher_logprobs       [N]          log pi_te(x_t)
+    teacher_entropy        [N]          the teacher's full-vocabulary entropy (nats)
+    teacher_topk_ids       [N, k] long  S_t^k, the teacher's top-k ids
+    teacher_topk_logprobs  [N, k]       log pi_te(v), v in S_t^k (-inf allowed: zero mass)
+        (the four teacher fields may be None for a variant with `needs_teacher_scores` False: grpo)
+    mask                   [N]          bool or 0/1 valid tokens; None: every token is valid
+    seq_index              [N] long     the sequence of each token (flat form; "seq-mean-token-mean")
+    candidate_ids          [N, m] long  the student's top-m ids per token, -1 filler (eopd_topk_rkl)
+    candidate_logprobs     [N, m]       the teacher's log-probs at candidate_ids (NaN at filler)
+    advantages             [N]          per-token advantages, for advantages_from "given" (grpo)
+
+    Inputs at masked positions are never read (they may hold padding ids, NaN, -inf...).
+    """
+
+    sampled_ids: Tensor
+    old_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+    teacher_entropy: Tensor | None = None
+    teacher_topk_ids: Tensor | None = None
+    teacher_topk_logprobs: Tensor | None = None
+    mask: Tensor | None = None
+    seq_index: Tensor | None = None
+    candidate_ids: Tensor | None = None
+    candidate_logprobs: Tensor | None = None
+    advantages: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """N: the tokens of the flat form (B * T of the batched one)."""
+        return int(self.sampled_ids.numel())
+
+    def to(self, device) -> "LossInputs":
+        """Every tensor moved to `device` (None stays None)."""
+        return dataclasses.replace(self, **{f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
+                                            for f in dataclasses.fields(self)})
+
+    def replace(self, **changes) -> "LossInputs":
+        return dataclasses.replace(self, **changes)
+
+    def flatten(self, variant, lead: tuple[int, ...]) -> "LossInputs":
+        """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N]: the
+        mask made bool (all True when None), `seq_index` filled in for the batched form.
+
+        Raises ValueError naming the field when one the variant needs is missing or misshapen;
+        inputs it does not use are dropped unread (teacher scores for grpo, `advantages` for the
+        variants that take A from the teacher, candidates for the variants without a top-k RKL
+        are kept but never read)."""
+        return _flatten(variant, lead, self)
 
 
 def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple[Tensor | None, Tensor | None]:
@@ -46,21 +89,16 @@ def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple
     return cand_ids.reshape(-1, m), cand_logprobs.reshape(-1, m)
 
 
-def flatten_tokens(variant, lead: tuple[int, ...], sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
-                   topk_ids, topk_logprobs, mask, seq_index, cand_ids=None, cand_logprobs=None,
-                   advantages=None) -> Tokens:
-    """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N].
-
-    Raises ValueError naming the argument when one the variant needs is missing or misshapen;
-    inputs it does not use are dropped unread (teacher scores for grpo, `advantages` for the
-    variants that take A from the teacher)."""
+def _flatten(variant, lead: tuple[int, ...], x: LossInputs) -> LossInputs:
     if len(lead) not in (1, 2):
         raise ValueError(f"expected [N, ...] or [B, T, ...] inputs, got leading shape {lead}")
     name = variant.name
-    device = sampled_ids.device
-    if mask is None:
-        mask = torch.ones(lead, dtype=torch.bool, device=device)
-    per_token = [("sampled_ids", sampled_ids), ("mask", mask)]
+    device = x.sampled_ids.device
+    mask = x.mask if x.mask is not None else torch.ones(lead, dtype=torch.bool, device=device)
+    old_logprobs, advantages = x.old_logprobs, x.advantages
+    teacher_logprobs, teacher_entropy = x.teacher_logprobs, x.teacher_entropy
+    topk_ids, topk_logprobs = x.teacher_topk_ids, x.teacher_topk_logprobs
+    per_token = [("sampled_ids", x.sampled_ids), ("mask", mask)]
     if variant.pg:
         if old_logprobs is None:
             raise ValueError(f"loss variant {name!r} needs old_logprobs (its clipped ratio is against them)")
@@ -92,6 +130,7 @@ def flatten_tokens(variant, lead: tuple[int, ...], sampled_ids, old_logprobs, te
                 raise ValueError(f"{n} must have shape {lead + ('k',)} with k >= 1, got {tuple(t.shape)}")
         if topk_ids.shape != topk_logprobs.shape:
             raise ValueError("teacher_topk_ids and teacher_topk_logprobs must have the same shape")
+    seq_index = x.seq_index
     if len(lead) == 2:
         if seq_index is not None:
             raise ValueError("seq_index is implied by batched [B, T] inputs; pass it only with flat [N] inputs")
@@ -99,24 +138,24 @@ def flatten_tokens(variant, lead: tuple[int, ...], sampled_ids, old_logprobs, te
         seq_index = torch.arange(b, device=device).repeat_interleave(t)
     elif seq_index is not None and tuple(seq_index.shape) != lead:
         raise ValueError(f"seq_index must have shape {lead}, got {tuple(seq_index.shape)}")
-    cand_ids, cand_logprobs = _flatten_candidates(lead, cand_ids, cand_logprobs)
+    cand_ids, cand_logprobs = _flatten_candidates(lead, x.candidate_ids, x.candidate_logprobs)
 
-    def flat(x, extra=False):
-        if x is None:
+    def flat(t, extra=False):
+        if t is None:
             return None
-        return x.reshape(-1, x.shape[-1]) if extra else x.reshape(-1)
+        return t.reshape(-1, t.shape[-1]) if extra else t.reshape(-1)
 
-    return Tokens(
-        sampled_ids=sampled_ids.reshape(-1),
+    return LossInputs(
+        sampled_ids=x.sampled_ids.reshape(-1),
         old_logprobs=flat(old_logprobs),
         teacher_logprobs=flat(teacher_logprobs),
         teacher_entropy=flat(teacher_entropy),
-        topk_ids=flat(topk_ids, True),
-        topk_logprobs=flat(topk_logprobs, True),
+        teacher_topk_ids=flat(topk_ids, True),
+        teacher_topk_logprobs=flat(topk_logprobs, True),
         mask=mask.reshape(-1) != 0,
         seq_index=flat(seq_index),
-        cand_ids=cand_ids,
-        cand_logprobs=cand_logprobs,
+        candidate_ids=cand_ids,
+        candidate_logprobs=cand_logprobs,
         advantages=flat(advantages),
     )
 
@@ -154,18 +193,18 @@ def check_valid_inputs(vocab: int, dtype: torch.dtype, *, sampled: Tensor, per_t
     raise ValueError("; ".join(messages))
 
 
-def candidates(variant, tokens: Tokens, valid: Tensor, vocab: int, dtype: torch.dtype,
+def candidates(variant, tokens: LossInputs, valid: Tensor, vocab: int, dtype: torch.dtype,
                name: str) -> tuple[Tensor, Tensor, Tensor] | None:
     """For a `topk_rkl` variant: the valid tokens' candidate ids `[M, m]` (filler made 0), the
     teacher's log-probs there `[M, m]` and which candidates count `[M, m]` (an id, not -1 filler,
     with a finite teacher log-prob); None for other variants."""
     if not variant.topk_rkl:
         return None
-    if tokens.cand_ids is None:
+    if tokens.candidate_ids is None:
         raise ValueError(f"loss variant {name!r} needs candidate_ids and candidate_logprobs (the student's top-k "
                          "ids at each position and the teacher's log-probs there)")
-    ids = tokens.cand_ids[valid].long()
-    t_lp = tokens.cand_logprobs[valid].detach().to(dtype)
+    ids = tokens.candidate_ids[valid].long()
+    t_lp = tokens.candidate_logprobs[valid].detach().to(dtype)
     out_of_range = int(((ids < -1) | (ids >= vocab)).sum())
     if out_of_range:
         raise ValueError(f"candidate_ids has {out_of_range} id(s) out of range [0, {vocab}) (-1 is filler) at valid positions")

@@ -3,23 +3,30 @@
 The flow is the same for both entry points:
 
 1. select the M valid tokens (mask), and the per-token teacher/behaviour inputs there (only those
-   the variant reads: `inputs.flatten_tokens`; grpo reads no teacher scores, kd/gkd no old log-probs);
+   the variant reads: `LossInputs.flatten`; grpo reads no teacher scores, kd/gkd no old log-probs);
 2. choose the FKL positions of the variant (entropy gate, all, random, none) *before* touching the
    vocabulary, so the student's log-probs at the teacher's top-k are gathered only where needed;
 3. one chunked vocabulary pass (`vocab.vocab_stats`): log-prob of the sampled token, student
    entropy, log-probs at the teacher's top-k of the gathered tokens;
-4. per-token terms (`terms`) on these small tensors, aggregated with explicit weights; kd's CE term
-   is `-logp` of the sampled (teacher) token from step 3, so it costs no extra vocabulary work.
+4. the per-token quantities the terms read (`loss_terms.TermInputs`): aggregation weights,
+   advantages (shaped or given), the FKL at the gathered tokens;
+5. the variant's weighted terms (`Variant.weighted_terms`: `loss_terms` objects on these small
+   tensors) added up in order; kd's CE term is `-logp` of the sampled (teacher) token from step 3,
+   so it costs no extra vocabulary work;
+6. the metrics measured beside the terms (ratio, advantages, teacher, student entropy, overlap).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .config import LossConfig
-from .inputs import Tokens, candidates, check_valid_inputs, flatten_tokens
-from .terms import aggregation_weights, clipped_pg_loss, shaped_advantages, topk_forward_kl, topk_reverse_kl
+from .inputs import LossInputs, candidates, check_valid_inputs
+from .loss_terms import ForwardKL, TermInputs, mean_or_zero
+from .terms import aggregation_weights, shaped_advantages, topk_forward_kl
 from .variants import PositionContext, get_variant
 from .vocab import VocabPlan, vocab_stats
 
@@ -53,13 +60,38 @@ METRIC_KEYS = (
 )
 
 
-def _mean(x: Tensor) -> Tensor:
-    return x.mean() if x.numel() else x.new_zeros(())
+#: The order of the metrics dict.
+_METRIC_ORDER = (
+    "loss", "pg_loss", "fkl_loss", "entropy_loss", "topk_rkl_loss", "ce", "fkl_ratio", "n_tokens",
+    "clip_frac", "ratio_mean", "approx_kl", "approx_kl_k3", "advantage_mean", "advantage_shaped_mean",
+    "gate_ratio", "fkl_gated_mean", "teacher_entropy", "teacher_topk_mass", "student_entropy",
+    "student_candidate_mass", "topk_overlap",
+)
 
 
-def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
-               denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
-    variant = get_variant(cfg.variant)
+@dataclass(frozen=True)
+class _Valid:
+    """Step 1: the M valid tokens and the inputs the variant reads there (compute dtype, detached)."""
+
+    rows: Tensor  # [M] indices of the valid tokens
+    sampled: Tensor  # [M] long
+    old: Tensor | None  # [M]; None only without a pg term
+    given_adv: Tensor | None  # [M]; advantages_from == "given"
+    has_teacher: bool
+    teacher_lp: Tensor | None  # [M]
+    teacher_ent_in: Tensor | None  # [M] in its own dtype: the gate is decided on it
+    teacher_ent: Tensor | None  # [M]
+    topk_ids: Tensor  # [M, k] long (k = 0 without teacher scores); -inf entries' ids made 0
+    topk_lp: Tensor  # [M, k]
+    topk_finite: Tensor  # [M, k] bool; -inf entries carry no teacher mass
+
+    @property
+    def m(self) -> int:
+        return self.rows.numel()
+
+
+def _select_valid(tokens: LossInputs, variant, vocab: int, dtype: torch.dtype) -> _Valid:
+    """Step 1: select the valid tokens, cast what the variant reads, check it (one sync)."""
     valid = tokens.mask.nonzero().squeeze(1)  # [M]
     m = valid.numel()
     sampled = tokens.sampled_ids[valid].long()
@@ -67,57 +99,73 @@ def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype:
     def at_valid(x: Tensor | None) -> Tensor | None:
         return None if x is None else x[valid].detach().to(dtype)
 
-    old = at_valid(tokens.old_logprobs)  # None only without a pg term
-    given_adv = at_valid(tokens.advantages)  # advantages_from == "given"
+    old = at_valid(tokens.old_logprobs)
+    given_adv = at_valid(tokens.advantages)
     has_teacher = variant.needs_teacher_scores
     if has_teacher:
         t_lp = at_valid(tokens.teacher_logprobs)
-        t_ent_in = tokens.teacher_entropy[valid].detach()  # its own dtype: the gate is decided on it
+        t_ent_in = tokens.teacher_entropy[valid].detach()
         t_ent = t_ent_in.to(dtype)
-        t_ids = tokens.topk_ids[valid].long()
-        t_tlp = at_valid(tokens.topk_logprobs)
-        t_finite = torch.isfinite(t_tlp)  # [M, k]; -inf entries carry no teacher mass
+        t_ids = tokens.teacher_topk_ids[valid].long()
+        t_tlp = at_valid(tokens.teacher_topk_logprobs)
+        t_finite = torch.isfinite(t_tlp)
     else:  # no teacher scores (grpo): nothing of the teacher is read; no gate, no top-k
         t_lp = t_ent_in = t_ent = None
         t_ids = torch.zeros(m, 0, dtype=torch.long, device=valid.device)
         t_tlp = torch.zeros(m, 0, dtype=dtype, device=valid.device)
         t_finite = torch.zeros(m, 0, dtype=torch.bool, device=valid.device)
-    k = t_ids.shape[1]
     check_valid_inputs(vocab, dtype, sampled=sampled,
                        per_token={"old_logprobs": old, "teacher_logprobs": t_lp, "teacher_entropy": t_ent,
                                   "advantages": given_adv},
                        topk_ids=t_ids if has_teacher else None, topk_logprobs=t_tlp if has_teacher else None,
                        topk_finite=t_finite)
     t_ids = torch.where(t_finite, t_ids, 0)  # ids of -inf entries are never used: make them safe
+    return _Valid(valid, sampled, old, given_adv, has_teacher, t_lp, t_ent_in, t_ent, t_ids, t_tlp, t_finite)
 
-    # 2. positions of the FKL, before the vocabulary pass. The gate compares the teacher entropy in
-    # the dtype it was given (tau rounded to that dtype), not after the cast to the compute dtype:
-    # an fp64 entropy just below tau must not round up to tau in fp32.
-    if has_teacher:
-        gate = t_ent_in >= cfg.tau if cfg.gate == "ge" else t_ent_in > cfg.tau
+
+@dataclass(frozen=True)
+class _Positions:
+    """Step 2: where the FKL applies and which rows' teacher top-k (and candidates) are gathered."""
+
+    gate: Tensor  # [M] bool
+    fkl: Tensor | None  # [M] bool; None: the variant applies no FKL
+    apply_fkl: bool  # the FKL term is part of the loss (its weight is not 0)
+    gather_pos: Tensor  # [G]
+    gather_ids: Tensor  # [G, k] (+ m candidate columns for a top-k RKL variant)
+    cand: tuple[Tensor, Tensor, Tensor] | None  # candidates(): ids, teacher log-probs, ok
+
+
+def _choose_positions(v: _Valid, tokens: LossInputs, variant, cfg: LossConfig, has_fkl_term: bool, vocab: int,
+                      dtype: torch.dtype, generator: torch.Generator | None) -> _Positions:
+    """Step 2: positions of the FKL, before the vocabulary pass. The gate compares the teacher
+    entropy in the dtype it was given (tau rounded to that dtype), not after the cast to the compute
+    dtype: an fp64 entropy just below tau must not round up to tau in fp32."""
+    if v.has_teacher:
+        gate = v.teacher_ent_in >= cfg.tau if cfg.gate == "ge" else v.teacher_ent_in > cfg.tau
     else:
-        gate = torch.zeros(m, dtype=torch.bool, device=valid.device)
+        gate = torch.zeros(v.m, dtype=torch.bool, device=v.rows.device)
     if generator is None:  # deterministic in (random_seed, M): see step_generator for training loops
         generator = torch.Generator().manual_seed(cfg.random_seed)
-    fkl_pos = variant.fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
-    fkl_coef = variant.fkl_coef(cfg) if fkl_pos is not None else 0.0
-    apply_fkl = fkl_pos is not None and fkl_coef != 0.0
-    gathered = (gate | fkl_pos) if apply_fkl else gate  # gated rows are gathered for the metric
-    cand = candidates(variant, tokens, valid, vocab, dtype, cfg.variant)
+    fkl = variant.fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
+    apply_fkl = fkl is not None and has_fkl_term
+    gathered = (gate | fkl) if apply_fkl else gate  # gated rows are gathered for the metric
+    cand = candidates(variant, tokens, v.rows, vocab, dtype, cfg.variant)
     if cand is not None:  # the student's top-k is gathered at every row: gather the teacher's there too
         gathered = torch.ones_like(gate)
     gather_pos = gathered.nonzero().squeeze(1)  # [G]
-    gather_ids = t_ids[gather_pos] if cand is None else torch.cat([t_ids, cand[0]], dim=1)
+    gather_ids = v.topk_ids[gather_pos] if cand is None else torch.cat([v.topk_ids, cand[0]], dim=1)
+    return _Positions(gate, fkl, apply_fkl, gather_pos, gather_ids, cand)
 
-    # 3. one chunked pass over the vocabulary (the CE term is -logp of the sampled token: no extra pass).
-    entropy_coef = variant.entropy_coef(cfg)
-    ce_coef = variant.ce_coef(cfg)
-    need_entropy = entropy_coef != 0.0 or variant.shape_advantage or cfg.vocab_metrics
+
+def _vocab_pass(v: _Valid, p: _Positions, cfg: LossConfig, need_entropy: bool, vocab: int, source: dict):
+    """Step 3: one chunked pass over the vocabulary: log-prob of the sampled token, student entropy,
+    log-probs at the gathered ids (teacher top-k, candidates), the student's top-k for the metrics."""
+    k = v.topk_ids.shape[1]
     plan = VocabPlan(
-        rows=valid,
-        sampled=sampled,
-        gather_pos=gather_pos,
-        gather_ids=gather_ids,
+        rows=v.rows,
+        sampled=v.sampled,
+        gather_pos=p.gather_pos,
+        gather_ids=p.gather_ids,
         temperature=cfg.temperature,
         chunk_size=cfg.chunk_size,
         entropy=need_entropy,
@@ -125,110 +173,118 @@ def _objective(tokens: Tokens, cfg: LossConfig, source: dict, vocab: int, dtype:
     )
     logp, s_ent, logp_topk, s_topk = vocab_stats(plan, **source)
     logp_cand = None
-    if cand is not None:
+    if p.cand is not None:
         logp_topk, logp_cand = logp_topk[:, :k], logp_topk[:, k:]
+    return logp, s_ent, logp_topk, logp_cand, s_topk
 
-    # 4. per-token terms, aggregated.
+
+def _term_inputs(v: _Valid, p: _Positions, tokens: LossInputs, variant, cfg: LossConfig, denominator: float | None,
+                 dtype: torch.dtype, logp: Tensor, s_ent: Tensor, logp_topk: Tensor,
+                 logp_cand: Tensor | None) -> tuple[TermInputs, Tensor | None]:
+    """Step 4: the per-token quantities the terms read (aggregation weights, the advantage, shaped
+    or given, the FKL at the gathered rows), and the unshaped advantage for the metrics."""
     w = aggregation_weights(
-        cfg.aggregation, m, None if tokens.seq_index is None else tokens.seq_index[valid],
-        denominator, device=valid.device, dtype=dtype,
+        cfg.aggregation, v.m, None if tokens.seq_index is None else tokens.seq_index[v.rows],
+        denominator, device=v.rows.device, dtype=dtype,
     )
-    adv = given_adv if variant.advantages_from == "given" else (t_lp - old if old is not None else None)
+    adv = v.given_adv if variant.advantages_from == "given" else (
+        v.teacher_lp - v.old if v.old is not None else None)
     adv_used = adv
     if variant.shape_advantage and adv is not None:
         adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
-    if old is not None and variant.pg:
-        pg_t, ratio, clipped = clipped_pg_loss(logp, old, adv_used, cfg.clip_low, cfg.clip_high)
-    elif old is not None:  # no policy-gradient term (kd, gkd given old log-probs): the ratio is a metric, nothing is clipped
-        ratio = torch.exp(logp.detach() - old)
-        clipped = torch.zeros_like(ratio, dtype=torch.bool)
-    fkl_g = topk_forward_kl(logp_topk, t_tlp[gather_pos])  # [G]
+    x = TermInputs(
+        weights=w, logp=logp, student_entropy=s_ent, old_logprobs=v.old, advantages=adv_used,
+        fkl_positions=p.fkl, gather_pos=p.gather_pos,
+        fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[p.gather_pos]),  # [G]
+        candidate_logp=logp_cand, candidate_teacher=None if p.cand is None else p.cand[1],
+        candidate_ok=None if p.cand is None else p.cand[2],
+    )
+    return x, adv
 
-    zero = w.new_zeros(())
-    terms = []
-    pg_loss = fkl_loss = entropy_loss = rkl_loss = zero
-    if variant.pg:
-        pg_loss = (w * pg_t).sum()
-        terms.append(pg_loss)
-    if cand is not None:
-        rkl_t = topk_reverse_kl(logp_cand, cand[1], cand[2])  # [M]
-        rkl_loss = (w * rkl_t).sum()
-        terms.append(rkl_loss)
-    if apply_fkl:
-        w_fkl = w[gather_pos] * fkl_pos[gather_pos].to(dtype)
-        fkl_loss = fkl_coef * (w_fkl * fkl_g).sum()
-        terms.append(fkl_loss)
-    if entropy_coef != 0.0:
-        entropy_loss = -entropy_coef * (w * s_ent).sum()
-        terms.append(entropy_loss)
-    if ce_coef != 0.0:
-        terms.append(ce_coef * (w * -logp).sum())
-    if terms:
-        loss = terms[0]
-        for t in terms[1:]:
-            loss = loss + t
-    else:  # a variant whose terms are all switched off by the config (e.g. its FKL weight is 0):
-        loss = logp[:0].sum()  # an exact 0 that is part of the graph (zero gradient), like no token
 
-    with torch.no_grad():
-        values = {
-            "loss": loss,
-            "pg_loss": pg_loss,
-            "fkl_loss": fkl_loss,
-            "entropy_loss": entropy_loss,
-            "topk_rkl_loss": rkl_loss,
-            "ce": _mean(-logp),
-            "fkl_ratio": _mean(fkl_pos.to(dtype)) if apply_fkl else zero,
-            "n_tokens": torch.tensor(float(m), dtype=dtype, device=w.device),
-        }
-        if old is not None:  # the behaviour policy's ratio (absent for kd / gkd without old_logprobs)
-            values.update({
-                "clip_frac": _mean(clipped.to(dtype)),
-                "ratio_mean": _mean(ratio),
-                "approx_kl": _mean(old - logp),
-                "approx_kl_k3": _mean(ratio - 1.0 - (logp - old)),
-            })
-        if adv is not None:
-            values.update({"advantage_mean": _mean(adv), "advantage_shaped_mean": _mean(adv_used)})
-        if has_teacher:  # measured on the teacher's scores (absent for grpo)
-            values.update({
-                "gate_ratio": _mean(gate.to(dtype)),
-                "fkl_gated_mean": _mean(fkl_g[gate[gather_pos]]),
-                "teacher_entropy": _mean(t_ent),
-                "teacher_topk_mass": _mean(torch.where(t_finite, t_tlp.exp(), 0.0).sum(dim=1)),
-            })
-        if need_entropy:
-            values["student_entropy"] = _mean(s_ent)
-        if cand is not None:
-            values["student_candidate_mass"] = _mean(torch.where(cand[2], logp_cand.exp(), 0.0).sum(dim=1))
-        if cfg.vocab_metrics and has_teacher:
-            # share of the teacher's candidates (its finite top-k entries) in the student's top-k;
-            # rows with no finite teacher entry have no candidate and are left out of the mean
-            hit = (s_topk[:, :, None] == t_ids[:, None, :]) & t_finite[:, None, :]  # [M, s, k]
-            n_cand = t_finite.sum(dim=1)
-            has = n_cand > 0
-            values["topk_overlap"] = _mean(hit.any(dim=1).sum(dim=1)[has].to(dtype) / n_cand[has].to(dtype))
-        floats = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
+def _add_terms(weighted_terms, x: TermInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Step 5: `sum weight * term` in the variant's order; each term's weighted value and metrics."""
+    zero = x.weights.new_zeros(())
+    values = {"pg_loss": zero, "fkl_loss": zero, "entropy_loss": zero, "topk_rkl_loss": zero}
+    loss = None
+    for weight, term in weighted_terms:
+        total, metrics = term(x, cfg)
+        part = weight * total
+        loss = part if loss is None else loss + part
+        if term.key is not None:
+            values[term.key] = part
+        values.update(metrics)
+    if loss is None:  # a variant whose terms are all switched off by the config (e.g. its FKL weight is 0):
+        loss = x.logp[:0].sum()  # an exact 0 that is part of the graph (zero gradient), like no token
+    return loss, values
+
+
+def _diagnostics(v: _Valid, p: _Positions, x: TermInputs, adv: Tensor | None, s_topk: Tensor,
+                 need_entropy: bool, cfg: LossConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Step 6: the metrics measured beside the terms (no grad)."""
+    logp, old = x.logp, v.old
+    out = {"ce": mean_or_zero(-logp), "fkl_ratio": x.weights.new_zeros(()),
+           "n_tokens": torch.tensor(float(v.m), dtype=dtype, device=x.weights.device)}
+    if old is not None:  # the behaviour policy's ratio (absent for kd / gkd without old_logprobs)
+        ratio = torch.exp(logp - old)
+        out.update({
+            "clip_frac": mean_or_zero(torch.zeros_like(ratio)),  # the pg term's, when there is one
+            "ratio_mean": mean_or_zero(ratio),
+            "approx_kl": mean_or_zero(old - logp),
+            "approx_kl_k3": mean_or_zero(ratio - 1.0 - (logp - old)),
+        })
+    if adv is not None:
+        out.update({"advantage_mean": mean_or_zero(adv), "advantage_shaped_mean": mean_or_zero(x.advantages)})
+    if v.has_teacher:  # measured on the teacher's scores (absent for grpo)
+        gated_rows = p.gate[p.gather_pos]
+        out.update({
+            "gate_ratio": mean_or_zero(p.gate.to(dtype)),
+            "fkl_gated_mean": mean_or_zero(x.fkl_gathered[gated_rows]),
+            "teacher_entropy": mean_or_zero(v.teacher_ent),
+            "teacher_topk_mass": mean_or_zero(torch.where(v.topk_finite, v.topk_lp.exp(), 0.0).sum(dim=1)),
+        })
+    if need_entropy:
+        out["student_entropy"] = mean_or_zero(x.student_entropy)
+    if cfg.vocab_metrics and v.has_teacher:
+        # share of the teacher's candidates (its finite top-k entries) in the student's top-k;
+        # rows with no finite teacher entry have no candidate and are left out of the mean
+        hit = (s_topk[:, :, None] == v.topk_ids[:, None, :]) & v.topk_finite[:, None, :]  # [M, s, k]
+        n_cand = v.topk_finite.sum(dim=1)
+        has = n_cand > 0
+        out["topk_overlap"] = mean_or_zero(hit.any(dim=1).sum(dim=1)[has].to(dtype) / n_cand[has].to(dtype))
+    return out
+
+
+def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
+               denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
+    """The loss core, the same for both sources: the steps of the module docstring."""
+    variant = get_variant(cfg.variant)
+    weighted_terms = variant.weighted_terms(cfg)
+    v = _select_valid(tokens, variant, vocab, dtype)  # 1
+    has_fkl_term = any(isinstance(t, ForwardKL) for _, t in weighted_terms)
+    p = _choose_positions(v, tokens, variant, cfg, has_fkl_term, vocab, dtype, generator)  # 2
+    if not p.apply_fkl:
+        weighted_terms = tuple((w, t) for w, t in weighted_terms if not isinstance(t, ForwardKL))
+    need_entropy = (any("student_entropy" in t.reads for _, t in weighted_terms) or variant.shape_advantage
+                    or cfg.vocab_metrics)
+    logp, s_ent, logp_topk, logp_cand, s_topk = _vocab_pass(v, p, cfg, need_entropy, vocab, source)  # 3
+
+    x, adv = _term_inputs(v, p, tokens, variant, cfg, denominator, dtype, logp, s_ent, logp_topk, logp_cand)  # 4
+    loss, term_values = _add_terms(weighted_terms, x, cfg)  # 5
+    with torch.no_grad():  # 6
+        values = {"loss": loss, **_diagnostics(v, p, x, adv, s_topk, need_entropy, cfg, dtype), **term_values}
+        values = {key: values[key] for key in _METRIC_ORDER if key in values}
+        floats = torch.stack([t.detach().to(torch.float64).reshape(()) for t in values.values()]).tolist()
     return loss, dict(zip(values.keys(), floats))
 
 
 def compute_loss(
     student_logits: Tensor,
-    sampled_ids: Tensor,
-    old_logprobs: Tensor | None,
-    teacher_logprobs: Tensor | None,
-    teacher_entropy: Tensor | None,
-    teacher_topk_ids: Tensor | None,
-    teacher_topk_logprobs: Tensor | None,
-    mask: Tensor | None = None,
+    inputs: LossInputs,
     config: LossConfig = DEFAULT_CONFIG,
     *,
-    seq_index: Tensor | None = None,
     denominator: float | None = None,
     generator: torch.Generator | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The distillation loss from student logits, chunked over tokens.
 
@@ -236,21 +292,17 @@ def compute_loss(
 
     Args:
         student_logits: [N, V] or [B, T, V], any float dtype (computed in fp32, fp64 kept).
-        sampled_ids: [N] / [B, T] long, the token sampled by the behaviour policy.
-        old_logprobs: [N] / [B, T], its log-prob under the behaviour policy (at the temperature).
-            May be None for a variant without a pg term (kd, gkd: no ratio, no clip); the ratio
-            metrics are then absent.
-        teacher_logprobs: [N] / [B, T], its log-prob under the teacher.
-        teacher_entropy: [N] / [B, T], the teacher's full-vocabulary entropy (nats).
-        teacher_topk_ids: [N, k] / [B, T, k] long, the teacher's top-k ids.
-        teacher_topk_logprobs: [N, k] / [B, T, k], their teacher log-probs (-inf allowed).
-            The four teacher inputs may be None for a variant with `needs_teacher_scores` False
-            (grpo), which never reads them.
-        mask: [N] / [B, T], bool or 0/1; None means every token is valid. Inputs at masked
-            positions are never read (they may hold padding ids, NaN, -inf...).
+        inputs: the per-token `LossInputs`, flat [N, ...] or batched [B, T, ...] like the logits
+            (see `LossInputs` for each field's shape). `old_logprobs` may be None for a variant
+            without a pg term (kd, gkd: no ratio, no clip; the ratio metrics are then absent); the
+            four teacher fields may be None for a variant with `needs_teacher_scores` False (grpo),
+            which never reads them; `candidate_ids` / `candidate_logprobs` are read by variants
+            with `topk_rkl` (eopd_topk_rkl) only; `advantages` (detached here) are required by
+            variants with `advantages_from == "given"` (grpo: `group_advantages` of the rewards,
+            repeated over each response's tokens) and ignored by the others, which take
+            A = teacher_logprobs - old_logprobs. `seq_index` is needed by "seq-mean-token-mean" in
+            the flat form (implied by the batched form).
         config: a `LossConfig`.
-        seq_index: [N] long, the sequence of each token; needed by "seq-mean-token-mean" in the
-            flat form (implied by the batched form).
         denominator: overrides the normaliser of the aggregation (tokens for "token-mean",
             sequences for "seq-mean-token-mean"), e.g. the whole mini-batch's count when the loss
             is computed per micro-batch and the gradients accumulated.
@@ -258,12 +310,6 @@ def compute_loss(
             seeded with config.random_seed on every call, so the draw is a deterministic function
             of (random_seed, number of valid tokens): equal token counts give the same positions.
             Training loops should pass `step_generator(seed, iteration, step, rank, micro_batch)`.
-        candidate_ids: [N, m] / [B, T, m] long, the student's top-k ids per token (-1 filler), for
-            variants with `topk_rkl` (eopd_topk_rkl); ignored by the others.
-        candidate_logprobs: the same shape, the teacher's log-probs at those ids (NaN at filler).
-        advantages: [N] / [B, T], per-token advantages (detached here), required by variants with
-            `advantages_from == "given"` (grpo: `group_advantages` of the rewards, repeated over each
-            response's tokens); ignored by the others, which take A = teacher_logprobs - old_logprobs.
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor (an exact, differentiable 0 when no token is valid) and
@@ -272,9 +318,7 @@ def compute_loss(
     if student_logits.dim() not in (2, 3):
         raise ValueError(f"student_logits must be [N, V] or [B, T, V], got {tuple(student_logits.shape)}")
     vocab = student_logits.shape[-1]
-    tokens = flatten_tokens(get_variant(config.variant), tuple(student_logits.shape[:-1]), sampled_ids, old_logprobs,
-                            teacher_logprobs, teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
-                            seq_index, candidate_ids, candidate_logprobs, advantages)
+    tokens = inputs.flatten(get_variant(config.variant), tuple(student_logits.shape[:-1]))
     logits = student_logits.reshape(-1, vocab)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return _objective(tokens, config, {"logits": logits}, vocab, dtype, denominator, generator)
@@ -283,22 +327,12 @@ def compute_loss(
 def compute_loss_from_hidden(
     hidden: Tensor,
     weight: Tensor,
-    sampled_ids: Tensor,
-    old_logprobs: Tensor | None,
-    teacher_logprobs: Tensor | None,
-    teacher_entropy: Tensor | None,
-    teacher_topk_ids: Tensor | None,
-    teacher_topk_logprobs: Tensor | None,
-    mask: Tensor | None = None,
+    inputs: LossInputs,
     bias: Tensor | None = None,
     config: LossConfig = DEFAULT_CONFIG,
     *,
-    seq_index: Tensor | None = None,
     denominator: float | None = None,
     generator: torch.Generator | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The same loss from final hidden states and the output projection; logits never materialised.
 
@@ -309,15 +343,14 @@ def compute_loss_from_hidden(
     Args:
         hidden: [N, D] or [B, T, D] final hidden states at the positions that predict each token.
         weight: [V, D] output projection (lm_head) weight.
+        inputs: the per-token `LossInputs`, in the form of `hidden` ([N, ...] or [B, T, ...]).
         bias: [V] or None.
         (the rest as in `compute_loss`.)
     """
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [N, D] or [B, T, D], got {tuple(hidden.shape)}")
     vocab = weight.shape[0]
-    tokens = flatten_tokens(get_variant(config.variant), tuple(hidden.shape[:-1]), sampled_ids, old_logprobs,
-                            teacher_logprobs, teacher_entropy, teacher_topk_ids, teacher_topk_logprobs, mask,
-                            seq_index, candidate_ids, candidate_logprobs, advantages)
+    tokens = inputs.flatten(get_variant(config.variant), tuple(hidden.shape[:-1]))
     h = hidden.reshape(-1, hidden.shape[-1])
     dtype = torch.float64 if torch.promote_types(h.dtype, weight.dtype) == torch.float64 else torch.float32
     return _objective(tokens, config, {"hidden": h, "weight": weight, "bias": bias}, vocab, dtype,

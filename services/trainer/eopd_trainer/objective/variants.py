@@ -1,6 +1,7 @@
 """Loss variants, registered by name (the paper's method and its baselines, sec. 5.3-5.6, app. A).
 
-A variant is declarative: which terms it adds up and where the forward KL applies. The positions
+A variant is declarative: which terms it adds up and where the forward KL applies; its
+`weighted_terms(cfg)` are the term objects of `loss_terms` with their weights. The positions
 must be known before the vocabulary pass, so that the FKL's student log-probs are gathered only
 where they are used (for `eopd`, only at gated tokens):
 
@@ -44,6 +45,8 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 from torch import Tensor
+
+from .loss_terms import CrossEntropy, ForwardKL, LossTerm, PolicyGradient, StudentEntropy, TopkReverseKL
 
 if TYPE_CHECKING:
     from .config import LossConfig
@@ -132,6 +135,19 @@ class Variant:
 
     def needs_student_entropy_grad(self, cfg: "LossConfig") -> bool:
         return self.entropy_coef(cfg) != 0.0
+
+    def weighted_terms(self, cfg: "LossConfig") -> tuple[tuple[float, LossTerm], ...]:
+        """The variant's loss under `cfg`: `(weight, term)` pairs, in the order they are added up
+        (pg, top-k reverse KL, FKL, entropy, CE). A term whose weight `cfg` makes 0 is left out
+        (e.g. eopd with alpha = 0 is exactly opd)."""
+        pairs = (
+            (1.0 if self.pg else 0.0, PolicyGradient()),
+            (1.0 if self.topk_rkl else 0.0, TopkReverseKL()),
+            (self.fkl_coef(cfg) if self.fkl_positions is not nowhere else 0.0, ForwardKL()),
+            (-self.entropy_coef(cfg), StudentEntropy()),
+            (self.ce_coef(cfg), CrossEntropy()),
+        )
+        return tuple((w, term) for w, term in pairs if w != 0.0)
 
 
 VARIANTS: dict[str, Variant] = {}

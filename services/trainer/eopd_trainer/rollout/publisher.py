@@ -1,6 +1,7 @@
-"""Scored rollouts out (`Publisher`): a Rollout message is made of a sampled response and its
-teacher scores (or, variant grpo, its reward from the task grader), and added to `<ns>:rollouts`,
-waiting while the stream is over `queue.max_backlog`."""
+"""Rollouts out: `make_rollout`, the one builder of a Rollout (a student sample scored by the
+teacher, a student sample graded (variant grpo: its reward from the task grader, no teacher scores),
+or a teacher-generated response), and `Publisher`, which adds them to `<ns>:rollouts`, waiting while
+the stream is over `queue.max_backlog`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,40 @@ import numpy as np
 
 from ..config import RunConfig
 from ..faults import Faults, corrupt_bytes
-from ..queue.messages import Rollout, encode_rollout, now_ns
+from ..config import RolloutConfig
+from ..queue.messages import ORIGIN_STUDENT, PromptTask, Rollout, encode_rollout, now_ns, rollout_id
 from ..queue.streams import Keys, StreamQueue, wait_for_room
 from .metrics import WorkerMetrics
-from .requests import Pending, remap_ids
+from .requests import Pending, TokenRemap
+
+
+def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, old_logprobs: np.ndarray, scores,
+                 *, remap: TokenRemap, rollout_cfg: RolloutConfig, worker_id: str, policy_version: int, truncated: bool,
+                 sampled_unix_ns: int, scored_unix_ns: int, teacher_model: str = "", origin: str = ORIGIN_STUDENT,
+                 reward: float | None = None, candidate_ids: np.ndarray | None = None) -> Rollout:
+    """A Rollout of `task`'s sample `sample_index`: `response_ids` in the student's ids, the
+    teacher's `scores` (a SequenceScores: per-token log-probs, entropies, top-k, and the
+    candidates' log-probs when `candidate_ids` were sent; its top-k ids mapped back through
+    `remap`), or None for a graded-only sample (empty teacher arrays, top_k 0)."""
+    if scores is None:
+        t_lp = t_ent = np.zeros(0, dtype=np.float32)
+        t_ids, t_tlp = np.zeros((0, 0), dtype=np.int32), np.zeros((0, 0), dtype=np.float32)
+    else:
+        t_lp = np.asarray(scores.token_logprobs, dtype=np.float32)
+        t_ent = np.asarray(scores.entropies, dtype=np.float32)
+        t_ids = remap.student_ids(np.asarray(scores.topk_ids, dtype=np.int32))
+        t_tlp = np.asarray(scores.topk_logprobs, dtype=np.float32)
+    return Rollout(
+        rollout_id=rollout_id(task.task_seq, sample_index), task_id=task.task_id, prompt_index=task.prompt_index,
+        sample_index=sample_index, prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+        response_ids=np.asarray(response_ids, dtype=np.int32), old_logprobs=old_logprobs,
+        teacher_logprobs=t_lp, teacher_entropies=t_ent, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_tlp,
+        policy_version=policy_version, truncated=truncated, sampling_temperature=rollout_cfg.temperature,
+        top_p=rollout_cfg.top_p, worker_id=worker_id, sampled_unix_ns=sampled_unix_ns, scored_unix_ns=scored_unix_ns,
+        teacher_model=teacher_model, origin=origin, reward=reward,
+        candidate_ids=candidate_ids,  # student ids (before the remap), scored by the teacher
+        candidate_logprobs=scores.candidate_logprobs if candidate_ids is not None else None,
+    )
 
 
 class Publisher:
@@ -30,39 +61,23 @@ class Publisher:
         self.metrics = metrics
         self.worker_id = worker_id
         self.stop = stop
-        self.inverse_remap = {v: k for k, v in cfg.teacher.token_remap.items()}
+        self.remap = TokenRemap.of(cfg.teacher.token_remap)
         self.published = 0
 
     def to_rollout(self, p: Pending, scores, teacher_model: str) -> Rollout:
-        topk_ids = remap_ids(np.asarray(scores.topk_ids, dtype=np.int32), self.inverse_remap)
-        ro = self.cfg.rollout
-        return Rollout(
-            rollout_id=p.rollout_id, task_id=p.task.task_id, prompt_index=p.task.prompt_index,
-            sample_index=p.sample_index, prompt_ids=np.asarray(p.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(p.response_ids, dtype=np.int32), old_logprobs=p.old_logprobs,
-            teacher_logprobs=scores.token_logprobs, teacher_entropies=scores.entropies, teacher_topk_ids=topk_ids,
-            teacher_topk_logprobs=scores.topk_logprobs, policy_version=p.policy_version, truncated=p.truncated,
-            sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
-            sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), teacher_model=teacher_model,
-            candidate_ids=p.old_topk_ids,  # student ids (before the remap), scored by the teacher below
-            candidate_logprobs=scores.candidate_logprobs if p.old_topk_ids is not None else None,
-        )
+        """A student sample scored by the teacher (`scores`: its SequenceScores)."""
+        return self._student_rollout(p, scores, teacher_model=teacher_model, candidate_ids=p.old_topk_ids)
 
     def to_graded_rollout(self, p: Pending, reward: float) -> Rollout:
         """A student sample graded, not scored (variant grpo): the task grader's `reward`, no teacher
         call (top_k 0, empty teacher arrays)."""
-        ro = self.cfg.rollout
-        empty = np.zeros(0, dtype=np.float32)
-        t = now_ns()
-        return Rollout(
-            rollout_id=p.rollout_id, task_id=p.task.task_id, prompt_index=p.task.prompt_index,
-            sample_index=p.sample_index, prompt_ids=np.asarray(p.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(p.response_ids, dtype=np.int32), old_logprobs=p.old_logprobs,
-            teacher_logprobs=empty, teacher_entropies=empty, teacher_topk_ids=np.zeros((0, 0), dtype=np.int32),
-            teacher_topk_logprobs=np.zeros((0, 0), dtype=np.float32), policy_version=p.policy_version,
-            truncated=p.truncated, sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
-            sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=t, reward=float(reward),
-        )
+        return self._student_rollout(p, None, reward=float(reward))
+
+    def _student_rollout(self, p: Pending, scores, **kw) -> Rollout:
+        return make_rollout(p.task, p.sample_index, p.prompt_ids, p.response_ids, p.old_logprobs, scores,
+                            remap=self.remap, rollout_cfg=self.cfg.rollout, worker_id=self.worker_id,
+                            policy_version=p.policy_version, truncated=p.truncated,
+                            sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), **kw)
 
     async def publish(self, rollout: Rollout) -> bool:
         """Adds the rollout once the stream has room and counts it; False when the worker is

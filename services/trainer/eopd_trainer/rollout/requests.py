@@ -1,12 +1,13 @@
 """What the worker sends to the teacher and gets back: sampled responses waiting for scores
 (`Pending`), their grouping into requests (`request_groups`), the token ids sent (`teacher_tokens`,
-`remap_ids`), the checks of an answer (`answer_problems`), the requests made of them and the way back
+`TokenRemap`: teacher.token_remap both ways), the checks of an answer (`answer_problems`), the requests made of them and the way back
 from an answer to its rollouts (`RequestShaper`), and the request source of the stream (`BatchQueue`)."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 from eopd_teacher.client import ScoreBatch, SequenceInput
@@ -66,18 +67,42 @@ def remap_ids(ids: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
     return out
 
 
-def teacher_tokens(prompt_ids, response_ids, token_remap: dict[int, int]) -> np.ndarray:
+@dataclass(frozen=True, eq=False)
+class TokenRemap:
+    """`teacher.token_remap` both ways (the config checks it is invertible): `to_teacher` maps what
+    the student generates to the teacher's ids (responses and candidates sent to Score, the
+    student's stop ids sent to Generate); `to_student` maps the teacher's ids back (its top-k ids,
+    the tokens it generates) into a rollout."""
+
+    to_teacher: Mapping[int, int] = field(default_factory=dict)
+    to_student: Mapping[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, token_remap: Mapping[int, int]) -> TokenRemap:
+        return cls(dict(token_remap), {v: k for k, v in token_remap.items()})
+
+    def teacher_ids(self, ids: np.ndarray) -> np.ndarray:
+        return remap_ids(ids, self.to_teacher)
+
+    def student_ids(self, ids: np.ndarray) -> np.ndarray:
+        return remap_ids(ids, self.to_student)
+
+    def teacher_id(self, token_id: int) -> int:
+        return int(self.to_teacher.get(token_id, token_id))
+
+
+def teacher_tokens(prompt_ids, response_ids, remap: TokenRemap) -> np.ndarray:
     """The token ids sent to the teacher: the prompt as rendered, the response with
     `teacher.token_remap` applied (the remap translates what the student generates, e.g. its
     end-of-text id to the teacher's end-of-turn id; the prompt's own special tokens are left alone)."""
     return np.concatenate([np.asarray(prompt_ids, dtype=np.int64),
-                           remap_ids(np.asarray(response_ids, dtype=np.int64), token_remap)])
+                           remap.teacher_ids(np.asarray(response_ids, dtype=np.int64))])
 
 
-def teacher_candidates(topk_ids: np.ndarray | None, token_remap: dict[int, int]) -> np.ndarray | None:
+def teacher_candidates(topk_ids: np.ndarray | None, remap: TokenRemap) -> np.ndarray | None:
     """The per-position candidate ids sent to the teacher: the student's top-k ids with
     `teacher.token_remap` applied, like the response (None: no candidates)."""
-    return None if topk_ids is None else remap_ids(np.asarray(topk_ids, dtype=np.int64), token_remap)
+    return None if topk_ids is None else remap.teacher_ids(np.asarray(topk_ids, dtype=np.int64))
 
 
 @dataclass
@@ -109,6 +134,7 @@ class RequestShaper:
     def __init__(self, worker_id: str, teacher: TeacherConfig, max_tokens_per_request: int | None):
         self.worker_id = worker_id
         self.teacher = teacher
+        self.remap = TokenRemap.of(teacher.token_remap)
         self.max_tokens_per_request = max_tokens_per_request
         self._seq = 0
         self.contexts: dict[str, list[Pending]] = {}  # request id -> the rollouts it scores
@@ -123,8 +149,8 @@ class RequestShaper:
             self._seq += 1
             rid = f"{self.worker_id}-{self._seq}"
             self.contexts[rid] = group
-            seqs = [SequenceInput(p.rollout_id, teacher_tokens(p.prompt_ids, p.response_ids, t.token_remap),
-                                  len(p.prompt_ids), teacher_candidates(p.old_topk_ids, t.token_remap)) for p in group]
+            seqs = [SequenceInput(p.rollout_id, teacher_tokens(p.prompt_ids, p.response_ids, self.remap),
+                                  len(p.prompt_ids), teacher_candidates(p.old_topk_ids, self.remap)) for p in group]
             out.append(ScoreBatch(rid, seqs, top_k=t.top_k, temperature=t.temperature))
         return out
 

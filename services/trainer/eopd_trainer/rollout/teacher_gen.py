@@ -21,8 +21,9 @@ import numpy as np
 
 from ..config import RunConfig
 from ..objective import step_seed
-from ..queue.messages import ORIGIN_TEACHER, PromptTask, Rollout, now_ns, rollout_id
-from .requests import remap_ids
+from ..queue.messages import ORIGIN_TEACHER, PromptTask, Rollout, now_ns
+from .publisher import make_rollout
+from .requests import TokenRemap
 
 log = logging.getLogger("eopd.rollout")
 
@@ -39,9 +40,8 @@ class TeacherGenerator:
         self.client = client
         self.cfg = cfg
         self.worker_id = worker_id
-        remap = cfg.teacher.token_remap
-        self.inverse_remap = {v: k for k, v in remap.items()}
-        self.stop_ids = tuple(sorted({int(remap.get(i, i)) for i in student_stop_ids}))
+        self.remap = TokenRemap.of(cfg.teacher.token_remap)
+        self.stop_ids = tuple(sorted({self.remap.teacher_id(i) for i in student_stop_ids}))
 
     def request_kwargs(self, task: PromptTask) -> dict:
         """The keyword arguments of `client.generate` for the task's teacher samples."""
@@ -77,18 +77,10 @@ class TeacherGenerator:
     def to_rollout(self, task: PromptTask, prompt_ids: Sequence[int], gen, *, policy_version: int,
                    teacher_model: str, reward: float | None = None) -> Rollout:
         """A Generation as a teacher-origin Rollout (student ids, old_logprobs zeros: unused)."""
-        ro, s = self.cfg.rollout, gen.scores
-        response = remap_ids(np.asarray(gen.token_ids, dtype=np.int32), self.inverse_remap)
+        response = self.remap.student_ids(np.asarray(gen.token_ids, dtype=np.int32))
         t = now_ns()
-        return Rollout(
-            rollout_id=rollout_id(task.task_seq, int(gen.sample_index)), task_id=task.task_id,
-            prompt_index=task.prompt_index, sample_index=int(gen.sample_index),
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32), response_ids=response,
-            old_logprobs=np.zeros(len(response), dtype=np.float32),
-            teacher_logprobs=np.asarray(s.token_logprobs, dtype=np.float32),
-            teacher_entropies=np.asarray(s.entropies, dtype=np.float32),
-            teacher_topk_ids=remap_ids(np.asarray(s.topk_ids, dtype=np.int32), self.inverse_remap),
-            teacher_topk_logprobs=np.asarray(s.topk_logprobs, dtype=np.float32),
-            policy_version=policy_version, truncated=gen.finish_reason == "length",
-            sampling_temperature=ro.temperature, top_p=ro.top_p, worker_id=self.worker_id,
-            sampled_unix_ns=t, scored_unix_ns=t, teacher_model=teacher_model, origin=ORIGIN_TEACHER, reward=reward)
+        return make_rollout(task, int(gen.sample_index), prompt_ids, response,
+                            np.zeros(len(response), dtype=np.float32), gen.scores, remap=self.remap,
+                            rollout_cfg=self.cfg.rollout, worker_id=self.worker_id, policy_version=policy_version,
+                            truncated=gen.finish_reason == "length", sampled_unix_ns=t, scored_unix_ns=t,
+                            teacher_model=teacher_model, origin=ORIGIN_TEACHER, reward=reward)

@@ -37,7 +37,6 @@ from ..config import RunConfig
 from ..config.stages import run_needs_teacher
 from ..data import load_prompts
 from ..faults import Faults
-from ..objective import get_variant
 from ..queue.signing import signer_for
 from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect
 from .answers import ScoreAnswers
@@ -96,11 +95,10 @@ class RolloutWorker:
         self.publisher = Publisher(self.rollouts, self.redis, self.keys, cfg, self.faults, self.metrics,
                                    self.worker_id, self.stop)
         self.students = StudentSamples(cfg, self.sampler, self.prompts, self.faults, self.versions, self.publisher)
-        variant = get_variant(cfg.loss.variant)
         # Student samples: scored by the teacher, or (grpo) graded by the task grader and never sent.
-        self.score_students = bool(variant.needs_teacher_scores)
+        self.score_students = cfg.loss.needs_teacher_scores
         self.grader = (TaskGrader.from_files(cfg.data.train_files, self.tokenizer, cfg.eval.headline)
-                       if variant.advantages_from == "given" else None)
+                       if cfg.loss.advantages_given else None)
         self.book.resume_pending()
 
     def _teacher_samples(self, generator: TeacherGenerator | None, teacher_model: str) -> TeacherSamples:
