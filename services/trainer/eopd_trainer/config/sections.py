@@ -155,9 +155,14 @@ class VllmRolloutConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Sampling engine of the workers: transformers `generate`, or vLLM (needs vllm installed; "
-        "weights reloaded in place at each policy version).")
+    engine: Literal["auto", "transformers", "vllm"] = Field(
+        "auto", description="Sampling engine of the workers: transformers `generate`, or vLLM (needs vllm installed; "
+        "weights reloaded in place at each policy version). auto: vLLM where student.device is CUDA and vLLM is "
+        "installed, else transformers (`rollout.samplers.resolve_engine`).")
+    kv_cache: Literal["auto", "dynamic", "static"] = Field(
+        "auto", description="The transformers sampler's KV cache: static (preallocated to prompt + max_response_length; "
+        "transformers then compiles the decode step on CUDA) or dynamic (grown per token). auto: static on CUDA, "
+        "dynamic on CPU.")
     old_logprobs: Literal["transformers", "vllm"] = Field(
         "transformers", description="Where old log-probs come from: a transformers forward pass over the sampled sequence "
         "(what the learner's ratio is computed against), or, with engine=vllm, vLLM's log-prob of each sampled token "
@@ -182,8 +187,9 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _engine_settings(self) -> RolloutConfig:
-        if self.old_logprobs == "vllm" and self.engine != "vllm":
-            raise ValueError("rollout.old_logprobs=vllm needs rollout.engine=vllm (only vLLM returns its own log-probs)")
+        if self.old_logprobs == "vllm" and self.engine == "transformers":
+            raise ValueError("rollout.old_logprobs=vllm needs rollout.engine=vllm or auto on a CUDA host with vLLM (only "
+                             "vLLM returns its own log-probs)")
         if self.old_logprobs == "vllm" and self.top_p < 1.0:
             raise ValueError(
                 f"rollout.old_logprobs=vllm needs rollout.top_p=1.0 (got {self.top_p}): vLLM's log-probs are renormalised "

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature: float, top_p: float,
-             max_new_tokens: int, seed: int) -> list[Sample]:
-    """One sampled response per prompt (repeat a prompt for several samples)."""
+             max_new_tokens: int, seed: int, kv_cache: str = "dynamic") -> list[Sample]:
+    """One sampled response per prompt (repeat a prompt for several samples). `kv_cache` "static":
+    a KV cache preallocated to prompt + `max_new_tokens` (transformers then compiles the decode
+    step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token."""
     device = next(model.parameters()).device
     pad = pad_token_id(tokenizer)
     L = max(len(p) for p in prompts)
@@ -43,7 +45,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     out = model.generate(
         input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
         top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-        eos_token_id=sorted(stop) if stop else None,
+        eos_token_id=sorted(stop) if stop else None, **({"cache_implementation": "static"} if kv_cache == "static" else {}),
     )
     samples = []
     for i, p in enumerate(prompts):
@@ -130,7 +132,10 @@ class TransformersSampler:
     engine = "transformers"
 
     def __init__(self, spec: str, *, dtype: str = "float32", device: str = "cpu", model=None, tokenizer=None,
-                 logprob_chunk_size: int = 1024):
+                 logprob_chunk_size: int = 1024, kv_cache: str = "dynamic"):
+        if kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"kv_cache must be dynamic or static, got {kv_cache!r}")
+        self.kv_cache = kv_cache
         if model is None:
             loaded = load_causal_lm(spec, dtype=dtype, device=device)
             model, tokenizer = loaded.model, loaded.tokenizer
@@ -142,7 +147,7 @@ class TransformersSampler:
 
     def sample(self, prompts, seeds, *, temperature, top_p, max_new_tokens) -> list[Sample]:
         return generate(self.model, self.tokenizer, prompts, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens, seed=int(seeds[0]))
+                        max_new_tokens=max_new_tokens, seed=int(seeds[0]), kv_cache=self.kv_cache)
 
     def old_logprobs(self, samples, *, temperature) -> list[np.ndarray]:
         return sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
