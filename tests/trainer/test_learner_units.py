@@ -163,13 +163,13 @@ def _feed(monkeypatch):
     from eopd_trainer.learner.feed import RolloutFeed
     from eopd_trainer.learner.ledger import Ledger
     from eopd_trainer.learner.loop import fresh_state
-    from eopd_trainer.queue.streams import Keys
+    from eopd_trainer.queue.namespace import RunQueue
 
     from tests.trainer.pipeline_helpers import TINY
 
     cfg = load_config(TINY, ["train.batch_size=2", "train.mini_batch_size=2", "train.micro_batch_size=2"])
     feed = RolloutFeed(cfg)
-    feed.redis, feed.keys = fakeredis.FakeRedis(), Keys("ns")  # what acquire_lease sets
+    feed.queue = RunQueue(fakeredis.FakeRedis(), "ns", signer=feed.signer)  # what acquire_lease sets
     state = fresh_state()
     feed.setup_queues(state, Ledger(), num_prompts=4, vocab_size=100)
     decoded = []
@@ -184,7 +184,7 @@ def _feed(monkeypatch):
 
 
 def _push(feed, r: Rollout | bytes) -> None:
-    feed.redis.xadd(feed.keys.rollouts, {b"data": r if isinstance(r, bytes) else encode_rollout(r)})
+    feed.queue.client.xadd(feed.queue.keys.rollouts, {b"data": r if isinstance(r, bytes) else encode_rollout(r)})
 
 
 def test_feed_collects_a_batch_decoding_each_rollout_once(monkeypatch):
@@ -200,7 +200,7 @@ def test_feed_collects_a_batch_decoding_each_rollout_once(monkeypatch):
     assert state["counters"] == {"stale_dropped": 0, "duplicates": 1, "dead_letters": 1, "replacement_tasks": 0}
     assert collected.stats["dead_letters_total"] == 1.0 and collected.stats["duplicates_total"] == 1.0
     assert collected.stats["staleness_mean"] == 0.0 and collected.stats["response_length_mean"] == 4.0
-    assert int(feed.redis.get(feed.keys.tasks_next)) == 1  # sync: B / n_samples tasks for iteration 1
+    assert int(feed.queue.client.get(feed.queue.keys.tasks_next)) == 1  # sync: B / n_samples tasks for iteration 1
     feed.record_tasks_published()
     assert state["tasks_published"] == 1
 

@@ -19,8 +19,7 @@ from typing import Any
 from ..config import RunConfig
 from ..config.stages import IterationPlan, plan_iteration, task_iteration, task_teacher_samples
 from ..data import prompt_index
-from ..queue.announce import announce, current_announcement
-from ..queue.lease import Lease, LeaseLost
+from ..queue.lease import LeaseLost
 from ..queue.messages import (
     PoisonMessage,
     PolicyVersion,
@@ -28,11 +27,10 @@ from ..queue.messages import (
     Rollout,
     RolloutLimits,
     decode_rollout,
-    encode_task,
 )
 from ..queue.rollout_checks import check_rollout_metadata
+from ..queue.namespace import RunQueue
 from ..queue.signing import signer_for
-from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect, read_counts
 from .ledger import (
     Admit,
     Ledger,
@@ -94,7 +92,7 @@ class RolloutFeed:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.stop_requested = False  # set by the loop on SIGTERM/SIGINT: collect returns None
-        self.lease: Lease | None = None
+        self.lease = None  # the namespace's Lease (`RunQueue.lease`) once acquired
         limit = cfg.queue.max_rejected_in_a_row or 4 * cfg.train.batch_size
         self.rejects = RejectStreak(limit)
         self.signer = signer_for(cfg.queue.auth_key_file)
@@ -108,28 +106,24 @@ class RolloutFeed:
     def acquire_lease(self) -> None:
         """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""
         cfg = self.cfg
-        self.keys = Keys(cfg.queue.namespace)
-        self.redis = connect(cfg.queue.redis_url)
-        self.lease = Lease(self.redis, self.keys.lease, ttl_ms=int(cfg.queue.lease_ttl_s * 1000),
-                           description=f"eopd-train run_dir={cfg.run_dir}")
+        self.queue = RunQueue.connect(cfg.queue.redis_url, cfg.queue.namespace, signer=self.signer,
+                                      dead_maxlen=cfg.queue.dead_letter_maxlen)
+        self.lease = self.queue.lease(ttl_ms=int(cfg.queue.lease_ttl_s * 1000),
+                                      description=f"eopd-train run_dir={cfg.run_dir}")
         self.lease.acquire(wait_s=cfg.queue.lease_wait_s)
 
     def setup_queues(self, state: dict[str, Any], ledger: Ledger, num_prompts: int, vocab_size: int) -> None:
         cfg = self.cfg
         self.state, self.ledger, self.num_prompts, self.vocab_size = state, ledger, num_prompts, vocab_size
         consumer = "learner"
-        self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, consumer, self.keys.dead,
-                                    cfg.queue.dead_letter_maxlen, dropped_stream=self.keys.dropped,
-                                    counts_key=self.keys.counts, signer=self.signer)
+        self.rollouts = self.queue.rollouts(consumer, record_drops=True)
         # Unauthenticated entries are dead-lettered inside StreamQueue's reads: never decoded here and
         # never counted by `self.rejects` (a stranger's junk cannot stop the run; see docs/reliability.md).
-        self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, consumer, self.keys.dead,
-                                 cfg.queue.dead_letter_maxlen, signer=self.signer)
+        self.tasks = self.queue.tasks(consumer)
         self.rollouts.ensure_group()
         self.tasks.ensure_group()
-        self.redis.delete(self.keys.done)
-        rebuilt = rebuild_if_lost(self.redis, self.keys, self.state, n_samples=cfg.rollout.n_samples,
-                                  fields=self.tasks.fields,
+        self.queue.clear_done()
+        rebuilt = rebuild_if_lost(self.queue, self.state, n_samples=cfg.rollout.n_samples,
                                   prompt_of=lambda seq: prompt_index(seq, self.num_prompts, seed=cfg.seed,
                                                                      shuffle=cfg.data.shuffle),
                                   teacher_of=lambda seq: self.teacher_samples(seq, self.state["iteration"] + 1))
@@ -138,7 +132,7 @@ class RolloutFeed:
         # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
         self.rollouts.claim_idle(0, 1_000_000)
         self._pending = collections.deque(self._within_delivery_cap(self.rollouts.read_pending(1_000_000)))
-        self.published_tasks = int(self.redis.get(self.keys.tasks_next) or 0)
+        self.published_tasks = self.queue.task_counter() or 0
         if self._pending:
             log.info("found %d unacknowledged rollouts from before a restart", len(self._pending))
 
@@ -147,9 +141,7 @@ class RolloutFeed:
         starts have found pending (see `learner_starts_holding`; one committed already is kept: it
         is dropped as a duplicate); returns the others."""
         cap = self.cfg.rollout.max_rollout_deliveries
-        rows = self.redis.xpending_range(self.keys.rollouts, GROUP_LEARNER, min="-", max="+", count=len(entries) + 1000)
-        delivered = {(r["message_id"].decode() if isinstance(r["message_id"], bytes) else str(r["message_id"])):
-                     int(r["times_delivered"]) for r in rows}
+        delivered = self.rollouts.delivery_counts(len(entries) + 1000)
         keep = []
         for e in entries:
             starts = learner_starts_holding(delivered.get(e.entry_id, 1))
@@ -168,10 +160,10 @@ class RolloutFeed:
 
     # Policy announcement ----------------------------------------------------------------------
     def announce(self, pv: PolicyVersion) -> None:
-        announce(self.redis, self.keys.policy, pv, self.signer)
+        self.queue.announce(pv)
 
     def announced_version(self) -> int:
-        pv = current_announcement(self.redis, self.keys.policy, self.signer)
+        pv = self.queue.announcement()
         return -1 if pv is None or not Path(pv.uri).is_file() else pv.version
 
     # Tasks -----------------------------------------------------------------------------------
@@ -179,7 +171,7 @@ class RolloutFeed:
         """Publishes the tasks `iteration` needs (and `replacements` more), atomically with the
         task counter: a restarted learner never publishes the same task twice."""
         cfg = self.cfg
-        published = int(self.redis.get(self.keys.tasks_next) or 0)
+        published = self.queue.task_counter() or 0
         counters = self.state["counters"]
         counters["replacement_tasks"] += replacements
         n_new = tasks_to_publish(iteration=iteration, batch_size=cfg.train.batch_size, n_samples=cfg.rollout.n_samples,
@@ -188,16 +180,14 @@ class RolloutFeed:
         self.published_tasks = published
         if n_new <= 0:
             return 0
-        pipe = self.redis.pipeline(transaction=True)
+        tasks = []
         for seq in range(published, published + n_new):
             meant_for = task_iteration(seq, iteration=iteration, prompts_per_iteration=cfg.prompts_per_iteration,
                                        max_staleness=cfg.effective_max_staleness)
-            task = PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
-                              cfg.rollout.n_samples, self.state["policy_version"],
-                              num_teacher_samples=self.teacher_samples(seq, meant_for))
-            pipe.xadd(self.keys.tasks, self.tasks.fields(encode_task(task)))
-        pipe.set(self.keys.tasks_next, published + n_new)
-        pipe.execute()
+            tasks.append(PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
+                                    cfg.rollout.n_samples, self.state["policy_version"],
+                                    num_teacher_samples=self.teacher_samples(seq, meant_for)))
+        self.queue.publish_tasks(tasks, counter=published + n_new)
         self.published_tasks = published + n_new
         return n_new
 
@@ -210,7 +200,7 @@ class RolloutFeed:
 
     def record_tasks_published(self) -> None:
         """The task counter into the state at a commit (what a rebuild of a lost queue starts from)."""
-        self.state["tasks_published"] = int(self.redis.get(self.keys.tasks_next) or 0)
+        self.state["tasks_published"] = self.queue.task_counter() or 0
 
     # Rollouts --------------------------------------------------------------------------------
     def collect(self, iteration: int, plan: IterationPlan | None = None) -> Collected | None:
@@ -324,7 +314,7 @@ class RolloutFeed:
 
     def _sync_counters(self) -> None:
         """The drop and dead-letter totals from Redis (exact across crashes) into the state."""
-        c = read_counts(self.redis, self.keys.counts)
+        c = self.queue.counts()
         self.state["counters"].update(stale_dropped=c.get("stale", 0) + c.get("future", 0),
                                       duplicates=c.get("duplicate", 0), dead_letters=c.get("dead_letter", 0))
 
@@ -347,7 +337,7 @@ class RolloutFeed:
 
     def finish(self) -> None:
         """Training done: `<ns>:done` tells the workers and `eopd run`."""
-        self.redis.set(self.keys.done, b"1")
+        self.queue.mark_done()
 
     def close(self) -> None:
         if self.lease is not None:

@@ -11,7 +11,8 @@ import numpy as np
 from ..config import RunConfig
 from ..faults import Faults, corrupt_bytes
 from ..queue.messages import Rollout, encode_rollout, now_ns
-from ..queue.streams import Keys, StreamQueue, wait_for_room
+from ..queue.namespace import RunQueue
+from ..queue.streams import StreamQueue
 from .metrics import WorkerMetrics
 from .requests import Pending, remap_ids
 
@@ -20,11 +21,10 @@ class Publisher:
     """Publishes a worker's rollouts on the rollouts stream (with backpressure and the
     `rollout.publish` / `rollout.after_publish` fault points) and counts them (`published`)."""
 
-    def __init__(self, rollouts: StreamQueue, redis, keys: Keys, cfg: RunConfig, faults: Faults,
+    def __init__(self, rollouts: StreamQueue, queue: RunQueue, cfg: RunConfig, faults: Faults,
                  metrics: WorkerMetrics, worker_id: str, stop: asyncio.Event):
         self.rollouts = rollouts
-        self.redis = redis
-        self.keys = keys
+        self.queue = queue  # backpressure and the done flag
         self.cfg = cfg
         self.faults = faults
         self.metrics = metrics
@@ -76,8 +76,7 @@ class Publisher:
         return True
 
     def _add(self, rollout: Rollout) -> bool:
-        ok = wait_for_room(self.redis, self.keys.rollouts, self.cfg.queue.max_backlog,
-                           should_stop=self._should_stop, on_wait=self._on_wait)
+        ok = self.queue.wait_for_room(self.cfg.queue.max_backlog, should_stop=self._should_stop, on_wait=self._on_wait)
         if ok:
             data = encode_rollout(rollout)
             if self.faults.hit("rollout.publish", count=self.published + 1):
@@ -86,7 +85,7 @@ class Publisher:
         return ok
 
     def _should_stop(self) -> bool:
-        return self.stop.is_set() or bool(self.redis.exists(self.keys.done))
+        return self.stop.is_set() or self.queue.is_done()
 
     def _on_wait(self, _backlog: int) -> None:
         self.metrics.backpressure_waits.inc()
