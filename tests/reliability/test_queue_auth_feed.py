@@ -9,8 +9,7 @@ import fakeredis
 import pytest
 from eopd_trainer.config.load import load_config
 from eopd_trainer.learner.feed import EXIT_REJECTED, LearnerAbort, RolloutFeed
-from eopd_trainer.learner.ledger import Ledger
-from eopd_trainer.learner.loop import fresh_state
+from eopd_trainer.learner.state import LearnerState
 from eopd_trainer.queue.messages import encode_rollout
 from eopd_trainer.queue.signing import Signer, load_key, write_key_file
 from eopd_trainer.queue.namespace import RunQueue
@@ -26,7 +25,7 @@ def _feed(tmp_path):
                              f"queue.auth_key_file={key_file}"])
     feed = RolloutFeed(cfg)
     feed.queue = RunQueue(fakeredis.FakeRedis(), "ns", signer=feed.signer)  # what acquire_lease sets
-    feed.setup_queues(fresh_state(), Ledger(), num_prompts=4, vocab_size=100)
+    feed.setup_queues(LearnerState(), num_prompts=4, vocab_size=100)
     return feed, Signer(load_key(key_file))
 
 
@@ -42,7 +41,7 @@ def test_unauthenticated_entries_do_not_count_toward_the_stop_rule(tmp_path):
     collected = feed.collect(1)
     assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"]
     assert read_counts(feed.queue.client, feed.queue.keys.counts) == {"unauthenticated": 3 * feed.rejects.limit}
-    assert feed.state["counters"]["dead_letters"] == 0 and feed.state["counters"]["duplicates"] == 0
+    assert feed.state.feed.counters.dead_letters == 0 and feed.state.feed.counters.duplicates == 0
 
 
 def test_authenticated_poison_still_stops_the_learner(tmp_path):

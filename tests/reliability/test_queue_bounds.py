@@ -26,7 +26,7 @@ from eopd_trainer.batching import pack_rollouts
 from eopd_trainer.config.load import load_config
 from eopd_trainer.learner.feed import RolloutFeed
 from eopd_trainer.learner.ledger import Ledger
-from eopd_trainer.learner.loop import fresh_state
+from eopd_trainer.learner.state import LearnerState
 from eopd_trainer.queue.announce import announce
 from eopd_trainer.queue.messages import (
     PoisonMessage,
@@ -82,7 +82,7 @@ def start_learner(cfg, ledger: Ledger | None = None) -> RolloutFeed:
     """The learner's Redis side as a (re)started learner sets it up: lease, groups, pending entries."""
     feed = RolloutFeed(cfg)
     feed.acquire_lease()
-    feed.setup_queues(fresh_state(), ledger or Ledger(), num_prompts=4, vocab_size=VOCAB)
+    feed.setup_queues(LearnerState(ledger=ledger or Ledger()), num_prompts=4, vocab_size=VOCAB)
     return feed
 
 

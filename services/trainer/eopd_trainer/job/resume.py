@@ -37,6 +37,7 @@ import yaml
 
 from ..config import ConfigError, RunConfig, config_from_dict
 from ..learner.checkpoint import read_state
+from ..learner.state import LearnerState
 from ..queue.namespace import RunQueue
 from .prepare import CONFIG_NAME, write_atomic
 
@@ -148,16 +149,16 @@ def plan_start(cfg: RunConfig, *, resume: bool, overwrite: bool) -> Start:
     if not resume:
         if state is not None:
             raise ConfigError(
-                f"{run_dir} already holds a trained run (iteration {state['iteration']} committed): pass --resume "
+                f"{run_dir} already holds a trained run (iteration {state.iteration} committed): pass --resume "
                 "to continue it, --overwrite to delete it and start again, or another run_dir=")
         return Start(False)
     if not (run_dir / CONFIG_NAME).is_file():
         return Start(False, note=f"nothing to resume in {run_dir} (no {CONFIG_NAME}): starting a new run")
     previous = _read_config(run_dir / CONFIG_NAME)
     changed = check_config(run_dir, cfg, previous)
-    state = state or {}
-    return Start(True, iteration=int(state.get("iteration", 0)), policy_version=int(state.get("policy_version", 0)),
-                 optimizer_steps=int(state.get("optimizer_steps", 0)), tasks_published=state.get("tasks_published"),
+    state = state or LearnerState()
+    return Start(True, iteration=state.iteration, policy_version=state.policy_version,
+                 optimizer_steps=state.optimizer_steps, tasks_published=state.feed.tasks_published,
                  namespace=previous.queue.namespace, previous=previous, changed=tuple(changed))
 
 

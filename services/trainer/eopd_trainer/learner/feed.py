@@ -1,9 +1,9 @@
 """The learner's Redis side (rank 0 only, never torch): the namespace lease, the task and rollout
 streams, the policy announcement and the exit codes they cause.
 
-`RolloutFeed` works on three keys of the checkpoint state dict the loop hands it in `setup_queues`
-(`counters`, `settled`, `tasks_published`; it reads `policy_version` and `iteration`); the loop owns
-the rest. Every rollout is decoded once, here: `Collected` carries the decoded rollouts (rank 0
+`RolloutFeed` writes only `state.feed` (`FeedState`: counters, settled, tasks published) of the
+`LearnerState` the loop hands it in `setup_queues`; it reads `policy_version`, `iteration` and the
+ledger; the loop owns the rest. Every rollout is decoded once, here: `Collected` carries the decoded rollouts (rank 0
 trains on them) and their bytes (broadcast to the other ranks, which decode them there).
 """
 
@@ -14,7 +14,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..config import RunConfig
 from ..config.stages import IterationPlan, plan_iteration, task_iteration, task_teacher_samples
@@ -41,6 +40,7 @@ from .ledger import (
     tasks_to_publish,
 )
 from .rebuild import rebuild_if_lost
+from .state import LearnerState
 
 log = logging.getLogger("eopd.learner")
 
@@ -112,9 +112,10 @@ class RolloutFeed:
                                       description=f"eopd-train run_dir={cfg.run_dir}")
         self.lease.acquire(wait_s=cfg.queue.lease_wait_s)
 
-    def setup_queues(self, state: dict[str, Any], ledger: Ledger, num_prompts: int, vocab_size: int) -> None:
+    def setup_queues(self, state: LearnerState, num_prompts: int, vocab_size: int) -> None:
         cfg = self.cfg
-        self.state, self.ledger, self.num_prompts, self.vocab_size = state, ledger, num_prompts, vocab_size
+        self.state, self.num_prompts, self.vocab_size = state, num_prompts, vocab_size
+        self.ledger: Ledger = state.ledger  # read here (admission), written by the loop
         consumer = "learner"
         self.rollouts = self.queue.rollouts(consumer, record_drops=True)
         # Unauthenticated entries are dead-lettered inside StreamQueue's reads: never decoded here and
@@ -126,7 +127,7 @@ class RolloutFeed:
         rebuilt = rebuild_if_lost(self.queue, self.state, n_samples=cfg.rollout.n_samples,
                                   prompt_of=lambda seq: prompt_index(seq, self.num_prompts, seed=cfg.seed,
                                                                      shuffle=cfg.data.shuffle),
-                                  teacher_of=lambda seq: self.teacher_samples(seq, self.state["iteration"] + 1))
+                                  teacher_of=lambda seq: self.teacher_samples(seq, self.state.iteration + 1))
         if rebuilt:
             log.warning("%s", rebuilt)
         # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
@@ -172,11 +173,11 @@ class RolloutFeed:
         task counter: a restarted learner never publishes the same task twice."""
         cfg = self.cfg
         published = self.queue.task_counter() or 0
-        counters = self.state["counters"]
-        counters["replacement_tasks"] += replacements
+        counters = self.state.feed.counters
+        counters.replacement_tasks += replacements
         n_new = tasks_to_publish(iteration=iteration, batch_size=cfg.train.batch_size, n_samples=cfg.rollout.n_samples,
                                  max_staleness=cfg.effective_max_staleness, published_tasks=published,
-                                 replacement_tasks=counters["replacement_tasks"])
+                                 replacement_tasks=counters.replacement_tasks)
         self.published_tasks = published
         if n_new <= 0:
             return 0
@@ -185,7 +186,7 @@ class RolloutFeed:
             meant_for = task_iteration(seq, iteration=iteration, prompts_per_iteration=cfg.prompts_per_iteration,
                                        max_staleness=cfg.effective_max_staleness)
             tasks.append(PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
-                                    cfg.rollout.n_samples, self.state["policy_version"],
+                                    cfg.rollout.n_samples, self.state.policy_version,
                                     num_teacher_samples=self.teacher_samples(seq, meant_for)))
         self.queue.publish_tasks(tasks, counter=published + n_new)
         self.published_tasks = published + n_new
@@ -200,7 +201,7 @@ class RolloutFeed:
 
     def record_tasks_published(self) -> None:
         """The task counter into the state at a commit (what a rebuild of a lost queue starts from)."""
-        self.state["tasks_published"] = self.queue.task_counter() or 0
+        self.state.feed.tasks_published = self.queue.task_counter() or 0
 
     # Rollouts --------------------------------------------------------------------------------
     def collect(self, iteration: int, plan: IterationPlan | None = None) -> Collected | None:
@@ -209,7 +210,7 @@ class RolloutFeed:
         while waiting."""
         self.publish_tasks(iteration)
         plan = plan or plan_iteration(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration)
-        batch = _Batch(need=self.cfg.train.batch_size, version=self.state["policy_version"], plan=plan)
+        batch = _Batch(need=self.cfg.train.batch_size, version=self.state.policy_version, plan=plan)
         while batch.missing > 0:
             if self.stop_requested:
                 return None
@@ -283,12 +284,12 @@ class RolloutFeed:
         self.rollouts.drop(e, d.kind.value, rollout_id=r.rollout_id, policy_version=r.policy_version,
                            staleness=d.staleness)
         if d.kind is not Admit.DUPLICATE:
-            self.state["settled"].append(r.rollout_id)  # its task is not republished by a rebuild
+            self.state.feed.settled.append(r.rollout_id)  # its task is not republished by a rebuild
             self._rejected(f"{d.kind.value} {r.rollout_id}: sampled by policy version {r.policy_version}, "
                            f"learner at {batch.version} (max staleness {cfg.effective_max_staleness})")
 
     def _stats(self, batch: _Batch) -> dict[str, float]:
-        counters = self.state["counters"]
+        counters = self.state.feed.counters
         rollouts = [v[2] for v in batch.rollouts.values()]
         staleness = batch.staleness
         graded = [r.reward for r in rollouts if r.reward is not None]  # grpo: the task grader's 1.0 / 0.0
@@ -298,9 +299,9 @@ class RolloutFeed:
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "queue_backlog": float(self.rollouts.undelivered()),  # scored rollouts not yet read by the learner
-            "stale_dropped_total": float(counters["stale_dropped"]),
-            "duplicates_total": float(counters["duplicates"]),
-            "dead_letters_total": float(counters["dead_letters"]),
+            "stale_dropped_total": float(counters.stale_dropped),
+            "duplicates_total": float(counters.duplicates),
+            "dead_letters_total": float(counters.dead_letters),
             "response_length_mean": sum(r.num_response_tokens for r in rollouts) / len(rollouts),
             "truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
             "teacher_origin_frac": sum(r.off_policy for r in rollouts) / len(rollouts),
@@ -315,8 +316,9 @@ class RolloutFeed:
     def _sync_counters(self) -> None:
         """The drop and dead-letter totals from Redis (exact across crashes) into the state."""
         c = self.queue.counts()
-        self.state["counters"].update(stale_dropped=c.get("stale", 0) + c.get("future", 0),
-                                      duplicates=c.get("duplicate", 0), dead_letters=c.get("dead_letter", 0))
+        counters = self.state.feed.counters
+        counters.stale_dropped = c.get("stale", 0) + c.get("future", 0)
+        counters.duplicates, counters.dead_letters = c.get("duplicate", 0), c.get("dead_letter", 0)
 
     # Lease fencing and the end -----------------------------------------------------------------
     def check_lease(self) -> LeaseLost | None:
@@ -332,7 +334,7 @@ class RolloutFeed:
         try:
             self.lease.fenced(lambda pipe: self.rollouts.queue_ack(pipe, entry_ids))
         except LeaseLost as exc:
-            raise LearnerAbort(f"checkpoint of iteration {self.state['iteration']} committed but its entries not "
+            raise LearnerAbort(f"checkpoint of iteration {self.state.iteration} committed but its entries not "
                                f"acknowledged: {exc}", EXIT_LEASE_LOST) from None
 
     def finish(self) -> None:
