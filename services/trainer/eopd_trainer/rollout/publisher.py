@@ -15,6 +15,7 @@ from ..queue.namespace import RunQueue
 from ..queue.streams import StreamQueue
 from .metrics import WorkerMetrics
 from .requests import Pending, remap_ids
+from .task_book import TaskBook
 
 
 class Publisher:
@@ -73,6 +74,15 @@ class Publisher:
         self.metrics.published.inc()
         self.metrics.tokens.inc(rollout.num_response_tokens)
         self.faults.hit("rollout.after_publish", count=self.published)
+        return True
+
+    async def publish_and_settle(self, rollout: Rollout, book: TaskBook, entry_id: str) -> bool:
+        """Publishes the rollout of task `entry_id`, then settles it in the task book (the task is
+        acknowledged once all its rollouts are). False when the worker is stopping or the run is
+        done first: nothing published, nothing settled, the task stays pending and is reclaimed later."""
+        if not await self.publish(rollout):
+            return False
+        await book.settle(entry_id, rollout.rollout_id)
         return True
 
     def _add(self, rollout: Rollout) -> bool:
