@@ -3,7 +3,8 @@ streams, the policy announcement and the exit codes they cause.
 
 `RolloutFeed` writes only `state.feed` (`FeedState`: counters, settled, tasks published) of the
 `LearnerState` the loop hands it in `setup_queues`; it reads `policy_version`, `iteration` and the
-ledger; the loop owns the rest. Every rollout is decoded once, here: `Collected` carries the decoded rollouts (rank 0
+ledger; the loop owns the rest. The queue is the run's `RunQueue` (`queue/namespace.py`), never a
+Redis client. Every rollout is decoded once, here: `Collected` carries the decoded rollouts (rank 0
 trains on them) and their bytes (broadcast to the other ranks, which decode them there).
 """
 
@@ -27,8 +28,8 @@ from ..queue.messages import (
     RolloutLimits,
     decode_rollout,
 )
-from ..queue.rollout_checks import check_rollout_metadata
 from ..queue.namespace import RunQueue
+from ..queue.rollout_checks import check_rollout_metadata
 from ..queue.signing import signer_for
 from .ledger import (
     Admit,
