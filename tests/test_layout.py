@@ -12,8 +12,10 @@ The rules: no runtime import cycle; services/ never imports bench/ or tests/; no
 lines; the trainer's rollout/ and learner/ never import each other (they meet in queue/); the
 trainer reaches the teacher only through its client, conversion and types; the learner's Redis
 feed never imports torch and its DeepSpeed trainer never imports Redis; the loss variants' registry
-and flags are read only in objective/ and the iteration plan (config/stages.py); function-local
-imports only for the heavy or optional packages listed below.
+and flags are read only in objective/ and the iteration plan (config/stages.py); Redis is imported only in
+the trainer's queue/ and its two local-queue starters, and outside queue/ the run's namespace
+(`queue.namespace.RunQueue`) is the queue's only port; function-local imports only for the heavy
+or optional packages listed below.
 """
 
 from __future__ import annotations
@@ -286,6 +288,48 @@ def test_variant_flags_are_read_only_by_the_objective_and_the_iteration_plan():
                         if _under(a.name, "eopd_trainer.objective.variants")]
             elif isinstance(node, ast.Attribute) and node.attr in VARIANT_FLAGS:
                 bad.append(f"{module}:{node.lineno} reads .{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+# The queue's port (issue 29 part 3): Redis is spoken in queue/ and by the two local-queue starters of
+# `eopd run` (which start or probe a server: no namespace yet); everyone else gets a RunQueue.
+REDIS_SPEAKERS = ("eopd_trainer.queue", "eopd_trainer.job.local_queue", "eopd_trainer.job.embedded_queue")
+# What hands out or takes a raw Redis client: only queue/ itself uses these (namespace.RunQueue is the port).
+RAW_QUEUE_NAMES = {
+    "eopd_trainer.queue.streams": {"connect", "Keys", "wait_for_room", "read_counts", "read_dropped",
+                                   "read_dead_letters"},
+    "eopd_trainer.queue.lease": {"Lease"},
+}
+
+
+def test_redis_is_imported_only_in_the_queue():
+    """`redis` and `fakeredis` are imported (at any level, type checking included) only in
+    eopd_trainer/queue/ and the two local-queue starters job/local_queue.py, job/embedded_queue.py."""
+    bad = [e for e in edges() if (_under(e.dst, "redis") or _under(e.dst, "fakeredis"))
+           and not any(_under(e.src, m) for m in REDIS_SPEAKERS)]
+    assert not bad, _report(bad)
+
+
+def _imported_names() -> list[tuple[str, int, str, str]]:
+    """(module, line, imported module, name) of every `from X import name` under services/."""
+    out = []
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node, _kind, _function in _walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _targets(module, path.name == "__init__.py", ast.ImportFrom(module=node.module, names=[
+                    ast.alias(name="__module__")], level=node.level))[0]
+                out.extend((module, node.lineno, source, a.name) for a in node.names)
+    return out
+
+
+def test_outside_the_queue_the_namespace_is_the_port():
+    """Outside eopd_trainer/queue/ nothing builds a Redis client, a key name or a lease, nor reads
+    the announcement or the counts directly: callers get a `queue.namespace.RunQueue`."""
+    bad = [f"{src}:{line} imports {name} from {source}" for src, line, source, name in _imported_names()
+           if not _under(src, "eopd_trainer.queue") and name in RAW_QUEUE_NAMES.get(source, ())]
+    bad += [str(e) for e in edges() if _under(e.dst, "eopd_trainer.queue.announce")
+            and not _under(e.src, "eopd_trainer.queue")]
     assert not bad, "\n".join(bad)
 
 

@@ -204,7 +204,7 @@ def test_disk_full_during_checkpoint_keeps_previous_checkpoint(tmp_path, tiny_te
             assert f"last committed checkpoint ({ckpt / 'iter000001'}) is intact" in log, log[-3000:]
             assert not (ckpt / "iter000002").exists()
             assert (ckpt / "COMMITTED").read_text().strip() == "iter000001"
-            assert read_state(ckpt)["iteration"] == 1
+            assert read_state(ckpt).iteration == 1
             assert _tree_digest(ckpt / "iter000001") == before
 
             # 3. space again: the restarted learner loads iteration 1's checkpoint and finishes.

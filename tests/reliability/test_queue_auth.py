@@ -109,7 +109,7 @@ def test_forged_tasks_never_reach_the_workers_decoder(tmp_path):
         client.xadd(keys.tasks, Signer(b"s" * 32).fields(keys.tasks, huge))
         genuine = PromptTask(1, 3, 2, 0, created_unix_ns=123)
         tasks.add(encode_task(genuine))  # as the learner publishes (signed)
-        book = TaskBook(tasks, client, cfg, WorkerMetrics(0), "w1")
+        book = TaskBook(tasks, cfg, WorkerMetrics(0), "w1")
         entries = book.next_entries(10)
         assert [decode_task(e.data) for e in entries] == [genuine]
         dead = read_dead_letters(client, keys.dead)

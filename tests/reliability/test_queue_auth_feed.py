@@ -9,11 +9,11 @@ import fakeredis
 import pytest
 from eopd_trainer.config.load import load_config
 from eopd_trainer.learner.feed import EXIT_REJECTED, LearnerAbort, RolloutFeed
-from eopd_trainer.learner.ledger import Ledger
-from eopd_trainer.learner.loop import fresh_state
+from eopd_trainer.learner.state import LearnerState
 from eopd_trainer.queue.messages import encode_rollout
 from eopd_trainer.queue.signing import Signer, load_key, write_key_file
-from eopd_trainer.queue.streams import Keys, read_counts
+from eopd_trainer.queue.namespace import RunQueue
+from eopd_trainer.queue.streams import read_counts
 
 from tests.trainer.pipeline_helpers import TINY
 from tests.trainer.test_learner_units import rollout
@@ -24,31 +24,31 @@ def _feed(tmp_path):
     cfg = load_config(TINY, ["train.batch_size=2", "train.mini_batch_size=2", "train.micro_batch_size=2",
                              f"queue.auth_key_file={key_file}"])
     feed = RolloutFeed(cfg)
-    feed.redis, feed.keys = fakeredis.FakeRedis(), Keys("ns")  # what acquire_lease sets
-    feed.setup_queues(fresh_state(), Ledger(), num_prompts=4, vocab_size=100)
+    feed.queue = RunQueue(fakeredis.FakeRedis(), "ns", signer=feed.signer)  # what acquire_lease sets
+    feed.setup_queues(LearnerState(), num_prompts=4, vocab_size=100)
     return feed, Signer(load_key(key_file))
 
 
 def test_unauthenticated_entries_do_not_count_toward_the_stop_rule(tmp_path):
     feed, signer = _feed(tmp_path)
     k, t = feed.cfg.teacher.top_k, feed.cfg.loss.temperature
-    stream = feed.keys.rollouts
+    stream = feed.queue.keys.rollouts
     for i in range(3 * feed.rejects.limit):  # junk, and well-formed rollouts with no or a wrong MAC
         data = encode_rollout(rollout("t0-s0", k=k, sampling_temperature=t)) if i % 2 else b"junk %d" % i
-        feed.redis.xadd(stream, {b"data": data} if i % 3 else {b"data": data, b"mac": b"\0" * 32})
+        feed.queue.client.xadd(stream, {b"data": data} if i % 3 else {b"data": data, b"mac": b"\0" * 32})
     for rid in ("t0-s0", "t0-s1"):
-        feed.redis.xadd(stream, signer.fields(stream, encode_rollout(rollout(rid, k=k, sampling_temperature=t))))
+        feed.queue.client.xadd(stream, signer.fields(stream, encode_rollout(rollout(rid, k=k, sampling_temperature=t))))
     collected = feed.collect(1)
     assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"]
-    assert read_counts(feed.redis, feed.keys.counts) == {"unauthenticated": 3 * feed.rejects.limit}
-    assert feed.state["counters"]["dead_letters"] == 0 and feed.state["counters"]["duplicates"] == 0
+    assert read_counts(feed.queue.client, feed.queue.keys.counts) == {"unauthenticated": 3 * feed.rejects.limit}
+    assert feed.state.feed.counters.dead_letters == 0 and feed.state.feed.counters.duplicates == 0
 
 
 def test_authenticated_poison_still_stops_the_learner(tmp_path):
     feed, signer = _feed(tmp_path)
     for _ in range(feed.rejects.limit):  # the run's own worker sending what fails validation
-        feed.redis.xadd(feed.keys.rollouts, signer.fields(feed.keys.rollouts, b"junk"))
+        feed.queue.client.xadd(feed.queue.keys.rollouts, signer.fields(feed.queue.keys.rollouts, b"junk"))
     with pytest.raises(LearnerAbort) as exc:
         feed.collect(1)
     assert exc.value.code == EXIT_REJECTED
-    assert read_counts(feed.redis, feed.keys.counts) == {"dead_letter": feed.rejects.limit}
+    assert read_counts(feed.queue.client, feed.queue.keys.counts) == {"dead_letter": feed.rejects.limit}

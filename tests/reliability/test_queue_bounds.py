@@ -26,7 +26,7 @@ from eopd_trainer.batching import pack_rollouts
 from eopd_trainer.config.load import load_config
 from eopd_trainer.learner.feed import RolloutFeed
 from eopd_trainer.learner.ledger import Ledger
-from eopd_trainer.learner.loop import fresh_state
+from eopd_trainer.learner.state import LearnerState
 from eopd_trainer.queue.announce import announce
 from eopd_trainer.queue.messages import (
     PoisonMessage,
@@ -38,6 +38,7 @@ from eopd_trainer.queue.messages import (
     encode_rollout,
     encode_task,
 )
+from eopd_trainer.queue.namespace import RunQueue
 from eopd_trainer.queue.streams import GROUP_ROLLOUT, Keys, StreamQueue, connect, read_counts, read_dead_letters
 from eopd_trainer.queue.weights import WeightsUnavailable, read_weights, save_weights, verify_weights
 from eopd_trainer.rollout.task_book import TaskBook
@@ -81,7 +82,7 @@ def start_learner(cfg, ledger: Ledger | None = None) -> RolloutFeed:
     """The learner's Redis side as a (re)started learner sets it up: lease, groups, pending entries."""
     feed = RolloutFeed(cfg)
     feed.acquire_lease()
-    feed.setup_queues(fresh_state(), ledger or Ledger(), num_prompts=4, vocab_size=VOCAB)
+    feed.setup_queues(LearnerState(ledger=ledger or Ledger()), num_prompts=4, vocab_size=VOCAB)
     return feed
 
 
@@ -90,7 +91,7 @@ def start_learner(cfg, ledger: Ledger | None = None) -> RolloutFeed:
 def test_forged_rollouts_beyond_the_runs_bounds_are_dead_lettered_and_honest_ones_trained(server, tmp_path):
     cfg = config(server, tmp_path, "qb-rollouts")
     feed = start_learner(cfg)
-    keys, r = feed.keys, feed.redis
+    keys, r = feed.queue.keys, feed.queue.client
     forged = {
         # a forged copy of a real id sent first, with a 2,000,000-token prompt
         "t0-s0": encode_rollout(make_rollout("t0-s0", p=2_000_000)),
@@ -159,7 +160,7 @@ def test_a_rollout_that_crashes_the_learner_is_dead_lettered_after_the_cap(serve
     cfg = config(server, tmp_path, "qb-crash", "rollout.max_rollout_deliveries=2")
     feed = start_learner(cfg)
     for rid in ("t0-s0", "t0-s1"):
-        feed.redis.xadd(feed.keys.rollouts, {b"data": encode_rollout(make_rollout(rid))})
+        feed.queue.client.xadd(feed.queue.keys.rollouts, {b"data": encode_rollout(make_rollout(rid))})
     assert [x.rollout_id for x in feed.collect(1).rollouts] == ["t0-s0", "t0-s1"]
     feed.close()  # the crash: nothing acknowledged
     for _ in range(2):  # restarts within the cap: the same rollouts are read first again
@@ -169,14 +170,14 @@ def test_a_rollout_that_crashes_the_learner_is_dead_lettered_after_the_cap(serve
     committed = Ledger()
     committed.record(1, ["t0-s1"])
     feed = start_learner(cfg, committed)  # the third restart: over the cap
-    dead = read_dead_letters(feed.redis, feed.keys.dead)
+    dead = read_dead_letters(feed.queue.client, feed.queue.keys.dead)
     assert [decode_rollout(d["data"]).rollout_id for d in dead] == ["t0-s0"]
     assert dead[0]["reason"] == ("rollout held across 3 learner starts without being committed "
                                  "(rollout.max_rollout_deliveries 2): it may crash the learner")
     for rid in ("t1-s0", "t1-s1"):
-        feed.redis.xadd(feed.keys.rollouts, {b"data": encode_rollout(make_rollout(rid, seed=3))})
+        feed.queue.client.xadd(feed.queue.keys.rollouts, {b"data": encode_rollout(make_rollout(rid, seed=3))})
     assert [x.rollout_id for x in feed.collect(2).rollouts] == ["t1-s0", "t1-s1"]
-    assert read_counts(feed.redis, feed.keys.counts) == {"dead_letter": 1, "duplicate": 1}  # t0-s1: committed
+    assert read_counts(feed.queue.client, feed.queue.keys.counts) == {"dead_letter": 1, "duplicate": 1}  # t0-s1: committed
     feed.close()
 
 
@@ -219,7 +220,7 @@ def test_forged_tasks_beyond_the_runs_bounds_are_dead_lettered(server, tmp_path)
     honest = [encode_task(PromptTask(0, 1, 2, 0)), encode_task(PromptTask(4, 2, 2, last))]
     for data in [honest[0], *forged, honest[1]]:
         tasks.add(data)
-    book = TaskBook(tasks, client, cfg, _Metrics(), "worker-0")
+    book = TaskBook(tasks, cfg, _Metrics(), "worker-0")
     work = asyncio.run(book.open(book.next_entries(10), num_prompts=4))
     assert [(t.task_id, t.num_samples, t.min_policy_version) for _, t in work] == [("t0", 2, 0), ("t4", 2, last)]
     reasons = [d["reason"] for d in read_dead_letters(client, keys.dead)]
@@ -258,7 +259,7 @@ def test_forged_weights_announcements_are_refused_before_hashing(server, tmp_pat
     torch.manual_seed(0)
     real = save_weights(torch.nn.Linear(4, 4), cfg.weights_dir, version=1, iteration=1)
     sampler = _ReadingSampler()
-    tracker = VersionTracker(sampler, client, keys, _Metrics(), mode="async", weights_poll_s=0.05,
+    tracker = VersionTracker(sampler, RunQueue(client, keys.ns), _Metrics(), mode="async", weights_poll_s=0.05,
                              stop=asyncio.Event(), weights_dir=cfg.weights_dir)
     announce(client, keys.policy, real)
     _bounded(tracker._maybe_reload)

@@ -87,7 +87,7 @@ def test_max_task_deliveries_dead_letters_with_reason(worker):
     assert w.cfg.rollout.max_task_deliveries == MAX_DELIVERIES
     data = task(1000)
     eid = w.tasks.add(data)
-    crashed = StreamQueue(w.redis, w.keys.tasks, GROUP_ROLLOUT, "w-crashed", w.keys.dead)
+    crashed = StreamQueue(w.queue.client, w.queue.keys.tasks, GROUP_ROLLOUT, "w-crashed", w.queue.keys.dead)
     assert [e.entry_id for e in crashed.read_new(10, block_ms=None)] == [eid]  # delivery 1, never acknowledged
     for delivery in range(2, MAX_DELIVERIES + 1):
         time.sleep(CLAIM_IDLE_MS / 1000 + 0.1)  # idle long enough to be reclaimed
@@ -97,10 +97,10 @@ def test_max_task_deliveries_dead_letters_with_reason(worker):
         # ... and this worker dies too before acknowledging it: the entry stays pending.
     time.sleep(CLAIM_IDLE_MS / 1000 + 0.1)
     assert w.book.next_entries(4) == []  # delivery MAX_DELIVERIES + 1: dead-lettered, not handed out
-    dead = [d for d in read_dead_letters(w.redis, w.keys.dead) if d["entry_id"] == eid]
+    dead = [d for d in read_dead_letters(w.queue.client, w.queue.keys.dead) if d["entry_id"] == eid]
     assert len(dead) == 1
     assert dead[0]["reason"] == f"task delivered more than {MAX_DELIVERIES} times"
-    assert dead[0]["source"] == w.keys.tasks and dead[0]["data"] == data and dead[0]["consumer"] == "w-live"
+    assert dead[0]["source"] == w.queue.keys.tasks and dead[0]["data"] == data and dead[0]["consumer"] == "w-live"
     assert w.tasks.length() == 0 and w.tasks.pending_count() == 0  # gone from the stream and the pending list
 
 
@@ -110,7 +110,7 @@ def test_max_task_deliveries_applies_to_a_restarted_workers_own_tasks(worker):
     with the reason instead of being handed out again; the others resume."""
     w = worker
     pid = w.tasks.add(task(2000))
-    same = StreamQueue(w.redis, w.keys.tasks, GROUP_ROLLOUT, w.worker_id, w.keys.dead)
+    same = StreamQueue(w.queue.client, w.queue.keys.tasks, GROUP_ROLLOUT, w.worker_id, w.queue.keys.dead)
     assert [e.entry_id for e in same.read_new(10, block_ms=None)] == [pid]  # delivery 1
     for _ in range(MAX_DELIVERIES):  # the worker dies on it, restarts and takes it back, dies ...
         same.read_pending(100)
@@ -122,7 +122,7 @@ def test_max_task_deliveries_applies_to_a_restarted_workers_own_tasks(worker):
     resumed = [e.entry_id for e in w.book.resumed]
     w.book.resumed.clear()
     assert pid not in resumed and fid in resumed
-    dead = [d for d in read_dead_letters(w.redis, w.keys.dead) if d["entry_id"] == pid]
+    dead = [d for d in read_dead_letters(w.queue.client, w.queue.keys.dead) if d["entry_id"] == pid]
     assert len(dead) == 1 and dead[0]["reason"] == f"task delivered more than {MAX_DELIVERIES} times"
     w.tasks.ack([fid])
 
@@ -133,16 +133,16 @@ def test_dead_letter_maxlen_bounds_the_dead_letter_stream(worker):
     `MAXLEN ~` by whole nodes, `stream-node-max-entries`, 100 by default), and keeps the newest."""
     w = worker
     assert w.tasks.dead_maxlen == DEAD_MAXLEN
-    node = int(w.redis.config_get("stream-node-max-entries")["stream-node-max-entries"])
+    node = int(w.queue.client.config_get("stream-node-max-entries")["stream-node-max-entries"])
     bound = DEAD_MAXLEN + node
     longest = 0
     total = 5 * bound
     for i in range(total):
         eid = w.tasks.add(b"poison %d" % i)
         w.tasks.dead_letter(Entry(eid, b"poison %d" % i), f"poison {i}")
-        longest = max(longest, int(w.redis.xlen(w.keys.dead)))
+        longest = max(longest, int(w.queue.client.xlen(w.queue.keys.dead)))
     assert longest <= bound, f"the dead-letter stream grew to {longest} (maxlen {DEAD_MAXLEN} ~, node size {node})"
-    dead = read_dead_letters(w.redis, w.keys.dead)
+    dead = read_dead_letters(w.queue.client, w.queue.keys.dead)
     assert DEAD_MAXLEN <= len(dead) <= bound
     assert dead[-1]["reason"] == f"poison {total - 1}" and dead[-1]["data"] == b"poison %d" % (total - 1)
     assert w.tasks.length() == 0
@@ -175,11 +175,11 @@ def test_teacher_max_in_flight_bounds_unanswered_requests(worker, monkeypatch):
     monkeypatch.setattr(teacher_stream._StreamRun, "_resolved", counting_resolved)
     for seq in range(8):
         w.tasks.add(task(seq))
-    w.redis.set(w.keys.done, b"1")  # the worker stops once the tasks are done
+    w.queue.client.set(w.queue.keys.done, b"1")  # the worker stops once the tasks are done
     try:
         assert asyncio.run(asyncio.wait_for(w.run(), 300)) == 0
     finally:
-        w.redis.delete(w.keys.done)
+        w.queue.client.delete(w.queue.keys.done)
     assert w.published == 16 and w.rollouts.length() == 16
     assert w.tasks.length() == 0 and w.tasks.pending_count() == 0  # every task acknowledged
     assert len(outstanding) == 16
@@ -228,12 +228,12 @@ def test_poison_tasks_are_dead_lettered_by_the_worker_loop(worker):
     undecodable = b"\xff\xfe not a PromptTask"
     missing = encode_task(PromptTask(task_seq=2000, prompt_index=999, num_samples=2, min_policy_version=0))
     ids = {w.tasks.add(undecodable): "undecodable", w.tasks.add(missing): "missing", w.tasks.add(task(2001)): "good"}
-    w.redis.set(w.keys.done, b"1")
+    w.queue.client.set(w.queue.keys.done, b"1")
     try:
         assert asyncio.run(asyncio.wait_for(w.run(), 300)) == 0
     finally:
-        w.redis.delete(w.keys.done)
-    dead = {d["entry_id"]: d for d in read_dead_letters(w.redis, w.keys.dead) if d["entry_id"] in ids}
+        w.queue.client.delete(w.queue.keys.done)
+    dead = {d["entry_id"]: d for d in read_dead_letters(w.queue.client, w.queue.keys.dead) if d["entry_id"] in ids}
     assert {ids[i] for i in dead} == {"undecodable", "missing"}
     by_kind = {ids[i]: d for i, d in dead.items()}
     assert by_kind["undecodable"]["reason"].startswith("undecodable PromptTask"), by_kind["undecodable"]["reason"]
@@ -281,7 +281,7 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         pv1 = publish(1, 0.5)
         hidden = tmp_path / "elsewhere"
         (wdir / "v000001.safetensors").rename(hidden)
-        announce(w.redis, w.keys.policy, pv1)
+        announce(w.queue.client, w.queue.keys.policy, pv1)
         assert asyncio.run(waits_then_loads(1, lambda: hidden.rename(wdir / "v000001.safetensors")))
         assert w.versions.version == 1 and failures() - before >= 2  # retried (backoff), not given up
         torch.testing.assert_close(model.state_dict()[norm], original[norm] + 0.5)
@@ -297,7 +297,7 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         bad = bytearray(good)
         bad[len(bad) // 2] ^= 0xFF
         path.write_bytes(bytes(bad))
-        announce(w.redis, w.keys.policy, pv2)
+        announce(w.queue.client, w.queue.keys.policy, pv2)
         mid = failures()
         assert asyncio.run(asyncio.wait_for(w.versions.ensure(1), 10))  # v1 satisfies the tasks: no wait
         assert w.versions.version == 1 and failures() == mid + 1
@@ -308,7 +308,7 @@ def test_unloadable_announced_weights_are_retried_not_fatal(worker, tmp_path):
         torch.testing.assert_close(model.state_dict()[norm], v1_norm + 0.25)
     finally:
         w.versions.mode = saved_mode
-        w.redis.delete(w.keys.policy)
+        w.queue.client.delete(w.queue.keys.policy)
 
 
 def test_a_request_the_teacher_rejects_dead_letters_only_its_task(worker, tmp_path):
@@ -341,14 +341,14 @@ def test_a_request_the_teacher_rejects_dead_letters_only_its_task(worker, tmp_pa
             w.setup()
             ids = {w.tasks.add(encode_task(PromptTask(task_seq=i, prompt_index=i, num_samples=2, min_policy_version=0))): i
                    for i in range(len(prompts))}
-            w.redis.set(w.keys.done, b"1")
+            w.queue.client.set(w.queue.keys.done, b"1")
             assert asyncio.run(asyncio.wait_for(w.run(), 300)) == 0
-            dead = [x for x in read_dead_letters(w.redis, w.keys.dead) if x["entry_id"] in ids]
+            dead = [x for x in read_dead_letters(w.queue.client, w.queue.keys.dead) if x["entry_id"] in ids]
             assert [ids[x["entry_id"]] for x in dead] == [5], dead
             reason = dead[0]["reason"]
             assert "t5-s0" in reason and "t5-s1" in reason and "not scored: teacher rejected request" in reason, reason
             assert "(RESOURCE_EXHAUSTED)" in reason and f"exceed the limit of {limit} per request" in reason, reason
-            assert dead[0]["source"] == w.keys.tasks
+            assert dead[0]["source"] == w.queue.keys.tasks
             assert w.published == 10 and w.rollouts.length() == 10
             assert w.tasks.length() == 0 and w.tasks.pending_count() == 0  # all acknowledged or dead-lettered
             assert w.metrics.unscored.labels("RESOURCE_EXHAUSTED")._value.get() == 2

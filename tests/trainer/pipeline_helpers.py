@@ -49,11 +49,12 @@ def describe(*procs: Proc) -> str:
 
 
 def committed_state(run_dir: Path) -> dict:
+    """The committed trainer_state.json (`LearnerState.to_json`: the resume contract's keys)."""
     from eopd_trainer.learner.checkpoint import read_state
 
     state = read_state(Path(run_dir) / "checkpoints")
     assert state is not None, f"no committed checkpoint in {run_dir}"
-    return state
+    return state.to_json()
 
 
 def trained_ids(state: dict) -> dict[str, int]:

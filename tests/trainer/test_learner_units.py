@@ -162,17 +162,16 @@ def _feed(monkeypatch):
     import fakeredis
     from eopd_trainer.config.load import load_config
     from eopd_trainer.learner.feed import RolloutFeed
-    from eopd_trainer.learner.ledger import Ledger
-    from eopd_trainer.learner.loop import fresh_state
-    from eopd_trainer.queue.streams import Keys
+    from eopd_trainer.learner.state import LearnerState
+    from eopd_trainer.queue.namespace import RunQueue
 
     from tests.trainer.pipeline_helpers import TINY
 
     cfg = load_config(TINY, ["train.batch_size=2", "train.mini_batch_size=2", "train.micro_batch_size=2"])
     feed = RolloutFeed(cfg)
-    feed.redis, feed.keys = fakeredis.FakeRedis(), Keys("ns")  # what acquire_lease sets
-    state = fresh_state()
-    feed.setup_queues(state, Ledger(), num_prompts=4, vocab_size=100)
+    feed.queue = RunQueue(fakeredis.FakeRedis(), "ns", signer=feed.signer)  # what acquire_lease sets
+    state = LearnerState()
+    feed.setup_queues(state, num_prompts=4, vocab_size=100)
     decoded = []
     import eopd_trainer.learner.feed as feed_module
 
@@ -184,8 +183,32 @@ def _feed(monkeypatch):
     return feed, state, decoded
 
 
+def test_learner_state_round_trips_and_reads_unversioned_files():
+    """trainer_state.json: LearnerState.to_json / from_json with a schema version; a file from before
+    the version (same flat keys, some missing) still loads, a newer schema is refused."""
+    from eopd_trainer.learner.state import SCHEMA_VERSION, LearnerState, StateSchemaError
+
+    state = LearnerState(iteration=3, policy_version=3, optimizer_steps=6, global_steps=6,
+                         last_entry_ids=["1-0"], metrics=[{"step": 6, "values": {"loss": 1.0}}])
+    state.ledger.record(3, ["t0-s0", "t0-s1"])
+    state.feed.counters.duplicates = 2
+    state.feed.settled.append("t1-s0")
+    state.feed.tasks_published = 4
+    data = state.to_json()
+    assert data["schema_version"] == SCHEMA_VERSION and data["ledger"] == {"3": ["t0-s0", "t0-s1"]}
+    assert data["counters"] == {"stale_dropped": 0, "duplicates": 2, "dead_letters": 0, "replacement_tasks": 0}
+    assert LearnerState.from_json(data).to_json() == data
+    old = {"iteration": 1, "policy_version": 1, "optimizer_steps": 2, "ledger": {"1": ["t0-s0"]},
+           "counters": {"stale_dropped": 1, "duplicates": 0, "dead_letters": 0}}  # no schema_version
+    loaded = LearnerState.from_json(old)
+    assert loaded.iteration == 1 and "t0-s0" in loaded.ledger and loaded.feed.counters.stale_dropped == 1
+    assert loaded.feed.tasks_published is None and loaded.feed.settled == [] and loaded.global_steps is None
+    with pytest.raises(StateSchemaError, match="schema_version"):
+        LearnerState.from_json({**data, "schema_version": SCHEMA_VERSION + 1})
+
+
 def _push(feed, r: Rollout | bytes) -> None:
-    feed.redis.xadd(feed.keys.rollouts, {b"data": r if isinstance(r, bytes) else encode_rollout(r)})
+    feed.queue.client.xadd(feed.queue.keys.rollouts, {b"data": r if isinstance(r, bytes) else encode_rollout(r)})
 
 
 def test_feed_collects_a_batch_decoding_each_rollout_once(monkeypatch):
@@ -198,17 +221,17 @@ def test_feed_collects_a_batch_decoding_each_rollout_once(monkeypatch):
     assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"]
     assert [decode_rollout(x).rollout_id for x in collected.blobs] == ["t0-s0", "t0-s1"]  # the broadcast's bytes
     assert len(decoded) == 4 and len(collected.entry_ids) == 2  # each entry decoded once, here only
-    assert state["counters"] == {"stale_dropped": 0, "duplicates": 1, "dead_letters": 1, "replacement_tasks": 0}
+    assert dataclasses.asdict(state.feed.counters) == {"stale_dropped": 0, "duplicates": 1, "dead_letters": 1, "replacement_tasks": 0}
     assert collected.stats["dead_letters_total"] == 1.0 and collected.stats["duplicates_total"] == 1.0
     assert collected.stats["staleness_mean"] == 0.0 and collected.stats["response_length_mean"] == 4.0
-    assert int(feed.redis.get(feed.keys.tasks_next)) == 1  # sync: B / n_samples tasks for iteration 1
+    assert int(feed.queue.client.get(feed.queue.keys.tasks_next)) == 1  # sync: B / n_samples tasks for iteration 1
     feed.record_tasks_published()
-    assert state["tasks_published"] == 1
+    assert state.feed.tasks_published == 1
 
 
 def test_feed_settles_stale_rollouts_and_stops_on_request(monkeypatch):
     feed, state, _ = _feed(monkeypatch)
-    state["policy_version"] = 5  # the learner is at version 5: version 0 is too stale (max 0 in sync mode)
+    state.policy_version = 5  # the learner is at version 5: version 0 is too stale (max 0 in sync mode)
     k, t = feed.cfg.teacher.top_k, feed.cfg.loss.temperature
     _push(feed, rollout("t0-s0", k=k, sampling_temperature=t))
     feed.stop_requested = True
@@ -218,7 +241,7 @@ def test_feed_settles_stale_rollouts_and_stops_on_request(monkeypatch):
     _push(feed, rollout("t1-s0", k=k, sampling_temperature=t, policy_version=5))
     collected = feed.collect(6)
     assert [r.rollout_id for r in collected.rollouts] == ["t0-s1", "t1-s0"]
-    assert state["settled"] == ["t0-s0"] and state["counters"]["stale_dropped"] == 1
+    assert state.feed.settled == ["t0-s0"] and state.feed.counters.stale_dropped == 1
 
 
 def test_feed_aborts_on_a_rejection_streak(monkeypatch):

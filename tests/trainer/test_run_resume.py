@@ -105,39 +105,45 @@ def test_trim_records_keeps_the_committed_iterations(tmp_path):
 def test_rebuild_republishes_the_untrained_tasks_with_their_ids():
     import fakeredis
     from eopd_trainer.learner.rebuild import rebuild_if_lost
+    from eopd_trainer.learner.state import LearnerState
     from eopd_trainer.queue.messages import decode_task
-    from eopd_trainer.queue.streams import Keys
+    from eopd_trainer.queue.namespace import RunQueue
 
-    keys, r = Keys("ns"), fakeredis.FakeRedis()
+    r = fakeredis.FakeRedis()
+    queue = RunQueue(r, "ns")
+    keys = queue.keys
     ids = lambda *seqs: [f"t{t}-s{j}" for t in seqs for j in (0, 1)]  # noqa: E731
     # async, 4 tasks per iteration: t0-t7 trained but t5 (stale: replaced by t8, trained); t9 half
     # settled; t10, t11 published ahead, untouched when iteration 2 was committed.
-    state = {"iteration": 2, "policy_version": 2, "tasks_published": 12, "settled": ["t5-s0", "t5-s1", "t9-s1"],
-             "ledger": {"1": ids(0, 1, 2, 3), "2": ids(4, 6, 7, 8)},
-             "counters": {"stale_dropped": 3, "duplicates": 1, "dead_letters": 0}}
+    # (a checkpoint's trainer_state.json of that instant, from before schema_version was written)
+    state = LearnerState.from_json({
+        "iteration": 2, "policy_version": 2, "tasks_published": 12, "settled": ["t5-s0", "t5-s1", "t9-s1"],
+        "ledger": {"1": ids(0, 1, 2, 3), "2": ids(4, 6, 7, 8)},
+        "counters": {"stale_dropped": 3, "duplicates": 1, "dead_letters": 0}})
 
     def published_tasks():
         return [decode_task(f[b"data"]) for _, f in r.xrange(keys.tasks)]
 
-    note = rebuild_if_lost(r, keys, state, n_samples=2, prompt_of=lambda seq: 100 + seq)
+    note = rebuild_if_lost(queue, state, n_samples=2, prompt_of=lambda seq: 100 + seq)
     assert "had no task counter" in note and "republished 3 tasks not yet trained" in note
     assert [(t.task_seq, t.prompt_index, t.num_samples, t.min_policy_version) for t in published_tasks()] == [
         (9, 109, 2, 2), (10, 110, 2, 2), (11, 111, 2, 2)]
     assert int(r.get(keys.tasks_next)) == 12
     assert {k.decode(): int(v) for k, v in r.hgetall(keys.counts).items()} == {"stale": 3, "duplicate": 1, "dead_letter": 0}
-    assert rebuild_if_lost(r, keys, state, n_samples=2, prompt_of=lambda seq: seq) is None  # nothing lost now
+    assert rebuild_if_lost(queue, state, n_samples=2, prompt_of=lambda seq: seq) is None  # nothing lost now
 
     r.set(keys.tasks_next, 10)  # behind: an append-only file that lost its last writes
     r.delete(keys.tasks)
-    note = rebuild_if_lost(r, keys, state, n_samples=2, prompt_of=lambda seq: seq)
+    note = rebuild_if_lost(queue, state, n_samples=2, prompt_of=lambda seq: seq)
     assert "had task counter 10" in note and [t.task_seq for t in published_tasks()] == [10, 11]
     assert int(r.get(keys.tasks_next)) == 12
 
-    fresh = {"iteration": 0, "policy_version": 0, "tasks_published": None, "ledger": {}}
-    assert rebuild_if_lost(fakeredis.FakeRedis(), keys, fresh, n_samples=2, prompt_of=lambda seq: seq) is None
-    old = {"iteration": 1, "policy_version": 1, "ledger": {"1": ids(0, 1, 2, 3)}}  # before tasks_published was saved
+    fresh = LearnerState.from_json({"iteration": 0, "policy_version": 0, "tasks_published": None, "ledger": {}})
+    assert rebuild_if_lost(RunQueue(fakeredis.FakeRedis(), "ns"), fresh, n_samples=2, prompt_of=lambda seq: seq) is None
+    # before tasks_published was saved:
+    old = LearnerState.from_json({"iteration": 1, "policy_version": 1, "ledger": {"1": ids(0, 1, 2, 3)}})
     r2 = fakeredis.FakeRedis()
-    assert "republished 0 tasks" in rebuild_if_lost(r2, keys, old, n_samples=2, prompt_of=lambda seq: seq)
+    assert "republished 0 tasks" in rebuild_if_lost(RunQueue(r2, "ns"), old, n_samples=2, prompt_of=lambda seq: seq)
     assert int(r2.get(keys.tasks_next)) == 4
 
 

@@ -37,7 +37,8 @@ import yaml
 
 from ..config import ConfigError, RunConfig, config_from_dict
 from ..learner.checkpoint import read_state
-from ..queue.streams import GROUP_LEARNER, Keys, connect
+from ..learner.state import LearnerState
+from ..queue.namespace import RunQueue
 from .prepare import CONFIG_NAME, write_atomic
 
 REQUESTED_NAME = "run.requested.yaml"
@@ -148,16 +149,16 @@ def plan_start(cfg: RunConfig, *, resume: bool, overwrite: bool) -> Start:
     if not resume:
         if state is not None:
             raise ConfigError(
-                f"{run_dir} already holds a trained run (iteration {state['iteration']} committed): pass --resume "
+                f"{run_dir} already holds a trained run (iteration {state.iteration} committed): pass --resume "
                 "to continue it, --overwrite to delete it and start again, or another run_dir=")
         return Start(False)
     if not (run_dir / CONFIG_NAME).is_file():
         return Start(False, note=f"nothing to resume in {run_dir} (no {CONFIG_NAME}): starting a new run")
     previous = _read_config(run_dir / CONFIG_NAME)
     changed = check_config(run_dir, cfg, previous)
-    state = state or {}
-    return Start(True, iteration=int(state.get("iteration", 0)), policy_version=int(state.get("policy_version", 0)),
-                 optimizer_steps=int(state.get("optimizer_steps", 0)), tasks_published=state.get("tasks_published"),
+    state = state or LearnerState()
+    return Start(True, iteration=state.iteration, policy_version=state.policy_version,
+                 optimizer_steps=state.optimizer_steps, tasks_published=state.feed.tasks_published,
                  namespace=previous.queue.namespace, previous=previous, changed=tuple(changed))
 
 
@@ -264,10 +265,9 @@ def queue_state(url: str, ns: str, start: Start, backend: str) -> tuple[str, str
     is set would stop at once, e.g. when train.iterations was raised) and `<ns>:lease`: the run
     directory's lock, held here, proves that the learner holding it has exited (eopd run gives its
     learner a lease of days, which must not keep the resumed one out)."""
-    r = connect(url)
-    keys = Keys(ns)
-    r.delete(keys.done, keys.lease)
-    raw = r.get(keys.tasks_next)
+    queue = RunQueue.connect(url, ns)
+    queue.forget_learner()
+    raw = queue.task_counter()
     published = start.tasks_published
     if raw is None:
         why = ("the embedded queue lives in the eopd run process and went with the interrupted one"
@@ -276,12 +276,10 @@ def queue_state(url: str, ns: str, start: Start, backend: str) -> tuple[str, str
             return "rebuilt", f"queue: {why}; no checkpoint committed yet, so tasks are published from the first"
         return "rebuilt", (f"queue rebuilt: {why}; the learner republishes from its checkpoint (iteration "
                            f"{start.iteration}) the tasks not yet trained, with their ids")
-    if published is not None and int(raw) < published:
-        return "behind", (f"queue recovered but behind the checkpoint (task counter {int(raw)}, the checkpoint had "
+    if published is not None and raw < published:
+        return "behind", (f"queue recovered but behind the checkpoint (task counter {raw}, the checkpoint had "
                           f"published {published}: its last writes were lost); the learner republishes the missing tasks")
-    try:
-        held = int(r.xpending(keys.rollouts, GROUP_LEARNER)["pending"])
-    except Exception:  # noqa: BLE001 - no group yet
-        held = 0
-    return "recovered", (f"queue recovered ({backend}): {r.xlen(keys.tasks)} tasks and {r.xlen(keys.rollouts)} scored "
+    held = queue.learner_pending()
+    n_tasks, n_rollouts = queue.stream_lengths()
+    return "recovered", (f"queue recovered ({backend}): {n_tasks} tasks and {n_rollouts} scored "
                          f"rollouts of this run in it ({held} of them read by the learner, not yet acknowledged)")

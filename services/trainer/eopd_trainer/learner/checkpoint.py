@@ -7,9 +7,9 @@ Layout under `<run_dir>/checkpoints/`:
         ...
         hf/                          save_pretrained export of the student (+ tokenizer)
         rng_state_rank<R>.json       each rank's random generators (python, numpy, torch, CUDA)
-        trainer_state.json           iteration, policy version, ledger of trained rollout ids,
-                                     stream entry ids of the iteration, counters, tasks published,
-                                     the iteration's metric records
+        trainer_state.json           `LearnerState` (state.py): iteration, policy version, ledger of
+                                     trained rollout ids, stream entry ids of the iteration, counters,
+                                     tasks published, the iteration's metric records; schema_version
     COMMITTED                        the tag of the newest *complete* checkpoint
 
 Commit protocol: every rank writes its DeepSpeed shard (`save_latest=False`), a barrier, then
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..faults import InjectedFault
+from .state import LearnerState
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +108,12 @@ def committed_tag(ckpt_dir: Path) -> str | None:
     return tag or None
 
 
-def read_state(ckpt_dir: Path, tag: str | None = None) -> dict[str, Any] | None:
+def read_state(ckpt_dir: Path, tag: str | None = None) -> LearnerState | None:
     """The trainer state of the committed (or given) checkpoint, or None if there is none."""
     tag = tag or committed_tag(ckpt_dir)
     if tag is None:
         return None
-    return json.loads((Path(ckpt_dir) / tag / STATE_FILE).read_text())
+    return LearnerState.from_json(json.loads((Path(ckpt_dir) / tag / STATE_FILE).read_text()))
 
 
 class CheckpointError(RuntimeError):
@@ -133,7 +134,7 @@ class CheckpointManager:
     def latest(self) -> str | None:
         return committed_tag(self.dir)
 
-    def load(self, engine) -> dict[str, Any] | None:
+    def load(self, engine) -> LearnerState | None:
         """Loads the committed checkpoint into the engine; returns its trainer state (or None)."""
         tag = self.latest()
         if tag is None:
@@ -146,10 +147,10 @@ class CheckpointManager:
         rng = rng_file(self.dir, tag, self.rank)
         if rng.is_file():  # absent in checkpoints from before they were saved
             set_rng_state(json.loads(rng.read_text()))
-        log.info("resumed from %s (iteration %s)", self.dir / tag, state["iteration"])
+        log.info("resumed from %s (iteration %s)", self.dir / tag, state.iteration)
         return state
 
-    def save(self, engine, iteration: int, state: dict[str, Any], *, export_fn=None) -> Path:
+    def save(self, engine, iteration: int, state: LearnerState, *, export_fn=None) -> Path:
         """Saves and commits a checkpoint (every rank calls this). `export_fn(path)` writes the
         HF export on rank 0 (after parameters are gathered where needed).
 
@@ -175,7 +176,7 @@ class CheckpointManager:
         self.barrier()
         if self.rank == 0:
             try:
-                _atomic_write(target / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+                _atomic_write(target / STATE_FILE, json.dumps(state.to_json(), indent=1, sort_keys=True))
                 _atomic_write(self.dir / POINTER, tag + "\n")
             except OSError as exc:
                 self._failed(target, exc)

@@ -1,9 +1,10 @@
 """The learner's Redis side (rank 0 only, never torch): the namespace lease, the task and rollout
 streams, the policy announcement and the exit codes they cause.
 
-`RolloutFeed` works on three keys of the checkpoint state dict the loop hands it in `setup_queues`
-(`counters`, `settled`, `tasks_published`; it reads `policy_version` and `iteration`); the loop owns
-the rest. Every rollout is decoded once, here: `Collected` carries the decoded rollouts (rank 0
+`RolloutFeed` writes only `state.feed` (`FeedState`: counters, settled, tasks published) of the
+`LearnerState` the loop hands it in `setup_queues`; it reads `policy_version`, `iteration` and the
+ledger; the loop owns the rest. The queue is the run's `RunQueue` (`queue/namespace.py`), never a
+Redis client. Every rollout is decoded once, here: `Collected` carries the decoded rollouts (rank 0
 trains on them) and their bytes (broadcast to the other ranks, which decode them there).
 """
 
@@ -14,13 +15,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..config import RunConfig
 from ..config.stages import IterationPlan, plan_iteration, task_iteration, task_teacher_samples
 from ..data import prompt_index
-from ..queue.announce import announce, current_announcement
-from ..queue.lease import Lease, LeaseLost
+from ..queue.lease import LeaseLost
 from ..queue.messages import (
     PoisonMessage,
     PolicyVersion,
@@ -28,11 +27,10 @@ from ..queue.messages import (
     Rollout,
     RolloutLimits,
     decode_rollout,
-    encode_task,
 )
+from ..queue.namespace import RunQueue
 from ..queue.rollout_checks import check_rollout_metadata
 from ..queue.signing import signer_for
-from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect, read_counts
 from .ledger import (
     Admit,
     Ledger,
@@ -43,6 +41,7 @@ from .ledger import (
     tasks_to_publish,
 )
 from .rebuild import rebuild_if_lost
+from .state import LearnerState
 
 log = logging.getLogger("eopd.learner")
 
@@ -94,7 +93,7 @@ class RolloutFeed:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.stop_requested = False  # set by the loop on SIGTERM/SIGINT: collect returns None
-        self.lease: Lease | None = None
+        self.lease = None  # the namespace's Lease (`RunQueue.lease`) once acquired
         limit = cfg.queue.max_rejected_in_a_row or 4 * cfg.train.batch_size
         self.rejects = RejectStreak(limit)
         self.signer = signer_for(cfg.queue.auth_key_file)
@@ -108,37 +107,34 @@ class RolloutFeed:
     def acquire_lease(self) -> None:
         """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""
         cfg = self.cfg
-        self.keys = Keys(cfg.queue.namespace)
-        self.redis = connect(cfg.queue.redis_url)
-        self.lease = Lease(self.redis, self.keys.lease, ttl_ms=int(cfg.queue.lease_ttl_s * 1000),
-                           description=f"eopd-train run_dir={cfg.run_dir}")
+        self.queue = RunQueue.connect(cfg.queue.redis_url, cfg.queue.namespace, signer=self.signer,
+                                      dead_maxlen=cfg.queue.dead_letter_maxlen)
+        self.lease = self.queue.lease(ttl_ms=int(cfg.queue.lease_ttl_s * 1000),
+                                      description=f"eopd-train run_dir={cfg.run_dir}")
         self.lease.acquire(wait_s=cfg.queue.lease_wait_s)
 
-    def setup_queues(self, state: dict[str, Any], ledger: Ledger, num_prompts: int, vocab_size: int) -> None:
+    def setup_queues(self, state: LearnerState, num_prompts: int, vocab_size: int) -> None:
         cfg = self.cfg
-        self.state, self.ledger, self.num_prompts, self.vocab_size = state, ledger, num_prompts, vocab_size
+        self.state, self.num_prompts, self.vocab_size = state, num_prompts, vocab_size
+        self.ledger: Ledger = state.ledger  # read here (admission), written by the loop
         consumer = "learner"
-        self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, consumer, self.keys.dead,
-                                    cfg.queue.dead_letter_maxlen, dropped_stream=self.keys.dropped,
-                                    counts_key=self.keys.counts, signer=self.signer)
+        self.rollouts = self.queue.rollouts(consumer, record_drops=True)
         # Unauthenticated entries are dead-lettered inside StreamQueue's reads: never decoded here and
         # never counted by `self.rejects` (a stranger's junk cannot stop the run; see docs/reliability.md).
-        self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, consumer, self.keys.dead,
-                                 cfg.queue.dead_letter_maxlen, signer=self.signer)
+        self.tasks = self.queue.tasks(consumer)
         self.rollouts.ensure_group()
         self.tasks.ensure_group()
-        self.redis.delete(self.keys.done)
-        rebuilt = rebuild_if_lost(self.redis, self.keys, self.state, n_samples=cfg.rollout.n_samples,
-                                  fields=self.tasks.fields,
+        self.queue.clear_done()
+        rebuilt = rebuild_if_lost(self.queue, self.state, n_samples=cfg.rollout.n_samples,
                                   prompt_of=lambda seq: prompt_index(seq, self.num_prompts, seed=cfg.seed,
                                                                      shuffle=cfg.data.shuffle),
-                                  teacher_of=lambda seq: self.teacher_samples(seq, self.state["iteration"] + 1))
+                                  teacher_of=lambda seq: self.teacher_samples(seq, self.state.iteration + 1))
         if rebuilt:
             log.warning("%s", rebuilt)
         # Entries delivered to any learner consumer before a crash: take them over, re-read them first.
         self.rollouts.claim_idle(0, 1_000_000)
         self._pending = collections.deque(self._within_delivery_cap(self.rollouts.read_pending(1_000_000)))
-        self.published_tasks = int(self.redis.get(self.keys.tasks_next) or 0)
+        self.published_tasks = self.queue.task_counter() or 0
         if self._pending:
             log.info("found %d unacknowledged rollouts from before a restart", len(self._pending))
 
@@ -147,9 +143,7 @@ class RolloutFeed:
         starts have found pending (see `learner_starts_holding`; one committed already is kept: it
         is dropped as a duplicate); returns the others."""
         cap = self.cfg.rollout.max_rollout_deliveries
-        rows = self.redis.xpending_range(self.keys.rollouts, GROUP_LEARNER, min="-", max="+", count=len(entries) + 1000)
-        delivered = {(r["message_id"].decode() if isinstance(r["message_id"], bytes) else str(r["message_id"])):
-                     int(r["times_delivered"]) for r in rows}
+        delivered = self.rollouts.delivery_counts(len(entries) + 1000)
         keep = []
         for e in entries:
             starts = learner_starts_holding(delivered.get(e.entry_id, 1))
@@ -168,10 +162,10 @@ class RolloutFeed:
 
     # Policy announcement ----------------------------------------------------------------------
     def announce(self, pv: PolicyVersion) -> None:
-        announce(self.redis, self.keys.policy, pv, self.signer)
+        self.queue.announce(pv)
 
     def announced_version(self) -> int:
-        pv = current_announcement(self.redis, self.keys.policy, self.signer)
+        pv = self.queue.announcement()
         return -1 if pv is None or not Path(pv.uri).is_file() else pv.version
 
     # Tasks -----------------------------------------------------------------------------------
@@ -179,25 +173,23 @@ class RolloutFeed:
         """Publishes the tasks `iteration` needs (and `replacements` more), atomically with the
         task counter: a restarted learner never publishes the same task twice."""
         cfg = self.cfg
-        published = int(self.redis.get(self.keys.tasks_next) or 0)
-        counters = self.state["counters"]
-        counters["replacement_tasks"] += replacements
+        published = self.queue.task_counter() or 0
+        counters = self.state.feed.counters
+        counters.replacement_tasks += replacements
         n_new = tasks_to_publish(iteration=iteration, batch_size=cfg.train.batch_size, n_samples=cfg.rollout.n_samples,
                                  max_staleness=cfg.effective_max_staleness, published_tasks=published,
-                                 replacement_tasks=counters["replacement_tasks"])
+                                 replacement_tasks=counters.replacement_tasks)
         self.published_tasks = published
         if n_new <= 0:
             return 0
-        pipe = self.redis.pipeline(transaction=True)
+        tasks = []
         for seq in range(published, published + n_new):
             meant_for = task_iteration(seq, iteration=iteration, prompts_per_iteration=cfg.prompts_per_iteration,
                                        max_staleness=cfg.effective_max_staleness)
-            task = PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
-                              cfg.rollout.n_samples, self.state["policy_version"],
-                              num_teacher_samples=self.teacher_samples(seq, meant_for))
-            pipe.xadd(self.keys.tasks, self.tasks.fields(encode_task(task)))
-        pipe.set(self.keys.tasks_next, published + n_new)
-        pipe.execute()
+            tasks.append(PromptTask(seq, prompt_index(seq, self.num_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
+                                    cfg.rollout.n_samples, self.state.policy_version,
+                                    num_teacher_samples=self.teacher_samples(seq, meant_for)))
+        self.queue.publish_tasks(tasks, counter=published + n_new)
         self.published_tasks = published + n_new
         return n_new
 
@@ -210,7 +202,7 @@ class RolloutFeed:
 
     def record_tasks_published(self) -> None:
         """The task counter into the state at a commit (what a rebuild of a lost queue starts from)."""
-        self.state["tasks_published"] = int(self.redis.get(self.keys.tasks_next) or 0)
+        self.state.feed.tasks_published = self.queue.task_counter() or 0
 
     # Rollouts --------------------------------------------------------------------------------
     def collect(self, iteration: int, plan: IterationPlan | None = None) -> Collected | None:
@@ -219,7 +211,7 @@ class RolloutFeed:
         while waiting."""
         self.publish_tasks(iteration)
         plan = plan or plan_iteration(self.cfg.loss, self.cfg.train.warmup_kd_iterations, iteration)
-        batch = _Batch(need=self.cfg.train.batch_size, version=self.state["policy_version"], plan=plan)
+        batch = _Batch(need=self.cfg.train.batch_size, version=self.state.policy_version, plan=plan)
         while batch.missing > 0:
             if self.stop_requested:
                 return None
@@ -293,12 +285,12 @@ class RolloutFeed:
         self.rollouts.drop(e, d.kind.value, rollout_id=r.rollout_id, policy_version=r.policy_version,
                            staleness=d.staleness)
         if d.kind is not Admit.DUPLICATE:
-            self.state["settled"].append(r.rollout_id)  # its task is not republished by a rebuild
+            self.state.feed.settled.append(r.rollout_id)  # its task is not republished by a rebuild
             self._rejected(f"{d.kind.value} {r.rollout_id}: sampled by policy version {r.policy_version}, "
                            f"learner at {batch.version} (max staleness {cfg.effective_max_staleness})")
 
     def _stats(self, batch: _Batch) -> dict[str, float]:
-        counters = self.state["counters"]
+        counters = self.state.feed.counters
         rollouts = [v[2] for v in batch.rollouts.values()]
         staleness = batch.staleness
         graded = [r.reward for r in rollouts if r.reward is not None]  # grpo: the task grader's 1.0 / 0.0
@@ -308,9 +300,9 @@ class RolloutFeed:
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "queue_backlog": float(self.rollouts.undelivered()),  # scored rollouts not yet read by the learner
-            "stale_dropped_total": float(counters["stale_dropped"]),
-            "duplicates_total": float(counters["duplicates"]),
-            "dead_letters_total": float(counters["dead_letters"]),
+            "stale_dropped_total": float(counters.stale_dropped),
+            "duplicates_total": float(counters.duplicates),
+            "dead_letters_total": float(counters.dead_letters),
             "response_length_mean": sum(r.num_response_tokens for r in rollouts) / len(rollouts),
             "truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
             "teacher_origin_frac": sum(r.off_policy for r in rollouts) / len(rollouts),
@@ -324,9 +316,10 @@ class RolloutFeed:
 
     def _sync_counters(self) -> None:
         """The drop and dead-letter totals from Redis (exact across crashes) into the state."""
-        c = read_counts(self.redis, self.keys.counts)
-        self.state["counters"].update(stale_dropped=c.get("stale", 0) + c.get("future", 0),
-                                      duplicates=c.get("duplicate", 0), dead_letters=c.get("dead_letter", 0))
+        c = self.queue.counts()
+        counters = self.state.feed.counters
+        counters.stale_dropped = c.get("stale", 0) + c.get("future", 0)
+        counters.duplicates, counters.dead_letters = c.get("duplicate", 0), c.get("dead_letter", 0)
 
     # Lease fencing and the end -----------------------------------------------------------------
     def check_lease(self) -> LeaseLost | None:
@@ -342,12 +335,12 @@ class RolloutFeed:
         try:
             self.lease.fenced(lambda pipe: self.rollouts.queue_ack(pipe, entry_ids))
         except LeaseLost as exc:
-            raise LearnerAbort(f"checkpoint of iteration {self.state['iteration']} committed but its entries not "
+            raise LearnerAbort(f"checkpoint of iteration {self.state.iteration} committed but its entries not "
                                f"acknowledged: {exc}", EXIT_LEASE_LOST) from None
 
     def finish(self) -> None:
         """Training done: `<ns>:done` tells the workers and `eopd run`."""
-        self.redis.set(self.keys.done, b"1")
+        self.queue.mark_done()
 
     def close(self) -> None:
         if self.lease is not None:

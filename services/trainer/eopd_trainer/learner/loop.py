@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from ..config import RunConfig, dump_config
 from ..config.stages import IterationPlan, plan_iteration
@@ -38,23 +37,12 @@ from ..faults import Faults
 from ..queue.messages import decode_rollout
 from .distributed import broadcast_blobs, broadcast_int
 from .feed import EXIT_LEASE_LOST, Collected, LearnerAbort, RolloutFeed
-from .ledger import Ledger
 from .metrics import resumed_sink
 from .records import IterationLog
+from .state import LearnerState
 from .trainer import PolicyTrainer
 
 log = logging.getLogger("eopd.learner")
-
-
-def fresh_state() -> dict[str, Any]:
-    return {"iteration": 0, "policy_version": 0, "optimizer_steps": 0, "ledger": {},
-            # A snapshot at each commit; stale_dropped, duplicates and dead_letters are read from the exact
-            # totals in Redis (<ns>:counts, counted in the same transaction as each ack), never lost by a crash.
-            "counters": {"stale_dropped": 0, "duplicates": 0, "dead_letters": 0, "replacement_tasks": 0},
-            "last_entry_ids": [],
-            # What rebuilds a lost queue (rebuild.py): the task counter at the commit, and the rollout
-            # ids dropped without training (stale, future); plus the commit iteration's metric records.
-            "tasks_published": None, "settled": [], "metrics": []}
 
 
 class LearnerLoop:
@@ -88,19 +76,19 @@ class LearnerLoop:
         self.num_prompts = len(load_prompts(cfg.data.train_files, cfg.data.field))
         self.total_iterations = cfg.total_iterations(self.num_prompts)
         self.trainer.setup(self.run_dir, self.total_iterations)
-        self.state = {**fresh_state(), **(self.trainer.restore_checkpoint() or {})}
-        self.ledger = Ledger.from_json(self.state["ledger"])
+        self.state: LearnerState = self.trainer.restore_checkpoint() or LearnerState()
+        self.ledger = self.state.ledger
         # After a restart: without the records of iterations trained again, with the committed one's.
         self.metrics = resumed_sink(self.run_dir, "train", self.state, tensorboard=cfg.logging.tensorboard,
                                     prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0)
         if self.rank == 0:
-            self.feed.setup_queues(self.state, self.ledger, self.num_prompts, self.trainer.vocab_size)
+            self.feed.setup_queues(self.state, self.num_prompts, self.trainer.vocab_size)
 
     # Main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
-        start_iteration = iteration = self.state["iteration"]
-        version = self.state["policy_version"]
+        start_iteration = iteration = self.state.iteration
+        version = self.state.policy_version
         need_publish = 1 if self.rank == 0 and self.feed.announced_version() != version else 0
         if broadcast_int(need_publish):
             self.publish_weights(version)
@@ -117,11 +105,11 @@ class LearnerLoop:
                 stopped = True
                 break
             t_collect = time.monotonic() - t0
-            steps = self.trainer.train_iteration(iteration, collected.rollouts, self.state["optimizer_steps"], plan.loss)
-            self.state["optimizer_steps"] += len(steps)
+            steps = self.trainer.train_iteration(iteration, collected.rollouts, self.state.optimizer_steps, plan.loss)
+            self.state.optimizer_steps += len(steps)
             self.ledger.record(iteration, [r.rollout_id for r in collected.rollouts])
-            self.state.update(iteration=iteration, policy_version=iteration, ledger=self.ledger.to_json(),
-                              global_steps=self.trainer.global_steps)
+            self.state.iteration = self.state.policy_version = iteration
+            self.state.global_steps = self.trainer.global_steps
             unacked.extend(collected.entry_ids)
             if iteration % cfg.checkpoint.every == 0 or iteration == self.total_iterations:
                 self._commit(iteration, unacked, steps, collected.stats, t_collect, t0, plan.stage)
@@ -130,7 +118,7 @@ class LearnerLoop:
                 self.publish_weights(iteration)
             if records is not None:
                 records.log(iteration, steps, collected.stats, t_collect, time.monotonic() - t0,
-                            self.state["optimizer_steps"], stage=plan.stage)
+                            self.state.optimizer_steps, stage=plan.stage)
         if records is not None:
             self._finish(stopped, iteration, records)
         return 0
@@ -159,13 +147,13 @@ class LearnerLoop:
                 t_collect: float, t0: float, stage: str) -> None:
         """The ledger, the weights and the optimizer state describe the same instant; then the weights
         are published and, only then and only while the lease is ours, the entries acknowledged."""
-        self.state["last_entry_ids"] = list(unacked)
+        self.state.last_entry_ids = list(unacked)
         if self.rank == 0:  # for a rebuild of the queue, and the metrics if the crash comes before the log
             self.feed.record_tasks_published()
-            self.state["metrics"] = [
+            self.state.metrics = [
                 {"step": st, "values": v, **extra} for st, v, extra in
                 IterationLog.records(iteration, steps, stats, t_collect, time.monotonic() - t0,
-                                     self.state["optimizer_steps"],
+                                     self.state.optimizer_steps,
                                      stage=stage)]
         self.faults.hit("learner.before_commit", iteration=iteration)
         self._check_lease()  # fencing: a learner that lost the namespace commits nothing
@@ -184,12 +172,12 @@ class LearnerLoop:
                      self.trainer.ckpt.latest())
         else:
             self.feed.finish()
-            log.info("training finished: %d iterations, %d rollouts trained", self.state["iteration"], len(self.ledger))
+            log.info("training finished: %d iterations, %d rollouts trained", self.state.iteration, len(self.ledger))
 
     # Weight sync and fencing -------------------------------------------------------------------
     def publish_weights(self, version: int) -> None:
         t0 = time.monotonic()
-        pv = self.trainer.save_weights(version, self.state["iteration"])
+        pv = self.trainer.save_weights(version, self.state.iteration)
         if pv is not None:  # rank 0
             self.feed.announce(pv)
             self.trainer.prune_weights(protect=version)
@@ -198,7 +186,7 @@ class LearnerLoop:
     def _check_lease(self) -> None:
         lost = self.feed.check_lease() if self.rank == 0 else None
         if broadcast_int(0 if lost is not None else 1) == 0:
-            raise LearnerAbort(f"not committing iteration {self.state['iteration']}: {lost or 'rank 0 lost the lease'}",
+            raise LearnerAbort(f"not committing iteration {self.state.iteration}: {lost or 'rank 0 lost the lease'}",
                                EXIT_LEASE_LOST)
 
     def close(self) -> None:

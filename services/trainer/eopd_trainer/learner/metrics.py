@@ -22,6 +22,8 @@ from pathlib import Path
 
 from prometheus_client import Gauge, start_http_server
 
+from .state import LearnerState
+
 log = logging.getLogger(__name__)
 
 
@@ -105,18 +107,18 @@ def trim_records(path: Path, iteration: int) -> bool:
     return has
 
 
-def resumed_sink(run_dir: Path, name: str, state: dict, *, enabled: bool = True, **kwargs) -> MetricsSink:
+def resumed_sink(run_dir: Path, name: str, state: LearnerState, *, enabled: bool = True, **kwargs) -> MetricsSink:
     """The learner's sink, continuing what an earlier attempt logged: the records of iterations after
-    the committed one (`state["iteration"]`) are removed, TensorBoard purges from the first step
+    the committed one (`state.iteration`) are removed, TensorBoard purges from the first step
     this attempt will write, and the committed iteration's records are written from the checkpoint
-    (`state["metrics"]`) if the crash came between the commit and its log line."""
+    (`state.metrics`) if the crash came between the commit and its log line."""
     path = Path(run_dir) / f"{name}_metrics.jsonl"
     earlier = enabled and path.exists()
-    has_committed = trim_records(path, state["iteration"]) if earlier else True
-    sink = MetricsSink(run_dir, name, enabled=enabled, purge_step=state["optimizer_steps"] + 1 if earlier else None,
+    has_committed = trim_records(path, state.iteration) if earlier else True
+    sink = MetricsSink(run_dir, name, enabled=enabled, purge_step=state.optimizer_steps + 1 if earlier else None,
                        **kwargs)
     if not has_committed:
-        for rec in state.get("metrics") or []:
+        for rec in state.metrics:
             sink.log(rec["step"], rec["values"], iteration=rec["iteration"], kind=rec["kind"])
     return sink
 

@@ -25,9 +25,9 @@ MULTI/EXEC, by the learner that holds the namespace's lease, before it publishes
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
-from ..queue.messages import PromptTask, encode_task
+from ..queue.messages import PromptTask
+from ..queue.namespace import RunQueue
+from .state import LearnerState
 
 
 def task_seq(rollout_id: str) -> int:
@@ -35,13 +35,12 @@ def task_seq(rollout_id: str) -> int:
     return int(rollout_id[1:].split("-", 1)[0])
 
 
-def published_at_commit(state: dict[str, Any]) -> int:
+def published_at_commit(state: LearnerState) -> int:
     """Tasks published when the checkpoint was committed (checkpoints from before the field was
     saved: one past the highest trained task)."""
-    if state.get("tasks_published") is not None:
-        return int(state["tasks_published"])
-    ids = [rid for ids in state.get("ledger", {}).values() for rid in ids]
-    return max((task_seq(rid) + 1 for rid in ids), default=0)
+    if state.feed.tasks_published is not None:
+        return state.feed.tasks_published
+    return max((task_seq(rid) + 1 for rid in state.ledger.trained), default=0)
 
 
 def tasks_to_republish(*, trained: Iterable[str], settled: Iterable[str], start: int, published: int,
@@ -51,39 +50,30 @@ def tasks_to_republish(*, trained: Iterable[str], settled: Iterable[str], start:
     return [seq for seq in range(start, published) if any(f"t{seq}-s{j}" not in done for j in range(n_samples))]
 
 
-def rebuild_if_lost(client, keys, state: dict[str, Any], *, n_samples: int, prompt_of, fields=None,
+def rebuild_if_lost(queue: RunQueue, state: LearnerState, *, n_samples: int, prompt_of,
                     teacher_of=None) -> str | None:
     """Puts back what the queue lost (see the module); None when it lost nothing. `prompt_of(seq)`
     is the prompt index of task `seq` (`data.prompt_index`); `teacher_of(seq)` its
-    num_teacher_samples (default 0; config/stages.py, a deterministic draw: the same as before);
-    `fields(data)` the fields of a task entry (`StreamQueue.fields`: signed with the run's key),
-    default unsigned."""
+    num_teacher_samples (default 0; config/stages.py, a deterministic draw: the same as before).
+    The tasks are signed with the queue's key (`RunQueue.publish_tasks`)."""
     published = published_at_commit(state)
-    raw = client.get(keys.tasks_next)
-    in_queue = int(raw) if raw is not None else None
+    in_queue = queue.task_counter()
     if published == 0 or (in_queue is not None and in_queue >= published):
         return None
     start = in_queue or 0
-    trained = (rid for ids in state.get("ledger", {}).values() for rid in ids)
-    seqs = tasks_to_republish(trained=trained, settled=state.get("settled", []), start=start, published=published,
-                              n_samples=n_samples)
-    version = int(state["policy_version"])
-    pipe = client.pipeline(transaction=True)
-    for seq in seqs:
-        data = encode_task(PromptTask(seq, prompt_of(seq), n_samples, version,
-                                      num_teacher_samples=teacher_of(seq) if teacher_of is not None else 0))
-        pipe.xadd(keys.tasks, fields(data) if fields is not None else {b"data": data})
-    pipe.set(keys.tasks_next, published)
-    restored = ""
-    if in_queue is None and not client.exists(keys.counts):
-        c = state.get("counters", {})
-        counts = {"stale": int(c.get("stale_dropped", 0)), "duplicate": int(c.get("duplicates", 0)),
-                  "dead_letter": int(c.get("dead_letters", 0))}
-        pipe.hset(keys.counts, mapping=counts)
+    seqs = tasks_to_republish(trained=state.ledger.trained, settled=state.feed.settled, start=start,
+                              published=published, n_samples=n_samples)
+    version = state.policy_version
+    tasks = [PromptTask(seq, prompt_of(seq), n_samples, version,
+                        num_teacher_samples=teacher_of(seq) if teacher_of is not None else 0) for seq in seqs]
+    counts, restored = None, ""
+    if in_queue is None and not queue.has_counts():
+        c = state.feed.counters
+        counts = {"stale": c.stale_dropped, "duplicate": c.duplicates, "dead_letter": c.dead_letters}
         restored = f"; counts restored from the checkpoint ({counts})"
-    pipe.execute()
+    queue.publish_tasks(tasks, counter=published, counts=counts)
     shown = ", ".join(f"t{s}" for s in seqs[:8]) + (f", ... ({len(seqs)} in all)" if len(seqs) > 8 else "")
     lost = "had no task counter" if in_queue is None else f"had task counter {in_queue}"
-    return (f"queue namespace {keys.ns} {lost} but the checkpoint of iteration {state['iteration']} had published "
+    return (f"queue namespace {queue.ns} {lost} but the checkpoint of iteration {state.iteration} had published "
             f"{published} tasks: rebuilt from the checkpoint: republished {len(seqs)} tasks not yet trained with their "
             f"ids{' (' + shown + ')' if seqs else ''}, task counter set to {published}{restored}")

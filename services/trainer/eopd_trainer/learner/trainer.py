@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
@@ -31,6 +30,7 @@ from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import export_state_dict, prune_weights, save_weights
 from .checkpoint import CheckpointManager
+from .state import LearnerState
 from .distributed import (
     all_reduce_step_metrics,
     barrier,
@@ -111,11 +111,11 @@ class PolicyTrainer:
                                       export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier,
                                       faults=self.faults)
 
-    def restore_checkpoint(self) -> dict[str, Any] | None:
+    def restore_checkpoint(self) -> LearnerState | None:
         """The committed checkpoint into the engine; its trainer state (None on a fresh run)."""
         return self.ckpt.load(self.engine)
 
-    def save_checkpoint(self, iteration: int, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, iteration: int, state: LearnerState) -> None:
         self.ckpt.save(self.engine, iteration, state, export_fn=self.export_hf)
 
     @property

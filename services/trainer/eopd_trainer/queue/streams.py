@@ -1,6 +1,7 @@
 """Redis Streams with consumer groups: the tasks and rollouts queues, dead letters, backpressure.
 
-Keys of a run (namespace `ns`, from `queue.namespace`):
+Keys of a run (namespace `ns`, from the config's `queue.namespace`; their protocol is `RunQueue`'s,
+`namespace.py`):
 
     <ns>:tasks        stream of PromptTask (group "rollout": the rollout workers)
     <ns>:rollouts     stream of ScoredRollout (group "learner")
@@ -224,6 +225,16 @@ class StreamQueue:
         """How many times an entry has been delivered (0 if it is not pending)."""
         rows = self.r.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
         return int(rows[0]["times_delivered"]) if rows else 0
+
+    def delivery_counts(self, count: int) -> dict[str, int]:
+        """entry id -> times delivered, for up to `count` entries pending in the group (any consumer)."""
+        rows = self.r.xpending_range(self.stream, self.group, min="-", max="+", count=count)
+        return {(r["message_id"].decode() if isinstance(r["message_id"], bytes) else str(r["message_id"])):
+                int(r["times_delivered"]) for r in rows}
+
+    def contains(self, entry_id: str) -> bool:
+        """Whether the entry is still in the stream (not acknowledged and deleted meanwhile)."""
+        return bool(self.r.xrange(self.stream, entry_id, entry_id))
 
     def ack(self, entry_ids: Iterable[str]) -> None:
         """Acknowledges and deletes entries (one transaction)."""

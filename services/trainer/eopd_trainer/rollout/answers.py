@@ -57,9 +57,7 @@ class ScoreAnswers:
                 await self.book.settle(p.entry_id, p.rollout_id, reason)
                 continue
             rollout = self.publisher.to_rollout(p, scores[i], self.teacher_model)
-            if not await self.publisher.publish(rollout):
-                continue  # stopping: the task stays pending and is reclaimed later
-            await self.book.settle(p.entry_id, p.rollout_id)
+            await self.publisher.publish_and_settle(rollout, self.book, p.entry_id)  # False: stopping
         log.debug("published %d rollouts (policy v%d)", self.publisher.published, group[0].policy_version)
 
     async def _reject(self, rid: str, group: list[Pending], code, details: str) -> None:

@@ -14,6 +14,5 @@ async def publish_graded(pending: list[Pending], grader: TaskGrader, publisher: 
     stops at the first one refused (the worker is stopping: its task stays pending)."""
     for p in pending:
         reward = grader.reward(p.task.prompt_index, p.response_ids)
-        if not await publisher.publish(publisher.to_graded_rollout(p, reward)):
-            return  # stopping: the task stays pending and is reclaimed later
-        await book.settle(p.entry_id, p.rollout_id)
+        if not await publisher.publish_and_settle(publisher.to_graded_rollout(p, reward), book, p.entry_id):
+            return  # stopping

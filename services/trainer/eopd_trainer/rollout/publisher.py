@@ -9,13 +9,14 @@ import asyncio
 
 import numpy as np
 
-from ..config import RunConfig
+from ..config import RolloutConfig, RunConfig
 from ..faults import Faults, corrupt_bytes
-from ..config import RolloutConfig
 from ..queue.messages import ORIGIN_STUDENT, PromptTask, Rollout, encode_rollout, now_ns, rollout_id
-from ..queue.streams import Keys, StreamQueue, wait_for_room
+from ..queue.namespace import RunQueue
+from ..queue.streams import StreamQueue
 from .metrics import WorkerMetrics
 from .requests import Pending, TokenRemap
+from .task_book import TaskBook
 
 
 def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, old_logprobs: np.ndarray, scores,
@@ -51,11 +52,10 @@ class Publisher:
     """Publishes a worker's rollouts on the rollouts stream (with backpressure and the
     `rollout.publish` / `rollout.after_publish` fault points) and counts them (`published`)."""
 
-    def __init__(self, rollouts: StreamQueue, redis, keys: Keys, cfg: RunConfig, faults: Faults,
+    def __init__(self, rollouts: StreamQueue, queue: RunQueue, cfg: RunConfig, faults: Faults,
                  metrics: WorkerMetrics, worker_id: str, stop: asyncio.Event):
         self.rollouts = rollouts
-        self.redis = redis
-        self.keys = keys
+        self.queue = queue  # backpressure and the done flag
         self.cfg = cfg
         self.faults = faults
         self.metrics = metrics
@@ -90,9 +90,17 @@ class Publisher:
         self.faults.hit("rollout.after_publish", count=self.published)
         return True
 
+    async def publish_and_settle(self, rollout: Rollout, book: TaskBook, entry_id: str) -> bool:
+        """Publishes the rollout of task `entry_id`, then settles it in the task book (the task is
+        acknowledged once all its rollouts are). False when the worker is stopping or the run is
+        done first: nothing published, nothing settled, the task stays pending and is reclaimed later."""
+        if not await self.publish(rollout):
+            return False
+        await book.settle(entry_id, rollout.rollout_id)
+        return True
+
     def _add(self, rollout: Rollout) -> bool:
-        ok = wait_for_room(self.redis, self.keys.rollouts, self.cfg.queue.max_backlog,
-                           should_stop=self._should_stop, on_wait=self._on_wait)
+        ok = self.queue.wait_for_room(self.cfg.queue.max_backlog, should_stop=self._should_stop, on_wait=self._on_wait)
         if ok:
             data = encode_rollout(rollout)
             if self.faults.hit("rollout.publish", count=self.published + 1):
@@ -101,7 +109,7 @@ class Publisher:
         return ok
 
     def _should_stop(self) -> bool:
-        return self.stop.is_set() or bool(self.redis.exists(self.keys.done))
+        return self.stop.is_set() or self.queue.is_done()
 
     def _on_wait(self, _backlog: int) -> None:
         self.metrics.backpressure_waits.inc()

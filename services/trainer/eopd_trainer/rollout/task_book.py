@@ -22,9 +22,8 @@ class TaskBook:
     """The tasks a worker holds, from the moment it takes them until they are settled. It alone
     acknowledges and dead-letters tasks."""
 
-    def __init__(self, tasks: StreamQueue, redis, cfg: RunConfig, metrics: WorkerMetrics, worker_id: str):
+    def __init__(self, tasks: StreamQueue, cfg: RunConfig, metrics: WorkerMetrics, worker_id: str):
         self.tasks = tasks
-        self.redis = redis
         self.metrics = metrics
         self.worker_id = worker_id
         self.cfg = cfg
@@ -68,7 +67,7 @@ class TaskBook:
         for e in entries:
             if self.tasks.deliveries(e.entry_id) > limit:
                 self.tasks.dead_letter(e, f"task delivered more than {limit} times")
-        return [e for e in entries if self.redis.xrange(self.tasks.stream, e.entry_id, e.entry_id)]
+        return [e for e in entries if self.tasks.contains(e.entry_id)]
 
     async def open(self, entries: list[Entry], num_prompts: int) -> list[tuple[str, PromptTask]]:
         """Decodes the entries into tasks and holds them; a poison entry (undecodable, naming a

@@ -72,6 +72,5 @@ class TeacherSamples:
             reward = self.grader.reward(task.prompt_index, gen.token_ids) if self.grader is not None else None
             rollout = generator.to_rollout(task, prompt, gen, policy_version=max(self.versions.version, 0),
                                            teacher_model=self.teacher_model, reward=reward)
-            if not await self.publisher.publish(rollout):
-                return  # stopping: the task stays pending and is reclaimed later
-            await self.book.settle(eid, rollout.rollout_id)
+            if not await self.publisher.publish_and_settle(rollout, self.book, eid):
+                return  # stopping

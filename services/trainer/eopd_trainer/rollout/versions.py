@@ -8,9 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from ..queue.announce import current_announcement
-from ..queue.signing import Signer
-from ..queue.streams import Keys
+from ..queue.namespace import RunQueue
 from ..queue.weights import WeightsUnavailable, check_weights_location
 from .metrics import WorkerMetrics
 
@@ -20,24 +18,23 @@ WEIGHTS_RETRY_MAX_S = 5.0  # longest wait between attempts to load an announced 
 
 
 class VersionTracker:
-    """The sampler's policy version, kept up to date with the announcements (`keys.policy`)."""
+    """The sampler's policy version, kept up to date with the announcements (`RunQueue.announcement`:
+    one without its MAC is ignored, queue/announce.py)."""
 
-    def __init__(self, sampler, redis, keys: Keys, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
-                 stop: asyncio.Event, signer: Signer | None = None, weights_dir: Path | None = None):
+    def __init__(self, sampler, queue: RunQueue, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
+                 stop: asyncio.Event, weights_dir: Path | None = None):
         self.sampler = sampler
-        self.redis = redis
-        self.keys = keys
+        self.queue = queue
         self.metrics = metrics
         self.mode = mode  # "sync" or "async" (the run's mode)
         self.weights_poll_s = weights_poll_s
         self.stop = stop
-        self.signer = signer  # an announcement without its MAC is ignored (queue/announce.py)
         self.weights_dir = weights_dir  # announced files must lie inside it (the run's <run_dir>/weights)
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
 
     def _maybe_reload(self) -> None:
-        pv = current_announcement(self.redis, self.keys.policy, self.signer)
+        pv = self.queue.announcement()
         # (version, sha256): after a learner rolls back to its last checkpoint, a version number
         # may be announced again with other weights.
         if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
@@ -75,7 +72,7 @@ class VersionTracker:
             if max(self.version, 0) >= min_version and (not failed or self.mode == "async"):
                 self.version = max(self.version, 0)  # nothing announced yet: the spec's weights are version 0
                 return True
-            if await asyncio.to_thread(self.redis.exists, self.keys.done):
+            if await asyncio.to_thread(self.queue.is_done):
                 return False
             await asyncio.sleep(delay)
             delay = min(delay * 2, max(WEIGHTS_RETRY_MAX_S, poll)) if failed else poll

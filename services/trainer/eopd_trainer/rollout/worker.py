@@ -38,7 +38,7 @@ from ..config.stages import run_needs_teacher
 from ..data import load_prompts
 from ..faults import Faults
 from ..queue.signing import signer_for
-from ..queue.streams import GROUP_LEARNER, GROUP_ROLLOUT, Keys, StreamQueue, connect
+from ..queue.namespace import RunQueue
 from .answers import ScoreAnswers
 from .grader import TaskGrader
 from .graded import publish_graded
@@ -65,7 +65,6 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.metrics = WorkerMetrics(prometheus_port)
         self.faults = Faults(cfg.faults)
-        self.keys = Keys(cfg.queue.namespace)
         self.stop = asyncio.Event()
         self.publisher: Publisher | None = None  # made by setup()
 
@@ -77,23 +76,22 @@ class RolloutWorker:
     # Set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        self.redis = connect(cfg.queue.redis_url)
         signer = signer_for(cfg.queue.auth_key_file)  # queue/signing.py: tasks checked, rollouts signed
-        self.tasks = StreamQueue(self.redis, self.keys.tasks, GROUP_ROLLOUT, self.worker_id, self.keys.dead,
-                                 cfg.queue.dead_letter_maxlen, signer=signer)
-        self.rollouts = StreamQueue(self.redis, self.keys.rollouts, GROUP_LEARNER, self.worker_id, self.keys.dead,
-                                    cfg.queue.dead_letter_maxlen, signer=signer)
+        self.queue = RunQueue.connect(cfg.queue.redis_url, cfg.queue.namespace, signer=signer,
+                                      dead_maxlen=cfg.queue.dead_letter_maxlen)
+        self.tasks = self.queue.tasks(self.worker_id)
+        self.rollouts = self.queue.rollouts(self.worker_id)
         self.tasks.ensure_group()
         self.rollouts.ensure_group()
         self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
         self.sampler = make_sampler(cfg)  # transformers or vLLM (rollout.engine)
         self.tokenizer = self.sampler.tokenizer
-        self.book = TaskBook(self.tasks, self.redis, cfg, self.metrics, self.worker_id)
-        self.versions = VersionTracker(self.sampler, self.redis, self.keys, self.metrics, mode=cfg.mode,
-                                       weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop, signer=signer,
+        self.book = TaskBook(self.tasks, cfg, self.metrics, self.worker_id)
+        self.versions = VersionTracker(self.sampler, self.queue, self.metrics, mode=cfg.mode,
+                                       weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop,
                                        weights_dir=cfg.weights_dir)
-        self.publisher = Publisher(self.rollouts, self.redis, self.keys, cfg, self.faults, self.metrics,
-                                   self.worker_id, self.stop)
+        self.publisher = Publisher(self.rollouts, self.queue, cfg, self.faults, self.metrics, self.worker_id,
+                                   self.stop)
         self.students = StudentSamples(cfg, self.sampler, self.prompts, self.faults, self.versions, self.publisher)
         # Student samples: scored by the teacher, or (grpo) graded by the task grader and never sent.
         self.score_students = cfg.loss.needs_teacher_scores
@@ -175,7 +173,7 @@ class RolloutWorker:
                 per_round = max(1, ro.generation_batch_size // ro.n_samples)
                 entries = await asyncio.to_thread(self.book.next_entries, per_round)
                 if not entries:
-                    if await asyncio.to_thread(self.redis.exists, self.keys.done):
+                    if await asyncio.to_thread(self.queue.is_done):
                         log.info("the learner finished the run; stopping")
                         break
                     continue
