@@ -64,7 +64,11 @@ KV_GIB = 0.25  # the tiny student needs little KV cache
 # -- config (any environment) -------------------------------------------------------------------
 def test_rollout_engine_config_fields_and_validation():
     cfg = load_config(TINY)
-    assert cfg.rollout.engine == "transformers" and cfg.rollout.old_logprobs == "transformers"
+    # auto (issue 31): vLLM on a CUDA student with vLLM installed, else transformers (this CPU preset)
+    from eopd_trainer.rollout.samplers import resolve_engine
+
+    assert cfg.rollout.engine == "auto" and cfg.rollout.old_logprobs == "transformers"
+    assert resolve_engine(cfg.rollout.engine, cfg.student.device, vllm_installed=True) == "transformers"
     cfg = load_config(TINY, ["rollout.engine=vllm", "rollout.vllm.max_model_len=512", "rollout.vllm.dtype=bfloat16",
                              "rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.tensor_parallel_size=2",
                              "rollout.vllm.enforce_eager=false", "rollout.vllm.kv_cache_gib=0.5"])
@@ -80,7 +84,7 @@ def test_rollout_engine_config_fields_and_validation():
         with pytest.raises(ConfigError, match=re.escape(field)):
             load_config(TINY, bad)
     with pytest.raises(ConfigError, match="old_logprobs=vllm needs rollout.engine=vllm"):
-        load_config(TINY, ["rollout.old_logprobs=vllm"])
+        load_config(TINY, ["rollout.engine=transformers", "rollout.old_logprobs=vllm"])
     with pytest.raises(ConfigError, match="needs rollout.top_p=1.0"):
         load_config(TINY, ["rollout.engine=vllm", "rollout.old_logprobs=vllm", "rollout.top_p=0.9"])
     assert load_config(TINY, ["rollout.engine=vllm", "rollout.top_p=0.9"]).rollout.top_p == 0.9  # fine with transformers old log-probs
