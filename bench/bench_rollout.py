@@ -70,7 +70,7 @@ def _config(student: str, path: str, dtype: str, max_new_tokens: int):
 
 class _Child:
     def __init__(self, path: str, student: str, dtype: str, prompts: int, max_new_tokens: int, pv: dict):
-        from eopd_trainer.eval.tasks import generate
+        from eopd_trainer.problems.generator import generate
         from eopd_trainer.queue.messages import PolicyVersion
         from eopd_trainer.rollout.samplers import make_sampler
 

@@ -21,8 +21,8 @@ import torch
 from eopd_common.models import load_causal_lm
 from eopd_trainer.config import load_config
 from eopd_trainer.data import render_prompt
-from eopd_trainer.eval.grading import is_correct
-from eopd_trainer.eval.tasks import make_splits
+from eopd_trainer.problems.grading import is_correct
+from eopd_trainer.problems.generator import make_splits
 from eopd_trainer.rollout.samplers.transformers_sampler import generate
 
 

@@ -220,6 +220,12 @@ def test_rollout_and_learner_never_import_each_other():
     assert not bad, _report(bad)
 
 
+def test_rollout_never_imports_eval():
+    """The rollout worker grades with problems/ (below both), never with eval/ (`eopd eval`, above it)."""
+    bad = [e for e in edges() if _under(e.src, "eopd_trainer.rollout") and _under(e.dst, "eopd_trainer.eval")]
+    assert not bad, _report(bad)
+
+
 TEACHER_API = ("eopd_teacher.client", "eopd_teacher.convert", "eopd_teacher.types")
 
 

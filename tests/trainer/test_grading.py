@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from eopd_trainer.eval.grading import (
+from eopd_trainer.problems.grading import (
     avg_at_k,
     extract,
     extract_boxed,

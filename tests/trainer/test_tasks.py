@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from eopd_trainer.eval.tasks import KINDS, generate, make_splits, write_splits
+from eopd_trainer.problems.generator import KINDS, generate, make_splits, write_splits
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -66,7 +66,7 @@ def test_write_splits_writes_jsonl(tmp_path):
 
 
 def test_variants_are_written_differently_and_in_neither_split(tmp_path):
-    from eopd_trainer.eval.tasks import ASK
+    from eopd_trainer.problems.generator import ASK
 
     tr, he, v = make_splits(512, 64, seed=0, variants=40)
     assert (tr, he, v) == make_splits(512, 64, seed=0, variants=40) and len(v) == 40

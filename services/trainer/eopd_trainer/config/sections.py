@@ -110,7 +110,7 @@ class StudentConfig(_Section):
 
 
 class TasksConfig(_Section):
-    """Prompts from the arithmetic/word-problem generator (`eopd_trainer.eval.tasks`), written by `eopd run`."""
+    """Prompts from the arithmetic/word-problem generator (`eopd_trainer.problems.generator`), written by `eopd run`."""
 
     train: int = Field(512, ge=1, description="Training prompts.")
     heldout: int = Field(64, ge=1, description="Held-out prompts (never shared with the training split).")

@@ -3,7 +3,7 @@
     eopd eval --run-dir RUN_DIR [--model final|initial|teacher|SPEC ...] [key=value ...]
 
 For each model, on every held-out prompt (records with `prompt` and `answer`, e.g. from
-`eopd_trainer.eval.tasks`), `eval.n_samples` responses at temperature 1.0 and top-p 0.8 (the paper's
+`eopd_trainer.problems.generator`), `eval.n_samples` responses at temperature 1.0 and top-p 0.8 (the paper's
 evaluation), each graded twice by `grading.grade` (math-verify against the gold answer):
 **strict** (the last `\\boxed{}`) and **flexible** (the response's last number, as
 lm-evaluation-harness's GSM8K flexible-extract).
@@ -43,7 +43,7 @@ from eopd_common.models import load_causal_lm, materialise_spec, pad_token_id
 from ..config import ConfigError, EvalConfig, RunConfig, load_config
 from ..data import read_records, render_prompt
 from ..rollout.samplers.transformers_sampler import generate
-from .grading import avg_at_k, extract_last_number, grade, pass_at_k
+from ..problems.grading import avg_at_k, extract_last_number, grade, pass_at_k
 from .kl import paired_log_probs
 
 HIST_BINS = np.linspace(0.0, 10.0, 51)  # nats

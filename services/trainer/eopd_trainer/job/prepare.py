@@ -39,7 +39,7 @@ from pathlib import Path
 from eopd_common.models import materialise_spec, parse_layer_subset, resolve_spec
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
-from ..eval.tasks import write_splits
+from ..problems.generator import write_splits
 
 LOCK_NAME = ".prepare.lock"
 CONFIG_NAME = "run.yaml"

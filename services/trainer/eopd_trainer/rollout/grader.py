@@ -1,6 +1,6 @@
 """The worker's task grader (`TaskGrader`, variant grpo): a response's reward is 1.0 when the answer
 it states equals the training row's `answer`, else 0.0, by the same extraction and math-verify
-grading `eopd eval` uses (`eval/grading.is_correct`, extraction `eval.headline`: strict = the last
+grading `eopd eval` uses (`problems/grading.is_correct`, extraction `eval.headline`: strict = the last
 \\boxed{}, flexible = the last number)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..data import DataError, read_records
-from ..eval.grading import Mode, is_correct
+from ..problems.grading import Mode, is_correct
 
 
 def load_answers(paths: Sequence[Path]) -> list[str]:

@@ -6,7 +6,7 @@ the preset's few-shot prompt, see docs/run.md) and little beyond, so the family 
 Every record is {"id", "prompt", "answer", "kind", "expr"}: `expr` is the arithmetic the prompt
 asks for ("7 + 5"), so a test can check `answer` independently of the generator.
 
-    python -m eopd_trainer.eval.tasks --out data/arith --train 512 --heldout 64 --seed 0
+    python -m eopd_trainer.problems.generator --out data/arith --train 512 --heldout 64 --seed 0
 
 writes `train.jsonl` and `heldout.jsonl`. The splits are disjoint by *problem*, not only by
 wording: a held-out problem's operation and operands (7 + 5, in any phrasing or story) never occur
