@@ -34,7 +34,7 @@ from eopd_trainer.rollout.task_book import TaskBook
 
 from tests.trainer.pipeline_helpers import TINY, committed_state, describe, overrides, spawn_learner, wait_exit
 from tests.trainer.redis_helpers import running_redis
-from tests.trainer.test_learner_guards import scored
+from tests.trainer.learner.test_learner_guards import scored
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from eopd_trainer.queue.namespace import RunQueue
 from eopd_trainer.queue.streams import read_counts
 
 from tests.trainer.pipeline_helpers import TINY
-from tests.trainer.test_learner_units import rollout
+from tests.trainer.learner.test_learner_units import rollout
 
 
 def _feed(tmp_path):

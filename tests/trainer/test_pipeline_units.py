@@ -121,7 +121,7 @@ def test_ds_config():
     assert ds["train_batch_size"] == 4 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 1 and ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] and ds["optimizer"]["params"]["torch_adam"]
-    assert "scheduler" not in ds  # the learner's own schedule: tests/trainer/test_learner_schedule.py
+    assert "scheduler" not in ds  # the learner's own schedule: tests/trainer/learner/test_learner_schedule.py
     with pytest.raises(ValueError, match="multiple"):
         gradient_accumulation_steps(4, 3, 1)
 

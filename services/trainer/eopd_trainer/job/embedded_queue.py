@@ -31,7 +31,7 @@ What it is not:
 One fakeredis 2.40.0 defect is corrected here (`_fix_blocking_xreadgroup`): XREADGROUP with both
 COUNT and BLOCK returned at once instead of blocking, which would turn the learner's and the
 workers' blocking reads into busy loops. The fix runs in this process only (it replaces one
-method of fakeredis' socket class) and is checked by `tests/trainer/test_pipeline_queue.py`.
+method of fakeredis' socket class) and is checked by `tests/trainer/queue/test_pipeline_queue.py`.
 """
 
 from __future__ import annotations

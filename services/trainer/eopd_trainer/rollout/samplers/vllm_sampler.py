@@ -20,7 +20,7 @@ the pinned vLLM 0.32 (docs/vllm.md, "Student rollouts with vLLM"):
   instead (no second forward pass, no transformers copy of the student); with top-p = 1 it is
   log_softmax(logits / T) over the whole vocabulary, the learner's definition, and agrees with
   the transformers forward to float rounding in fp32 (measured in
-  tests/trainer/test_vllm_rollout.py), not in bf16.
+  tests/trainer/rollout/test_vllm_rollout.py), not in bf16.
 - **Weights**: a published version (`queue/weights.py`: one safetensors file with the student's
   state-dict names) is reloaded in place, without restarting the engine:
   `llm.collective_rpc("reload_weights", kwargs={"weights_path": DIR})` on every vLLM worker,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.trainer.test_run_e2e import TINY, eopd
+from tests.trainer.job.test_run_e2e import TINY, eopd
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import yaml
 
 from bench.random_models import IM_END, write_random_model
 from tests.procs import ROOT
-from tests.trainer.test_run_e2e import eopd
+from tests.trainer.job.test_run_e2e import eopd
 
 pytestmark = pytest.mark.integration
 

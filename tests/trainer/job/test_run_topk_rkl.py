@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.trainer.test_run_e2e import TINY, eopd
+from tests.trainer.job.test_run_e2e import TINY, eopd
 
 pytestmark = pytest.mark.integration
 

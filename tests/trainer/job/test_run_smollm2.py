@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.procs import ROOT
-from tests.trainer.test_run_e2e import eopd
+from tests.trainer.job.test_run_e2e import eopd
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

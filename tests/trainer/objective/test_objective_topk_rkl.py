@@ -8,7 +8,7 @@ import torch
 
 from eopd_trainer.objective import LossConfig, LossInputs, compute_loss, compute_loss_from_hidden
 
-from tests.trainer.test_objective import ATOL, grads_of, make_inputs, reference_loss
+from tests.trainer.objective.test_objective import ATOL, grads_of, make_inputs, reference_loss
 
 M = 6
 
