@@ -9,13 +9,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .openai_compat import create_router
-from .state import ServerState
+from .service import TeacherService
 
 
-def create_app(state: ServerState, token: str | None = None, *, deny_unauthenticated: bool = False) -> FastAPI:
+def create_app(service: TeacherService, token: str | None = None, *, deny_unauthenticated: bool = False) -> FastAPI:
     """Probes are open (orchestrators call them without credentials); with a bearer token
     configured, every other path (/metrics, /openapi.json) requires it. `deny_unauthenticated`
     (mutual TLS on gRPC, no token; see server.http_tls_options): every other path answers 403."""
+    state = service.state
     app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)
     open_paths = {"/healthz", "/readyz", "/health"}
 
@@ -67,5 +68,5 @@ def create_app(state: ServerState, token: str | None = None, *, deny_unauthentic
         """Prometheus text exposition, answered at /metrics itself (no redirect to /metrics/)."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(create_router(state))  # vLLM-compatible /v1/completions, /v1/models, /health
+    app.include_router(create_router(service))  # vLLM-compatible /v1/completions, /v1/models, /health
     return app

@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from .batcher import Overloaded
-from .convert import NOT_RETRYABLE_KEY, InvalidRequest, RequestTooLarge
+from .convert import NOT_RETRYABLE_KEY
 from .metrics import TeacherMetrics
 from .resources import ByteBudget, MemoryReturner
 from .status import SERVICE_NAME, describe
+from .validation import InvalidRequest, RequestTooLarge
 
 log = logging.getLogger("eopd_teacher")
 

@@ -2,11 +2,13 @@
 and `GET /health`, for trainers that speak vLLM's OpenAI server (TRL's
 `VLLMClient.get_sequence_logprobs`, verl's teacher pool).
 
-One scoring path: a request becomes an `eopd.v1` ScoreRequest served by the gRPC servicer's own
-scoring (the same validation, per-request and per-client limits, batcher, engine and metrics);
-only the JSON shapes differ (`openai_format.py`). `max_tokens` > 1 becomes a GenerateRequest served
-by the servicer's Generate path (`generate_request`; the prompts' own log-probs, when asked, by a
-ScoreRequest first), answered in vLLM's shape (`openai_generation.py`). Auth is the HTTP app's bearer token. Errors are
+One scoring path: a request becomes the core `ScoreRequest` the gRPC front end's requests become
+too, served by the same `TeacherService` (the same validation, per-request and per-client limits,
+batcher, engine and metrics); only the JSON shapes differ (`openai_format.py`). `max_tokens` > 1
+becomes a core `GenerateRequest` served by the service's `generate` (the prompts' own log-probs,
+when asked, by a ScoreRequest first), answered in vLLM's shape (`openai_generation.py`). The
+validation's messages name the request's fields as vLLM's (`prompt[3]`, `max_tokens`): the
+`FieldNames` below. Auth is the HTTP app's bearer token. Errors are
 in vLLM's shape (`{"error": {"message", "type", "param", "code"}}`) with the field named: 400
 for a wrong field, 404 for another model, 413 over a per-request limit, 429 when overloaded, 503
 while loading or draining.
@@ -20,19 +22,16 @@ import re
 import time
 
 import grpc
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from eopd.v1 import teacher_pb2 as pb
-
-from .convert import RequestTooLarge, scores_from_pb
-from .convert_generate import generation_from_pb
-from .openai_generation import Sampling, generation_response, sampling
 from .openai_format import (
     CompatError,
     CompletionRequest,
     Decoder,
+    Plan,
     completion_response,
     error_body,
     json_bytes_estimate,
@@ -40,10 +39,11 @@ from .openai_format import (
     scored_tokens,
     validation_error,
 )
-from .servicer import CLIENT_ID_HEADER, TeacherServicer, client_from
-from .state import ServerState
+from .openai_generation import Sampling, generation_response, sampling
+from .service import CLIENT_ID_HEADER, TeacherService, client_from
 from .status import describe
-from .types import Generation
+from .types import GeneratePrompt, GenerateRequest, Generation, ScoreRequest, ScoreSequence, SequenceScores
+from .validation import FieldNames, RequestTooLarge
 
 log = logging.getLogger("eopd_teacher")
 
@@ -54,25 +54,11 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.CANCELLED: 499,
 }
-# gRPC field names in the shared validation's messages -> the vLLM request's.
-_FIELDS = [
-    (re.compile(r"sequences\[(\d+)\]\.token_ids(\[\d+\])?"), r"prompt[\1]\2"),
-    (re.compile(r"sequences\[(\d+)\](?: \(id '[^']*'\))?"), r"prompt[\1]"),
-    (re.compile(r", id '\d+'"), ""),
-    (re.compile(r"^sequences:"), "prompt:"),
-    (re.compile(r"\btop_k\b"), "prompt_logprobs"),
-]
-# ... and in the Generate path's messages (GenerateRequest fields -> the vLLM request's).
-_GENERATE_FIELDS = [
-    (re.compile(r"prompts\[(\d+)\]\.token_ids(\[\d+\])?"), r"prompt[\1]\2"),
-    (re.compile(r"prompts\[(\d+)\](?: \(id '[^']*'\))?"), r"prompt[\1]"),
-    (re.compile(r", id '\d+'"), ""),
-    (re.compile(r"^prompts:"), "prompt:"),
-    (re.compile(r"\bmax_new_tokens\b"), "max_tokens"),
-    (re.compile(r"\bnum_samples\b"), "n"),
-    (re.compile(r"\bscore_temperature\b"), "temperature"),
-    (re.compile(r"\btop_k\b"), "logprobs"),
-]
+# The service's fields under the vLLM request's names: a prompt is its token ids (`prompt[3][5]`);
+# scoring's top-k is `prompt_logprobs`, Generate's `logprobs`.
+_SCORE_RENAMED = {"top_k": "prompt_logprobs"}
+_GENERATE_NAMES = FieldNames("prompt", nested=False, renamed={
+    "max_new_tokens": "max_tokens", "num_samples": "n", "score_temperature": "temperature", "top_k": "logprobs"})
 BODY_BYTES_PER_TOKEN = 16  # a token id as JSON takes at most 7 bytes ("49151, "); text a few bytes a token
 _PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*)")
 
@@ -101,25 +87,30 @@ def body_limit(max_message_bytes: int, max_tokens_per_request: int) -> int:
     return min(max_message_bytes, max(BODY_BYTES_PER_TOKEN * max_tokens_per_request, 1 << 20))
 
 
-def _compat_error(exc: BaseException, fields: list = _FIELDS) -> CompatError:
-    """The shared path's exception as a vLLM-shaped error: field names translated (`fields`: the
-    Score path's or the Generate path's), status mapped (a per-request limit: 413, not retryable
-    as is; overload: 429)."""
+def _compat_error(exc: BaseException) -> CompatError:
+    """The service's exception as a vLLM-shaped error (its message already names vLLM's fields):
+    status mapped (a per-request limit: 413, not retryable as is; overload: 429), the field named
+    in `param` when the message starts with it."""
     code, message = describe(exc)
-    for pattern, repl in fields:
-        message = pattern.sub(repl, message)
     status = 413 if isinstance(exc, RequestTooLarge) else HTTP_STATUS.get(code, 500)
     m = _PARAM.match(message)
     param = m.group(1) if m and status in (400, 413) and (":" in message[: m.end() + 1]) else None
     return CompatError(status, message, param)
 
 
-class CompletionsRoute:
-    """The handlers, over the server's state and the gRPC servicer's scoring."""
+def _f32(x: float) -> float:
+    """`x` rounded to float32, as a float field of the gRPC wire carries it (the service's floats are
+    float32 values, so both front ends compute the same statistics)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
-    def __init__(self, state: ServerState):
-        self.state = state
-        self.servicer = TeacherServicer(state)
+
+class CompletionsRoute:
+    """The handlers: JSON <-> core types around the teacher's service."""
+
+    def __init__(self, service: TeacherService):
+        self.service = service
+        self.state = service.state
         self._decoder: Decoder | None = None
 
     def _tokenizer(self):
@@ -201,52 +192,48 @@ class CompletionsRoute:
     def _eos_id(self) -> int | None:
         return getattr(self._tokenizer(), "eos_token_id", None)
 
-    async def _generate(self, request: Request, p, sample: Sampling) -> list[list[Generation]]:
-        """The n completions of every prompt of `p`, through the gRPC servicer's Generate path (its
-        validation, limits, engine and metrics), grouped by prompt in sample order."""
-        req = pb.GenerateRequest(
-            prompts=[pb.Prompt(id=str(i), token_ids=ids) for i, ids in enumerate(p.prompts)], num_samples=p.n,
-            max_new_tokens=p.max_tokens, temperature=sample.temperature, top_p=sample.top_p,
-            stop_token_ids=list(sample.stop_token_ids), top_k=max(p.logprobs_k or 0, 1), score_temperature=p.temperature)
-        if sample.seed is not None:
-            req.seed = sample.seed
+    async def _generate(self, request: Request, p: Plan, sample: Sampling) -> list[list[Generation]]:
+        """The n completions of every prompt of `p`, by the service's `generate` (its validation,
+        limits, engine and metrics), grouped by prompt in sample order."""
         try:
-            answers = await self.servicer.generate_request(req, _client(request))
+            req = GenerateRequest(
+                prompts=[GeneratePrompt(str(i), np.asarray(ids, dtype=np.int64)) for i, ids in enumerate(p.prompts)],
+                num_samples=p.n, max_new_tokens=p.max_tokens, temperature=_f32(sample.temperature), top_p=_f32(sample.top_p),
+                stop_token_ids=tuple(sample.stop_token_ids), seed=sample.seed, top_k=max(p.logprobs_k or 0, 1),
+                score_temperature=_f32(p.temperature))
+            answers = [g async for g in self.service.generate(req, _client(request), names=_GENERATE_NAMES)]
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
-            err = _compat_error(exc, _GENERATE_FIELDS)
+            err = _compat_error(exc)
             if err.status == 500:
                 log.error("/v1/completions (generation) failed: %s", err, exc_info=exc)
             raise err from None
         out: list[list[Generation]] = [[] for _ in p.prompts]
-        for r in sorted(answers, key=lambda r: (int(r.prompt_id), r.sample_index)):
-            out[int(r.prompt_id)].append(generation_from_pb(r))
+        for g in sorted(answers, key=lambda g: (int(g.prompt_id), g.sample_index)):
+            out[int(g.prompt_id)].append(g)
         return out
 
-    async def _score(self, request: Request, p, echo: bool) -> list:
-        """Scores every prompt of `p` that needs it through the gRPC servicer's path."""
+    async def _score(self, request: Request, p: Plan, echo: bool) -> list[SequenceScores | None]:
+        """Scores every prompt of `p` that needs it, by the service's `score`; the validation names
+        each by its position in the request (`prompt[3]`), not among those scored."""
         wanted = p.generate or p.prompt_k is not None or (p.logprobs_k is not None and echo)
         seqs = scored_tokens(p)
         index = [i for i, ids in enumerate(seqs) if wanted and len(ids) >= 2]
         if not index:
             return [None] * len(seqs)
-        req = pb.ScoreRequest(top_k=p.top_k, temperature=p.temperature,
-                              sequences=[pb.Sequence(id=str(i), token_ids=seqs[i].tolist(), score_from=1) for i in index])
+        req = ScoreRequest(sequences=[ScoreSequence(str(i), seqs[i], 1) for i in index], top_k=p.top_k,
+                           temperature=_f32(p.temperature))
+        names = FieldNames("prompt", nested=False, positions=index, renamed=_SCORE_RENAMED)
         try:
-            answer = await self.servicer.score_request(req, _client(request))
+            results = await self.service.score(req, _client(request), names)
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
             err = _compat_error(exc)
             if err.status == 500:
                 log.error("/v1/completions failed: %s", err, exc_info=exc)
-            # the shared validation names sequences by their position among those scored
-            raise CompatError(err.status, _renumber(str(err), index), err.param and _renumber(err.param, index)) from None
-        out: list = [None] * len(seqs)
-        for i, r in zip(index, answer.results, strict=True):
-            out[i] = scores_from_pb(r)
+            raise err from None
+        out: list[SequenceScores | None] = [None] * len(seqs)
+        for i, r in zip(index, results, strict=True):
+            out[i] = r
         return out
-
-
-def _renumber(text: str, index: list[int]) -> str:
-    return re.sub(r"prompt\[(\d+)\]", lambda m: f"prompt[{index[int(m.group(1))]}]", text)
 
 
 def _client(request: Request) -> str:
@@ -260,10 +247,11 @@ def _client(request: Request) -> str:
     return client_from(request.headers.get(CLIENT_ID_HEADER), peer)
 
 
-def create_router(state: ServerState) -> APIRouter:
+def create_router(service: TeacherService) -> APIRouter:
     """`POST /v1/completions`, `GET /v1/models`, `GET /health` (vLLM's liveness: 200 once ready)."""
     router = APIRouter()
-    route = CompletionsRoute(state)
+    route = CompletionsRoute(service)
+    state = service.state
     router.add_api_route(METHOD, route.completions, methods=["POST"], include_in_schema=False)
 
     @router.get("/v1/models", responses={503: {"description": "the model is still loading (vLLM's error shape)"}})

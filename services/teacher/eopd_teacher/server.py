@@ -35,6 +35,7 @@ from .http_limits import header_deadline_protocol
 from .interceptors import AuthInterceptor, StatusInterceptor
 from .metrics import TeacherMetrics
 from .resources import MemoryReturner, raise_open_file_limit
+from .service import TeacherService
 from .servicer import TeacherServicer
 from .settings import TeacherSettings
 from .state import ServerState, served_info
@@ -132,6 +133,7 @@ class TeacherServer:
         self.settings = settings
         self.metrics = TeacherMetrics()
         self.state = ServerState(settings=settings, metrics=self.metrics, engine=engine or create_engine(settings))
+        self.service = TeacherService(self.state)  # what both front ends serve
         self.health = health.aio.HealthServicer()
         self.memory = MemoryReturner()
         self.grpc_port: int | None = None
@@ -155,7 +157,7 @@ class TeacherServer:
         if token:
             interceptors.insert(0, AuthInterceptor(token, self.metrics, self.memory))
         server = grpc.aio.server(interceptors=interceptors, options=opts)
-        pb_grpc.add_TeacherServiceServicer_to_server(TeacherServicer(self.state), server)
+        pb_grpc.add_TeacherServiceServicer_to_server(TeacherServicer(self.service), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -190,7 +192,7 @@ class TeacherServer:
                 yield
 
         s = self.settings
-        app = create_app(self.state, s.bearer_token(), deny_unauthenticated=http_deny_unauthenticated(s))
+        app = create_app(self.service, s.bearer_token(), deny_unauthenticated=http_deny_unauthenticated(s))
         self._http = _Server(http_config(app, s))
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
 

@@ -10,9 +10,8 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 
 from .batcher import Draining, Overloaded
-from .convert import InvalidRequest, RequestTooLarge
-from .convert_generate import GenerateNotServed
 from .types import GenerationCancelled
+from .validation import GenerateNotServed, InvalidRequest, RequestTooLarge
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
 

@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
 
 from eopd.v1 import teacher_pb2 as pb
 
 from .batcher import Overloaded
-from .convert import InvalidRequest
+from .metrics import TeacherMetrics
+from .resources import ByteBudget
 from .status import STREAM_LEVEL, NotReady, describe
+from .validation import InvalidRequest
 
-if TYPE_CHECKING:
-    from .servicer import TeacherServicer
+log = logging.getLogger("eopd_teacher")
 
 # Requests of one stream served at once; beyond that, reading pauses.
 MAX_INFLIGHT_PER_STREAM = 64
@@ -59,12 +62,26 @@ class StreamIdle(NotReady):
 _FAILED, _END = object(), object()
 
 
-class StreamSession:
-    """The loop of one ScoreStream call for `client` (the per-client limit's key)."""
+def in_band_error(metrics: TeacherMetrics, request_id: str, exc: BaseException) -> pb.ScoreResponse:
+    """The in-band answer of a ScoreStream request that failed on its own; counted like an RPC
+    error (eopd_teacher_errors_total) and in eopd_teacher_stream_requests_total."""
+    code, message = describe(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("ScoreStream request %r failed: %s", request_id, message, exc_info=exc)
+    metrics.stream_requests.labels(code.name).inc()
+    metrics.errors.labels(code.name).inc()
+    return pb.ScoreResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message, retryable=False))
 
-    def __init__(self, servicer: TeacherServicer, client: str, *, announce: bool = False):
-        self._servicer = servicer
-        self._client = client
+
+class StreamSession:
+    """The loop of one ScoreStream call: `score` answers one request (the servicer's Score for
+    this call's client); `budget` is the server's request-byte budget; a stream idle for
+    `idle_timeout_s` fails."""
+
+    def __init__(self, score: Callable[[pb.ScoreRequest], Awaitable[pb.ScoreResponse]], metrics: TeacherMetrics,
+                 budget: ByteBudget, idle_timeout_s: float, *, announce: bool = False):
+        self._score = score
+        self._metrics = metrics
         self._announce = announce
         self._out: asyncio.Queue = asyncio.Queue()
         self._slots = asyncio.Semaphore(MAX_INFLIGHT_PER_STREAM)
@@ -72,10 +89,10 @@ class StreamSession:
         self._tasks: set[asyncio.Task] = set()
         self._inflight_ids: set[str] = set()  # request ids read and not yet answered
         self._read_all = asyncio.Event()  # the client half-closed (or its request stream broke)
-        self._latency = servicer.state.metrics.latency.labels("ScoreStream")
-        self._idle_timeout_s = servicer.state.settings.stream_idle_timeout_s
+        self._latency = metrics.latency.labels("ScoreStream")
+        self._idle_timeout_s = idle_timeout_s
         self._last_active = time.monotonic()  # a request read or an answer handed to gRPC
-        self._budget = servicer.state.request_bytes
+        self._budget = budget
         self._waiting_room = False  # the reader waits for room in the byte budget (not idle)
 
     async def responses(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> AsyncIterator[pb.ScoreResponse]:
@@ -116,14 +133,14 @@ class StreamSession:
 
     def _answer_error(self, request_id: str, exc: BaseException, *, retryable: bool = False) -> None:
         """A request-level failure, answered in band (its slot is released once sent)."""
-        answer = self._servicer._in_band_error(request_id, exc)
+        answer = in_band_error(self._metrics, request_id, exc)
         answer.error.retryable = retryable
         self._out.put_nowait(answer)
 
     async def _handle(self, req: pb.ScoreRequest) -> None:
         started = time.perf_counter()
         try:
-            response = await self._servicer._score(req, self._client, stream=True)
+            response = await self._score(req)
         except STREAM_LEVEL as exc:  # load, draining, not ready: the stream's status
             self._slots.release()
             self._fail(exc, req.request_id)
@@ -134,7 +151,7 @@ class StreamSession:
         finally:
             self._inflight_ids.discard(req.request_id)
         self._latency.observe(time.perf_counter() - started)
-        self._servicer.state.metrics.stream_requests.labels("OK").inc()
+        self._metrics.stream_requests.labels("OK").inc()
         self._out.put_nowait(response)  # its slot is released once the answer is sent
 
     async def _take_budget(self, nbytes: int) -> bool:

@@ -14,8 +14,7 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from ..convert import info_from_pb, scores_from_pb
-from ..convert_generate import generation_from_pb
+from ..convert import generation_from_pb, info_from_pb, scores_from_pb
 from ..types import Generation, ModelInfo, SequenceScores
 from . import stream, sync_stream
 from .channel import ChannelClient, _CallPlan
