@@ -12,7 +12,10 @@ The rules: no runtime import cycle; services/ never imports bench/ or tests/; no
 lines; the trainer's rollout/ and learner/ never import each other (they meet in queue/); the
 trainer reaches the teacher only through its client, conversion and types; the learner's Redis
 feed never imports torch and its DeepSpeed trainer never imports Redis; function-local imports
-only for the heavy or optional packages listed below.
+only for the heavy or optional packages listed below. In the teacher (rooms drawn in
+docs/teacher.md): its front ends grpc/ and http/ never import each other, the HTTP front end and
+the service never import protobuf, no module imports another module's `_private` name, and there
+is no import cycle even through `TYPE_CHECKING` imports.
 """
 
 from __future__ import annotations
@@ -227,6 +230,66 @@ def test_trainer_imports_the_teacher_only_through_its_client():
     assert not bad, _report(bad)
 
 
+def _teacher_room(module: str) -> str | None:
+    for room in ("grpc", "http"):
+        if _under(module, f"eopd_teacher.{room}"):
+            return room
+    return None
+
+
+def test_teacher_front_ends_never_import_each_other():
+    """eopd_teacher.grpc(.*) and eopd_teacher.http(.*) meet only in serving/ (the service) and the
+    core; neither imports the other, not even for type checking."""
+    assert "eopd_teacher.grpc.servicer" in modules() and "eopd_teacher.http.openai_compat" in modules()
+    bad = [e for e in edges() if _teacher_room(e.src) and _teacher_room(e.dst) and _teacher_room(e.src) != _teacher_room(e.dst)]
+    assert not bad, _report(bad)
+
+
+def test_teacher_http_and_service_never_touch_protobuf():
+    """A request followed from the HTTP route to the engine meets no protobuf message: http/ and
+    serving/ import neither the generated `eopd.v1` code nor `eopd_teacher.convert` (gRPC shapes);
+    serving/ (what both front ends call) imports neither front end."""
+    bad = [e for e in edges() if (_under(e.src, "eopd_teacher.http") or _under(e.src, "eopd_teacher.serving"))
+           and (_under(e.dst, "eopd.v1") or _under(e.dst, "eopd_teacher.convert")
+                or (_under(e.src, "eopd_teacher.serving") and _teacher_room(e.dst)))]
+    assert not bad, _report(bad)
+
+
+def _private_imports(package: str) -> list[str]:
+    """`from X import _name` statements in `package` where `_name` is not X's own dunder."""
+    out = []
+    for module, path in modules().items():
+        if not _under(module, package):
+            continue
+        for node, _, _ in _walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.endswith("__"):
+                        out.append(f"{module}:{node.lineno} imports {alias.name} from {'.' * node.level}{node.module or ''}")
+    return out
+
+
+def test_teacher_never_imports_a_private_name():
+    """No teacher module imports another module's `_name`: what a collaborator needs is public, or
+    handed in (a stream session gets its scoring function, the client's lanes a transport)."""
+    bad = _private_imports("eopd_teacher")
+    assert not bad, "\n".join(bad)
+
+
+def test_teacher_has_no_import_cycle_even_for_type_checking():
+    """The teacher's import graph, `TYPE_CHECKING` imports included, is acyclic: no split-off piece
+    imports its owner back for an annotation."""
+    known = modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in edges():
+        if _under(e.src, "eopd_teacher") and _under(e.dst, "eopd_teacher") and e.dst in known and e.dst != e.src:
+            graph[e.src].add(e.dst)
+            graph[e.dst]  # noqa: B018 - every node is a key
+    cycles = _sccs(graph)
+    detail = [e for e in edges() if any(e.src in c and e.dst in c for c in cycles)]
+    assert not cycles, f"import cycles {cycles}:\n{_report(detail)}"
+
+
 def _direct_imports(module: str, forbidden: tuple[str, ...]) -> list[Edge]:
     """`module`'s own runtime imports of `forbidden` (direct: the shared root modules it may use,
     such as `config`, are not followed)."""
@@ -273,7 +336,7 @@ LAZY_IN = {
     "eopd_teacher.engines": ("eopd_teacher.engines.transformers_engine", "eopd_teacher.engines.vllm_engine"),
     # `eopd-teacher info/score` must work on a client-only install; `serve` needs the teacher extra
     # (fastapi, uvicorn, prometheus-client), which the server module imports at its top.
-    "eopd_teacher.cli": ("eopd_teacher.server",),
+    "eopd_teacher.cli.main": ("eopd_teacher.server",),
 }
 
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from eopd_teacher.batcher import BatcherDied, BatchObserver, Draining, DynamicBatcher, Overloaded
+from eopd_teacher.serving.batcher import BatcherDied, BatchObserver, Draining, DynamicBatcher, Overloaded
 from eopd_teacher.types import ScoreItem, SequenceScores
 
 

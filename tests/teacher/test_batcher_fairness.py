@@ -8,8 +8,8 @@ import asyncio
 
 import numpy as np
 
-from eopd_teacher.batcher import DynamicBatcher
-from eopd_teacher.scheduling import MIN_WIDTH_CAP, FairQueue, Waiting
+from eopd_teacher.serving.batcher import DynamicBatcher
+from eopd_teacher.serving.scheduling import MIN_WIDTH_CAP, FairQueue, Waiting
 from eopd_teacher.types import ScoreItem
 
 from .test_batcher import Recorder

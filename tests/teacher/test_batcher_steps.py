@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from eopd_teacher.batcher import DynamicBatcher
+from eopd_teacher.serving.batcher import DynamicBatcher
 from eopd_teacher.types import ScoreItem
 
 from .test_batcher import Recorder

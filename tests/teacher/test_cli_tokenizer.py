@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eopd_common.models import load_tokenizer, resolve_spec, smollm2_gguf_path, tokenizer_fingerprint
-from eopd_teacher.cli import _encode
+from eopd_teacher.cli.main import _encode
 from eopd_teacher.types import ModelInfo
 
 TEXT = [{"id": "t", "prompt": "What is 2 + 3?", "response": " It is 5."}]

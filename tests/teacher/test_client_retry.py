@@ -31,7 +31,7 @@ def _err(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcErr
 )
 async def test_retryable(err, retry_overload, expected):
     async with AsyncTeacherClient("127.0.0.1:1", retry_overload=retry_overload) as c:
-        assert c._retryable(err) is expected
+        assert c.should_retry(err) is expected
 
 
 def _dead_target() -> str:
@@ -75,13 +75,13 @@ def test_call_plan_budget_and_attempt_timeouts():
     import time
 
     from eopd_teacher.client import TeacherClient
-    from eopd_teacher.client.channel import _CallPlan
+    from eopd_teacher.client.channel import CallPlan
 
     with TeacherClient(_dead_target(), timeout=None, retry_timeout=60) as c:
-        assert _CallPlan(c, None, None).attempt_timeout() is None
-        plan = _CallPlan(c, 2.0, None)
+        assert CallPlan(c, None, None).attempt_timeout() is None
+        plan = CallPlan(c, 2.0, None)
         first = plan.attempt_timeout()
         time.sleep(0.2)
         assert 1.9 <= first <= 2.0 and plan.attempt_timeout() <= first - 0.2
-        assert _CallPlan(c, 0, None).attempt_timeout() == 0.0
+        assert CallPlan(c, 0, None).attempt_timeout() == 0.0
         assert plan.backoff.deadline <= time.monotonic() + 2.0  # retries bounded by min(timeout, retry_timeout)

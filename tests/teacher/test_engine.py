@@ -10,7 +10,7 @@ import pytest
 from eopd_teacher import __version__
 from eopd_teacher.engines.transformers_engine import TransformersEngine
 from eopd_teacher.settings import TeacherSettings
-from eopd_teacher.state import served_info
+from eopd_teacher.serving.state import served_info
 from eopd_teacher.types import EngineInfo, ModelInfo, ScoreItem
 
 from .reference import assert_topk_match, reference_scores

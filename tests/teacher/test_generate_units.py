@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from eopd.v1 import teacher_pb2 as pb
-from eopd_teacher.batcher import DynamicBatcher, Overloaded
+from eopd_teacher.serving.batcher import DynamicBatcher, Overloaded
 from eopd_teacher.convert import generate_items_from_request, generation_from_pb, generation_to_pb
 from eopd_teacher.engines.sampling import nucleus_probs, sample_next, sample_seed
-from eopd_teacher.service import generate_jobs, generate_tokens
+from eopd_teacher.serving.service import generate_jobs, generate_tokens
 from eopd_teacher.settings import TeacherSettings
-from eopd_teacher.state import served_info
-from eopd_teacher.status import DeadlinePassed, status_of
+from eopd_teacher.serving.state import served_info
+from eopd_teacher.serving.status import DeadlinePassed, status_of
 from eopd_teacher.types import EngineInfo, Generation, GenerationCancelled, ModelInfo, ScoreItem, SequenceScores
 from eopd_teacher.validation import GenerateNotServed, InvalidRequest, RequestTooLarge
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from eopd_teacher.openai_format import (
+from eopd_teacher.http.openai_format import (
     CompatError,
     CompletionRequest,
     Decoder,
@@ -18,7 +18,7 @@ from eopd_teacher.openai_format import (
     prompt_logprobs,
     validation_error,
 )
-from eopd_teacher.openai_generation import Sampling, generation_response, sampling
+from eopd_teacher.http.openai_generation import Sampling, generation_response, sampling
 from eopd_teacher.types import Generation, SequenceScores
 
 

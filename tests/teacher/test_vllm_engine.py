@@ -29,7 +29,7 @@ from eopd_teacher.client import TeacherClient  # noqa: E402
 from eopd_teacher.engines.transformers_engine import TransformersEngine  # noqa: E402
 from eopd_teacher.engines.vllm_engine import VllmEngine  # noqa: E402
 from eopd_teacher.settings import TeacherSettings  # noqa: E402
-from eopd_teacher.state import served_info  # noqa: E402
+from eopd_teacher.serving.state import served_info  # noqa: E402
 from eopd_teacher.types import ScoreItem, SequenceScores  # noqa: E402
 from tests.procs import running_teacher  # noqa: E402
 

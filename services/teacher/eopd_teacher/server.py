@@ -28,18 +28,17 @@ from grpc_reflection.v1alpha import reflection
 
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from .batcher import BatchObserver, DynamicBatcher
 from .engines import create_engine
-from .http_app import create_app
-from .http_limits import header_deadline_protocol
-from .interceptors import AuthInterceptor, StatusInterceptor
-from .metrics import TeacherMetrics
-from .resources import MemoryReturner, raise_open_file_limit
-from .service import TeacherService
-from .servicer import TeacherServicer
+from .grpc.interceptors import AuthInterceptor, StatusInterceptor
+from .grpc.servicer import SERVICE_NAME, TeacherServicer
+from .http.app import create_app
+from .http.limits import header_deadline_protocol
+from .serving.batcher import BatchObserver, DynamicBatcher
+from .serving.metrics import TeacherMetrics
+from .serving.resources import MemoryReturner, raise_open_file_limit
+from .serving.service import TeacherService
+from .serving.state import ServerState, served_info
 from .settings import TeacherSettings
-from .state import ServerState, served_info
-from .status import SERVICE_NAME
 
 if TYPE_CHECKING:
     from .engines.base import ScoringEngine
@@ -216,7 +215,7 @@ class TeacherServer:
             max_queue_tokens=s.max_queue_tokens,
             max_client_tokens=s.max_batch_tokens_per_client,
             observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue),
-            steps_fn=getattr(self.state.engine, "score_steps", None),  # chunked prefill, where the engine can
+            steps_fn=self.state.engine.score_steps,  # chunked prefill, where the engine can (None: not)
             step_tokens=s.prefill_chunk_tokens,
         )
         batcher.on_died = self._batcher_died

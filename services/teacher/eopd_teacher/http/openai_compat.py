@@ -27,6 +27,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
+from ..serving.status import describe
+from ..types import GeneratePrompt, GenerateRequest, Generation, ScoreRequest, ScoreSequence, SequenceScores
+from ..validation import FieldNames, RequestTooLarge
 from .openai_format import (
     CompatError,
     CompletionRequest,
@@ -40,10 +44,6 @@ from .openai_format import (
     validation_error,
 )
 from .openai_generation import Sampling, generation_response, sampling
-from .service import CLIENT_ID_HEADER, TeacherService, client_from
-from .status import describe
-from .types import GeneratePrompt, GenerateRequest, Generation, ScoreRequest, ScoreSequence, SequenceScores
-from .validation import FieldNames, RequestTooLarge
 
 log = logging.getLogger("eopd_teacher")
 
@@ -114,7 +114,7 @@ class CompletionsRoute:
         self._decoder: Decoder | None = None
 
     def _tokenizer(self):
-        return getattr(self.state.engine, "tokenizer", None)
+        return self.state.engine.tokenizer
 
     def decoder(self) -> Decoder:
         if self._decoder is None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..types import SequenceScores
 from .openai_logprobs import Decoder, logprob_entries, logprobs_object, lp_clamped, prompt_logprobs
-from .types import SequenceScores
 
 # An estimate of one prompt-logprob entry's JSON bytes besides its decoded token (key, logprob,
 # rank, field names), used to refuse before scoring an answer over the server's message limit.

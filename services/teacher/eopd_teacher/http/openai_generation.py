@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..types import Generation, SequenceScores
 from .openai_format import CompatError, CompletionRequest, Plan, response_envelope
 from .openai_logprobs import Decoder, logprob_entries, logprobs_object, prompt_logprobs
-from .types import Generation, SequenceScores
 
 MAX_SEED = (1 << 64) - 1  # GenerateRequest.seed is a uint64
 

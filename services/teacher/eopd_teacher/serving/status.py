@@ -1,5 +1,6 @@
-"""The status policy: which gRPC status each exception of a TeacherService handler is answered
-with, and which failures end a ScoreStream rather than one request."""
+"""The status policy: which gRPC status each exception of the teacher's service is answered with
+(the HTTP front end maps these to HTTP statuses), and which failures end a ScoreStream rather than
+one request."""
 
 from __future__ import annotations
 
@@ -7,13 +8,9 @@ import asyncio
 
 import grpc
 
-from eopd.v1 import teacher_pb2 as pb
-
+from ..types import GenerationCancelled
+from ..validation import GenerateNotServed, InvalidRequest, RequestTooLarge
 from .batcher import Draining, Overloaded
-from .types import GenerationCancelled
-from .validation import GenerateNotServed, InvalidRequest, RequestTooLarge
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
 
 
 class NotReady(Exception):

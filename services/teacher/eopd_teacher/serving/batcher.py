@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..types import ScoreItem, SequenceScores
 from .scheduling import FairQueue, Waiting
-from .types import ScoreItem, SequenceScores
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ as -9999.0, as vLLM clamps them, since JSON has no infinity."""
 
 from __future__ import annotations
 
-from .types import SequenceScores
+from ..types import SequenceScores
 
 LOGPROB_FLOOR = -9999.0
 

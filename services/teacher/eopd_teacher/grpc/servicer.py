@@ -12,10 +12,12 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from .batcher import Overloaded
-from .convert import STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, info_to_pb, score_request_from_pb, scores_to_pb
-from .service import CLIENT_ID_HEADER, TeacherService, client_from
+from ..convert import STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, info_to_pb, score_request_from_pb, scores_to_pb
+from ..serving.batcher import Overloaded
+from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
 from .stream_session import StreamSession
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
 
 def wants_stream_ending(context: grpc.aio.ServicerContext) -> bool:
     return any(k == STREAM_ENDING_KEY and v == "1" for k, v in context.invocation_metadata() or ())

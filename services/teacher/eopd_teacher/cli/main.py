@@ -3,7 +3,7 @@
     eopd-teacher serve --model smollm2-135m --host 127.0.0.1 --grpc-port 50051 --http-port 8000
     eopd-teacher info --target 127.0.0.1:50051
     eopd-teacher score --target 127.0.0.1:50051 --input FILE.jsonl [--output OUT.jsonl]
-    eopd-teacher generate --target 127.0.0.1:50051 --input PROMPTS.jsonl [--output OUT.jsonl] (cli_generate.py)
+    eopd-teacher generate --target 127.0.0.1:50051 --input PROMPTS.jsonl [--output OUT.jsonl] (cli/generate.py)
 
 `score` input lines are either token ids, {"id": ..., "token_ids": [...], "score_from": N}, or
 text, {"id": ..., "prompt": "...", "response": "..."} (the response's tokens are scored; add
@@ -30,10 +30,10 @@ from eopd_common.client_security import ClientSecurity, SecurityFileError
 from eopd_common.models import default_cache_dir
 from eopd_common.settings import SettingsError, add_arguments, settings_from_args
 
-from .cli_generate import GenerateFailed, add_generate_parser, cmd_generate
-from .cli_text import encode_prompt, text_tokenizer
-from .client import TeacherClient
-from .settings import TeacherSettings
+from ..client import TeacherClient
+from ..settings import TeacherSettings
+from .generate import GenerateFailed, add_generate_parser, cmd_generate
+from .text import encode_prompt, text_tokenizer
 
 
 # `serve --auth-token TOKEN` works, but argv is readable by every local user (`ps`, /proc/PID/cmdline);
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # Here, not at the top: the server needs the teacher extra (fastapi, uvicorn,
         # prometheus-client), and `info` and `score` run on the core install.
-        from .server import serve
+        from ..server import serve
 
         if args.auth_token is not None:
             print(ARGV_TOKEN_WARNING, file=sys.stderr)

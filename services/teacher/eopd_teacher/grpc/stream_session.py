@@ -35,11 +35,11 @@ import grpc
 
 from eopd.v1 import teacher_pb2 as pb
 
-from .batcher import Overloaded
-from .metrics import TeacherMetrics
-from .resources import ByteBudget
-from .status import STREAM_LEVEL, NotReady, describe
-from .validation import InvalidRequest
+from ..serving.batcher import Overloaded
+from ..serving.metrics import TeacherMetrics
+from ..serving.resources import ByteBudget
+from ..serving.status import STREAM_LEVEL, NotReady, describe
+from ..validation import InvalidRequest
 
 log = logging.getLogger("eopd_teacher")
 

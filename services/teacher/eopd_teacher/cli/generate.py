@@ -22,7 +22,7 @@ import grpc
 
 from eopd_common.models import default_cache_dir
 
-from .cli_text import encode_prompt, text_tokenizer
+from .text import encode_prompt, text_tokenizer
 
 
 def add_generate_parser(sub, client_arguments) -> None:

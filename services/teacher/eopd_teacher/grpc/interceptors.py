@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from .batcher import Overloaded
-from .convert import NOT_RETRYABLE_KEY
-from .metrics import TeacherMetrics
-from .resources import ByteBudget, MemoryReturner
-from .status import SERVICE_NAME, describe
-from .validation import InvalidRequest, RequestTooLarge
+from ..convert import NOT_RETRYABLE_KEY
+from ..serving.batcher import Overloaded
+from ..serving.metrics import TeacherMetrics
+from ..serving.resources import ByteBudget, MemoryReturner
+from ..serving.status import describe
+from ..validation import InvalidRequest, RequestTooLarge
+from .servicer import SERVICE_NAME
 
 log = logging.getLogger("eopd_teacher")
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .types import ScoreItem
+from ..types import ScoreItem
 
 # A batch anchored on a sequence of L tokens is at most max(MAX_WIDEN * L, MIN_WIDTH_CAP) wide.
 MAX_WIDEN = 2

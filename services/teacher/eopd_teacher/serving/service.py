@@ -11,11 +11,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from ..types import GenerateItem, GenerateRequest, Generation, ModelInfo, ScoreRequest, SequenceScores
+from ..validation import GENERATE_FIELDS, SCORE_FIELDS, FieldNames, generate_items, score_items
 from .batcher import DynamicBatcher, Overloaded
 from .state import ServerState
 from .status import DeadlinePassed, NotReady
-from .types import GenerateItem, GenerateRequest, Generation, ModelInfo, ScoreRequest, SequenceScores
-from .validation import GENERATE_FIELDS, SCORE_FIELDS, FieldNames, generate_items, score_items
 
 # The header (gRPC metadata, HTTP header) a caller names itself with, for per-client limits.
 CLIENT_ID_HEADER = "x-eopd-client"

@@ -8,16 +8,16 @@ import asyncio
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from . import __version__
+from .. import __version__
+from ..settings import TeacherSettings
+from ..types import EngineInfo, ModelInfo
 from .batcher import Draining, DynamicBatcher
 from .metrics import TeacherMetrics
 from .resources import ByteBudget
-from .settings import TeacherSettings
 from .status import NotReady
-from .types import EngineInfo, ModelInfo
 
 if TYPE_CHECKING:
-    from .engines.base import ScoringEngine
+    from ..engines.base import ScoringEngine
 
 
 def served_info(engine_info: EngineInfo, settings: TeacherSettings, *, can_generate: bool = False) -> ModelInfo:

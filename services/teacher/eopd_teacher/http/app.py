@@ -8,8 +8,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..serving.service import TeacherService
 from .openai_compat import create_router
-from .service import TeacherService
 
 
 def create_app(service: TeacherService, token: str | None = None, *, deny_unauthenticated: bool = False) -> FastAPI:
