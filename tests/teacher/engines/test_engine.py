@@ -13,7 +13,7 @@ from eopd_teacher.settings import TeacherSettings
 from eopd_teacher.serving.state import served_info
 from eopd_teacher.types import EngineInfo, ModelInfo, ScoreItem
 
-from .reference import assert_topk_match, reference_scores
+from ..reference import assert_topk_match, reference_scores
 
 
 def _engine(model: str, **kw) -> TransformersEngine:

@@ -23,7 +23,7 @@ from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, T
 from eopd_teacher.server import write_ports_file
 from tests.procs import free_port, start_teacher, wait_teacher_ready
 
-from .reference import assert_topk_match, reference_scores
+from ..reference import assert_topk_match, reference_scores
 
 pytestmark = pytest.mark.integration
 

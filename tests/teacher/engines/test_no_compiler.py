@@ -15,7 +15,7 @@ from eopd_common.models import load_causal_lm
 from eopd_teacher.client import TeacherClient
 from tests.procs import running_teacher
 
-from .reference import assert_topk_match, reference_scores
+from ..reference import assert_topk_match, reference_scores
 
 pytestmark = pytest.mark.integration
 

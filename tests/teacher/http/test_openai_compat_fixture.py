@@ -1,5 +1,5 @@
 """eopd's `/v1/completions` against stock vLLM's answers to the same requests on the same weights
-(tiny-random), recorded by the vLLM tier (tests/teacher/test_openai_compat_vllm.py with
+(tiny-random), recorded by the vLLM tier (tests/teacher/http/test_openai_compat_vllm.py with
 EOPD_RECORD_VLLM=1; how, in the fixture's "how"): same keys, token-id keys, lengths and types, the
 same completion text, log-probs to 1e-4, and the same error shape for a field both refuse."""
 

@@ -24,7 +24,7 @@ from eopd_teacher.engines.vllm_engine import model_dir_logit_factor
 from eopd_teacher.settings import TeacherSettings
 from eopd_teacher.types import ScoreItem
 
-from .reference import assert_topk_match, reference_scores
+from ..reference import assert_topk_match, reference_scores
 
 # What the table makes of each tiny model's config: the factor on lm_head(hidden), or None (refused).
 FACTORS = {"granite": 0.25, "cohere": 0.25, "gemma2": None}
