@@ -75,8 +75,8 @@ class FieldNames:
         return f", id {item_id!r}" if self.nested else ""
 
 
-SCORE_FIELDS = FieldNames("sequences")  # the gRPC ScoreRequest's
-GENERATE_FIELDS = FieldNames("prompts")  # the gRPC GenerateRequest's
+SCORE_FIELDS = FieldNames("sequences")  # the gRPC ScoreRequest's (`sequences[3].token_ids`)
+GENERATE_FIELDS = FieldNames("prompts")  # the gRPC GenerateRequest's (`prompts[3].token_ids`)
 
 
 def response_bytes_bound(num_scored: int, top_k: int, num_sequences: int, num_candidate_values: int = 0, *,

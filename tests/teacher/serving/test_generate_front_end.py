@@ -13,7 +13,7 @@ from eopd_teacher.client import AsyncTeacherClient
 from eopd_teacher.convert import generate_request_from_pb, generation_to_pb
 from eopd_teacher.server import TeacherServer
 from eopd_teacher.settings import TeacherSettings
-from eopd_teacher.validation import InvalidRequest
+from eopd_teacher.validation import GENERATE_FIELDS, InvalidRequest
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def test_generate_request_matches_grpc_generate():
             service = server.service
 
             async def generate_request(req: pb.GenerateRequest, client: str) -> list[pb.GenerateResponse]:
-                return [generation_to_pb(req.request_id, g) async for g in service.generate(generate_request_from_pb(req), client)]
+                return [generation_to_pb(req.request_id, g) async for g in service.generate(generate_request_from_pb(req), client, GENERATE_FIELDS)]
 
             req = pb.GenerateRequest(request_id="http-1", prompts=[pb.Prompt(id="a", token_ids=[1, 2, 3]), pb.Prompt(id="b", token_ids=[4])],
                                      num_samples=2, max_new_tokens=4, temperature=1.0, seed=5, top_k=3)

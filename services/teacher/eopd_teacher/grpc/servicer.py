@@ -15,6 +15,7 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from ..convert import STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, info_to_pb, score_request_from_pb, scores_to_pb
 from ..serving.batcher import Overloaded
 from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
+from ..validation import GENERATE_FIELDS, SCORE_FIELDS
 from .stream_session import StreamSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
@@ -37,7 +38,7 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         self.service = service
 
     async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
-        results = await self.service.score(score_request_from_pb(request), client, require_request_id=stream)
+        results = await self.service.score(score_request_from_pb(request), client, SCORE_FIELDS, require_request_id=stream)
         return pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
@@ -74,7 +75,7 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        async for g in self.service.generate(generate_request_from_pb(request), client_key(context), deadline):
+        async for g in self.service.generate(generate_request_from_pb(request), client_key(context), GENERATE_FIELDS, deadline):
             yield generation_to_pb(request.request_id, g)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

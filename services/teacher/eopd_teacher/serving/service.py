@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from ..types import GenerateItem, GenerateRequest, Generation, ModelInfo, ScoreRequest, SequenceScores
-from ..validation import GENERATE_FIELDS, SCORE_FIELDS, FieldNames, generate_items, score_items
+from ..validation import FieldNames, generate_items, score_items
 from .batcher import DynamicBatcher, Overloaded
 from .state import ServerState
 from .status import DeadlinePassed, NotReady
@@ -80,7 +80,7 @@ class TeacherService:
             if inflight[client] <= 0:
                 del inflight[client]
 
-    async def score(self, request: ScoreRequest, client: str, names: FieldNames = SCORE_FIELDS, *,
+    async def score(self, request: ScoreRequest, client: str, names: FieldNames, *,
                     require_request_id: bool = False) -> list[SequenceScores]:
         """Validates `request` whole (errors naming fields by `names`), queues it on the batcher
         within the client's in-flight budget; the scores of its sequences, in order."""
@@ -94,8 +94,8 @@ class TeacherService:
         m.tokens_scored.inc(sum(it.num_scored for it in items))
         return results
 
-    async def generate(self, request: GenerateRequest, client: str, deadline: float | None = None,
-                       names: FieldNames = GENERATE_FIELDS) -> AsyncIterator[Generation]:
+    async def generate(self, request: GenerateRequest, client: str, names: FieldNames,
+                       deadline: float | None = None) -> AsyncIterator[Generation]:
         """Validates the whole request, then runs its jobs (`generate_jobs`) one after another on
         the batcher and yields each generation as its job ends (prompt order, samples in order).
         `deadline` (time.monotonic(); None: none): no job starts after it."""
