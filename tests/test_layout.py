@@ -14,8 +14,9 @@ trainer reaches the teacher only through its client, conversion and types; the l
 feed never imports torch and its DeepSpeed trainer never imports Redis; function-local imports
 only for the heavy or optional packages listed below. In the teacher (rooms drawn in
 docs/teacher.md): its front ends grpc/ and http/ never import each other, the HTTP front end and
-the service never import protobuf, no module imports another module's `_private` name, and there
-is no import cycle even through `TYPE_CHECKING` imports.
+the service never import protobuf, no module imports another module's `_private` name, there
+is no import cycle even through `TYPE_CHECKING` imports, and docs/teacher.md's module table names
+every module.
 """
 
 from __future__ import annotations
@@ -288,6 +289,18 @@ def test_teacher_has_no_import_cycle_even_for_type_checking():
     cycles = _sccs(graph)
     detail = [e for e in edges() if any(e.src in c and e.dst in c for c in cycles)]
     assert not cycles, f"import cycles {cycles}:\n{_report(detail)}"
+
+
+def test_teacher_module_table_names_every_module():
+    """docs/teacher.md's module table matches the tree: every module under eopd_teacher/ is named
+    there (as `room/file.py`, or `file.py` in its room's row)."""
+    doc = (ROOT / "docs" / "teacher.md").read_text()
+    section = doc[doc.index("## Modules"):doc.index("## How scoring works")]
+    directory = PACKAGES["eopd_teacher"]
+    missing = [str(path.relative_to(directory)) for path in sorted(directory.rglob("*.py"))
+               if path.name not in ("__init__.py", "__main__.py")
+               and f"`{path.relative_to(directory)}`" not in section and f"`{path.name}`" not in section]
+    assert not missing, f"modules missing from docs/teacher.md's module table: {missing}"
 
 
 def _direct_imports(module: str, forbidden: tuple[str, ...]) -> list[Edge]:
