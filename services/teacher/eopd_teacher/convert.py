@@ -3,7 +3,7 @@
 a gRPC request as the service does (`validation.py`, with the gRPC field names).
 
 Shared by both ends of the wire (the gRPC front end and the client); the HTTP API has its own
-shapes (`openai_compat.py`) and never meets a protobuf message.
+shapes (`http/openai_compat.py`) and never meets a protobuf message.
 """
 
 from __future__ import annotations

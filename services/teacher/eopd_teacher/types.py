@@ -125,8 +125,8 @@ class ModelInfo:
     max_generate_samples: int = 0
 
 
-# Requests as the service takes them (services/teacher/eopd_teacher/validation.py validates them):
-# what a front end (gRPC `convert.py`, HTTP `openai_compat.py`) makes of its wire shape. The
+# Requests as the service takes them (`validation.py` validates them):
+# what a front end (gRPC `convert.py`, HTTP `http/openai_compat.py`) makes of its wire shape. The
 # floats are float32 values, the type of the fields on the gRPC wire (the HTTP front end rounds
 # its own the same way, so both compute the same statistics); a 0 means "the default".
 

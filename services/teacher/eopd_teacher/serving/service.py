@@ -1,4 +1,4 @@
-"""The teacher's service, behind both front ends (gRPC `servicer.py`, HTTP `openai_compat.py`):
+"""The teacher's service, behind both front ends (gRPC `grpc/servicer.py`, HTTP `http/openai_compat.py`):
 score and generate on core types. It owns what a call holds and counts: admission (`validation`,
 with the caller's field names), the per-client in-flight tokens, the batcher and Generate's jobs,
 and the metrics of what was scored and generated. The front ends only convert shapes."""
