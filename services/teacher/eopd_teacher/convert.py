@@ -14,7 +14,17 @@ import numpy as np
 
 from eopd.v1 import teacher_pb2 as pb
 
-from .types import GenerateItem, GeneratePrompt, GenerateRequest, Generation, ModelInfo, ScoreItem, ScoreRequest, ScoreSequence, SequenceScores
+from .types import (
+    GenerateItem,
+    GeneratePrompt,
+    GenerateRequest,
+    Generation,
+    ModelInfo,
+    ScoreItem,
+    ScoreRequest,
+    ScoreSequence,
+    SequenceScores,
+)
 from .validation import GENERATE_FIELDS, SCORE_FIELDS, generate_items, score_items
 
 # Trailing metadata on a RESOURCE_EXHAUSTED that retrying cannot cure (the request itself is over a
@@ -39,7 +49,8 @@ def generate_request_from_pb(req: pb.GenerateRequest) -> GenerateRequest:
         prompts=[GeneratePrompt(p.id, np.asarray(p.token_ids, dtype=np.int64)) for p in req.prompts],
         max_new_tokens=int(req.max_new_tokens), request_id=req.request_id, num_samples=int(req.num_samples),
         temperature=float(req.temperature), top_p=float(req.top_p), stop_token_ids=tuple(req.stop_token_ids),
-        seed=int(req.seed) if req.HasField("seed") else None, top_k=int(req.top_k), score_temperature=float(req.score_temperature),
+        seed=int(req.seed) if req.HasField("seed") else None, top_k=int(req.top_k),
+        score_temperature=float(req.score_temperature),
     )
 
 
@@ -51,7 +62,8 @@ def items_from_request(
                        max_response_bytes=max_response_bytes)
 
 
-def generate_items_from_request(req: pb.GenerateRequest, info: ModelInfo, *, max_response_bytes: int | None = None) -> list[GenerateItem]:
+def generate_items_from_request(req: pb.GenerateRequest, info: ModelInfo, *,
+                                max_response_bytes: int | None = None) -> list[GenerateItem]:
     """A gRPC GenerateRequest validated as the service does (`validation.generate_items`)."""
     return generate_items(generate_request_from_pb(req), info, GENERATE_FIELDS, max_response_bytes=max_response_bytes)
 
