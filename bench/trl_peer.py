@@ -127,7 +127,7 @@ def create_app(settings):
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import Response
 
-    from eopd_teacher.batcher import DynamicBatcher
+    from eopd_teacher.serving.batcher import DynamicBatcher
     from eopd_teacher.engines import create_engine
     from eopd_teacher.types import ScoreItem
 

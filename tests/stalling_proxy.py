@@ -1,6 +1,6 @@
 """A TCP proxy that can stall: it stops forwarding bytes without closing either connection (what a
 dead middlebox or a partitioned link does). Used by tests/reliability/test_network_stall.py (the
-whole rollout worker) and tests/teacher/test_client_stall.py (the teacher client alone)."""
+whole rollout worker) and tests/teacher/client/test_client_stall.py (the teacher client alone)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,11 @@ feed never imports torch and its DeepSpeed trainer never imports Redis; the loss
 and flags are read only in objective/ and the iteration plan (config/stages.py); Redis is imported only in
 the trainer's queue/ and its two local-queue starters, and outside queue/ the run's namespace
 (`queue.namespace.RunQueue`) is the queue's only port; function-local imports only for the heavy
-or optional packages listed below.
+or optional packages listed below. In the teacher (rooms drawn in
+docs/teacher.md): its front ends grpc/ and http/ never import each other, the HTTP front end and
+the service never import protobuf, no module imports another module's `_private` name, there
+is no import cycle even through `TYPE_CHECKING` imports, and docs/teacher.md's module table names
+every module.
 """
 
 from __future__ import annotations
@@ -236,6 +240,78 @@ def test_trainer_imports_the_teacher_only_through_its_client():
     assert not bad, _report(bad)
 
 
+def _teacher_room(module: str) -> str | None:
+    for room in ("grpc", "http"):
+        if _under(module, f"eopd_teacher.{room}"):
+            return room
+    return None
+
+
+def test_teacher_front_ends_never_import_each_other():
+    """eopd_teacher.grpc(.*) and eopd_teacher.http(.*) meet only in serving/ (the service) and the
+    core; neither imports the other, not even for type checking."""
+    assert "eopd_teacher.grpc.servicer" in modules() and "eopd_teacher.http.openai_compat" in modules()
+    bad = [e for e in edges() if _teacher_room(e.src) and _teacher_room(e.dst) and _teacher_room(e.src) != _teacher_room(e.dst)]
+    assert not bad, _report(bad)
+
+
+def test_teacher_http_and_service_never_touch_protobuf():
+    """A request followed from the HTTP route to the engine meets no protobuf message: http/ and
+    serving/ import neither the generated `eopd.v1` code nor `eopd_teacher.convert` (gRPC shapes);
+    serving/ (what both front ends call) imports neither front end."""
+    bad = [e for e in edges() if (_under(e.src, "eopd_teacher.http") or _under(e.src, "eopd_teacher.serving"))
+           and (_under(e.dst, "eopd.v1") or _under(e.dst, "eopd_teacher.convert")
+                or (_under(e.src, "eopd_teacher.serving") and _teacher_room(e.dst)))]
+    assert not bad, _report(bad)
+
+
+def _private_imports(package: str) -> list[str]:
+    """`from X import _name` statements in `package` where `_name` is not X's own dunder."""
+    out = []
+    for module, path in modules().items():
+        if not _under(module, package):
+            continue
+        for node, _, _ in _walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.endswith("__"):
+                        out.append(f"{module}:{node.lineno} imports {alias.name} from {'.' * node.level}{node.module or ''}")
+    return out
+
+
+def test_teacher_never_imports_a_private_name():
+    """No teacher module imports another module's `_name`: what a collaborator needs is public, or
+    handed in (a stream session gets its scoring function, the client's lanes a transport)."""
+    bad = _private_imports("eopd_teacher")
+    assert not bad, "\n".join(bad)
+
+
+def test_teacher_has_no_import_cycle_even_for_type_checking():
+    """The teacher's import graph, `TYPE_CHECKING` imports included, is acyclic: no split-off piece
+    imports its owner back for an annotation."""
+    known = modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in edges():
+        if _under(e.src, "eopd_teacher") and _under(e.dst, "eopd_teacher") and e.dst in known and e.dst != e.src:
+            graph[e.src].add(e.dst)
+            graph[e.dst]  # noqa: B018 - every node is a key
+    cycles = _sccs(graph)
+    detail = [e for e in edges() if any(e.src in c and e.dst in c for c in cycles)]
+    assert not cycles, f"import cycles {cycles}:\n{_report(detail)}"
+
+
+def test_teacher_module_table_names_every_module():
+    """docs/teacher.md's module table matches the tree: every module under eopd_teacher/ is named
+    there (as `room/file.py`, or `file.py` in its room's row)."""
+    doc = (ROOT / "docs" / "teacher.md").read_text()
+    section = doc[doc.index("## Modules"):doc.index("## How scoring works")]
+    directory = PACKAGES["eopd_teacher"]
+    missing = [str(path.relative_to(directory)) for path in sorted(directory.rglob("*.py"))
+               if path.name not in ("__init__.py", "__main__.py")
+               and f"`{path.relative_to(directory)}`" not in section and f"`{path.name}`" not in section]
+    assert not missing, f"modules missing from docs/teacher.md's module table: {missing}"
+
+
 def _direct_imports(module: str, forbidden: tuple[str, ...]) -> list[Edge]:
     """`module`'s own runtime imports of `forbidden` (direct: the shared root modules it may use,
     such as `config`, are not followed)."""
@@ -358,7 +434,7 @@ LAZY_IN = {
     "eopd_teacher.engines": ("eopd_teacher.engines.transformers_engine", "eopd_teacher.engines.vllm_engine"),
     # `eopd-teacher info/score` must work on a client-only install; `serve` needs the teacher extra
     # (fastapi, uvicorn, prometheus-client), which the server module imports at its top.
-    "eopd_teacher.cli": ("eopd_teacher.server",),
+    "eopd_teacher.cli.main": ("eopd_teacher.server",),
 }
 
 

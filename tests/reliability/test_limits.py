@@ -9,7 +9,7 @@ limit, and the server keeps serving afterwards.
     max_sequences_per_request        sequences in one ScoreRequest
 
 (`max_tokens_per_request` and `max_queue_tokens`:
-tests/teacher/test_server.py::test_lifecycle_not_ready_overload_sigterm_and_client_retry.)"""
+tests/teacher/grpc/test_server.py::test_lifecycle_not_ready_overload_sigterm_and_client_retry.)"""
 
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ def test_client_takes_security_or_the_same_keywords(tmp_path, pki):
 def test_teacher_cli_refuses_unusable_security_files_with_exit_2(tmp_path, capsys, monkeypatch):
     """`eopd-teacher info/score` read the token and TLS files before connecting: a missing file or
     an empty token file is a one-line error naming the flag, exit 2 (as other usage errors)."""
-    from eopd_teacher.cli import main
+    from eopd_teacher.cli.main import main
 
     monkeypatch.delenv("EOPD_TEACHER_AUTH_TOKEN", raising=False)
     (tmp_path / "empty").write_text("\n")
@@ -317,7 +317,7 @@ def test_serve_auth_token_on_the_command_line_warns_and_empty_tokens_fail_closed
     """`serve --auth-token TOKEN` still works but warns (argv is readable by every local user) and
     points to the file and the environment variable, without echoing the token. An empty token
     (file or value) is refused at start (exit 2) instead of silently turning authentication off."""
-    from eopd_teacher.cli import ARGV_TOKEN_WARNING, main
+    from eopd_teacher.cli.main import ARGV_TOKEN_WARNING, main
 
     monkeypatch.delenv("EOPD_TEACHER_AUTH_TOKEN", raising=False)
     # An invalid port stops `serve` at its settings, after the warning and before any model loads.

@@ -24,7 +24,7 @@ import pytest
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
-from eopd_teacher.convert import MAX_ID_CHARS
+from eopd_teacher.validation import MAX_ID_CHARS
 from eopd_teacher.settings import MiB, TeacherSettings
 from eopd_trainer.job.teacher_proc import TEACHER_COMMAND
 from tests.procs import running_teacher

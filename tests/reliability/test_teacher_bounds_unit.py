@@ -9,8 +9,8 @@ import resource
 
 import pytest
 
-from eopd_teacher import resources
-from eopd_teacher.resources import LARGE_MESSAGE_BYTES, ByteBudget, MemoryReturner, raise_open_file_limit, resident_bytes
+from eopd_teacher.serving import resources
+from eopd_teacher.serving.resources import LARGE_MESSAGE_BYTES, ByteBudget, MemoryReturner, raise_open_file_limit, resident_bytes
 from eopd_teacher.server import grpc_options
 from eopd_teacher.settings import MiB, TeacherSettings
 

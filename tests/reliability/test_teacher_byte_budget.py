@@ -20,7 +20,7 @@ import pytest
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
-from eopd_teacher.convert import MAX_ID_CHARS
+from eopd_teacher.validation import MAX_ID_CHARS
 from eopd_teacher.settings import MiB
 from tests.procs import running_teacher
 from tests.reliability.test_teacher_bounds import reset_peak, score_request, status_mib

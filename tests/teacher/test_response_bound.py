@@ -10,18 +10,17 @@ import numpy as np
 import pytest
 
 from eopd.v1 import teacher_pb2 as pb
-from eopd_teacher.convert import (
+from eopd_teacher.convert import items_from_request, scores_to_pb
+from eopd_teacher.types import ModelInfo, SequenceScores
+from eopd_teacher.validation import (
     MAX_ID_CHARS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     InvalidRequest,
     RequestTooLarge,
-    items_from_request,
     response_bytes_bound,
-    scores_to_pb,
     utf8_id_bytes,
 )
-from eopd_teacher.types import ModelInfo, SequenceScores
 
 VOCAB = (1 << 31) - 1  # the largest int32 vocabulary: every top-k id is a 5-byte varint
 INFO = ModelInfo("m", "r", vocab_size=VOCAB, max_context_length=4096, dtype="float32", engine="transformers", default_top_k=16,

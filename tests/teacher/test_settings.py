@@ -38,7 +38,7 @@ def test_errors_name_the_field(tmp_path):
 
 
 def test_cli_rejects_bad_settings_with_exit_2(capsys):
-    from eopd_teacher.cli import main
+    from eopd_teacher.cli.main import main
 
     assert main(["serve", "--engine", "tensorrt"]) == 2
     assert "engine" in capsys.readouterr().err

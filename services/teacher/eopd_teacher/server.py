@@ -28,17 +28,17 @@ from grpc_reflection.v1alpha import reflection
 
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from .batcher import BatchObserver, DynamicBatcher
 from .engines import create_engine
-from .http_app import create_app
-from .http_limits import header_deadline_protocol
-from .interceptors import AuthInterceptor, StatusInterceptor
-from .metrics import TeacherMetrics
-from .resources import MemoryReturner, raise_open_file_limit
-from .servicer import TeacherServicer
+from .grpc.interceptors import AuthInterceptor, StatusInterceptor
+from .grpc.servicer import SERVICE_NAME, TeacherServicer
+from .http.app import create_app
+from .http.limits import header_deadline_protocol
+from .serving.batcher import BatchObserver, DynamicBatcher
+from .serving.metrics import TeacherMetrics
+from .serving.resources import MemoryReturner, raise_open_file_limit
+from .serving.service import TeacherService
+from .serving.state import ServerState, served_info
 from .settings import TeacherSettings
-from .state import ServerState, served_info
-from .status import SERVICE_NAME
 
 if TYPE_CHECKING:
     from .engines.base import ScoringEngine
@@ -132,6 +132,7 @@ class TeacherServer:
         self.settings = settings
         self.metrics = TeacherMetrics()
         self.state = ServerState(settings=settings, metrics=self.metrics, engine=engine or create_engine(settings))
+        self.service = TeacherService(self.state)  # what both front ends serve
         self.health = health.aio.HealthServicer()
         self.memory = MemoryReturner()
         self.grpc_port: int | None = None
@@ -155,7 +156,7 @@ class TeacherServer:
         if token:
             interceptors.insert(0, AuthInterceptor(token, self.metrics, self.memory))
         server = grpc.aio.server(interceptors=interceptors, options=opts)
-        pb_grpc.add_TeacherServiceServicer_to_server(TeacherServicer(self.state), server)
+        pb_grpc.add_TeacherServiceServicer_to_server(TeacherServicer(self.service), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -190,7 +191,7 @@ class TeacherServer:
                 yield
 
         s = self.settings
-        app = create_app(self.state, s.bearer_token(), deny_unauthenticated=http_deny_unauthenticated(s))
+        app = create_app(self.service, s.bearer_token(), deny_unauthenticated=http_deny_unauthenticated(s))
         self._http = _Server(http_config(app, s))
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
 
@@ -214,7 +215,7 @@ class TeacherServer:
             max_queue_tokens=s.max_queue_tokens,
             max_client_tokens=s.max_batch_tokens_per_client,
             observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue),
-            steps_fn=getattr(self.state.engine, "score_steps", None),  # chunked prefill, where the engine can
+            steps_fn=self.state.engine.score_steps,  # chunked prefill, where the engine can (None: not)
             step_tokens=s.prefill_chunk_tokens,
         )
         batcher.on_died = self._batcher_died

@@ -123,3 +123,54 @@ class ModelInfo:
     max_candidates: int = 0
     max_new_tokens: int = 0
     max_generate_samples: int = 0
+
+
+# Requests as the service takes them (`validation.py` validates them):
+# what a front end (gRPC `convert.py`, HTTP `http/openai_compat.py`) makes of its wire shape. The
+# floats are float32 values, the type of the fields on the gRPC wire (the HTTP front end rounds
+# its own the same way, so both compute the same statistics); a 0 means "the default".
+
+
+@dataclass(frozen=True)
+class ScoreSequence:
+    """One sequence of a ScoreRequest, unvalidated."""
+
+    id: str
+    token_ids: np.ndarray  # [L] int64
+    score_from: int
+    num_candidates: int = 0
+    candidate_ids: np.ndarray | None = None  # [n * m] int64, row-major (-1 filler); None: none
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What a Score call asks, unvalidated."""
+
+    sequences: list[ScoreSequence]
+    request_id: str = ""
+    top_k: int = 0  # 0: the server's default_top_k
+    temperature: float = 0.0  # 0: 1.0
+
+
+@dataclass(frozen=True)
+class GeneratePrompt:
+    """One prompt of a GenerateRequest, unvalidated."""
+
+    id: str
+    token_ids: np.ndarray  # [P] int64
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What a Generate call asks, unvalidated (fields as `GenerateItem`'s; 0: the default)."""
+
+    prompts: list[GeneratePrompt]
+    max_new_tokens: int = 0
+    request_id: str = ""
+    num_samples: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_k: int = 0
+    score_temperature: float = 0.0

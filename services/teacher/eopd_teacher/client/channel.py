@@ -1,6 +1,6 @@
 """What the sync and asyncio clients share: the channel's options and credentials, the metadata
-every call carries, which statuses are retried, and the backoff (`_Backoff`) and deadline
-(`_CallPlan`) of the retries. Token and TLS settings become credentials, options and metadata in
+every call carries, which statuses are retried, and the backoff (`Backoff`) and deadline
+(`CallPlan`) of the retries. Token and TLS settings become credentials, options and metadata in
 one place: `eopd_common.client_security.ClientSecurity`."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import os
 import random
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -43,7 +44,7 @@ def channel_options(target: str, max_message_bytes: int, load_balancing: str | N
     return opts
 
 
-class _Backoff:
+class Backoff:
     def __init__(self, retry_timeout: float, initial: float = 0.1, maximum: float = 5.0):
         self.deadline = time.monotonic() + retry_timeout
         self.delay = initial
@@ -59,7 +60,7 @@ class _Backoff:
         return delay
 
 
-class _CallPlan:
+class CallPlan:
     """The deadline of one unary call across its retries. `timeout` (None: the client's `timeout`;
     0 is a real, already-passed deadline, not "the default") is an overall deadline: each attempt
     gets the time that remains, and no retry is started or waited for beyond it. Retries stop
@@ -73,19 +74,36 @@ class _CallPlan:
         if total is not None:
             budget = min(budget, total)
         self.deadline = None if total is None else time.monotonic() + total
-        self.backoff = _Backoff(budget)
+        self.backoff = Backoff(budget)
 
     def attempt_timeout(self) -> float | None:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     def retry_delay(self, err: grpc.RpcError) -> float | None:
         """Seconds to wait before retrying after `err`, or None to raise it."""
-        if not self.client._retryable(err):
+        if not self.client.should_retry(err):
             return None
         delay = self.backoff.next_delay()
         if delay is None or (self.deadline is not None and time.monotonic() + delay >= self.deadline):
             return None
         return delay
+
+
+@dataclass(frozen=True)
+class StreamTransport:
+    """What a client's ScoreStream machinery (`stream.py`, `sync_stream.py`) gets from its client,
+    handed in rather than reached for: where calls go and with what metadata, the deadlines and the
+    retry policy, `open_stream` (a ScoreStream call on the client's current channel) and, for the
+    asyncio client, `reconnect` (a new channel, after a stall)."""
+
+    target: str
+    metadata: tuple[tuple[str, str], ...]
+    timeout: float | None
+    retry_timeout: float
+    retryable: tuple[grpc.StatusCode, ...]
+    open_stream: Callable[..., object]
+    should_retry: Callable[[grpc.RpcError], bool]
+    reconnect: Callable[[], Awaitable[None]] | None = None
 
 
 class ChannelClient:
@@ -135,7 +153,8 @@ class ChannelClient:
         self._options = channel_options(target, max_message_bytes, load_balancing) + security.channel_options()
         self._credentials = credentials if credentials is not None else security.channel_credentials()
 
-    def _retryable(self, err: grpc.RpcError) -> bool:
+    def should_retry(self, err: grpc.RpcError) -> bool:
+        """Whether a call that failed with `err` is worth another attempt."""
         code = err.code()
         if code == grpc.StatusCode.INTERNAL and err.details() == LOST_STATUS_DETAILS:
             return True

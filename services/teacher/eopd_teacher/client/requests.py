@@ -99,5 +99,5 @@ class RequestFailed(Exception):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _status_code(number: int) -> grpc.StatusCode:
+def status_code(number: int) -> grpc.StatusCode:
     return _CODES.get(number, grpc.StatusCode.UNKNOWN)

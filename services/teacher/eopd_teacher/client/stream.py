@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,11 +23,9 @@ from eopd.v1 import teacher_pb2 as pb
 
 from ..convert import STREAM_ENDING_KEY, scores_from_pb
 from ..types import SequenceScores
-from .channel import _Backoff
-from .requests import RequestFailed, ScoreBatch, _status_code, build_request
+from .channel import Backoff, StreamTransport
+from .requests import RequestFailed, ScoreBatch, status_code, build_request
 
-if TYPE_CHECKING:
-    from .unary import AsyncTeacherClient
 
 
 # -- the asyncio client's streams --------------------------------------------------------------
@@ -62,9 +59,9 @@ class _Lane:
         self.unanswered: dict[str, pb.ScoreRequest] = {}
         self.todo: asyncio.Queue = asyncio.Queue()  # requests to write on the current call
         self.timers: dict[str, asyncio.TimerHandle] = {}  # in-band retries waiting for their backoff
-        self.retries: dict[str, _Backoff] = {}
+        self.retries: dict[str, Backoff] = {}
         self.written_at: dict[str, float] = {}  # written on the current call, not answered: when
-        self.backoff: _Backoff | None = None  # the retries of the lane's calls (fresh on progress)
+        self.backoff: Backoff | None = None  # the retries of the lane's calls (fresh on progress)
         self.task: asyncio.Task | None = None
 
 
@@ -121,7 +118,7 @@ class _LaneCall:
                 continue  # the status follows
             if resp.request_id not in lane.unanswered:
                 continue  # an answer to a request already answered before a re-send
-            lane.backoff = _Backoff(run.client.retry_timeout)  # progress: a fresh retry budget
+            lane.backoff = Backoff(run.transport.retry_timeout)  # progress: a fresh retry budget
             if resp.HasField("error"):
                 run._in_band(lane, resp)
                 continue
@@ -142,10 +139,10 @@ class _StreamRun:
     a watch task restarts them on a new channel when the teacher goes silent. All report on
     `events` as ("result" | "failed", request_id, value), ("error", "", exception) or ("done", "", None)."""
 
-    def __init__(self, client: AsyncTeacherClient, batches, *, max_in_flight: int, timeout: float | None, streams: int,
+    def __init__(self, transport: StreamTransport, batches, *, max_in_flight: int, timeout: float | None, streams: int,
                  stall_timeout_s: float | None = None, give_up_s: float | None = None,
                  on_stall: Callable[[StallReport], None] | None = None):
-        self.client = client
+        self.transport = transport
         self.source = batches.__aiter__() if hasattr(batches, "__aiter__") else _aiter(batches)
         self.slots = asyncio.Semaphore(max_in_flight)
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -235,16 +232,16 @@ class _StreamRun:
 
     def _in_band(self, lane: _Lane, resp: pb.ScoreResponse) -> None:
         rid, err = resp.request_id, resp.error
-        code = _status_code(err.code)
+        code = status_code(err.code)
         req = lane.unanswered.get(rid)
         lane.written_at.pop(rid, None)  # answered: not outstanding while it waits for a re-send
         # UNAVAILABLE, or what the server marks retryable (RESOURCE_EXHAUSTED for load only if this
         # client retries overload).
         retryable = (err.retryable or code == grpc.StatusCode.UNAVAILABLE) and not (
-            code == grpc.StatusCode.RESOURCE_EXHAUSTED and code not in self.client.retryable
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED and code not in self.transport.retryable
         )
         if req is not None and retryable:
-            backoff = lane.retries.setdefault(rid, _Backoff(self.client.retry_timeout))
+            backoff = lane.retries.setdefault(rid, Backoff(self.transport.retry_timeout))
             delay = backoff.next_delay()
             if delay is not None and self.deadline is not None:
                 left = self.deadline - time.monotonic()
@@ -273,9 +270,9 @@ class _StreamRun:
         for req in lane.unanswered.values():
             lane.todo.put_nowait(req)
         self._maybe_close(lane)
-        client = self.client
+        transport = self.transport
         remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
-        call = client._stub.ScoreStream(metadata=client.metadata + ((STREAM_ENDING_KEY, "1"),), timeout=remaining)
+        call = transport.open_stream(metadata=transport.metadata + ((STREAM_ENDING_KEY, "1"),), timeout=remaining)
         return _LaneCall(self, lane, call)
 
     async def _work_for(self, lane: _Lane) -> bool:
@@ -289,8 +286,8 @@ class _StreamRun:
         return True
 
     async def _run_lane(self, lane: _Lane) -> None:
-        client = self.client
-        lane.backoff = _Backoff(client.retry_timeout)
+        transport = self.transport
+        lane.backoff = Backoff(transport.retry_timeout)
         try:
             while True:
                 call = self._new_call(lane)
@@ -300,15 +297,15 @@ class _StreamRun:
                 except grpc.aio.AioRpcError as err:
                     call.write_task.cancel()
                     lane.written_at.clear()  # a broken call has nothing outstanding: its retry is below
-                    if not lane.unanswered and client._retryable(err):
+                    if not lane.unanswered and transport.should_retry(err):
                         # Closed with nothing of ours in flight (the server's stream_idle_timeout_s,
                         # a drain): no request failed, so no retry budget is spent; the lane re-opens
                         # when it has something to send, or ends if the source is done.
                         if not await self._work_for(lane):
                             return
-                        lane.backoff = _Backoff(client.retry_timeout)
+                        lane.backoff = Backoff(transport.retry_timeout)
                         continue
-                    delay = lane.backoff.next_delay() if client._retryable(err) else None
+                    delay = lane.backoff.next_delay() if transport.should_retry(err) else None
                     if delay is not None and self.deadline is not None:
                         left = self.deadline - time.monotonic()
                         delay = min(delay, left) if left > 0 else None
@@ -351,25 +348,25 @@ class _StreamRun:
         lane's new call re-writes its unanswered requests). The feeder goes on untouched."""
         waited = time.monotonic() - max(self.last_heard, self.waiting_since or self.last_heard)
         if self.give_up_s is not None and waited >= self.give_up_s:
-            raise StreamStalled(f"no answer from the teacher at {self.client.target} for {self.give_up_s:.0f}s "
+            raise StreamStalled(f"no answer from the teacher at {self.transport.target} for {self.give_up_s:.0f}s "
                                 f"with {len(self.inflight)} requests outstanding")
         self.restarts += 1
         if self.on_stall is not None:
             self.on_stall(StallReport(silent_s=silent, outstanding=len(self.inflight), restarts=self.restarts,
-                                      stall_timeout_s=self.stall_timeout_s, target=self.client.target))
+                                      stall_timeout_s=self.stall_timeout_s, target=self.transport.target))
         running = [lane for lane in self.lanes if lane.task is not None and not lane.task.done()]
         for lane in running:
             lane.task.cancel()
         if running:
             await asyncio.wait([lane.task for lane in running])
-        await self.client._reconnect()
+        await self.transport.reconnect()
         loop = asyncio.get_running_loop()
         for lane in running:
             lane.task = loop.create_task(self._run_lane(lane))
 
 
 async def score_stream(
-    client: AsyncTeacherClient,
+    transport: StreamTransport,
     batches: AsyncIterable[ScoreBatch] | Iterable[ScoreBatch],
     *,
     max_in_flight: int,
@@ -391,7 +388,7 @@ async def score_stream(
         raise ValueError(f"stall_timeout_s must be > 0, not {stall_timeout_s}")
     if give_up_s is not None and (stall_timeout_s is None or not give_up_s > 0):
         raise ValueError(f"give_up_s ({give_up_s}) must be > 0, with stall_timeout_s set")
-    run = _StreamRun(client, batches, max_in_flight=max_in_flight, timeout=timeout, streams=streams,
+    run = _StreamRun(transport, batches, max_in_flight=max_in_flight, timeout=timeout, streams=streams,
                      stall_timeout_s=stall_timeout_s, give_up_s=give_up_s, on_stall=on_stall)
     try:
         run.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -13,10 +12,8 @@ from eopd.v1 import teacher_pb2 as pb
 
 from ..convert import scores_from_pb
 from ..types import SequenceScores
-from .requests import RequestFailed, ScoreBatch, _status_code, build_request
-
-if TYPE_CHECKING:
-    from .unary import TeacherClient
+from .channel import StreamTransport
+from .requests import RequestFailed, ScoreBatch, status_code, build_request
 
 
 # -- the blocking client's stream --------------------------------------------------------------
@@ -43,21 +40,21 @@ class _SyncStream:
 
 
 def sync_score_stream(
-    client: TeacherClient, batches: Iterable[ScoreBatch], timeout: float | None, on_error: str
+    transport: StreamTransport, batches: Iterable[ScoreBatch], timeout: float | None, on_error: str
 ) -> Iterator[tuple[str, list[SequenceScores] | RequestFailed]]:
     """The body of TeacherClient.score_stream (see there)."""
     if on_error not in ("raise", "yield"):
         raise ValueError(f"on_error must be 'raise' or 'yield', not {on_error!r}")
     s = _SyncStream(batches)
-    s.call = call = client._stub.ScoreStream(s.requests(), timeout=client.timeout if timeout is None else timeout,
-                                             metadata=client.metadata)
+    s.call = call = transport.open_stream(s.requests(), timeout=transport.timeout if timeout is None else timeout,
+                                          metadata=transport.metadata)
     try:
         for resp in call:
             if resp.HasField("ending"):
                 continue  # not asked for here (no eopd-stream-ending metadata); the status follows
             s.inflight.discard(resp.request_id)
             if resp.HasField("error"):
-                failed = RequestFailed(resp.request_id, _status_code(resp.error.code), resp.error.message)
+                failed = RequestFailed(resp.request_id, status_code(resp.error.code), resp.error.message)
                 if on_error == "raise":
                     raise failed
                 yield resp.request_id, failed

@@ -1,5 +1,5 @@
 """The two clients: `TeacherClient` (blocking) and `AsyncTeacherClient` (asyncio). Their unary
-calls retry here (`_CallPlan`); their `score_stream` methods delegate to `sync_stream.py`
+calls retry here (`CallPlan`); their `score_stream` methods delegate to `sync_stream.py`
 (blocking) and `stream.py` (asyncio)."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from ..convert import info_from_pb, scores_from_pb
-from ..convert_generate import generation_from_pb
+from ..convert import generation_from_pb, info_from_pb, scores_from_pb
 from ..types import Generation, ModelInfo, SequenceScores
 from . import stream, sync_stream
-from .channel import ChannelClient, _CallPlan
+from .channel import CallPlan, ChannelClient, StreamTransport
 from .requests import RequestFailed, ScoreBatch, build_generate_request, build_request
 from .stream import StallReport
 
@@ -44,6 +43,11 @@ class TeacherClient(ChannelClient):
             self._channel = grpc.insecure_channel(self.target, options=self._options)
         self._stub = pb_grpc.TeacherServiceStub(self._channel)
 
+    def _transport(self) -> StreamTransport:
+        """What `sync_stream` needs of this client."""
+        return StreamTransport(self.target, self.metadata, self.timeout, self.retry_timeout, self.retryable,
+                               lambda *a, **kw: self._stub.ScoreStream(*a, **kw), self.should_retry)
+
     def __enter__(self) -> TeacherClient:
         return self
 
@@ -54,7 +58,7 @@ class TeacherClient(ChannelClient):
         self._channel.close()
 
     def _call(self, fn, request, timeout: float | None, retry_timeout: float | None = None):
-        plan = _CallPlan(self, timeout, retry_timeout)
+        plan = CallPlan(self, timeout, retry_timeout)
         while True:
             try:
                 return fn(request, timeout=plan.attempt_timeout(), metadata=self.metadata)
@@ -113,7 +117,7 @@ class TeacherClient(ChannelClient):
         and the stream goes on. Submitting a request_id already in flight raises ValueError. No
         re-sending here (in-band retryable errors are reported like the others, and no stall is
         watched for): use AsyncTeacherClient.score_stream for that."""
-        return sync_stream.sync_score_stream(self, batches, timeout, on_error)
+        return sync_stream.sync_score_stream(self._transport(), batches, timeout, on_error)
 
 
 class AsyncTeacherClient(ChannelClient):
@@ -140,6 +144,12 @@ class AsyncTeacherClient(ChannelClient):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(old.close(), 5)
 
+    def _transport(self) -> StreamTransport:
+        """What `stream` needs of this client: ScoreStream calls open on the channel of the moment
+        (`reconnect` replaces it)."""
+        return StreamTransport(self.target, self.metadata, self.timeout, self.retry_timeout, self.retryable,
+                               lambda *a, **kw: self._stub.ScoreStream(*a, **kw), self.should_retry, self._reconnect)
+
     async def __aenter__(self) -> AsyncTeacherClient:
         return self
 
@@ -150,7 +160,7 @@ class AsyncTeacherClient(ChannelClient):
         await self._channel.close()
 
     async def _call(self, fn, request, timeout: float | None, retry_timeout: float | None = None):
-        plan = _CallPlan(self, timeout, retry_timeout)
+        plan = CallPlan(self, timeout, retry_timeout)
         while True:
             try:
                 return await fn(request, timeout=plan.attempt_timeout(), metadata=self.metadata)
@@ -234,6 +244,6 @@ class AsyncTeacherClient(ChannelClient):
         client's `timeout` applies to unary calls only). When it passes, the streams end with
         `DEADLINE_EXCEEDED` (or with the retryable error that broke a stream, if the deadline has
         already passed when that happens)."""
-        return stream.score_stream(self, batches, max_in_flight=max_in_flight, timeout=timeout, streams=streams,
+        return stream.score_stream(self._transport(), batches, max_in_flight=max_in_flight, timeout=timeout, streams=streams,
                                    on_error=on_error, stall_timeout_s=stall_timeout_s, give_up_s=give_up_s,
                                    on_stall=on_stall)

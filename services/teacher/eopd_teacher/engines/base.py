@@ -9,17 +9,27 @@ for a sequence whether it is scored alone or with others.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..settings import EngineSettings
-from ..stats import StatsFn, TokenStatistics, token_statistics
+from ..stats import ChunkStats, StatsFn, TokenStatistics, token_statistics
 from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
 
 
 class ScoringEngine(abc.ABC):
+    # Optional capabilities, declared here (None: the engine has none), set or overridden by engines:
+    # the served model's Hugging Face tokenizer (the HTTP API's text prompts and decoded tokens);
+    tokenizer: Any = None
+    # `score_steps(items)`: `score` in steps of at most `max_batch_tokens` padded tokens, yielding
+    # None between steps and the scores last (chunked prefill; the batcher's `steps_fn`);
+    score_steps: Callable[[list[ScoreItem]], Iterator[list[SequenceScores] | None]] | None = None
+    # the per-chunk statistics function (its `path`: "compiled" or "eager").
+    _stats_fn: ChunkStats | None = None
+
     @abc.abstractmethod
     def load(self) -> EngineInfo:
         """Loads the model (slow); returns what it serves (the server adds its limits:
@@ -53,8 +63,7 @@ class ScoringEngine(abc.ABC):
     def statistics_path(self) -> str:
         """"compiled" or "eager": how the per-chunk statistics run (a failed torch.compile falls
         back to "eager" at load or later; see stats.ChunkStats)."""
-        stats_fn = getattr(self, "_stats_fn", None)
-        return getattr(stats_fn, "path", "eager")
+        return "eager" if self._stats_fn is None else self._stats_fn.path
 
 
 def scores_from_hidden(

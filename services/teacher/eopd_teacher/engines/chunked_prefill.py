@@ -9,7 +9,7 @@ W columns. The statistics of the scored positions whose predicting hidden state 
 lies in the step's columns are computed from that step's hidden states (`stats.token_statistics`)
 and written into the batch's flat outputs, so no `[B, W, d]` hidden state is kept; after the last
 step they are split per sequence. Numbers equal the unchunked ones to float32 rounding
-(tests/teacher/test_chunked_prefill.py: within 1e-5 on tiny-random and SmolLM2-135M).
+(tests/teacher/engines/test_chunked_prefill.py: within 1e-5 on tiny-random and SmolLM2-135M).
 """
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""`eopd.v1.TeacherService` on gRPC: shape conversion around the teacher's service
+(`service.TeacherService`): a protobuf request becomes a core request, the service's answer a
+protobuf reply. The ScoreStream loop itself is `stream_session.StreamSession`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from eopd.v1 import teacher_pb2 as pb
+from eopd.v1 import teacher_pb2_grpc as pb_grpc
+
+from ..convert import STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, info_to_pb, score_request_from_pb, scores_to_pb
+from ..serving.batcher import Overloaded
+from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
+from ..validation import GENERATE_FIELDS, SCORE_FIELDS
+from .stream_session import StreamSession
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
+
+def wants_stream_ending(context: grpc.aio.ServicerContext) -> bool:
+    return any(k == STREAM_ENDING_KEY and v == "1" for k, v in context.invocation_metadata() or ())
+
+
+def client_key(context: grpc.aio.ServicerContext) -> str:
+    """Who a request is from, for per-client limits and the batcher's fair queuing: the
+    x-eopd-client metadata, else the peer address without its port."""
+    given = next((v for k, v in context.invocation_metadata() or () if k == CLIENT_ID_HEADER and v), None)
+    return client_from(given, (context.peer() or "unknown").rsplit(":", 1)[0])
+
+
+class TeacherServicer(pb_grpc.TeacherServiceServicer):
+    """protobuf <-> core types around `service`."""
+
+    def __init__(self, service: TeacherService):
+        self.service = service
+
+    async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
+        results = await self.service.score(score_request_from_pb(request), client, SCORE_FIELDS, require_request_id=stream)
+        return pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        return await self._score(request, client_key(context), stream=False)
+
+    async def ScoreStream(
+        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ScoreResponse]:
+        """Serves requests concurrently as they arrive (at most
+        stream_session.MAX_INFLIGHT_PER_STREAM at once: beyond that, reading pauses and HTTP/2
+        flow control pushes back on the client). A request that fails on its own (invalid, over a
+        per-request limit, an engine error, a request_id already in flight) is answered in band
+        (`ScoreResponse.error`) and the stream goes on. A stream-level failure (overload,
+        draining) ends the stream with its error without waiting for the client to send more,
+        after the requests already in flight are answered (and, for a client that asked with
+        `eopd-stream-ending: 1`, after announcing the end and letting it half-close)."""
+        state = self.service.state
+        if state.open_streams >= state.settings.max_streams:
+            raise Overloaded(f"{state.open_streams} streams open, limit {state.settings.max_streams}; retry later")
+        state.open_streams += 1
+        try:
+            client = client_key(context)
+
+            async def score(request: pb.ScoreRequest) -> pb.ScoreResponse:
+                return await self._score(request, client, stream=True)
+
+            session = StreamSession(score, state.metrics, state.request_bytes, state.settings.stream_idle_timeout_s,
+                                    announce=wants_stream_ending(context))
+            async for response in session.responses(request_iterator):
+                yield response
+        finally:
+            state.open_streams -= 1
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        async for g in self.service.generate(generate_request_from_pb(request), client_key(context), GENERATE_FIELDS, deadline):
+            yield generation_to_pb(request.request_id, g)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return info_to_pb(self.service.model_info())

@@ -1,0 +1,371 @@
+"""Dynamic batching across concurrent requests and streams.
+
+Requests submit their sequences (with the client they come from); one loop forms batches under a
+padded-token budget, waiting at most `max_wait_s` for a batch to fill, and runs the engine on one
+worker thread while new work keeps arriving. Which sequences go together is `scheduling.FairQueue`'s
+choice: clients take turns (fair queuing over tokens, each client's share of one batch bounded by
+`max_client_tokens`, so a large request is served over several batches and other clients'
+requests are served between them), sequences of similar length are grouped. Admission is bounded
+by the tokens waiting in the queue.
+
+Other engine work (generation: `submit_job`) waits in a FIFO beside the scoring queue and runs on
+the same worker thread as one job, so the engine never runs two things at once; when both wait,
+jobs and scoring batches take turns, so neither starves the other.
+
+Chunked prefill (`steps_fn`, the transformers engine's `score_steps`): a batch of more than
+`step_tokens` padded tokens is scored in steps of at most that many (the KV cache kept between
+them), and the loop runs one step at a time: when the next batch of the fair queue is anchored on a
+client with no batch in progress, it starts at once and runs next (at most MAX_IN_PROGRESS at once,
+each holding its KV cache), then the batches in progress take turns step by step (and a waiting
+generation job goes between two steps). So a small request from another client waits for about one
+step of a large batch, not the whole batch (issue 17, section 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..types import ScoreItem, SequenceScores
+from .scheduling import FairQueue, Waiting
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The queue is full: the caller should answer RESOURCE_EXHAUSTED."""
+
+
+class Draining(Exception):
+    """The batcher no longer accepts work: the caller should answer UNAVAILABLE."""
+
+
+class BatcherDied(Draining):
+    """The batcher's loop died (a bug): pending and new work fail with UNAVAILABLE, so clients
+    retry on another replica, and the server reports itself not ready."""
+
+
+@dataclass(eq=False)
+class _Job:
+    """One engine job (`fn()` on the worker thread), `tokens` counted against the queue limit."""
+
+    fn: Callable[[], object]
+    tokens: int
+    ticket: asyncio.Future
+
+
+# Scoring batches in progress at once (each scored in steps holds its KV cache between them).
+MAX_IN_PROGRESS = 4
+
+StepsFn = Callable[[list[ScoreItem]], Iterator["list[SequenceScores] | None"]]
+
+
+@dataclass(eq=False)
+class _InProgress:
+    """A scoring batch in progress: its sequences, its step generator (None: scored whole by one
+    `score_fn` call), the engine seconds spent on it so far and its clients."""
+
+    batch: list[Waiting]
+    steps: Iterator[list[SequenceScores] | None] | None
+    seconds: float = 0.0
+    clients: set[str] = field(default_factory=set)
+
+
+@dataclass
+class BatchObserver:
+    """Hooks for metrics; all optional."""
+
+    on_batch: Callable[[int, int, int, float], None] | None = None  # (sequences, real tokens, padded tokens, seconds)
+    on_queue: Callable[[int, int], None] | None = None  # (sequences, tokens) waiting
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        score_fn: Callable[[list[ScoreItem]], list[SequenceScores]],
+        *,
+        max_batch_tokens: int,
+        max_wait_s: float,
+        max_queue_tokens: int,
+        max_client_tokens: int | None = None,
+        observer: BatchObserver | None = None,
+        steps_fn: StepsFn | None = None,
+        step_tokens: int = 0,
+    ):
+        """`max_client_tokens`: one client's share of one batch (None: the whole budget).
+        `steps_fn` (chunked prefill): scores a batch of more than `step_tokens` padded tokens in
+        steps, other clients' batches served between them (None: every batch whole)."""
+        self._score_fn = score_fn
+        self._steps_fn = steps_fn if step_tokens > 0 else None
+        self.step_tokens = step_tokens
+        self._in_progress: deque[_InProgress] = deque()  # scoring batches; the next to step first
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_s = max_wait_s
+        self.max_queue_tokens = max_queue_tokens
+        self._obs = observer or BatchObserver()
+        self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
+        self._counter = 0
+        self._jobs: deque[_Job] = deque()
+        self._job_turn = False  # when both wait: a job next (True) or a scoring batch (False)
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eopd-engine")
+        self._task: asyncio.Task | None = None
+        self._busy = False
+        self._died: BaseException | None = None
+        self.on_died: Callable[[BaseException], None] | None = None  # called once if the loop dies
+
+    # -- public -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="eopd-batcher")
+        self._task.add_done_callback(self._loop_ended)
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop has died."""
+        return self._died is None
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """Done-callback of the loop: a loop that ends other than by close() died; every pending
+        request fails with BatcherDied (nothing waits forever) and `on_died` is told."""
+        if task.cancelled() and self._closed:
+            return
+        exc = (None if task.cancelled() else task.exception()) or RuntimeError("the batcher loop stopped")
+        self._died = exc
+        log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
+        tickets = ([w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
+                   + [w.ticket for b in self._in_progress for w in b.batch])
+        self._jobs.clear()
+        self._in_progress.clear()
+        for ticket in tickets:
+            if not ticket.done():
+                ticket.set_exception(err)
+        self._busy = False
+        if self.on_died is not None:
+            try:
+                self.on_died(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("on_died callback failed")
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queue.tokens + sum(j.tokens for j in self._jobs)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._jobs and not self._busy and not self._in_progress
+
+    def _admit(self, tokens: int) -> None:
+        """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
+        `tokens` more may wait."""
+        if self._died is not None:
+            raise BatcherDied(f"the server's batcher stopped ({type(self._died).__name__}: {self._died}); retry on another replica")
+        if self._closed:
+            raise Draining("the server is shutting down")
+        waiting = self.queued_tokens
+        if waiting + tokens > self.max_queue_tokens and (self._queue or self._jobs):
+            raise Overloaded(f"queue full: {waiting} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}")
+
+    async def submit_job(self, fn: Callable[[], object], tokens: int) -> object:
+        """Runs `fn()` (engine work other than scoring: generation) on the engine's worker thread
+        as one job, in turn with scoring batches; `tokens` count against the queue limit while it
+        waits. Raises Overloaded or Draining before queueing. A caller cancelled before its job
+        starts withdraws it; one cancelled while it runs leaves it to finish, its result dropped."""
+        self._admit(tokens)
+        job = _Job(fn, tokens, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        self._wakeup.set()
+        try:
+            return await job.ticket
+        except BaseException:
+            job.ticket.cancel()
+            raise
+
+    async def submit(self, items: list[ScoreItem], client: str = "") -> list[SequenceScores]:
+        """Scores `items` (all or nothing) for `client` (the key of fair queuing); raises
+        Overloaded or Draining before queueing."""
+        tokens = sum(it.num_tokens for it in items)
+        self._admit(tokens)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        entries = []
+        for it in items:
+            self._counter += 1
+            entries.append(Waiting(self._counter, it, client, loop.create_future(), now))
+        self._queue.add(entries)
+        self._report_queue()
+        self._wakeup.set()
+        try:
+            return list(await asyncio.gather(*(e.ticket for e in entries)))
+        except BaseException:
+            for e in entries:  # a cancelled or failed request leaves nothing behind
+                e.ticket.cancel()
+            raise
+
+    async def close(self) -> None:
+        """Stops accepting work, finishes what is queued, stops the loop."""
+        self._closed = True
+        while (self._queue or self._jobs or self._busy or self._in_progress) and self._died is None:
+            self._wakeup.set()
+            await asyncio.sleep(0.01)
+        if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    # -- loop ---------------------------------------------------------------------------------
+    def _report_queue(self) -> None:
+        if self._obs.on_queue:
+            try:
+                self._obs.on_queue(len(self._queue), self._queue.tokens)
+            except Exception:  # noqa: BLE001 - metrics must not break scoring
+                log.exception("batch observer on_queue failed")
+
+    def _drop_cancelled(self) -> None:
+        self._queue.drop(lambda w: w.ticket.done())
+        if any(j.ticket.done() for j in self._jobs):
+            self._jobs = deque(j for j in self._jobs if not j.ticket.done())
+
+    async def _run_job(self, job: _Job) -> None:
+        """One job on the worker thread; its result or error goes to its caller."""
+        self._busy = True
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, job.fn)
+        except Exception as exc:  # noqa: BLE001 - the job's own failure, for its caller
+            job.ticket.done() or job.ticket.set_exception(exc)
+        else:
+            job.ticket.done() or job.ticket.set_result(result)
+        finally:
+            self._busy = False
+
+    def _form_batch(self) -> list[Waiting]:
+        """The next batch (scheduling.FairQueue: fair by client, grouped by length)."""
+        return self._queue.take_batch()
+
+    async def _run(self) -> None:
+        """One engine call at a time: a generation job when it is its turn; else start the next
+        scoring batch when it may start, and run one step of the batch in progress whose turn it is."""
+        while True:
+            self._drop_cancelled()
+            if self._jobs and (self._job_turn or (not self._queue and not self._in_progress)):
+                self._job_turn = False
+                await self._run_job(self._jobs.popleft())
+                continue
+            if self._queue and self._may_start_batch():
+                if not self._in_progress:  # nothing in progress: wait (briefly) for the batch to fill
+                    await self._wait_to_fill()
+                    self._drop_cancelled()
+                    if not self._queue:
+                        continue
+                self._start_batch(self._form_batch())
+                self._report_queue()
+            if self._in_progress:
+                self._job_turn = True  # a generation job, if one waits, goes after this step
+                await self._step(self._in_progress[0])
+            elif not self._queue and not self._jobs:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+
+    def _may_start_batch(self) -> bool:
+        """No batch in progress, or the next batch's anchor is a client without one (and fewer than
+        MAX_IN_PROGRESS are): then it goes between the steps of the others."""
+        if not self._in_progress:
+            return True
+        busy = set().union(*(b.clients for b in self._in_progress))
+        return len(self._in_progress) < MAX_IN_PROGRESS and self._queue.next_client() not in busy
+
+    async def _wait_to_fill(self) -> None:
+        """Until the oldest waiting sequence has waited max_wait_s, the budget is reached, or closing."""
+        oldest = self._queue.oldest()
+        if oldest is None:
+            return
+        deadline = oldest.enqueued + self.max_wait_s
+        while self._queue.tokens < self.max_batch_tokens and not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _start_batch(self, batch: list[Waiting]) -> None:
+        """The batch runs next: in steps when it is larger than step_tokens (and the engine can)."""
+        items = [w.item for w in batch]
+        padded = max(it.num_tokens for it in items) * len(items)
+        steps = self._steps_fn(items) if self._steps_fn is not None and padded > self.step_tokens else None
+        self._in_progress.appendleft(_InProgress(batch, steps, clients={w.client for w in batch}))
+
+    async def _step(self, job: _InProgress) -> None:
+        """One engine call for the batch `job`: its next step (then it goes to the back of the
+        turn), or all of it; delivers its results when it is done."""
+        if all(w.ticket.done() for w in job.batch):  # every request of it was cancelled
+            self._finish(job)
+            return
+        loop = asyncio.get_running_loop()
+        items = [w.item for w in job.batch]
+        self._busy = True
+        started = time.perf_counter()
+        try:
+            if job.steps is None:
+                results = await loop.run_in_executor(self._executor, self._score_fn, items)
+            else:
+                results = await loop.run_in_executor(self._executor, next, job.steps)
+        except Exception as exc:  # the engine failed on this batch
+            self._finish(job)
+            if len(job.batch) == 1:
+                job.batch[0].ticket.done() or job.batch[0].ticket.set_exception(exc)
+            else:  # one at a time, so that only the culprit fails
+                await self._score_one_by_one(job.batch)
+            return
+        finally:
+            self._busy = False
+            job.seconds += time.perf_counter() - started
+        if results is None:  # more steps to go: the other jobs' turn first
+            self._in_progress.rotate(-1)
+            return
+        self._finish(job)
+        if self._obs.on_batch:
+            width = max(it.num_tokens for it in items)
+            try:
+                self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), job.seconds)
+            except Exception:  # noqa: BLE001 - metrics must not break scoring
+                log.exception("batch observer on_batch failed")
+        for w, r in zip(job.batch, results, strict=True):
+            if not w.ticket.done():
+                w.ticket.set_result(r)
+
+    def _finish(self, job: _InProgress) -> None:
+        self._in_progress.remove(job)
+        if job.steps is not None:
+            job.steps.close()  # frees its KV cache now
+
+    async def _score_one_by_one(self, batch: list[Waiting]) -> None:
+        """After an engine error on a batch of several items: each item alone (the numbers do not
+        depend on the batch), so only the items that fail on their own get the error."""
+        loop = asyncio.get_running_loop()
+        self._busy = True
+        try:
+            for w in batch:
+                if w.ticket.done():  # cancelled meanwhile
+                    continue
+                try:
+                    (result,) = await loop.run_in_executor(self._executor, self._score_fn, [w.item])
+                except Exception as exc:  # noqa: BLE001 - this item's own failure
+                    if not w.ticket.done():
+                        w.ticket.set_exception(exc)
+                    continue
+                if not w.ticket.done():
+                    w.ticket.set_result(result)
+        finally:
+            self._busy = False
