@@ -191,7 +191,7 @@ def test_compose_requires_a_teacher_token_file(tmp_path):
     EOPD_TEACHER_AUTH_TOKEN_FILE names, and every rollout worker the same secret through the run
     config's teacher.auth_token_file; nothing else gets it. The teacher refuses to start with an
     empty token file or a missing one (TeacherSettings), so it never serves without a token."""
-    from eopd_common.settings import SettingsError, load_settings
+    from eopd_teacher.settings_base import SettingsError, load_settings
 
     no_token = tmp_path / "no-token.env"
     no_token.write_text(Path(env_file()).read_text().replace(f"TEACHER_AUTH_TOKEN_FILE={TEACHER_TOKEN_FILE}\n", ""))

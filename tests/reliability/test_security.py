@@ -112,7 +112,7 @@ def test_tls_and_mutual_tls(pki):
 
 
 def test_tls_settings_validated(tmp_path):
-    from eopd_common.settings import SettingsError, load_settings
+    from eopd_teacher.settings_base import SettingsError, load_settings
     from eopd_teacher.settings import TeacherSettings
 
     with pytest.raises(SettingsError, match="together"):
@@ -328,7 +328,7 @@ def test_serve_auth_token_on_the_command_line_warns_and_empty_tokens_fail_closed
     assert main(["serve", "--auth-token-file", str(tmp_path / "x"), "--grpc-port", "70000"]) == 2
     assert "warning" not in capsys.readouterr().err  # the file is the recommended way: no warning
     (tmp_path / "empty").write_text("\n")
-    from eopd_common.settings import SettingsError, load_settings
+    from eopd_teacher.settings_base import SettingsError, load_settings
     from eopd_teacher.settings import TeacherSettings
 
     with pytest.raises(SettingsError, match=f"auth_token_file: {tmp_path / 'empty'} is empty"):

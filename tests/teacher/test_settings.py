@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from eopd_common.settings import SettingsError, add_arguments, load_settings, settings_from_args
+from eopd_teacher.settings_base import SettingsError, add_arguments, load_settings, settings_from_args
 from eopd_teacher.settings import TeacherSettings
 
 

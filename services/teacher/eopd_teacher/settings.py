@@ -22,7 +22,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from eopd_common.models import default_cache_dir
-from eopd_common.settings import ServiceSettings
+from .settings_base import ServiceSettings
 
 MiB = 1024 * 1024
 AUTO = "auto"

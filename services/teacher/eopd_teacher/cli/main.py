@@ -28,7 +28,7 @@ import grpc
 
 from eopd_common.client_security import ClientSecurity, SecurityFileError
 from eopd_common.models import default_cache_dir
-from eopd_common.settings import SettingsError, add_arguments, settings_from_args
+from ..settings_base import SettingsError, add_arguments, settings_from_args
 
 from ..client import TeacherClient
 from ..settings import TeacherSettings
