@@ -103,7 +103,7 @@ def table(rows: list[dict]) -> str:
 def section_text(data: dict) -> str:
     sw, prov = data["software"], data["provenance"]
     rows = data["results"]
-    lines = [f"## Teacher on a GPU (`python -m bench.run_all gpu`)", "",
+    lines = ["## Teacher on a GPU (`python -m bench.run_all gpu`)", "",
              f"On {sw.get('device', '?')} ({sw.get('device_memory_gib', '?')} GiB), torch {sw['torch']} (CUDA {sw['cuda']}), "
              f"transformers {sw['transformers']}, eopd@{prov.get('describe', '?')}, {data['minutes']:.1f} min; random "
              "bf16 models of the named shapes built on the GPU; rounds interleaved (bench/bench_teacher.py), medians.", "",
@@ -136,13 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     rows = run(args.shapes, args.batches, args.profiles, args.clients, args.rounds, args.smoke)
+    return finish(SECTION, rows, args, t0, table, section_text)
+
+
+def finish(section: str, rows: list[dict], args, t0: float, table_fn, section_fn) -> int:
+    """Prints the table; a full (not smoke) run writes bench/results/<section>.json (rows, card,
+    versions, commit) and the docs section rendered from it."""
     data = {"results": rows, "software": software(), "provenance": provenance(), "minutes": (time.perf_counter() - t0) / 60,
             "args": vars(args)}
-    print(table(rows))
-    if args.smoke:
-        return 0
-    path = write_results(SECTION, data)
-    write_section(SECTION, section_text(json.loads(path.read_text())))
+    print(table_fn(rows))
+    if not args.smoke:
+        path = write_results(section, data)
+        write_section(section, section_fn(json.loads(path.read_text())))
     return 0
 
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.random_models import SHAPES, TINY, write_random_model
-from bench.report import ROOT, markdown_table, provenance, write_results, write_section
+from bench.report import ROOT, markdown_table
 
 SECTION = "gpu_trainer"
 PAPER = ROOT / "configs" / "qwen3-paper.yaml"
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from bench.bench_gpu_teacher import software
+    from bench.bench_gpu_teacher import finish
 
     if args.smoke:
         args.modes, args.batch, args.response_length, args.micro_batch, args.iterations = ["sync"], 4, 16, 1, 2
@@ -214,14 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         prompts = write_prompts(tmp / "train.jsonl", max(64, args.batch * args.iterations))
         rows = [run_once(tmp, mode, teacher, student, prompts, args, device) for mode in args.modes]
-    data = {"results": rows, "software": software(), "provenance": provenance(), "args": vars(args),
-            "minutes": (time.perf_counter() - t0) / 60}
-    print(table(rows))
-    if args.smoke:
-        return 0
-    path = write_results(SECTION, data)
-    write_section(SECTION, section_text(json.loads(path.read_text())))
-    return 0
+    return finish(SECTION, rows, args, t0, table, section_text)
 
 
 if __name__ == "__main__":
