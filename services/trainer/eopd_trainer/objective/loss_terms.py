@@ -11,15 +11,14 @@ metric tensors (detached); the maths per token is in `terms.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from .params import LossParams
 from .terms import clipped_pg_loss, topk_reverse_kl
 
-if TYPE_CHECKING:
-    from .config import LossConfig
 
 
 def mean_or_zero(x: Tensor) -> Tensor:
@@ -64,7 +63,7 @@ class PolicyGradient:
     key: ClassVar[str] = "pg_loss"
     reads: ClassVar[tuple[str, ...]] = ("weights", "logp", "old_logprobs", "advantages")
 
-    def __call__(self, x: TermInputs, cfg: "LossConfig") -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, x: TermInputs, cfg: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
         pg_t, _, clipped = clipped_pg_loss(x.logp, x.old_logprobs, x.advantages, cfg.clip_low, cfg.clip_high)
         return (x.weights * pg_t).sum(), {"clip_frac": mean_or_zero(clipped.to(x.weights.dtype))}
 
@@ -76,7 +75,7 @@ class TopkReverseKL:
     key: ClassVar[str] = "topk_rkl_loss"
     reads: ClassVar[tuple[str, ...]] = ("weights", "candidate_logp", "candidate_teacher", "candidate_ok")
 
-    def __call__(self, x: TermInputs, cfg: "LossConfig") -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, x: TermInputs, cfg: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
         rkl_t = topk_reverse_kl(x.candidate_logp, x.candidate_teacher, x.candidate_ok)  # [M]
         with torch.no_grad():
             mass = mean_or_zero(torch.where(x.candidate_ok, x.candidate_logp.exp(), 0.0).sum(dim=1))
@@ -90,7 +89,7 @@ class ForwardKL:
     key: ClassVar[str] = "fkl_loss"
     reads: ClassVar[tuple[str, ...]] = ("weights", "fkl_positions", "gather_pos", "fkl_gathered")
 
-    def __call__(self, x: TermInputs, cfg: "LossConfig") -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, x: TermInputs, cfg: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
         dtype = x.weights.dtype
         w_fkl = x.weights[x.gather_pos] * x.fkl_positions[x.gather_pos].to(dtype)
         return (w_fkl * x.fkl_gathered).sum(), {"fkl_ratio": mean_or_zero(x.fkl_positions.to(dtype))}
@@ -103,7 +102,7 @@ class StudentEntropy:
     key: ClassVar[str] = "entropy_loss"
     reads: ClassVar[tuple[str, ...]] = ("weights", "student_entropy")
 
-    def __call__(self, x: TermInputs, cfg: "LossConfig") -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, x: TermInputs, cfg: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
         return (x.weights * x.student_entropy).sum(), {}
 
 
@@ -115,7 +114,7 @@ class CrossEntropy:
     key: ClassVar[str | None] = None
     reads: ClassVar[tuple[str, ...]] = ("weights", "logp")
 
-    def __call__(self, x: TermInputs, cfg: "LossConfig") -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, x: TermInputs, cfg: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
         return (x.weights * -x.logp).sum(), {}
 
 
