@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from eopd_trainer.config.sections import shm_weights_dir
 from tests.procs import ROOT, free_port
 from tests.trainer.pipeline_helpers import committed_state, trained_ids
 
@@ -43,6 +44,13 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     assert [r["iteration"] for r in iters if r.get("kind") == "iteration"] == [1, 2, 3, 4]
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert "redis-server" in summary["queue"] and summary["train_s"] > 0
+    # Weights went through shared memory (weight_sync auto on this Linux machine), released at the end.
+    assert "weight_sync auto: shared memory" in res.stderr
+    assert "weight_sync: shm" in (run_dir / "run.yaml").read_text()
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert learner_log.count("published policy version") == 5  # the initial weights, then one per iteration
+    assert "loaded policy version 3" in (run_dir / "logs" / "rollout-w0.log").read_text()
+    assert not (run_dir / "weights").exists() and not shm_weights_dir(run_dir).parent.exists()
     ev = json.loads((run_dir / "eval.json").read_text())
     assert set(ev["models"]) == {"teacher", "initial", "final"}
     for m in ev["models"].values():
@@ -83,7 +91,7 @@ def test_tiny_run_falls_back_to_the_embedded_queue(tmp_path):
     assert shutil.which("redis-server", path=path) is None
     dead_url = f"redis://127.0.0.1:{free_port()}/0"
     run_dir = tmp_path / "run"
-    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "--no-eval",
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "--no-eval", "weight_sync=disk",
                env_extra={"REDIS_URL": dead_url, "PATH": path})
     assert res.returncode == 0, res.stderr[-5000:]
     assert (f"queue: REDIS_URL={dead_url} does not answer; redis-server is not installed; using the embedded queue "
@@ -103,6 +111,10 @@ def test_tiny_run_falls_back_to_the_embedded_queue(tmp_path):
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert "training finished: 4 iterations, 32 rollouts trained" in learner_log
     assert "dead letter" not in learner_log + worker_log
+    # weight_sync: disk, the files of multi-node deployments: the last versions stay in <run_dir>/weights
+    assert "weight_sync: disk (configured)" in res.stderr
+    assert sorted(f.name for f in (run_dir / "weights").glob("v*.safetensors"))[-1] == "v000004.safetensors"
+    assert not shm_weights_dir(run_dir).parent.exists()
 
 
 def test_run_fails_with_the_log_of_a_dead_child(tmp_path):

@@ -14,7 +14,9 @@ the dotted path of each offending field.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -294,11 +296,25 @@ class FaultConfig(_Section):
     count: int | None = Field(None, description="rollout points: the number of published rollouts (see faults.py)")
 
 
+SHM_ROOT = Path("/dev/shm")
+
+
+def shm_weights_dir(run_dir: Path) -> Path:
+    """The run's weights directory in shared memory: /dev/shm/eopd-<uid>-<hash of the run directory's
+    real path>/weights (one per user and run directory, the same for every process of the run)."""
+    key = hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:16]
+    return SHM_ROOT / f"eopd-{os.getuid()}-{key}" / "weights"
+
+
 class RunConfig(_Section):
     run_dir: Path = Field(Path("runs/default"), description="Checkpoints, published weights, logs and TensorBoard events.")
     seed: int = 0
     mode: Literal["sync", "async"] = Field("sync", description="sync: Algorithm 1 (rollouts of iteration i from the weights after i-1); async: bounded staleness.")
     max_staleness: int = Field(1, ge=0, description="async: rollouts sampled more than this many versions ago are dropped and counted.")
+    weight_sync: Literal["auto", "disk", "shm"] = Field(
+        "auto", description="How published weights reach the rollout workers: disk (versioned files in <run_dir>/weights: "
+        "any shared file system, several nodes), shm (the same files in /dev/shm, shared memory: learner and workers on "
+        "one node, one user). auto: shm where `eopd run` starts them on this machine and /dev/shm has room, else disk.")
     teacher: TeacherConfig = TeacherConfig()
     student: StudentConfig = StudentConfig()
     data: DataConfig = DataConfig()
@@ -361,7 +377,11 @@ class RunConfig(_Section):
 
     @property
     def weights_dir(self) -> Path:
-        """Where the learner publishes weight versions; workers load announced files only from here."""
+        """Where the learner publishes weight versions; workers load announced files only from here
+        (`weight_sync`: shm, a directory of this run in /dev/shm; disk and auto, <run_dir>/weights:
+        `eopd run` makes auto concrete before its processes read the config)."""
+        if self.weight_sync == "shm":
+            return shm_weights_dir(self.run_dir)
         return self.run_dir / "weights"
 
     @property

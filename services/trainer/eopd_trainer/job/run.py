@@ -61,6 +61,7 @@ from .resume import (
 from .run_record import RunRecord
 from .supervisor import Child, RunError, Supervisor
 from .teacher_proc import TeacherChild, start_teacher
+from .weight_sync import choose_weight_sync, release_shm
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -122,6 +123,7 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
         clear_run_dir(run_dir)
     elif not start.resumed:
         clear_attempt(run_dir)
+    release_shm(run_dir)  # a killed invocation's shared-memory weights (a resume republishes)
     if start.note:
         say(start.note)
     requested = cfg
@@ -235,12 +237,14 @@ class TrainingAttempt:
         finally:
             self.stop.restore()
         self.sup.stop_all()
+        release_shm(self.run_dir)  # once the children stopped: it holds RAM; a resume republishes
         return 0, self.cfg
 
     def _abort(self, outcome: str, code: int) -> tuple[int, RunConfig]:
         if self.progress is not None:
             self.progress.bar.close()
         self.sup.stop_all()
+        release_shm(self.run_dir)
         self.summary["outcome"] = outcome
         return code, self.cfg
 
@@ -304,6 +308,9 @@ class TrainingAttempt:
                               queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
                                      "auth_key_file": run_key_file(self.run_dir, self.cfg.queue),
                                      "lease_ttl_s": max(self.cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})
+        sync, why = choose_weight_sync(self.cfg)  # one node: shared memory where it has room
+        say(why)
+        self.cfg = self.cfg.model_copy(update={"weight_sync": sync})
         self.config_path = _write_run_yaml(self.run_dir, self.cfg)
 
     def start_learner(self) -> None:

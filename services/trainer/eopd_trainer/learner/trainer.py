@@ -28,7 +28,7 @@ from ..config import RunConfig
 from ..faults import Faults
 from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, step_generator
 from ..queue.messages import PolicyVersion, Rollout
-from ..queue.weights import export_state_dict, prune_weights, save_weights
+from ..queue.weights import ensure_private_dir, export_state_dict, prune_weights, save_weights
 from .checkpoint import CheckpointManager
 from .state import LearnerState
 from .distributed import (
@@ -204,11 +204,13 @@ class PolicyTrainer:
         PolicyVersion to announce, the other ranks None)."""
         with full_parameters(self.engine, self.cfg.train.zero_stage):
             if self.rank == 0:
-                return save_weights(self.engine.module, self.run_dir / "weights", version, iteration)
+                if self.cfg.weight_sync == "shm":  # learner and workers of one user on one node
+                    ensure_private_dir(self.cfg.weights_dir.parent)
+                return save_weights(self.engine.module, self.cfg.weights_dir, version, iteration)
         return None
 
     def prune_weights(self, protect: int) -> None:
-        prune_weights(self.run_dir / "weights", self.cfg.checkpoint.keep_weights, protect=protect)
+        prune_weights(self.cfg.weights_dir, self.cfg.checkpoint.keep_weights, protect=protect)
 
     def export_hf(self, path: Path) -> None:
         """The Hugging Face export of a checkpoint (collective; rank 0 writes)."""

@@ -68,6 +68,32 @@ def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items() if k in keep}
 
 
+class WeightsDirUnsafe(RuntimeError):
+    """A shared-memory weights directory another user could enter or own: nothing is published there."""
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Creates `path` owner-only (0700), or checks that an existing one is a directory (not a link)
+    of this user that nobody else can enter; WeightsDirUnsafe naming the problem otherwise. For the
+    shared-memory weights directory, whose name in /dev/shm (world-writable) another local user
+    could take first."""
+    path = Path(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise WeightsDirUnsafe(f"{path}: not a directory (a link or a file is in its place): refusing to publish weights there")
+    if st.st_uid != os.getuid():
+        raise WeightsDirUnsafe(f"{path}: owned by uid {st.st_uid}, not by this user ({os.getuid()}): refusing to publish "
+                               "weights there (remove it, or set weight_sync: disk)")
+    if st.st_mode & 0o077:
+        raise WeightsDirUnsafe(f"{path}: mode {stat.S_IMODE(st.st_mode):o}, others can enter it: refusing to publish "
+                               "weights there (chmod 700 it, or remove it)")
+    return path
+
+
 def save_weights(model: torch.nn.Module, weights_dir: Path, version: int, iteration: int) -> PolicyVersion:
     """Writes the model's weights atomically; returns the announcement to publish."""
     weights_dir = Path(weights_dir)
