@@ -1,0 +1,114 @@
+"""Weight sync, file on disk vs shared memory, side by side in one run: the learner's publish
+(`save_weights`: the state dict copied out, a safetensors file written to a temporary name, fsynced,
+renamed, its sha256) and a worker's load (`load_weights`: the sha256 verified, the file read, the
+tensors loaded into the model in place), into a directory on the run's disk and into one in
+/dev/shm (`weight_sync: disk` and `shm`), interleaved rounds, medians.
+
+    .venv/bin/python -m bench.bench_weight_sync [--quick] [--model smollm2-135m] [--rounds 5]
+
+Writes the `weight_sync` section of docs/benchmarks.md (not with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.report import ROOT, markdown_table, write_results, write_section
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def measure(model_spec: str, rounds: int) -> dict:
+    import torch
+
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.queue.weights import ensure_private_dir, load_weights, save_weights
+
+    learner = load_causal_lm(model_spec).model
+    worker = load_causal_lm(model_spec).model
+    with torch.no_grad():  # the worker's copy differs until it loads
+        for p in worker.parameters():
+            p.mul_(0.5)
+    disk_root = Path(tempfile.mkdtemp(prefix="eopd-bench-weights-", dir=ROOT / "bench" / "results"))
+    shm_root = Path(tempfile.mkdtemp(prefix="eopd-bench-weights-", dir="/dev/shm"))
+    dirs = {"disk": disk_root / "weights", "shm": ensure_private_dir(shm_root) / "weights"}
+    per_round: list[dict] = []
+    try:
+        for r in range(rounds + 1):  # round 0 warms up (allocator, page cache of the libraries)
+            rec = {}
+            for path, d in dirs.items():
+                publish_s, pv = _timed(lambda d=d: save_weights(learner, d, r, r))
+                load_s, _ = _timed(lambda d=d, pv=pv: load_weights(worker, pv, weights_dir=d))
+                rec[path] = {"publish_s": publish_s, "load_s": load_s, "mb": pv.num_bytes / 1e6}
+                for f in d.glob("v*.safetensors"):
+                    f.unlink()
+            if r:
+                per_round.append(rec)
+            print(json.dumps({"round": r, **rec}), flush=True)
+        same = all(torch.equal(a, b) for a, b in zip(learner.state_dict().values(), worker.state_dict().values()))
+    finally:
+        shutil.rmtree(disk_root, ignore_errors=True)
+        shutil.rmtree(shm_root, ignore_errors=True)
+    med = statistics.median
+    out = {"model": model_spec, "rounds": per_round, "loaded_equal": same, "mb": per_round[0]["disk"]["mb"]}
+    for path in dirs:
+        for k in ("publish_s", "load_s"):
+            out[f"{path}_{k}"] = med([x[path][k] for x in per_round])
+        out[f"{path}_total_s"] = med([x[path]["publish_s"] + x[path]["load_s"] for x in per_round])
+    out["shm_vs_disk_total"] = med([(x["shm"]["publish_s"] + x["shm"]["load_s"]) / (x["disk"]["publish_s"] + x["disk"]["load_s"])
+                                    for x in per_round])
+    return out
+
+
+def section_text(data: dict) -> str:
+    rows = [[path, f"{data[f'{path}_publish_s']:.2f}", f"{data[f'{path}_load_s']:.2f}", f"{data[f'{path}_total_s']:.2f}"]
+            for path in ("disk", "shm")]
+    return "\n".join([
+        "## Weight sync: disk vs shared memory (`python -m bench.bench_weight_sync`)", "",
+        f"{data['model']} ({data['mb']:.0f} MB of float32 weights), {len(data['rounds'])} interleaved rounds, medians; "
+        "publish = the learner's `save_weights` (copy out, write, fsync, rename, sha256), load = a worker's "
+        "`load_weights` (sha256 verified, read, loaded in place); the loaded weights equal the published ones: "
+        f"{data['loaded_equal']}. Load average {data.get('load_avg', '?')} (1/5/15 min, start -> end).", "",
+        markdown_table(["path", "publish s", "load s", "publish + load s"], rows), "",
+        f"Shared memory / disk, publish + load: {data['shm_vs_disk_total']:.2f}x (median of per-round ratios). "
+        "`eopd run` uses shared memory where /dev/shm has room (`weight_sync: auto`); deployments over several "
+        "nodes use the disk path (a shared file system). On a CPU most of either path is the copy out of the "
+        "model and the two sha256 passes, not the disk; a GPU learner adds the device-to-host copy. CUDA IPC / "
+        "NCCL broadcast between a GPU learner and GPU workers is not built (issue 31).", ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the tiny random model, 2 rounds; prints, writes nothing")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None, help="quick: write the results JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.rounds = "tiny-random", 2
+    load_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    data = measure(args.model, args.rounds)
+    data["load_avg"] = f"{load_start} -> " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(section_text(data))
+    if args.quick:
+        if args.out:
+            args.out.write_text(json.dumps(data))
+        return 0
+    path = write_results("weight_sync", data)
+    write_section("weight_sync", section_text(json.loads(path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
