@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eopd_trainer.learner.state import LearnerState
 from tests.trainer.pipeline_helpers import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -59,7 +60,7 @@ def test_enospc_inside_the_checkpoint_writer_keeps_the_previous_checkpoint(proce
     manager = CheckpointManager(ckpt, keep=3, export_hf=False, rank=0, barrier=lambda: None, faults=faults)
     engine = _engine(0)
     _step(engine, 1)
-    manager.save(engine, 1, {"iteration": 1, "policy_version": 1})
+    manager.save(engine, 1, LearnerState.from_json({"iteration": 1, "policy_version": 1}))
     saved = _params(engine)
     before = _digest(ckpt / "iter000001")
     assert committed_tag(ckpt) == "iter000001" and before
@@ -67,7 +68,7 @@ def test_enospc_inside_the_checkpoint_writer_keeps_the_previous_checkpoint(proce
     _step(engine, 2)
     assert not all(torch.equal(a, b) for a, b in zip(saved, _params(engine)))  # the step changed the weights
     with pytest.raises(CheckpointError) as e:
-        manager.save(engine, 2, {"iteration": 2, "policy_version": 2})
+        manager.save(engine, 2, LearnerState.from_json({"iteration": 2, "policy_version": 2}))
     msg = str(e.value)
     assert "No space left on device" in msg and f"writing checkpoint {ckpt / 'iter000002'} failed" in msg, msg
     assert f"last committed checkpoint ({ckpt / 'iter000001'}) is intact" in msg, msg
@@ -81,8 +82,8 @@ def test_enospc_inside_the_checkpoint_writer_keeps_the_previous_checkpoint(proce
     fresh = _engine(123)
     assert not all(torch.equal(a, b) for a, b in zip(saved, _params(fresh)))
     state = CheckpointManager(ckpt, keep=3, export_hf=False, rank=0, barrier=lambda: None).load(fresh)
-    assert state["iteration"] == 1
+    assert state.iteration == 1
     assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh)))
     # and the next save (the fault fired for iteration 2 only) commits again.
-    manager.save(engine, 3, {"iteration": 3, "policy_version": 3})
+    manager.save(engine, 3, LearnerState.from_json({"iteration": 3, "policy_version": 3}))
     assert committed_tag(ckpt) == "iter000003"
