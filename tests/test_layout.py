@@ -279,10 +279,11 @@ def _private_imports(package: str) -> list[str]:
     return out
 
 
-def test_teacher_never_imports_a_private_name():
-    """No teacher module imports another module's `_name`: what a collaborator needs is public, or
-    handed in (a stream session gets its scoring function, the client's lanes a transport)."""
-    bad = _private_imports("eopd_teacher")
+def test_no_module_imports_a_private_name():
+    """No module under services/ imports another module's `_name`: what a collaborator needs is
+    public, or handed in (a teacher stream session gets its scoring function, the client's lanes a
+    transport, the trainer's callers a RunQueue)."""
+    bad = [line for package in PACKAGES for line in _private_imports(package)]
     assert not bad, "\n".join(bad)
 
 
