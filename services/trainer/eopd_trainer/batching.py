@@ -133,7 +133,7 @@ def _pack_teacher(rollouts: Sequence[Rollout], cat) -> dict:
     k = max(r.top_k for r in rollouts)
     topk_ids = np.concatenate([_pad_topk(r.teacher_topk_ids, k, 0) for r in rollouts]).astype(np.int64)
     topk_lp = np.concatenate([_pad_topk(r.teacher_topk_logprobs, k, -np.inf) for r in rollouts]).astype(np.float32)
-    return {"teacher_logprobs": cat("teacher_logprobs", np.float32), "teacher_entropy": cat("teacher_entropies", np.float32),
+    return {"teacher_logprobs": cat("teacher_logprobs", np.float32), "teacher_entropies": cat("teacher_entropies", np.float32),
             "teacher_topk_ids": torch.from_numpy(topk_ids), "teacher_topk_logprobs": torch.from_numpy(topk_lp)}
 
 

@@ -81,7 +81,7 @@ def test_random_fkl_draws_differ_by_step_and_repeat_on_resume():
     n, v, k = 64, 32, 4
     logits = torch.randn(n, v, generator=g)
     inputs = LossInputs(sampled_ids=torch.randint(0, v, (n,), generator=g), old_logprobs=-torch.rand(n, generator=g),
-                        teacher_logprobs=-torch.rand(n, generator=g), teacher_entropy=torch.rand(n, generator=g) * 2,
+                        teacher_logprobs=-torch.rand(n, generator=g), teacher_entropies=torch.rand(n, generator=g) * 2,
                         teacher_topk_ids=torch.randint(0, v, (n, k), generator=g),
                         teacher_topk_logprobs=torch.log_softmax(torch.randn(n, k, generator=g), -1))
 
@@ -141,7 +141,7 @@ def test_loss_path_keeps_the_students_logit_transform(kind):
     pos = torch.arange(len(p) - 1, len(p) + len(r) - 1)
     n = len(r)
     inputs = LossInputs(sampled_ids=torch.tensor(r), old_logprobs=old, teacher_logprobs=old - 0.1,
-                        teacher_entropy=torch.ones(n), teacher_topk_ids=torch.tensor(r)[:, None],
+                        teacher_entropies=torch.ones(n), teacher_topk_ids=torch.tensor(r)[:, None],
                         teacher_topk_logprobs=torch.zeros(n, 1))
     opd = LossConfig(variant="opd")
     with torch.no_grad():

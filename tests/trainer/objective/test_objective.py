@@ -502,17 +502,17 @@ def test_out_of_range_ids_at_valid_positions_raise():
         compute_loss(logits, LossInputs(bad, *rest))
 
 
-@pytest.mark.parametrize("name", ["old_logprobs", "teacher_logprobs", "teacher_entropy"])
+@pytest.mark.parametrize("name", ["old_logprobs", "teacher_logprobs", "teacher_entropies"])
 @pytest.mark.parametrize("bad", [float("nan"), -math.inf, math.inf])
 def test_non_finite_per_token_inputs_at_valid_positions_raise(name, bad):
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=12, dtype=torch.float32)
-    inputs = {"old_logprobs": old.clone(), "teacher_logprobs": t_lp.clone(), "teacher_entropy": t_ent.clone()}
+    inputs = {"old_logprobs": old.clone(), "teacher_logprobs": t_lp.clone(), "teacher_entropies": t_ent.clone()}
     valid = mask.nonzero().squeeze(1)
     inputs[name][valid[:2]] = bad  # two bad valid positions
     inputs[name][~mask] = bad  # and bad masked ones, which do not count
     for variant in ("eopd", "opd", "opd_fkl"):
         with pytest.raises(ValueError, match=f"{name} has 2 non-finite"):
-            compute_loss(logits, LossInputs(sampled, inputs["old_logprobs"], inputs["teacher_logprobs"], inputs["teacher_entropy"], t_ids, t_tlp, mask), LossConfig(variant=variant))
+            compute_loss(logits, LossInputs(sampled, inputs["old_logprobs"], inputs["teacher_logprobs"], inputs["teacher_entropies"], t_ids, t_tlp, mask), LossConfig(variant=variant))
 
 
 def test_per_token_input_overflowing_the_compute_dtype_raises():

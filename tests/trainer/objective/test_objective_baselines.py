@@ -280,7 +280,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="loss variant 'kd' needs the teacher's scores: teacher_topk_ids, "
                                          "teacher_topk_logprobs missing"):
         compute_loss(z, LossInputs(s, None, x["t_lp"], x["t_ent"], None, None, mask), LossConfig(variant="kd"))
-    with pytest.raises(ValueError, match="needs the teacher's scores: teacher_logprobs, teacher_entropy, "
+    with pytest.raises(ValueError, match="needs the teacher's scores: teacher_logprobs, teacher_entropies, "
                                          "teacher_topk_ids, teacher_topk_logprobs missing"):
         compute_loss(z, LossInputs(s, old, None, None, None, None, mask), LossConfig(variant="eopd"))
     # other variants ignore `advantages`

@@ -1,7 +1,7 @@
 r"""The EOPD objective and its baselines as pure tensor functions (paper sec. 2.3, 4, 5.3-5.6, app. A).
 
     from eopd_trainer.objective import LossConfig, LossInputs, compute_loss
-    inputs = LossInputs(sampled_ids, old_logprobs, teacher_logprobs, teacher_entropy,
+    inputs = LossInputs(sampled_ids, old_logprobs, teacher_logprobs, teacher_entropies,
                         teacher_topk_ids, teacher_topk_logprobs, mask)
     loss, metrics = compute_loss(student_logits, inputs, config=LossConfig(variant="eopd"))
 
@@ -12,7 +12,7 @@ fields are those of `LossInputs` (`inputs.py`), the one type `batching.pack_roll
     sampled_ids             [N]     token x_t sampled by the behaviour policy pi_old (kd/gkd: or the teacher)
     old_logprobs            [N]     log pi_old(x_t)
     teacher_logprobs        [N]     log pi_te(x_t)
-    teacher_entropy         [N]     H_te,t = -sum_v pi_te(v) log pi_te(v)   (full vocabulary)
+    teacher_entropies       [N]     H_te,t = -sum_v pi_te(v) log pi_te(v)   (full vocabulary)
     teacher_topk_ids        [N, k]  S_t^k, the teacher's top-k ids
     teacher_topk_logprobs   [N, k]  log pi_te(v), v in S_t^k (full-vocabulary normalisation)
     mask                    [N]     valid (response, non-padding) tokens

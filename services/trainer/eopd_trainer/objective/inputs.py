@@ -1,8 +1,8 @@
 """The loss's per-token inputs: `LossInputs`, one type from `pack_rollouts` to the loss core.
 
 `LossInputs` holds the flat `[N, ...]` or batched `[B, T, ...]` tensors the loss reads, under one
-name each (the same names as `Rollout`'s per-token arrays, `teacher_entropy` for its
-`teacher_entropies`). `LossInputs.flatten` checks their shapes against the leading shape and
+name each (the same names as `Rollout`'s per-token arrays, `teacher_entropies` included).
+`LossInputs.flatten` checks their shapes against the leading shape and
 flattens them to `[N]` / `[N, k]`. Which inputs are required depends on the variant: the teacher's
 per-token scores only when it reads them (`Variant.needs_teacher_scores`; grpo does not, and they
 are then never read), `old_logprobs` only with a policy-gradient term, `advantages` only with
@@ -26,7 +26,7 @@ class LossInputs:
     sampled_ids            [N] long     token x_t sampled by the behaviour policy (kd/gkd: or the teacher)
     old_logprobs           [N]          log pi_old(x_t); None only for variants without a pg term
     teacher_logprobs       [N]          log pi_te(x_t)
-    teacher_entropy        [N]          the teacher's full-vocabulary entropy (nats)
+    teacher_entropies      [N]          the teacher's full-vocabulary entropy (nats)
     teacher_topk_ids       [N, k] long  S_t^k, the teacher's top-k ids
     teacher_topk_logprobs  [N, k]       log pi_te(v), v in S_t^k (-inf allowed: zero mass)
         (the four teacher fields may be None for a variant with `needs_teacher_scores` False: grpo)
@@ -42,7 +42,7 @@ class LossInputs:
     sampled_ids: Tensor
     old_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
-    teacher_entropy: Tensor | None = None
+    teacher_entropies: Tensor | None = None
     teacher_topk_ids: Tensor | None = None
     teacher_topk_logprobs: Tensor | None = None
     mask: Tensor | None = None
@@ -96,7 +96,7 @@ def _flatten(variant, lead: tuple[int, ...], x: LossInputs) -> LossInputs:
     device = x.sampled_ids.device
     mask = x.mask if x.mask is not None else torch.ones(lead, dtype=torch.bool, device=device)
     old_logprobs, advantages = x.old_logprobs, x.advantages
-    teacher_logprobs, teacher_entropy = x.teacher_logprobs, x.teacher_entropy
+    teacher_logprobs, teacher_entropies = x.teacher_logprobs, x.teacher_entropies
     topk_ids, topk_logprobs = x.teacher_topk_ids, x.teacher_topk_logprobs
     per_token = [("sampled_ids", x.sampled_ids), ("mask", mask)]
     if variant.pg:
@@ -106,14 +106,14 @@ def _flatten(variant, lead: tuple[int, ...], x: LossInputs) -> LossInputs:
         per_token.append(("old_logprobs", old_logprobs))
     uses_teacher = variant.needs_teacher_scores
     if uses_teacher:
-        missing = [n for n, t in (("teacher_logprobs", teacher_logprobs), ("teacher_entropy", teacher_entropy),
+        missing = [n for n, t in (("teacher_logprobs", teacher_logprobs), ("teacher_entropies", teacher_entropies),
                                   ("teacher_topk_ids", topk_ids), ("teacher_topk_logprobs", topk_logprobs))
                    if t is None]
         if missing:
             raise ValueError(f"loss variant {name!r} needs the teacher's scores: {', '.join(missing)} missing")
-        per_token += [("teacher_logprobs", teacher_logprobs), ("teacher_entropy", teacher_entropy)]
+        per_token += [("teacher_logprobs", teacher_logprobs), ("teacher_entropies", teacher_entropies)]
     else:
-        teacher_logprobs = teacher_entropy = topk_ids = topk_logprobs = None
+        teacher_logprobs = teacher_entropies = topk_ids = topk_logprobs = None
     if variant.advantages_from == "given":
         if advantages is None:
             raise ValueError(f"loss variant {name!r} needs advantages (per-token, e.g. group_advantages of the "
@@ -149,7 +149,7 @@ def _flatten(variant, lead: tuple[int, ...], x: LossInputs) -> LossInputs:
         sampled_ids=x.sampled_ids.reshape(-1),
         old_logprobs=flat(old_logprobs),
         teacher_logprobs=flat(teacher_logprobs),
-        teacher_entropy=flat(teacher_entropy),
+        teacher_entropies=flat(teacher_entropies),
         teacher_topk_ids=flat(topk_ids, True),
         teacher_topk_logprobs=flat(topk_logprobs, True),
         mask=mask.reshape(-1) != 0,

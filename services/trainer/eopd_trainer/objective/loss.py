@@ -104,7 +104,7 @@ def _select_valid(tokens: LossInputs, variant, vocab: int, dtype: torch.dtype) -
     has_teacher = variant.needs_teacher_scores
     if has_teacher:
         t_lp = at_valid(tokens.teacher_logprobs)
-        t_ent_in = tokens.teacher_entropy[valid].detach()
+        t_ent_in = tokens.teacher_entropies[valid].detach()
         t_ent = t_ent_in.to(dtype)
         t_ids = tokens.teacher_topk_ids[valid].long()
         t_tlp = at_valid(tokens.teacher_topk_logprobs)
@@ -115,7 +115,7 @@ def _select_valid(tokens: LossInputs, variant, vocab: int, dtype: torch.dtype) -
         t_tlp = torch.zeros(m, 0, dtype=dtype, device=valid.device)
         t_finite = torch.zeros(m, 0, dtype=torch.bool, device=valid.device)
     check_valid_inputs(vocab, dtype, sampled=sampled,
-                       per_token={"old_logprobs": old, "teacher_logprobs": t_lp, "teacher_entropy": t_ent,
+                       per_token={"old_logprobs": old, "teacher_logprobs": t_lp, "teacher_entropies": t_ent,
                                   "advantages": given_adv},
                        topk_ids=t_ids if has_teacher else None, topk_logprobs=t_tlp if has_teacher else None,
                        topk_finite=t_finite)
