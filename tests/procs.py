@@ -18,8 +18,36 @@ from eopd_trainer.job.supervisor import Child, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ROOT", "Proc", "TeacherProc", "free_port", "running_teacher", "spawn", "start_teacher",
+__all__ = ["ROOT", "Proc", "TeacherProc", "free_port", "restart_port", "running_teacher", "spawn", "start_teacher",
            "wait_teacher_ready"]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def restart_port() -> int:
+    """A free port below the ephemeral range, for a server a test kills and starts again on the same
+    port: an ephemeral one (`free_port`) can be taken meanwhile as the local port of an outgoing
+    connection (a client reconnecting to the dead server), and the restart then fails with
+    EADDRINUSE (seen in CI)."""
+    import random
+    import socket
+
+    low = _ephemeral_range()[0]
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 Proc = Child
 

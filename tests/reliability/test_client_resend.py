@@ -11,13 +11,13 @@ import time
 import pytest
 
 from eopd_teacher.client import AsyncTeacherClient, ScoreBatch
-from tests.procs import free_port, start_teacher
+from tests.procs import free_port, restart_port, start_teacher
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 def test_stream_survives_teacher_sigkill_and_restart():
-    gp, hp = free_port(), free_port()
+    gp, hp = restart_port(), restart_port()
     proc = start_teacher("tiny-random", grpc_port=gp, http_port=hp)
     restarted: dict = {}
     try:

@@ -10,7 +10,7 @@ import time
 import pytest
 from eopd_trainer.queue.streams import Keys, read_dead_letters
 
-from tests.procs import free_port, start_teacher
+from tests.procs import restart_port, start_teacher
 from tests.trainer.pipeline_helpers import (
     committed_state,
     describe,
@@ -106,7 +106,7 @@ def test_learner_sigkill_exactly_once(tmp_path, redis_server, tiny_teacher):
 @pytest.mark.chaos
 def test_worker_sigkill_reclaimed_and_teacher_restart(tmp_path, redis_server):
     ns, run_dir = "kill-worker", tmp_path / "run"
-    gp, hp = free_port(), free_port()
+    gp, hp = restart_port(), restart_port()
     teacher = start_teacher("tiny-random@0", "--max-batch-wait-ms", "20", grpc_port=gp, http_port=hp)
     ov = overrides(run_dir, redis_server.url, teacher.target, ns, "rollout.claim_idle_ms=2000",
                    f"train.iterations={ITERATIONS}")
@@ -209,7 +209,7 @@ def test_worker_sigterm_while_teacher_is_gone_exits_within_grace(tmp_path, redis
     import signal
 
     ns, run_dir = "term-no-teacher", tmp_path / "run"
-    gp, hp = free_port(), free_port()
+    gp, hp = restart_port(), restart_port()
     teacher = start_teacher("tiny-random@0", "--max-batch-wait-ms", "20", grpc_port=gp, http_port=hp)
     ov = overrides(run_dir, redis_server.url, teacher.target, ns, "rollout.claim_idle_ms=2000",
                    f"train.iterations={ITERATIONS}", "teacher.retry_timeout_s=300", "rollout.stop_grace_s=3")

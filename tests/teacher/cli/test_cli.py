@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eopd_teacher.client import TeacherClient
-from tests.procs import ROOT, TeacherProc, free_port, spawn, wait_teacher_ready
+from tests.procs import ROOT, TeacherProc, restart_port, spawn, wait_teacher_ready
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +76,7 @@ def test_readme_commands_on_smollm2():
     """The issue's commands as written, through the installed console script: serve SmolLM2,
     then `info` and `score` on the example file."""
     exe = _console_script()
-    gp, hp = free_port(), free_port()
+    gp, hp = restart_port(), restart_port()
     base = spawn([exe, "serve", "--model", "smollm2-135m", "--host", "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)],
                  name="teacher-smollm2")
     proc = TeacherProc("teacher", base.popen, base.log_path, grpc_port=gp, http_port=hp)

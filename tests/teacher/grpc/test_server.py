@@ -21,7 +21,7 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_common.models import load_causal_lm
 from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, TeacherClient
 from eopd_teacher.server import write_ports_file
-from tests.procs import free_port, start_teacher, wait_teacher_ready
+from tests.procs import free_port, restart_port, start_teacher, wait_teacher_ready
 
 from ..reference import assert_topk_match, reference_scores
 
@@ -233,7 +233,7 @@ def test_http_probes_and_metrics(tiny_teacher):
 def test_lifecycle_not_ready_overload_sigterm_and_client_retry(ref_model):
     """One server with tight limits: NOT_SERVING while loading, RESOURCE_EXHAUSTED past the
     admission limit, SIGTERM finishes in-flight work, a client retries across a restart."""
-    gp, hp = free_port(), free_port()
+    gp, hp = restart_port(), restart_port()
     args = ("--max-queue-tokens", "3000", "--max-batch-tokens", "2048", "--max-tokens-per-request", "4000", "--grace-seconds", "60")
     proc = start_teacher("tiny-random", *args, grpc_port=gp, http_port=hp, wait=False)
     try:
