@@ -17,6 +17,7 @@ import time
 import pytest
 
 from eopd_trainer.config.sections import shm_weights_dir
+from eopd_trainer.job.weight_sync import release_shm
 from tests.procs import ROOT, free_port
 from tests.trainer.pipeline_helpers import committed_state, trained_ids
 
@@ -214,6 +215,9 @@ def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
         for c in children:
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
+        # A SIGKILLed eopd run cannot release its shared-memory weights: the next `eopd run` of this
+        # run directory does (new or --resume); this test has none, so it releases them itself.
+        release_shm(run_dir)
     # The learner got SIGTERM with its queue already gone: it stops or fails on the lost connection;
     # either way its last committed checkpoint is on disk.
     learner_log = (run_dir / "logs" / "learner.log").read_text()
