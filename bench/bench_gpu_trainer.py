@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                      dtype=dtype, device=device)
         student = write_random_model(tmp / "Qwen3-1.7B-Base", TINY if args.smoke else SHAPES["qwen3-1.7b"], role="student",
                                      seed=1, dtype=dtype, device=device)
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():  # the builders' copies, before the run's processes start
+            torch.cuda.empty_cache()
         prompts = write_prompts(tmp / "train.jsonl", max(64, args.batch * args.iterations))
         rows = [run_once(tmp, mode, teacher, student, prompts, args, device) for mode in args.modes]
     return finish(SECTION, rows, args, t0, table, section_text)

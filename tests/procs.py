@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +37,6 @@ def restart_port() -> int:
     port: an ephemeral one (`free_port`) can be taken meanwhile as the local port of an outgoing
     connection (a client reconnecting to the dead server), and the restart then fails with
     EADDRINUSE (seen in CI)."""
-    import random
-    import socket
-
     low = _ephemeral_range()[0]
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)

@@ -15,10 +15,11 @@ from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_common.models import load_causal_lm
 from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch, SequenceInput, TeacherClient
-from eopd_teacher.convert import items_from_request, scores_from_pb, scores_to_pb
+from eopd_teacher.convert import scores_from_pb, scores_to_pb
 from eopd_teacher.stats import token_statistics
 from eopd_teacher.types import ModelInfo, SequenceScores
 from eopd_teacher.validation import InvalidRequest
+from tests.teacher.wire import items_from_request
 
 VOCAB = 49152
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from eopd.v1 import teacher_pb2 as pb
-from eopd_teacher.convert import items_from_request, scores_from_pb, scores_to_pb
+from eopd_teacher.convert import scores_from_pb, scores_to_pb
 from eopd_teacher.types import ModelInfo
 from eopd_teacher.validation import InvalidRequest, RequestTooLarge
+from tests.teacher.wire import items_from_request
 
 INFO = ModelInfo("m", "r", vocab_size=100, max_context_length=50, dtype="float32", engine="transformers", default_top_k=16,
                  max_top_k=20, tokenizer_fingerprint="f", max_sequences_per_request=4, max_tokens_per_request=120)

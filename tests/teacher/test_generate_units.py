@@ -14,7 +14,7 @@ import torch
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd_teacher.serving.batcher import DynamicBatcher, Overloaded
-from eopd_teacher.convert import generate_items_from_request, generation_from_pb, generation_to_pb
+from eopd_teacher.convert import generation_from_pb, generation_to_pb
 from eopd_teacher.engines.sampling import nucleus_probs, sample_next, sample_seed
 from eopd_teacher.serving.service import generate_jobs, generate_tokens
 from eopd_teacher.settings import TeacherSettings
@@ -22,6 +22,7 @@ from eopd_teacher.serving.state import served_info
 from eopd_teacher.serving.status import DeadlinePassed, status_of
 from eopd_teacher.types import EngineInfo, Generation, GenerationCancelled, ModelInfo, ScoreItem, SequenceScores
 from eopd_teacher.validation import GenerateNotServed, InvalidRequest, RequestTooLarge
+from tests.teacher.wire import generate_items_from_request
 
 INFO = ModelInfo("m", "r", vocab_size=100, max_context_length=50, dtype="float32", engine="transformers", default_top_k=16,
                  max_top_k=20, tokenizer_fingerprint="f", max_sequences_per_request=4, max_tokens_per_request=400,

@@ -1,4 +1,4 @@
-"""Admission edges of `convert.items_from_request` (issue 17, section 5), pure logic on real
+"""Admission edges of `validation.score_items` (through `tests/teacher/wire.py`) (issue 17, section 5), pure logic on real
 protobuf messages: the documented minimum temperature as it arrives on the wire (float32), and the
 answer-size bound, which must hold for any ids (counted in UTF-8 bytes, as they travel)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from eopd.v1 import teacher_pb2 as pb
-from eopd_teacher.convert import items_from_request, scores_to_pb
+from eopd_teacher.convert import scores_to_pb
 from eopd_teacher.types import ModelInfo, SequenceScores
 from eopd_teacher.validation import (
     MAX_ID_CHARS,
@@ -21,6 +21,7 @@ from eopd_teacher.validation import (
     response_bytes_bound,
     utf8_id_bytes,
 )
+from tests.teacher.wire import items_from_request
 
 VOCAB = (1 << 31) - 1  # the largest int32 vocabulary: every top-k id is a 5-byte varint
 INFO = ModelInfo("m", "r", vocab_size=VOCAB, max_context_length=4096, dtype="float32", engine="transformers", default_top_k=16,

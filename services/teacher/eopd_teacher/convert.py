@@ -1,6 +1,6 @@
 """The gRPC shapes <-> core types: `eopd.v1` requests into the service's `ScoreRequest` /
-`GenerateRequest`, its answers back; `items_from_request` / `generate_items_from_request` validate
-a gRPC request as the service does (`validation.py`, with the gRPC field names).
+`GenerateRequest`, its answers back (validation is the service's, `validation.py`, with the gRPC
+field names).
 
 Shared by both ends of the wire (the gRPC front end and the client); the HTTP API has its own
 shapes (`http/openai_compat.py`) and never meets a protobuf message.
@@ -15,17 +15,14 @@ import numpy as np
 from eopd.v1 import teacher_pb2 as pb
 
 from .types import (
-    GenerateItem,
     GeneratePrompt,
     GenerateRequest,
     Generation,
     ModelInfo,
-    ScoreItem,
     ScoreRequest,
     ScoreSequence,
     SequenceScores,
 )
-from .validation import GENERATE_FIELDS, SCORE_FIELDS, generate_items, score_items
 
 # Trailing metadata on a RESOURCE_EXHAUSTED that retrying cannot cure (the request itself is over a
 # per-request limit): `eopd-retryable: 0`.
@@ -52,20 +49,6 @@ def generate_request_from_pb(req: pb.GenerateRequest) -> GenerateRequest:
         seed=int(req.seed) if req.HasField("seed") else None, top_k=int(req.top_k),
         score_temperature=float(req.score_temperature),
     )
-
-
-def items_from_request(
-    req: pb.ScoreRequest, info: ModelInfo, *, require_request_id: bool = False, max_response_bytes: int | None = None
-) -> list[ScoreItem]:
-    """A gRPC ScoreRequest validated as the service does (`validation.score_items`)."""
-    return score_items(score_request_from_pb(req), info, SCORE_FIELDS, require_request_id=require_request_id,
-                       max_response_bytes=max_response_bytes)
-
-
-def generate_items_from_request(req: pb.GenerateRequest, info: ModelInfo, *,
-                                max_response_bytes: int | None = None) -> list[GenerateItem]:
-    """A gRPC GenerateRequest validated as the service does (`validation.generate_items`)."""
-    return generate_items(generate_request_from_pb(req), info, GENERATE_FIELDS, max_response_bytes=max_response_bytes)
 
 
 def scores_to_pb(s: SequenceScores) -> pb.SequenceScores:

@@ -134,24 +134,30 @@ def temperature_in_range(temperature: float) -> bool:
     return math.isfinite(temperature) and low <= temperature <= high
 
 
+def _request_frame(rid: str, count: int, noun: str, info: ModelInfo, names: FieldNames) -> str:
+    """Checks a request's id and its number of items (`noun`: sequence or prompt) against the limits;
+    returns the " (request_id ...)" suffix of its error messages."""
+    where = f" (request_id {rid!r})" if rid else ""
+    if len(rid) > MAX_ID_CHARS:
+        raise InvalidRequest(f"request_id: longer than {MAX_ID_CHARS} characters")
+    if not count:
+        raise InvalidRequest(f"{names.items}: at least one {noun} is required{where}")
+    if count > info.max_sequences_per_request:
+        raise RequestTooLarge(f"{names.items}: {count} {noun}s exceed the limit of {info.max_sequences_per_request} "
+                              f"per request{where}")
+    return where
+
+
 def score_items(req: ScoreRequest, info: ModelInfo, names: FieldNames = SCORE_FIELDS, *, require_request_id: bool = False,
                 max_response_bytes: int | None = None) -> list[ScoreItem]:
     """Validates `req` against the served model and the limits; returns one item per sequence.
     `max_response_bytes` (the server's message limit) refuses, before any scoring, a request whose
     answer could not be sent."""
     rid = req.request_id
-    where = f" (request_id {rid!r})" if rid else ""
-    top_k_name = names.field("top_k")
     if require_request_id and not rid:
         raise InvalidRequest("request_id: must be non-empty on ScoreStream (responses are matched by it)")
-    if len(rid) > MAX_ID_CHARS:
-        raise InvalidRequest(f"request_id: longer than {MAX_ID_CHARS} characters")
-    if not req.sequences:
-        raise InvalidRequest(f"{names.items}: at least one sequence is required{where}")
-    if len(req.sequences) > info.max_sequences_per_request:
-        raise RequestTooLarge(
-            f"{names.items}: {len(req.sequences)} sequences exceed the limit of {info.max_sequences_per_request} per request{where}"
-        )
+    where = _request_frame(rid, len(req.sequences), "sequence", info, names)
+    top_k_name = names.field("top_k")
     top_k = req.top_k or info.default_top_k
     if top_k > info.max_top_k:
         raise InvalidRequest(f"{top_k_name}: {req.top_k} exceeds the maximum {info.max_top_k}{where}")
@@ -262,15 +268,7 @@ def generate_items(req: GenerateRequest, info: ModelInfo, names: FieldNames = GE
         raise GenerateNotServed(f"Generate is not served by this teacher (engine {info.engine!r} does not generate)")
     f = names.field
     rid = req.request_id
-    where = f" (request_id {rid!r})" if rid else ""
-    if len(rid) > MAX_ID_CHARS:
-        raise InvalidRequest(f"request_id: longer than {MAX_ID_CHARS} characters")
-    if not req.prompts:
-        raise InvalidRequest(f"{names.items}: at least one prompt is required{where}")
-    if len(req.prompts) > info.max_sequences_per_request:
-        raise RequestTooLarge(
-            f"{names.items}: {len(req.prompts)} prompts exceed the limit of {info.max_sequences_per_request} per request{where}"
-        )
+    where = _request_frame(rid, len(req.prompts), "prompt", info, names)
     fields = _sampling_fields(req, info, names, where)
     max_new, samples = fields["max_new_tokens"], fields["num_samples"]
     total = sum(len(p.token_ids) + max_new for p in req.prompts) * samples
