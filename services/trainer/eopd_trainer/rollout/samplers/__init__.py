@@ -51,10 +51,11 @@ def vllm_installed() -> bool:
 
 def make_sampler(cfg: RunConfig) -> Sampler:
     """The sampler of `rollout.engine` for the run's student."""
-    engine = resolve_engine(cfg.rollout.engine, cfg.student.device, vllm_installed())
+    installed = vllm_installed()
+    engine = resolve_engine(cfg.rollout.engine, cfg.student.device, installed)
     if cfg.rollout.old_logprobs == "vllm" and engine != "vllm":
         raise SamplerUnavailable(f"rollout.old_logprobs=vllm needs vLLM, but rollout.engine={cfg.rollout.engine} resolved to "
-                                 f"{engine} (student.device={cfg.student.device}, vLLM installed: {vllm_installed()})")
+                                 f"{engine} (student.device={cfg.student.device}, vLLM installed: {installed})")
     if engine == "vllm":
         return VllmSampler.from_config(cfg)
     return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device,
