@@ -96,6 +96,14 @@ class LossConfig(BaseModel):
         description="Tokens per chunk of the vocabulary reductions: one [chunk_size, V] fp32 work "
         "buffer is alive at a time (two in backward when the student entropy is differentiated).",
     )
+    fused_backward: bool = Field(
+        True,
+        description="Hidden-state path (`compute_loss_from_hidden`): compute the gradients w.r.t. the hidden "
+        "states and the output projection inside the forward chunk loop (three matmuls per chunk, as many as a "
+        "naive full-vocabulary loss) instead of recomputing each chunk's logits in backward (four). Same loss "
+        "and gradients; it needs one more [chunk_size, V] fp32 buffer and the gradients are held from the "
+        "forward to the backward. No double backward.",
+    )
     vocab_metrics: bool = Field(
         True,
         description="Also compute the vocabulary-wide diagnostics (student entropy, student/teacher "

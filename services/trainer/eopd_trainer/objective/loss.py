@@ -28,6 +28,7 @@ from .inputs import LossInputs, candidates, check_valid_inputs
 from .loss_terms import ForwardKL, TermInputs, mean_or_zero
 from .terms import aggregation_weights, shaped_advantages, topk_forward_kl
 from .variants import PositionContext, get_variant
+from .fused import fused_hidden_loss
 from .vocab import VocabPlan, vocab_stats
 
 DEFAULT_CONFIG = LossConfig()
@@ -157,11 +158,9 @@ def _choose_positions(v: _Valid, tokens: LossInputs, variant, cfg: LossConfig, h
     return _Positions(gate, fkl, apply_fkl, gather_pos, gather_ids, cand)
 
 
-def _vocab_pass(v: _Valid, p: _Positions, cfg: LossConfig, need_entropy: bool, vocab: int, source: dict):
-    """Step 3: one chunked pass over the vocabulary: log-prob of the sampled token, student entropy,
-    log-probs at the gathered ids (teacher top-k, candidates), the student's top-k for the metrics."""
-    k = v.topk_ids.shape[1]
-    plan = VocabPlan(
+def _plan(v: _Valid, p: _Positions, cfg: LossConfig, need_entropy: bool, vocab: int) -> VocabPlan:
+    """Step 3's plan: the rows, sampled ids and gathered ids of the vocabulary pass."""
+    return VocabPlan(
         rows=v.rows,
         sampled=v.sampled,
         gather_pos=p.gather_pos,
@@ -169,37 +168,45 @@ def _vocab_pass(v: _Valid, p: _Positions, cfg: LossConfig, need_entropy: bool, v
         temperature=cfg.temperature,
         chunk_size=cfg.chunk_size,
         entropy=need_entropy,
-        student_topk=min(k, vocab) if cfg.vocab_metrics else 0,
+        student_topk=min(v.topk_ids.shape[1], vocab) if cfg.vocab_metrics else 0,
     )
-    logp, s_ent, logp_topk, s_topk = vocab_stats(plan, **source)
-    logp_cand = None
-    if p.cand is not None:
-        logp_topk, logp_cand = logp_topk[:, :k], logp_topk[:, k:]
-    return logp, s_ent, logp_topk, logp_cand, s_topk
 
 
-def _term_inputs(v: _Valid, p: _Positions, tokens: LossInputs, variant, cfg: LossConfig, denominator: float | None,
-                 dtype: torch.dtype, logp: Tensor, s_ent: Tensor, logp_topk: Tensor,
-                 logp_cand: Tensor | None) -> tuple[TermInputs, Tensor | None]:
-    """Step 4: the per-token quantities the terms read (aggregation weights, the advantage, shaped
-    or given, the FKL at the gathered rows), and the unshaped advantage for the metrics."""
-    w = aggregation_weights(
-        cfg.aggregation, v.m, None if tokens.seq_index is None else tokens.seq_index[v.rows],
-        denominator, device=v.rows.device, dtype=dtype,
+def _split_gathered(v: _Valid, p: _Positions, logp_gathered: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The gathered log-probs split into the teacher's top-k columns and the candidates' (if any)."""
+    if p.cand is None:
+        return logp_gathered, None
+    k = v.topk_ids.shape[1]
+    return logp_gathered[:, :k], logp_gathered[:, k:]
+
+
+def _advantages(v: _Valid, variant) -> Tensor | None:
+    """The unshaped advantage: given (grpo) or teacher - old (None without old log-probs)."""
+    if variant.advantages_from == "given":
+        return v.given_adv
+    return v.teacher_lp - v.old if v.old is not None else None
+
+
+def _term_inputs(v: _Valid, p: _Positions, variant, cfg: LossConfig, w: Tensor, adv: Tensor | None,
+                 logp: Tensor, s_ent: Tensor, logp_topk: Tensor, logp_cand: Tensor | None,
+                 rows: tuple[int, int, int, int] | None = None) -> TermInputs:
+    """Step 4: the per-token quantities the terms read (the advantage shaped or not, the FKL at the
+    gathered rows), for all M valid tokens, or for valid tokens m0..m1 and gathered rows g0..g1
+    when `rows = (m0, m1, g0, g1)` (a chunk of the fused hidden-state pass: the loss is a sum of
+    per-token terms whose weights `w` are fixed beforehand, so a chunk's rows make its loss)."""
+    m0, m1, g0, g1 = rows if rows is not None else (0, v.m, 0, p.gather_pos.numel())
+    cut = (lambda t: None if t is None else t[m0:m1]) if rows is not None else (lambda t: t)
+    gather_pos = p.gather_pos[g0:g1]
+    adv_used = cut(adv)
+    if variant.shape_advantage and adv_used is not None:
+        adv_used = shaped_advantages(adv_used, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
+    return TermInputs(
+        weights=cut(w), logp=logp, student_entropy=s_ent, old_logprobs=cut(v.old), advantages=adv_used,
+        fkl_positions=cut(p.fkl), gather_pos=gather_pos - m0,
+        fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[gather_pos]),  # [G]
+        candidate_logp=logp_cand, candidate_teacher=None if p.cand is None else cut(p.cand[1]),
+        candidate_ok=None if p.cand is None else cut(p.cand[2]),
     )
-    adv = v.given_adv if variant.advantages_from == "given" else (
-        v.teacher_lp - v.old if v.old is not None else None)
-    adv_used = adv
-    if variant.shape_advantage and adv is not None:
-        adv_used = shaped_advantages(adv, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
-    x = TermInputs(
-        weights=w, logp=logp, student_entropy=s_ent, old_logprobs=v.old, advantages=adv_used,
-        fkl_positions=p.fkl, gather_pos=p.gather_pos,
-        fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[p.gather_pos]),  # [G]
-        candidate_logp=logp_cand, candidate_teacher=None if p.cand is None else p.cand[1],
-        candidate_ok=None if p.cand is None else p.cand[2],
-    )
-    return x, adv
 
 
 def _add_terms(weighted_terms, x: TermInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
@@ -267,10 +274,26 @@ def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dt
         weighted_terms = tuple((w, t) for w, t in weighted_terms if not isinstance(t, ForwardKL))
     need_entropy = (any("student_entropy" in t.reads for _, t in weighted_terms) or variant.shape_advantage
                     or cfg.vocab_metrics)
-    logp, s_ent, logp_topk, logp_cand, s_topk = _vocab_pass(v, p, cfg, need_entropy, vocab, source)  # 3
+    plan = _plan(v, p, cfg, need_entropy, vocab)
+    w = aggregation_weights(
+        cfg.aggregation, v.m, None if tokens.seq_index is None else tokens.seq_index[v.rows],
+        denominator, device=v.rows.device, dtype=dtype,
+    )
+    adv = _advantages(v, variant)
+    if "hidden" in source and cfg.fused_backward:  # 3-5 fused: gradients in the forward chunk loop
+        def chunk_loss(m0, m1, g0, g1, ls, ent, lg):
+            lg_topk, lg_cand = _split_gathered(v, p, lg)
+            x = _term_inputs(v, p, variant, cfg, w, adv, ls, ent, lg_topk, lg_cand, rows=(m0, m1, g0, g1))
+            return _add_terms(weighted_terms, x, cfg)[0]
 
-    x, adv = _term_inputs(v, p, tokens, variant, cfg, denominator, dtype, logp, s_ent, logp_topk, logp_cand)  # 4
-    loss, term_values = _add_terms(weighted_terms, x, cfg)  # 5
+        loss, logp, s_ent, logp_g, s_topk = fused_hidden_loss(plan, chunk_loss, **source)
+        with torch.no_grad():  # the terms' values and metrics, from the (detached) statistics
+            x = _term_inputs(v, p, variant, cfg, w, adv, logp, s_ent, *_split_gathered(v, p, logp_g))
+            term_values = _add_terms(weighted_terms, x, cfg)[1]
+    else:
+        logp, s_ent, logp_g, s_topk = vocab_stats(plan, **source)  # 3
+        x = _term_inputs(v, p, variant, cfg, w, adv, logp, s_ent, *_split_gathered(v, p, logp_g))  # 4
+        loss, term_values = _add_terms(weighted_terms, x, cfg)  # 5
     with torch.no_grad():  # 6
         values = {"loss": loss, **_diagnostics(v, p, x, adv, s_topk, need_entropy, cfg, dtype), **term_values}
         values = {key: values[key] for key in _METRIC_ORDER if key in values}

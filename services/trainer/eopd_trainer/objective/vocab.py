@@ -82,7 +82,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class _Workspace:
+class Workspace:
     """One reusable `[chunk_size, V]` buffer: chunks reuse its pages instead of faulting in fresh
     ones (on CPU a fresh large allocation costs as much as a pass over it)."""
 
@@ -106,7 +106,7 @@ class LogitsSource:
         self.vocab = logits.shape[1]
         self.dtype = _compute_dtype(logits.dtype)
 
-    def chunk(self, sel, ws: _Workspace) -> tuple[Tensor, bool]:
+    def chunk(self, sel, ws: Workspace) -> tuple[Tensor, bool]:
         """Returns `(z [c, V], private)`; `private` is False when z is a view of the logits, True
         when it is a copy in the workspace (which the caller may then overwrite)."""
         if isinstance(sel, slice):
@@ -137,7 +137,7 @@ class HiddenSource:
         self.vocab = weight.shape[0]
         self.dtype = _compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
 
-    def chunk(self, sel, ws: _Workspace) -> tuple[Tensor, bool]:
+    def chunk(self, sel, ws: Workspace) -> tuple[Tensor, bool]:
         h = self.hidden[sel]
         out = ws.take(h.shape[0])
         if h.dtype == self.weight.dtype == self.dtype:
@@ -169,7 +169,7 @@ def _forward(source, plan: VocabPlan):
     entropy = torch.zeros(m_total, device=dev, dtype=dt)
     logp_g = torch.empty(plan.gather_pos.numel(), k, device=dev, dtype=dt)
     topk = torch.empty(m_total, plan.student_topk, device=dev, dtype=torch.long)
-    ws = _Workspace(min(plan.chunk_size, m_total), source.vocab, dt, dev)
+    ws = Workspace(min(plan.chunk_size, m_total), source.vocab, dt, dev)
     for m0, m1, sel, g0, g1 in plan.chunks():
         z, private = source.chunk(sel, ws)  # [c, V]
         zmax = z.amax(dim=1)  # [c]
@@ -200,7 +200,7 @@ def _forward(source, plan: VocabPlan):
 
 
 def _chunk_grad(z: Tensor, out: Tensor, plan: VocabPlan, m0, m1, g0, g1, shift, log_total, ent, a, g_s, g_h,
-                g_g, ws_p: _Workspace):
+                g_g, ws_p: Workspace):
     """Writes dL/dz of one chunk into `out` [c, V]; `out` may be `z` itself (then z is consumed).
     Uses `ws_p` (a second [c, V] buffer) only when the entropy is differentiated (g_h given)."""
     inv_t = 1.0 / plan.temperature
@@ -257,8 +257,8 @@ class _VocabStats(torch.autograd.Function):
             if not need_logits:
                 return None, None, None, None, None
             source = LogitsSource(logits)
-            ws = _Workspace(chunk_rows, source.vocab, dt, lse.device)
-            ws_p = _Workspace(chunk_rows, source.vocab, dt, lse.device)  # allocated only if g_h
+            ws = Workspace(chunk_rows, source.vocab, dt, lse.device)
+            ws_p = Workspace(chunk_rows, source.vocab, dt, lse.device)  # allocated only if g_h
             full = m_total == logits.shape[0]
             grad_logits = (torch.empty_like if full else torch.zeros_like)(logits)
             for m0, m1, sel, g0, g1 in plan.chunks():
@@ -277,8 +277,8 @@ class _VocabStats(torch.autograd.Function):
         if not (need_h or need_w or (need_b and bias is not None)):
             return None, None, None, None, None
         source = HiddenSource(hidden, weight, bias)
-        ws = _Workspace(chunk_rows, source.vocab, dt, lse.device)
-        ws_p = _Workspace(chunk_rows, source.vocab, dt, lse.device)  # allocated only if g_h
+        ws = Workspace(chunk_rows, source.vocab, dt, lse.device)
+        ws_p = Workspace(chunk_rows, source.vocab, dt, lse.device)  # allocated only if g_h
         if need_h:
             grad_h = torch.zeros_like(hidden)
         if need_w:
