@@ -2,6 +2,10 @@
 
     .venv/bin/python -m bench.bench_loss            # 8 x 1024 tokens, V = 49152, D = 576 (minutes)
     .venv/bin/python -m bench.bench_loss --quick    # a small shape (seconds), writes nothing
+    .venv/bin/python -m bench.bench_loss --shape cpu --paths naive_hidden,hidden_recompute,hidden
+                                                    # 2 x 512 tokens: the fused path vs its naive baseline
+    python -m bench.bench_loss --device cuda --shape paper --tf32 --paths naive_hidden,hidden_recompute,hidden
+                                                    # the paper's shape on a GPU (8 x 4096, V 151936, D 1536)
 
 Variants: opd, eopd, full_fkl (paper sec. 5.6), at a 20% gate ratio (exactly 20% of tokens have a
 teacher entropy above tau). Paths:
@@ -11,7 +15,15 @@ teacher entropy above tau). Paths:
                 paper measures in app. A: per-selected-token tensors kept for backward);
 * chunked       `compute_loss` on the same [N, V] logits (chunked, analytic recomputing backward);
 * naive_hidden  hidden [N, D] and lm_head [V, D] in: logits = hidden @ W.T, then the naive loss;
-* hidden        `compute_loss_from_hidden` on the same inputs (logits never materialised).
+* hidden        `compute_loss_from_hidden` on the same inputs (logits never materialised; the gradients
+                w.r.t. hidden and lm_head computed in the forward chunk loop: `objective.fused`);
+* hidden_recompute  the same with `fused_backward=False`: statistics in forward, each chunk's
+                logits recomputed in backward (the path before issue 31).
+
+Device (`--device cuda`): inputs on the GPU, each timed run between `torch.cuda.synchronize()`s,
+memory = `torch.cuda.max_memory_allocated()` minus the allocated memory before the loss. `--tf32`
+sets `torch.set_float32_matmul_precision("high")` (TF32 matmuls, fp32 accumulation) in the
+children, as the learner does on CUDA (`train.matmul_precision`).
 
 Memory: each (variant, path) runs in a fresh subprocess that builds its inputs, resets the
 kernel's RSS high-water mark (/proc/self/clear_refs), runs forward + backward once and reads VmHWM:
@@ -46,12 +58,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
     "full": {"batch": 8, "seq": 1024, "vocab": 49152, "hidden": 576, "k": 16, "chunk": 1024},
     "quick": {"batch": 2, "seq": 256, "vocab": 8192, "hidden": 128, "k": 16, "chunk": 256},
+    # the fused path vs its naive baseline on a shared 2-core CPU (the full shape takes an hour there)
+    "cpu": {"batch": 2, "seq": 512, "vocab": 49152, "hidden": 576, "k": 16, "chunk": 256},
+    # issue 31's GPU shape: the paper's 8 x 4096 response tokens, Qwen3's vocabulary, Qwen3-1.7B's hidden size
+    "paper": {"batch": 8, "seq": 4096, "vocab": 151936, "hidden": 1536, "k": 16, "chunk": 1024},
 }
 VARIANTS = ("opd", "eopd", "full_fkl")
 # Memory rows of the learner's default configuration (vocab_metrics=True) and of T != 1 (fast paths only).
 LEARNER_VARIANTS = ("opd+metrics", "eopd+metrics", "full_fkl+metrics", "eopd+metrics+T0.7")
-PATHS = ("naive", "chunked", "naive_hidden", "hidden")
-BASELINE = {"chunked": "naive", "hidden": "naive_hidden"}  # the naive path each fast path replaces
+PATHS = ("naive", "chunked", "naive_hidden", "hidden_recompute", "hidden")
+BASELINE = {"chunked": "naive", "hidden": "naive_hidden", "hidden_recompute": "naive_hidden"}  # the naive path each fast path replaces
 DEFAULT_REPS = 5
 GATE_RATIO = 0.2
 TAU = 0.8
@@ -72,7 +88,14 @@ def _reset_peak() -> bool:
         return False
 
 
-def _inputs(shape: dict, path: str):
+def _inputs(shape: dict, path: str, device: str = "cpu"):
+    import torch
+
+    inp = _cpu_inputs(shape, path)
+    return {k: (t.detach().to(device).requires_grad_(t.requires_grad) if device != "cpu" else t) for k, t in inp.items()}
+
+
+def _cpu_inputs(shape: dict, path: str):
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -146,7 +169,8 @@ def _run(path: str, variant: str, inp: dict, chunk: int) -> None:
         loss, _ = compute_loss(inp["logits"], LossInputs(*tok), config=cfg)
     elif path == "naive_hidden":
         loss = naive_loss(inp["hidden_states"] @ inp["weight"].t(), *tok, variant=name)
-    elif path == "hidden":
+    elif path in ("hidden", "hidden_recompute"):
+        cfg = LossConfig(**{**cfg.model_dump(), "fused_backward": path == "hidden"})
         loss, _ = compute_loss_from_hidden(inp["hidden_states"], inp["weight"], LossInputs(*tok), config=cfg)
     else:
         raise ValueError(path)
@@ -160,10 +184,31 @@ def _clear_grads(inp: dict) -> None:
             t.grad = None
 
 
-def child(mode: str, path: str, variants: list[str], shape: dict, reps: int) -> dict:
+def _sync(device: str) -> None:
     import torch
 
-    inp = _inputs(shape, path)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def child(mode: str, path: str, variants: list[str], shape: dict, reps: int, device: str = "cpu",
+          tf32: bool = False) -> dict:
+    import torch
+
+    if tf32:
+        torch.set_float32_matmul_precision("high")
+    inp = _inputs(shape, path, device)
+    if mode == "memory" and device == "cuda":
+        (variant,) = variants
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        _run(path, variant, inp, shape["chunk"])
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        return {"extra_peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20, "cold_seconds": seconds,
+                "hwm_reset": True, "device": torch.cuda.get_device_name()}
     if mode == "memory":
         (variant,) = variants
         exact = _reset_peak()
@@ -179,8 +224,10 @@ def child(mode: str, path: str, variants: list[str], shape: dict, reps: int) -> 
     for rep in range(reps + 1):
         order = variants[rep % len(variants):] + variants[: rep % len(variants)]
         for v in order:
+            _sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             _run(path, v, inp, shape["chunk"])
+            _sync(device)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             _clear_grads(inp)
             if rep:  # round 0 is the warm-up
@@ -215,6 +262,12 @@ def _memory_variants(path: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shape, a few seconds; writes no results")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="full (default; section 'loss'), cpu or paper (sections 'loss_cpu', 'loss_paper'), quick")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the loss runs")
+    p.add_argument("--tf32", action="store_true",
+                   help='torch.set_float32_matmul_precision("high") in the children (TF32 matmuls on CUDA)')
+    p.add_argument("--only", default="", help="comma-separated subset of the variants (default all)")
     p.add_argument("--reps", type=int, default=DEFAULT_REPS, help=f"timed rounds after the warm-up (default {DEFAULT_REPS})")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ",".join(PATHS))
     p.add_argument("--merge", action="store_true",
@@ -226,42 +279,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--variants", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    shape = SHAPES["quick" if args.quick else "full"]
+    shape_name = args.shape or ("quick" if args.quick else "full")
+    args.quick = shape_name == "quick"
+    shape = SHAPES[shape_name]
+    section = "loss" if shape_name == "full" else f"loss_{shape_name}"
+    if args.device == "cuda":
+        section += "_cuda"
 
     if args.child:
-        print(json.dumps(child(args.child, args.path, args.variants.split(","), shape, args.reps)))
+        print(json.dumps(child(args.child, args.path, args.variants.split(","), shape, args.reps, args.device,
+                               args.tf32)))
         return 0
     from bench.report import RESULTS, provenance, write_results
 
     if args.render:
-        payload = json.loads((RESULTS / "loss.json").read_text())
+        payload = json.loads((RESULTS / f"{section}.json").read_text())
         payload.setdefault("paths", [p_ for p_ in PATHS if p_ in payload["timing"]])
         headers, table, verdicts, rows = render(payload)
         payload.update(rows=rows, verdicts=verdicts)  # same measurements, re-derived rows and verdicts
-        (RESULTS / "loss.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-        _write_doc(payload, headers, table, verdicts)
+        (RESULTS / f"{section}.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+        _write_doc(payload, headers, table, verdicts, section)
         print("\n".join(verdicts))
         return 0
 
     paths = [x for x in args.paths.split(",") if x]
-    common = ["--quick"] if args.quick else []
+    common = ["--shape", shape_name, "--device", args.device] + (["--tf32"] if args.tf32 else [])
+    only = [x for x in args.only.split(",") if x]
+
+    def keep(vs: list[str]) -> list[str]:
+        return [v for v in vs if not only or v in only or v == "opd"]  # opd: the denominator of every row
+
     old = None
     if args.merge and not args.quick:  # checked before measuring: a refused merge costs nothing
-        old = json.loads((RESULTS / "loss.json").read_text())
+        old = json.loads((RESULTS / f"{section}.json").read_text())
         check_merge(old, shape, args.reps, provenance()["cpu"])
     n = shape["batch"] * shape["seq"]
     print(f"loss benchmark: {shape['batch']} x {shape['seq']} tokens, V = {shape['vocab']}, D = {shape['hidden']}, "
-          f"k = {shape['k']}, chunk = {shape['chunk']}, gate ratio {GATE_RATIO:.0%}, {args.reps} paired rounds", flush=True)
+          f"k = {shape['k']}, chunk = {shape['chunk']}, gate ratio {GATE_RATIO:.0%}, {args.reps} paired rounds, "
+          f"{args.device}{', TF32' if args.tf32 else ''}", flush=True)
     run = {"run_id": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance()}
     memory: dict[str, dict[str, dict]] = {}
     timing: dict[str, dict[str, dict]] = {}
     for path in paths:
         memory[path] = {}
-        for v in _memory_variants(path):
+        for v in keep(_memory_variants(path)):
             memory[path][v] = _spawn([*common, "--child", "memory", "--path", path, "--variants", v])
             print(f"  memory {path:12s} {v:18s} extra peak {memory[path][v]['extra_peak_mib']:9.1f} MiB", flush=True)
         timing[path] = _spawn([*common, "--child", "time", "--path", path, "--reps", str(args.reps),
-                               "--variants", ",".join(_timing_variants(path))])
+                               "--variants", ",".join(keep(_timing_variants(path)))])
         med = ", ".join(f"{v} {t['median_s']:.3f}s" for v, t in timing[path].items())
         print(f"  time   {path:12s} {med}", flush=True)
 
@@ -273,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = {**{p_: path_run(old, p_) for p_ in kept}, **runs}
         paths = [p_ for p_ in PATHS if p_ in memory]
     payload = {"shape": shape, "gate_ratio": GATE_RATIO, "tokens": n, "reps": args.reps, "paths": paths,
-               "memory": memory, "timing": timing, "runs": runs}
+               "memory": memory, "timing": timing, "runs": runs, "device": args.device, "tf32": args.tf32,
+               "device_name": next((m.get("device") for mm in memory.values() for m in mm.values()
+                                    if m.get("device")), None)}
     headers, table, verdicts, rows = render(payload)
     payload.update(rows=rows, verdicts=verdicts)
     _print_table(headers, table)
@@ -281,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.quick:
         return 0
-    written = write_results("loss", payload)
-    _write_doc(json.loads(written.read_text()), headers, table, verdicts)
-    print("wrote bench/results/loss.json and the 'loss' section of docs/benchmarks.md")
+    written = write_results(section, payload)
+    _write_doc(json.loads(written.read_text()), headers, table, verdicts, section)
+    print(f"wrote bench/results/{section}.json and the '{section}' section of docs/benchmarks.md")
     return 0
 
 
@@ -343,7 +410,11 @@ def render(payload: dict) -> tuple[list[str], list[list[str]], list[str], list[d
             fkl = (m - mem[opd_key]["extra_peak_mib"]) if (m is not None and name != "opd" and opd_key in mem) else None
             t = tim.get(v)
             row = {"path": path, "variant": v, "extra_peak_mib": m, "fkl_extra_mib": fkl, "rounds": None,
-                   "time_s": None, "time_vs_opd": None, "cpu_s": None, "cpu_vs_opd": None, "time_vs_naive": None}
+                   "time_s": None, "time_vs_opd": None, "cpu_s": None, "cpu_vs_opd": None, "time_vs_naive": None,
+                   "cpu_vs_naive": None, "mem_vs_naive": None}
+            base_m = memory.get(base, {}).get(v, {}).get("extra_peak_mib") if base_ok else None
+            if m is not None and base_m:
+                row["mem_vs_naive"] = m / base_m
             if t:
                 row.update(rounds=len(t["all_s"]), time_s=statistics.median(t["all_s"]),
                            cpu_s=statistics.median(t["all_cpu_s"]),
@@ -351,21 +422,25 @@ def render(payload: dict) -> tuple[list[str], list[list[str]], list[str], list[d
                            cpu_vs_opd=paired(t["all_cpu_s"], tim["opd"]["all_cpu_s"]))
                 if base_ok and v in timing[base]:
                     row["time_vs_naive"] = paired(t["all_s"], timing[base][v]["all_s"])
+                    row["cpu_vs_naive"] = paired(t["all_cpu_s"], timing[base][v]["all_cpu_s"])
             rows.append(row)
             f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
             naive_cell = f(row["time_vs_naive"], ".3f")
             if t and base and row["time_vs_naive"] is None and v in timing.get(base, {}):
                 naive_cell = "- (1)"
             table.append([path, v, f(row["time_s"], ".3f"), f(row["time_vs_opd"], ".3f"), f(row["cpu_s"], ".2f"),
-                          f(row["cpu_vs_opd"], ".3f"), naive_cell, f(m, ".1f"), f(fkl, ".1f")])
+                          f(row["cpu_vs_opd"], ".3f"), naive_cell, f(row["cpu_vs_naive"], ".3f"), f(m, ".1f"),
+                          f(fkl, ".1f"), f(None if row["mem_vs_naive"] is None else 100 * row["mem_vs_naive"], ".1f")])
     headers = ["path", "variant", "time (s)", "time / opd (paired)", "CPU (s)", "CPU / opd (paired)",
-               "time / own naive (paired)", "extra peak (MiB)", "FKL extra vs opd (MiB)"]
+               "time / own naive (paired)", "CPU / own naive (paired)", "extra peak (MiB)", "FKL extra vs opd (MiB)",
+               "peak / own naive (%)"]
     shape = payload["shape"]
     logits_mib = shape["batch"] * shape["seq"] * shape["vocab"] * 4 / 2**20  # one [N, V] float32 buffer
     return headers, table, _verdicts(rows, paths, logits_mib), rows
 
 
-def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdicts: list[str]) -> None:
+def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdicts: list[str],
+               section: str = "loss") -> None:
     from bench.report import header_line, markdown_table, write_section
 
     shape = payload["shape"]
@@ -374,13 +449,21 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
     missing = [p_ for p_ in payload["paths"] if not p_.startswith("naive")
                and not all(v in payload["memory"][p_] for v in LEARNER_VARIANTS)]
     cross = [p_ for p_, b in BASELINE.items() if p_ in runs and b in runs and not comparable(runs[p_], runs[b])]
+    device = payload.get("device", "cpu")
+    where = "" if device == "cpu" else f" on {payload.get('device_name') or device}"
+    title = {"loss": "Loss: time and peak memory", "loss_cpu": "Loss, fused hidden-state path vs naive (issue 31)",
+             }.get(section, f"Loss: {section.removeprefix('loss_')}{where}")
+    lm_head = {49152: "SmolLM2-135M's lm_head", 151936: "Qwen3's vocabulary"}.get(shape["vocab"], "random lm_head")
     md = [
-        "## Loss: time and peak memory (`bench/bench_loss.py`)",
+        f"## {title} (`bench/bench_loss.py`)",
         "",
-        header_line("`.venv/bin/python -m bench.bench_loss`", payload),
+        header_line("`.venv/bin/python -m bench.bench_loss" + ("" if section == "loss" else
+                    f" --shape {section.split('_')[1]}" + (" --device cuda" if device == "cuda" else "")
+                    + (" --tf32" if payload.get("tf32") else "")) + "`", payload),
         f"{shape['batch']} x {shape['seq']} tokens, vocabulary {shape['vocab']}, hidden size {shape['hidden']} "
-        f"(SmolLM2-135M's lm_head), teacher top-k {shape['k']}, chunk {shape['chunk']} tokens, "
-        f"{payload['gate_ratio']:.0%} of tokens gated, fp32, forward + backward. Time: "
+        f"({lm_head}), teacher top-k {shape['k']}, chunk {shape['chunk']} tokens, "
+        f"{payload['gate_ratio']:.0%} of tokens gated, fp32{' (TF32 matmuls)' if payload.get('tf32') else ''}, "
+        f"forward + backward{where}. Time: "
         f"{' / '.join(map(str, rounds))} interleaved rounds after a warm-up, every variant of a path in every round; "
         "the times are medians over rounds and every ratio is the median of the per-round ratios (paired: load from "
         "other jobs hits the variants of one round alike; every round is in the JSON). CPU = the process's CPU "
@@ -403,7 +486,7 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
                   f"configuration ({', '.join(LEARNER_VARIANTS)}) for {', '.join(missing)}; a full run adds them.")
         md.append("")
     md += [
-        "Targets (issue 3):",
+        "Targets (issues 3 and 31):",
         "",
         *[f"- {v}" for v in verdicts],
         "",
@@ -415,7 +498,7 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
         "`+T0.7` = student temperature 0.7; without a modifier the loss alone at T = 1 (`vocab_metrics=False`). "
         "\"FKL extra vs opd\" subtracts the opd row of the same configuration (`opd+metrics` for `+metrics` rows).",
     ]
-    write_section("loss", "\n".join(md))
+    write_section(section, "\n".join(md))
 
 
 def _verdicts(rows: list[dict], paths: list[str], logits_mib: float) -> list[str]:
@@ -429,6 +512,17 @@ def _verdicts(rows: list[dict], paths: list[str], logits_mib: float) -> list[str
     floor = max(1.0, 0.01 * logits_mib)
     by = {(r["path"], r["variant"]): r for r in rows}
     out = []
+    for path in ("hidden", "hidden_recompute"):  # issue 31: within 1.2x of the naive time at <= 5% of its memory
+        for v in VARIANTS:
+            r = by.get((path, v))
+            if not r or r["cpu_vs_naive"] is None:
+                continue
+            mem = "" if r["mem_vs_naive"] is None else (
+                f", peak memory {100 * r['mem_vs_naive']:.1f}% of naive_hidden's (target <= 5%: "
+                f"{'met' if r['mem_vs_naive'] <= 0.05 else 'NOT met'})")
+            out.append(f"[{path} vs naive_hidden, {v}] CPU time {r['cpu_vs_naive']:.3f}, wall time "
+                       f"{r['time_vs_naive']:.3f} (target <= 1.2: {'met' if r['cpu_vs_naive'] <= 1.2 else 'NOT met'} "
+                       f"on CPU time, {'met' if r['time_vs_naive'] <= 1.2 else 'not met'} on wall time){mem}.")
     for path in paths:
         e = by.get((path, "eopd"))
         if not e or e["cpu_vs_opd"] is None:
