@@ -692,16 +692,20 @@ def _storages(*tensors) -> set[int]:
                                                     ("kd", 1), ("gkd", 1)])
 @pytest.mark.parametrize("vocab_metrics", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vocab_sized_allocations(variant, extra_buffers, vocab_metrics, temperature):
+@pytest.mark.parametrize("fused", [True, False])
+def test_vocab_sized_allocations(variant, extra_buffers, vocab_metrics, temperature, fused):
     """Every tensor created in forward + backward: the hidden path never creates one of N * V
     elements or more (N = 4 chunks); the logits path creates exactly one, the logits' gradient. And
     at most `extra_buffers` chunk-sized fp32 buffers are alive at once (docs/objective.md): one,
-    plus a second in backward when the student entropy is differentiated (entropy_bonus)."""
+    plus a second in backward when the student entropy is differentiated (entropy_bonus), for the
+    recomputing path; two, whatever the variant, for the fused one (the shifted logits and their
+    exponentials, turned into the gradient in place)."""
+    extra_buffers = 2 if fused else extra_buffers
     n, d, vocab, chunk = 64, 4, 257, 16
     chunk_bytes = chunk * vocab * 4
     logits, *args, _ = make_inputs(n=n, vocab=vocab, k=4, dtype=torch.float32)  # mask: scattered rows
     cfg = LossConfig(variant=variant, chunk_size=chunk, vocab_metrics=vocab_metrics, temperature=temperature,
-                     entropy_coef=0.1)
+                     entropy_coef=0.1, fused_backward=fused)
     inputs = _storages(*args)
 
     hidden = torch.randn(n, d, requires_grad=True)

@@ -17,7 +17,9 @@ Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy, each chunk is
 
 three matmuls per chunk, as many as the naive path's forward + backward, and two [c, V] work
 buffers (s and e). The gradients for an upstream gradient of 1 are kept and scaled by the actual
-one in backward (the output is a scalar loss). Double backward is not supported.
+one in backward (the output is a scalar loss; no copy when it is 1, the usual `loss.backward()`).
+Double backward (a gradient of the gradient) is not supported; a second backward through the same
+graph (`retain_graph`) is.
 """
 
 from __future__ import annotations
@@ -137,11 +139,12 @@ class _FusedHiddenLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, *_unused):
-        grads, ctx.grads = ctx.grads, None  # freed with the graph; backward runs once
+        grads = ctx.grads  # freed with the graph (kept for a second backward with retain_graph)
         if g_loss is None:
             return None, None, None, *(None if g is None else torch.zeros_like(g) for g in grads)
-        out = [None if g is None else g.mul_(g_loss.to(g.dtype)) for g in grads]
-        return None, None, None, *out
+        if bool(g_loss == 1.0):  # the usual loss.backward(): hand over the kept gradients, no copy
+            return None, None, None, *grads
+        return None, None, None, *(None if g is None else g * g_loss.to(g.dtype) for g in grads)
 
 
 def fused_hidden_loss(plan: VocabPlan, chunk_loss: ChunkLoss, hidden: Tensor, weight: Tensor,
