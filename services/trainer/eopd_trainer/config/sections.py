@@ -245,6 +245,10 @@ class TrainConfig(_Section):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision (bf16 keeps fp32 master weights).")
     loss_from_hidden: bool = Field(True, description="Use the fused hidden-state loss (no [N, V] logits); ZeRO-3, and students whose logits are transformed after the output projection (Gemma 2 soft-capping, Cohere, Granite), always use the logits.")
+    matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "high", description="torch.set_float32_matmul_precision in the learner on CUDA: \"high\" = TF32 matmuls "
+        "(10-bit mantissa inputs, fp32 accumulation; the loss and its gradients stay within about 1e-3 relative of "
+        "fp32), \"highest\" = full fp32, \"medium\" = bf16 inputs. Not applied on the CPU (fp32 there).")
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config merged over the generated one.")
     dist_backend: str = Field("", description="torch.distributed backend; default gloo on CPU, nccl on GPU.")
 

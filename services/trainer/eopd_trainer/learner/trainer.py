@@ -93,6 +93,8 @@ class PolicyTrainer:
         self.gas = gradient_accumulation_steps(cfg.train.mini_batch_size, cfg.train.micro_batch_size, self.world)
         on_cpu = not torch.cuda.is_available()
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        if not on_cpu:  # TF32 (or bf16) float32 matmuls with fp32 accumulation: train.matmul_precision
+            torch.set_float32_matmul_precision(cfg.train.matmul_precision)
         loaded = load_causal_lm(cfg.student.model, dtype="float32", device=str(self.device))
         self.tokenizer = loaded.tokenizer
         self.pad_id = pad_token_id(self.tokenizer)
