@@ -57,7 +57,9 @@ Memory: all vocabulary-sized work is done chunk by chunk over tokens (`config.ch
 an analytic backward that recomputes each chunk (`vocab`), so nothing of size [N, V] is created
 beyond the gradient of the logits themselves, and one [chunk_size, V] fp32 work buffer is alive at
 a time (two in backward when the student entropy is differentiated); `compute_loss_from_hidden` takes final hidden states
-[N, D] and the output projection [V, D] and never builds [N, V] logits at all. The student's
+[N, D] and the output projection [V, D] and never builds [N, V] logits at all; by default
+(`fused_backward`) it computes the gradients w.r.t. hidden and lm_head inside the forward chunk loop
+(`fused`: three matmuls per chunk, no recomputation in backward, two [chunk_size, V] buffers). The student's
 log-probs at the teacher's top-k are gathered only at the tokens where the FKL is applied (and at
 gated tokens for the `fkl_gated_mean` metric): [G, k] values, G the number of those tokens.
 

@@ -103,11 +103,11 @@ def _fused_pass(plan: VocabPlan, source: HiddenSource, chunk_loss: ChunkLoss, ne
         a = g_s.clone()
         if g_g is not None and g1 > g0:
             a.index_add_(0, local, g_g.sum(dim=1))
-        p = e.mul_(total.reciprocal()[:, None])
-        if g_h is not None:  # -p (a + g_H (log p + H)) / T, log p = s - lt
-            dz = s.sub_((lt - ent_c)[:, None]).mul_(g_h[:, None]).add_(a[:, None]).mul_(p).mul_(-inv_t)
-        else:
-            dz = p.mul_((a * -inv_t)[:, None])
+        if g_h is not None:  # -p (a + g_H (log p + H)) / T, log p = s - lt, p = e / total
+            p = e.mul_((total.reciprocal() * -inv_t)[:, None])  # -p / T
+            dz = s.sub_((lt - ent_c)[:, None]).mul_(g_h[:, None]).add_(a[:, None]).mul_(p)
+        else:  # -a p / T in one pass over the exponentials
+            dz = e.mul_((a * -inv_t / total)[:, None])
         ar = torch.arange(c, device=dev)
         dz.index_put_((ar, sampled), g_s * inv_t, accumulate=True)
         if g_g is not None and g1 > g0:
@@ -120,7 +120,7 @@ def _fused_pass(plan: VocabPlan, source: HiddenSource, chunk_loss: ChunkLoss, ne
             grad_w.addmm_(dz.t(), h if h.dtype == dt else h.to(dt))
         if grad_b is not None:
             grad_b += dz.sum(dim=0)
-        del z, e, s, p, dz
+        del z, e, s, dz
     if grad_w is not None:
         grad_w = grad_w.to(weight.dtype)
     if grad_b is not None:

@@ -14,6 +14,11 @@ The flow is the same for both entry points:
    tensors) added up in order; kd's CE term is `-logp` of the sampled (teacher) token from step 3,
    so it costs no extra vocabulary work;
 6. the metrics measured beside the terms (ratio, advantages, teacher, student entropy, overlap).
+
+From hidden states with `fused_backward` (the default), steps 3-5 run fused (`fused.py`): each
+chunk's terms are evaluated right after its statistics and their gradient pushed through to the
+hidden states and lm_head in the same loop; the terms' values and metrics are then evaluated once
+more without grad on the detached statistics.
 """
 
 from __future__ import annotations
