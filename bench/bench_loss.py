@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
           f"k = {shape['k']}, chunk = {shape['chunk']}, gate ratio {GATE_RATIO:.0%}, {args.reps} paired rounds, "
           f"{args.device}{', TF32' if args.tf32 else ''}", flush=True)
     run = {"run_id": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance()}
+    load_start = os.getloadavg()[0]
     memory: dict[str, dict[str, dict]] = {}
     timing: dict[str, dict[str, dict]] = {}
     for path in paths:
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p_ for p_ in PATHS if p_ in memory]
     payload = {"shape": shape, "gate_ratio": GATE_RATIO, "tokens": n, "reps": args.reps, "paths": paths,
                "memory": memory, "timing": timing, "runs": runs, "device": args.device, "tf32": args.tf32,
+               "load_average": [load_start, os.getloadavg()[0]], "cores": os.cpu_count(),
                "device_name": next((m.get("device") for mm in memory.values() for m in mm.values()
                                     if m.get("device")), None)}
     headers, table, verdicts, rows = render(payload)
@@ -473,6 +475,11 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
     if len({(r["run_id"], r["cpu"]) for r in runs.values()}) > 1:
         md += [""] + [f"Path *{p_}* measured in run {r['run_id']} on {r['cpu']}, eopd@{r['describe']}."
                       for p_, r in runs.items()]
+    if payload.get("load_average"):
+        md += ["", f"Load average (1 min) {payload['load_average'][0]:.1f} at the start and "
+                   f"{payload['load_average'][1]:.1f} at the end of the run, on {payload.get('cores')} cores: the machine "
+                   "was shared with other jobs, so wall times are inflated and noisy; the paired ratios and the CPU-time "
+                   "columns are the numbers to read."]
     md += ["", markdown_table(headers, table), ""]
     if cross:
         md.append("(1) not shown: " + "; ".join(f"*{p_}* and its naive baseline *{BASELINE[p_]}* were measured in "
