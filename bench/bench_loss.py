@@ -411,6 +411,8 @@ def render(payload: dict) -> tuple[list[str], list[list[str]], list[str], list[d
             m = mem.get(v, {}).get("extra_peak_mib")
             fkl = (m - mem[opd_key]["extra_peak_mib"]) if (m is not None and name != "opd" and opd_key in mem) else None
             t = tim.get(v)
+            if t is None and m is None:
+                continue  # not measured in this run (--only)
             row = {"path": path, "variant": v, "extra_peak_mib": m, "fkl_extra_mib": fkl, "rounds": None,
                    "time_s": None, "time_vs_opd": None, "cpu_s": None, "cpu_vs_opd": None, "time_vs_naive": None,
                    "cpu_vs_naive": None, "mem_vs_naive": None}
@@ -438,7 +440,8 @@ def render(payload: dict) -> tuple[list[str], list[list[str]], list[str], list[d
                "peak / own naive (%)"]
     shape = payload["shape"]
     logits_mib = shape["batch"] * shape["seq"] * shape["vocab"] * 4 / 2**20  # one [N, V] float32 buffer
-    return headers, table, _verdicts(rows, paths, logits_mib), rows
+    grads_mib = (shape["vocab"] + shape["batch"] * shape["seq"]) * shape["hidden"] * 4 / 2**20  # fp32 dW + dh
+    return headers, table, _verdicts(rows, paths, logits_mib, grads_mib), rows
 
 
 def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdicts: list[str],
@@ -489,7 +492,7 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
                     "(`python -m bench.bench_loss`).")
         md.append("")
     if missing:
-        md.append(f"Not in this JSON (recorded before these rows existed): the memory rows of the learner's default "
+        md.append(f"Not in this JSON (an older run, or one restricted with --only): the memory rows of the learner's default "
                   f"configuration ({', '.join(LEARNER_VARIANTS)}) for {', '.join(missing)}; a full run adds them.")
         md.append("")
     md += [
@@ -500,7 +503,10 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
         "Paths: *naive* = full log-softmax tensors with plain autograd (the FKL takes its own log-softmax over "
         "the selected rows, as in the paper's app. A; the backward of that row selection allocates a full "
         "[N, V] buffer, so the gate saves no memory there); *chunked* = `compute_loss`; *naive_hidden* = "
-        "`hidden @ W.T` then naive; *hidden* = `compute_loss_from_hidden`. Variants: `+metrics` = "
+        "`hidden @ W.T` then naive; *hidden* = `compute_loss_from_hidden` (fused: gradients w.r.t. hidden and "
+        "lm_head computed in the forward chunk loop, issue 31); *hidden_recompute* = the same with "
+        "`fused_backward=False` (each chunk's logits recomputed in backward: four matmuls per chunk instead of "
+        "three). Variants: `+metrics` = "
         "`vocab_metrics=True`, the learner's default (vocabulary-wide diagnostics: student entropy, top-k overlap); "
         "`+T0.7` = student temperature 0.7; without a modifier the loss alone at T = 1 (`vocab_metrics=False`). "
         "\"FKL extra vs opd\" subtracts the opd row of the same configuration (`opd+metrics` for `+metrics` rows).",
@@ -508,7 +514,7 @@ def _write_doc(payload: dict, headers: list[str], table: list[list[str]], verdic
     write_section(section, "\n".join(md))
 
 
-def _verdicts(rows: list[dict], paths: list[str], logits_mib: float) -> list[str]:
+def _verdicts(rows: list[dict], paths: list[str], logits_mib: float, grads_mib: float = 0.0) -> list[str]:
     """The time target is judged on CPU time (the work this process does; wall time on a shared
     machine also counts other jobs' slices), both as medians of per-round paired ratios; the wall
     ratio is shown beside it. The memory ratio is judged only where full_fkl's FKL memory is
@@ -524,9 +530,12 @@ def _verdicts(rows: list[dict], paths: list[str], logits_mib: float) -> list[str
             r = by.get((path, v))
             if not r or r["cpu_vs_naive"] is None:
                 continue
+            naive_mib = by.get(("naive_hidden", v), {}).get("extra_peak_mib")
             mem = "" if r["mem_vs_naive"] is None else (
                 f", peak memory {100 * r['mem_vs_naive']:.1f}% of naive_hidden's (target <= 5%: "
-                f"{'met' if r['mem_vs_naive'] <= 0.05 else 'NOT met'})")
+                f"{'met' if r['mem_vs_naive'] <= 0.05 else 'NOT met'}; the hidden and lm_head gradients that every "
+                f"path returns are {grads_mib:.0f} MiB = {100 * grads_mib / naive_mib:.0f}% of naive_hidden's peak "
+                "at this shape)")
             out.append(f"[{path} vs naive_hidden, {v}] CPU time {r['cpu_vs_naive']:.3f}, wall time "
                        f"{r['time_vs_naive']:.3f} (target <= 1.2: {'met' if r['cpu_vs_naive'] <= 1.2 else 'NOT met'} "
                        f"on CPU time, {'met' if r['time_vs_naive'] <= 1.2 else 'not met'} on wall time){mem}.")
