@@ -94,3 +94,16 @@ def test_legacy_measured_at_strings_are_parsed():
                "machine": "AMD EPYC, 2 cores", "time": "t"}
     r = bench_loss.path_run(payload, "naive")
     assert r["cpu"] == "Intel(R) Xeon(R) Processor" and r["run_id"] == "2026-11-22T01:46:54Z" and r["describe"] == "87d9b8c"
+
+
+def test_issue31_verdict_compares_hidden_with_naive_hidden_time_and_memory():
+    """The fused path's verdict (issue 31): paired CPU-time ratio to naive_hidden within 1.2 and its
+    peak memory as a share of naive_hidden's, per variant."""
+    payload = _payload({p: _run() for p in bench_loss.PATHS})
+    payload["memory"]["hidden"] = {v: {"extra_peak_mib": 4.0} for v in payload["memory"]["hidden"]}
+    _, _, verdicts, rows = bench_loss.render(payload)
+    row = next(r for r in rows if r["path"] == "hidden" and r["variant"] == "opd")
+    assert row["cpu_vs_naive"] == pytest.approx(statistics.median([2 * 1.0 / 12.0, 2 * 2.0 / 24.0, 2 * 1.0 / 12.0]))
+    assert row["mem_vs_naive"] == pytest.approx(0.04)
+    line = next(v for v in verdicts if v.startswith("[hidden vs naive_hidden, opd]"))
+    assert "target <= 1.2: met on CPU time" in line and "target <= 5%: met" in line
