@@ -137,8 +137,12 @@ def test_fused_edge_cases():
     h = hidden.clone().requires_grad_(True)
     loss, _ = compute_loss_from_hidden(h, weight, inputs, bias=bias, config=cfg)  # frozen weight and bias
     g1 = torch.autograd.grad(loss, h, retain_graph=True)[0]
-    g2 = torch.autograd.grad(3.0 * loss, h)[0]
+    g2 = torch.autograd.grad(3.0 * loss, h, retain_graph=True)[0]
     torch.testing.assert_close(g2, 3.0 * g1, atol=1e-12, rtol=0)
+    g0 = torch.autograd.grad(0.0 * loss, h, retain_graph=True)[0]  # zero upstream gradient: zeros, no harm
+    g3 = torch.autograd.grad(loss, h)[0]
+    assert not g0.any()
+    torch.testing.assert_close(g3, g1, atol=1e-12, rtol=0)
 
     with torch.no_grad():
         loss_ng, metrics = compute_loss_from_hidden(hidden, weight, inputs, bias=bias, config=cfg)

@@ -16,8 +16,8 @@ Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy, each chunk is
     grad_h[chunk] = dz @ W,   grad_W += dz.T @ h,   grad_b += sum dz
 
 three matmuls per chunk, as many as the naive path's forward + backward, and two [c, V] work
-buffers (s and e). The gradients for an upstream gradient of 1 are kept and scaled by the actual
-one in backward (the output is a scalar loss; no copy when it is 1, the usual `loss.backward()`).
+buffers (s and e). The gradients for an upstream gradient of 1 are kept and rescaled in place to the actual one in
+backward (the output is a scalar loss; nothing is copied, except by a second backward).
 Double backward (a gradient of the gradient) is not supported; a second backward through the same
 graph (`retain_graph`) is.
 """
@@ -133,19 +133,27 @@ class _FusedHiddenLoss(torch.autograd.Function):
     def forward(ctx, plan: VocabPlan, chunk_loss: ChunkLoss, needs: tuple[bool, bool, bool], hidden, weight, bias):
         source = HiddenSource(hidden, weight, bias)
         loss, stats, grads = _fused_pass(plan, source, chunk_loss, *needs)
-        ctx.grads = grads
+        ctx.grads, ctx.scale, ctx.handed_out = grads, 1.0, False
         ctx.mark_non_differentiable(*stats)
         return (loss, *stats)
 
     @staticmethod
     def backward(ctx, g_loss, *_unused):
-        grads = ctx.grads  # freed with the graph (kept for a second backward with retain_graph)
-        if g_loss is None:
-            return None, None, None, *(None if g is None else torch.zeros_like(g) for g in grads)
-        if bool(g_loss == 1.0):  # the usual loss.backward(): hand over the kept gradients, no copy
-            return None, None, None, *grads
-        return None, None, None, *(None if g is None else g * g_loss.to(g.dtype) for g in grads)
-
+        # The kept gradients are for an upstream gradient of 1. The first backward rescales them in
+        # place (DeepSpeed's 1 / gradient_accumulation_steps, a loss scale) and hands them over, no
+        # copy; a second backward through the graph (retain_graph) must not touch what the first
+        # handed out, so it returns scaled copies. One scalar sync.
+        g = 0.0 if g_loss is None else float(g_loss)
+        if g == 0.0:  # a zero gradient (e.g. a term switched off by a 0 weight): zeros, the kept ones untouched
+            return None, None, None, *(None if t is None else torch.zeros_like(t) for t in ctx.grads)
+        if ctx.handed_out:
+            return None, None, None, *(None if t is None else t * (g / ctx.scale) for t in ctx.grads)
+        if g != 1.0:
+            for t in ctx.grads:
+                if t is not None:
+                    t.mul_(g)
+        ctx.scale, ctx.handed_out = g, True
+        return None, None, None, *ctx.grads
 
 def fused_hidden_loss(plan: VocabPlan, chunk_loss: ChunkLoss, hidden: Tensor, weight: Tensor,
                       bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
