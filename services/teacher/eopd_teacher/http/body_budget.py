@@ -36,8 +36,9 @@ class BodyBudget:
         self.refused = 0
         self.on_large_body_done = on_large_body_done
 
-    def _fits(self, nbytes: int) -> bool:
-        return self.held == 0 or self.held + nbytes <= self.limit
+    def _fits(self, nbytes: int, own: int = 0) -> bool:
+        """Whether `nbytes` more fit beside what is held (`own` of it by the asking request: alone, it fits)."""
+        return self.held == own or self.held + nbytes <= self.limit
 
     def _take(self, nbytes: int) -> None:
         self.held += nbytes
@@ -92,7 +93,7 @@ class _Request:
             self.received += len(message.get("body", b""))
             extra = self.received - self.taken
             if extra > 0:
-                if not self.budget._fits(extra) and not self.started:
+                if not self.budget._fits(extra, own=self.taken) and not self.started:
                     self.refused = True
                     await _answer_503(self._send, self.budget._refusal(self.received))
                     return {"type": "http.disconnect"}
