@@ -41,7 +41,7 @@ from tests.procs import running_teacher
 pytestmark = pytest.mark.integration
 
 MiB = 1024 * 1024
-NOFILE = 512  # soft and hard: the HTTP side's cap becomes 512 - 128 = 384 (http.limits.connection_cap)
+NOFILE = 640  # soft and hard: the HTTP side's cap becomes 640 - 384 = 256 (http.limits.connection_cap)
 PER_PEER = 48
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0
@@ -185,20 +185,20 @@ def reconnecting_partial_requests(port: int, sources: list[str], per_source: int
 
 
 def test_reconnecting_partial_requests_from_many_addresses_do_not_starve_grpc_or_probes(teacher):
-    """8 addresses x 80 connections (640, over the teacher's 512 open files), each sending half a
+    """8 addresses x 90 connections (720, over the teacher's 640 open files), each sending half a
     request and reconnecting as soon as the server closes it (the issue's 1,050 at 1024 files)."""
     alone = baseline(teacher)
     ctx = multiprocessing.get_context("spawn")
     connects = ctx.Value("i", 0)
     flood = ctx.Process(target=reconnecting_partial_requests, daemon=True,
-                        args=(teacher.http_port, [f"127.0.0.{i}" for i in range(2, 10)], 80, FLOOD_S + 3, connects))
+                        args=(teacher.http_port, [f"127.0.0.{i}" for i in range(2, 10)], 90, FLOOD_S + 3, connects))
     flood.start()
     try:
-        while connects.value < 640 and flood.is_alive():  # every address at its cap, the HTTP side at its total
+        while connects.value < 720 and flood.is_alive():  # every address at its cap, the HTTP side at its total
             time.sleep(0.1)
         with Victim(teacher) as victim:
             time.sleep(FLOOD_S)
-        assert connects.value > 640, connects.value
+        assert connects.value > 720, connects.value
     finally:
         flood.join(30)
         if flood.is_alive():

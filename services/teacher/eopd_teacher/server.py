@@ -34,7 +34,7 @@ from .grpc.interceptors import AuthInterceptor, StatusInterceptor
 from .grpc.servicer import SERVICE_NAME, TeacherServicer
 from .http.app import create_app
 from .http.body_budget import BodyBudget
-from .http.limits import connection_cap, limited_protocol
+from .http.limits import ACCEPT_BATCH, connection_cap, limited_protocol
 from .serving.batcher import BatchObserver, DynamicBatcher
 from .serving.metrics import TeacherMetrics
 from .serving.resources import MemoryReturner, raise_open_file_limit
@@ -130,7 +130,7 @@ def http_config(app, settings: TeacherSettings, open_file_limit: int, *, probes:
                                 max_connections=total, max_connections_per_peer=per_peer)
     return uvicorn.Config(
         app, log_level="warning", lifespan="off", access_log=False, http=protocol,
-        limit_concurrency=total, **http_tls_options(settings),
+        limit_concurrency=total, backlog=ACCEPT_BATCH, **http_tls_options(settings),
     )
 
 

@@ -128,7 +128,7 @@ class TeacherSettings(ServiceSettings):
         4096, ge=1,
         description="HTTP side: open connections beyond which a new one is answered 503 and closed at once (also "
         "requests in progress, uvicorn's limit_concurrency); lowered to leave a quarter of the open-file limit "
-        "(at least 128) to gRPC and the probes",
+        "(at least 384) to gRPC and the probes",
     )
     http_max_connections_per_peer: int = Field(
         256, ge=1,

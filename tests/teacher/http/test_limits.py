@@ -13,8 +13,8 @@ MiB = 1 << 20
 
 
 def test_connection_cap_leaves_descriptors_to_the_rest_of_the_process():
-    assert connection_cap(4096, 1024) == 1024 - FD_RESERVE_MIN * 2  # a quarter of 1024 = 256
-    assert connection_cap(4096, 512) == 512 - FD_RESERVE_MIN
+    assert connection_cap(4096, 1024) == 1024 - FD_RESERVE_MIN
+    assert connection_cap(8192, 8192) == 8192 - 2048  # a quarter, where that is more
     assert connection_cap(4096, 1 << 20) == 4096  # the setting, where the limit is high
     assert connection_cap(4096, 100) == 1  # never 0
 

@@ -26,9 +26,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("eopd_teacher")
 
-# Open files kept out of the HTTP side's reach: gRPC's connections, the probe listener, model and
-# log files, threads' descriptors. At least this many, or a quarter of the limit if that is more.
-FD_RESERVE_MIN = 128
+# How many connections asyncio accepts in one go (uvicorn's `backlog`, also the listen queue): a
+# connection over the caps holds its descriptor until the batch is done (its close is scheduled),
+# so one batch can briefly hold this many more than the cap. uvicorn's default is 2048.
+ACCEPT_BATCH = 128
+# Open files kept out of the HTTP side's reach: one accept batch (ACCEPT_BATCH), gRPC's
+# connections, the probe listener, model and log files, threads' descriptors (~100 at rest). At
+# least this many, or a quarter of the limit if that is more.
+FD_RESERVE_MIN = 2 * ACCEPT_BATCH + 128
 
 
 def connection_cap(configured: int, open_file_limit: int) -> int:
