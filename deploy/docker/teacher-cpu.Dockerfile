@@ -51,10 +51,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     EOPD_TEACHER_HOST=0.0.0.0 \
     EOPD_TEACHER_GRPC_PORT=50051 \
     EOPD_TEACHER_HTTP_PORT=8000 \
+    EOPD_TEACHER_HTTP_PROBE_PORT=8001 \
     EOPD_TEACHER_DEVICE=cpu
 USER ${UID}:${UID}
 WORKDIR /home/eopd
-EXPOSE 50051 8000
+EXPOSE 50051 8000 8001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python", "/opt/eopd/healthcheck.py"]
 ENTRYPOINT ["eopd-teacher"]

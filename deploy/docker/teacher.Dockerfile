@@ -52,12 +52,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     EOPD_TEACHER_HOST=0.0.0.0 \
     EOPD_TEACHER_GRPC_PORT=50051 \
     EOPD_TEACHER_HTTP_PORT=8000 \
+    EOPD_TEACHER_HTTP_PROBE_PORT=8001 \
     EOPD_TEACHER_ENGINE=vllm \
     EOPD_TEACHER_DTYPE=bfloat16 \
     EOPD_TEACHER_DEVICE=cuda
 USER ${UID}:${UID}
 WORKDIR /home/eopd
-EXPOSE 50051 8000
+EXPOSE 50051 8000 8001
 # Loading a large teacher takes minutes: a long start period, then gRPC health every 15 s.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
   CMD ["python", "/opt/eopd/healthcheck.py"]

@@ -147,14 +147,20 @@ def test_ports_agree():
     grpc, http = fields["grpc_port"].default, fields["http_port"].default
     values, _ = dotenv_example()
     assert int(values["EOPD_TEACHER_GRPC_PORT"]) == grpc and int(values["EOPD_TEACHER_HTTP_PORT"]) == http
+    # The probe listener: off by default in the settings (tests, `eopd run`), on in every deployment.
+    assert fields["http_probe_port"].default is None
+    probes = int(values["EOPD_TEACHER_HTTP_PROBE_PORT"])
+    assert probes not in (grpc, http)
     for dockerfile in ("deploy/docker/teacher.Dockerfile", "deploy/docker/teacher-cpu.Dockerfile"):
         text = (ROOT / dockerfile).read_text()
-        assert f"EXPOSE {grpc} {http}" in text
+        assert f"EXPOSE {grpc} {http} {probes}" in text
         assert f"EOPD_TEACHER_GRPC_PORT={grpc}" in text and f"EOPD_TEACHER_HTTP_PORT={http}" in text
+        assert f"EOPD_TEACHER_HTTP_PROBE_PORT={probes}" in text
     # compose: published targets and the rollout worker's teacher address
     for profile, teacher, rollout in (("gpu", "teacher", "rollout"), ("cpu", "teacher-cpu", "rollout-cpu")):
         services = compose_config(profile)["services"]
         assert {p["target"] for p in services[teacher]["ports"]} == {grpc, http}
+        assert int(services[teacher]["environment"]["EOPD_TEACHER_HTTP_PROBE_PORT"]) == probes
         assert f"teacher.target=teacher:{grpc}" in services[rollout]["command"]
         if teacher == "teacher-cpu":
             assert "teacher" in services[teacher]["networks"]["default"]["aliases"]
@@ -162,14 +168,15 @@ def test_ports_agree():
     for target in TARGETS:
         objs = objects(target)
         c = pod_spec(find(objs, "Deployment", "eopd-teacher"))["containers"][0]
-        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": grpc, "http": http}
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": grpc, "http": http, "probes": probes}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             port = c[probe]["grpc"]["port"] if "grpc" in c[probe] else c[probe]["httpGet"]["port"]
-            assert port in (grpc, "http"), (target, probe)
+            assert port in (grpc, "probes"), (target, probe)  # HTTP probes on the probe listener (issue 33)
             if "httpGet" in c[probe]:  # only with teacher-tls, whose HTTP side then serves HTTPS (issue 17)
                 assert target == "+components" and c[probe]["httpGet"]["scheme"] == "HTTPS", (target, probe)
         cm = find(objs, "ConfigMap", "eopd-teacher-env")["data"]
         assert int(cm["EOPD_TEACHER_GRPC_PORT"]) == grpc and int(cm["EOPD_TEACHER_HTTP_PORT"]) == http
+        assert int(cm["EOPD_TEACHER_HTTP_PROBE_PORT"]) == probes
         headless = find(objs, "Service", "eopd-teacher-headless")
         assert [p["port"] for p in headless["spec"]["ports"]] == [grpc]
         ns = find(objs, "Namespace", "eopd")["metadata"]["name"]

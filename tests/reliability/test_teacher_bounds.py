@@ -140,10 +140,12 @@ def test_concurrent_max_size_requests_bounded_memory(tmp_path):
 
 
 def partial_http_requests(port: int, n: int) -> list[socket.socket]:
-    """n connections that each sent the first line and one header of a request, never the end."""
+    """n connections that each sent the first line and one header of a request, never the end; from
+    the loopback addresses 127.0.0.2-9 in turn, each under `http_max_connections_per_peer` (the
+    victim's probes come from 127.0.0.1: one address's share is capped, issue 33)."""
     socks = []
-    for _ in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(f"127.0.0.{2 + i % 8}", 0))
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         socks.append(s)
     return socks

@@ -1,5 +1,6 @@
 """The teacher server's lifecycle: gRPC (`eopd.v1.TeacherService`, health, reflection) and a small
-HTTP side (`/healthz`, `/readyz`, `/metrics`) in one asyncio process.
+HTTP side (`/healthz`, `/readyz`, `/metrics`, `/v1/completions`) in one asyncio process; with
+`http_probe_port`, a second HTTP listener serving the probes alone, with its own connection budget.
 
 Lifecycle: both servers bind first and report NOT_SERVING / 503 while the model loads; once it is
 loaded, health turns SERVING. On SIGTERM or SIGINT the server drains: health turns NOT_SERVING,
@@ -32,7 +33,8 @@ from .engines import create_engine
 from .grpc.interceptors import AuthInterceptor, StatusInterceptor
 from .grpc.servicer import SERVICE_NAME, TeacherServicer
 from .http.app import create_app
-from .http.limits import header_deadline_protocol
+from .http.body_budget import BodyBudget
+from .http.limits import ACCEPT_BATCH, connection_cap, limited_protocol
 from .serving.batcher import BatchObserver, DynamicBatcher
 from .serving.metrics import TeacherMetrics
 from .serving.resources import MemoryReturner, raise_open_file_limit
@@ -104,25 +106,53 @@ def grpc_options(settings: TeacherSettings) -> list[tuple[str, object]]:
     return opts
 
 
-def http_config(app, settings: TeacherSettings) -> uvicorn.Config:
-    """uvicorn's configuration of the HTTP side: request headers due within http_header_timeout_s,
-    at most http_max_connections connections (503 beyond), HTTPS when TLS is on (`http_tls_options`)."""
+# The probe listener (`http_probe_port`): connections in all and per client address (the kubelet
+# opens one per probe), and its header deadline.
+PROBE_MAX_CONNECTIONS = 64
+PROBE_MAX_CONNECTIONS_PER_PEER = 16
+PROBE_HEADER_TIMEOUT_S = 5.0
+
+
+def http_config(app, settings: TeacherSettings, open_file_limit: int, *, probes: bool = False) -> uvicorn.Config:
+    """uvicorn's configuration of an HTTP listener (`http.limits`): request headers due within
+    http_header_timeout_s and bodies within http_body_timeout_s; at most http_max_connections
+    connections (kept below the open-file limit: `connection_cap`) and http_max_connections_per_peer
+    from one address, a connection beyond answered 503 and closed; HTTPS when TLS is on
+    (`http_tls_options`). `probes`: the probe listener's own, smaller budget."""
+    s = settings
+    if probes:
+        total, per_peer = PROBE_MAX_CONNECTIONS, PROBE_MAX_CONNECTIONS_PER_PEER
+        header_timeout_s = min(PROBE_HEADER_TIMEOUT_S, s.http_header_timeout_s)
+    else:
+        total = connection_cap(s.http_max_connections, open_file_limit)
+        per_peer, header_timeout_s = min(s.http_max_connections_per_peer, total), s.http_header_timeout_s
+    protocol = limited_protocol(header_timeout_s=header_timeout_s, body_timeout_s=s.http_body_timeout_s,
+                                max_connections=total, max_connections_per_peer=per_peer)
     return uvicorn.Config(
-        app, log_level="warning", lifespan="off", access_log=False,
-        http=header_deadline_protocol(settings.http_header_timeout_s),
-        limit_concurrency=settings.http_max_connections, **http_tls_options(settings),
+        app, log_level="warning", lifespan="off", access_log=False, http=protocol,
+        limit_concurrency=total, backlog=ACCEPT_BATCH, **http_tls_options(settings),
     )
 
 
-def write_ports_file(path: Path, grpc_port: int, http_port: int, http_scheme: str = "http") -> None:
-    """Writes `{"grpc_port", "http_port", "pid", "http_scheme"}` as JSON to `path` atomically (a temp
-    file beside it, then a rename), so a supervisor that started this teacher on port 0 never reads
-    half of it. `http_scheme` is "https" when the HTTP side serves TLS."""
+def write_ports_file(path: Path, grpc_port: int, http_port: int, http_scheme: str = "http",
+                     probe_port: int | None = None) -> None:
+    """Writes `{"grpc_port", "http_port", "pid", "http_scheme"}` (and `"probe_port"` when there is a
+    probe listener) as JSON to `path` atomically (a temp file beside it, then a rename), so a
+    supervisor that started this teacher on port 0 never reads half of it. `http_scheme` is "https"
+    when the HTTP side serves TLS."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     doc = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid(), "http_scheme": http_scheme}
+    if probe_port is not None:
+        doc["probe_port"] = probe_port
     tmp.write_text(json.dumps(doc) + "\n")
     os.replace(tmp, path)
+
+
+class _UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the teacher handles signals itself
+        yield
 
 
 class TeacherServer:
@@ -137,15 +167,19 @@ class TeacherServer:
         self.memory = MemoryReturner()
         self.grpc_port: int | None = None
         self.http_port: int | None = None
+        self.probe_port: int | None = None
+        self.open_file_limit = 0
         self._grpc: grpc.aio.Server | None = None
-        self._http = None
-        self._http_task: asyncio.Task | None = None
+        self._http: list[uvicorn.Server] = []  # the HTTP listener, then the probe listener if any
+        self._http_tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         """Binds both servers (NOT_SERVING), then loads the model in a thread (SERVING when done)."""
         s = self.settings
         soft, hard = raise_open_file_limit()
-        log.info("open-file limit %d (hard %d)", soft, hard)
+        self.open_file_limit = soft
+        log.info("open-file limit %d (hard %d); HTTP connections at most %d", soft, hard,
+                 connection_cap(s.http_max_connections, soft))
         self.memory.start()
         opts = grpc_options(s)
         interceptors: list[grpc.aio.ServerInterceptor] = [
@@ -173,27 +207,33 @@ class TeacherServer:
         self._grpc = server
         await self._start_http()
         if s.ports_file is not None:
-            write_ports_file(s.ports_file, self.grpc_port, self.http_port, "https" if creds else "http")
+            write_ports_file(s.ports_file, self.grpc_port, self.http_port, "https" if creds else "http", self.probe_port)
         log.info(
-            "eopd-teacher listening grpc=%s:%d (%s, %s) http=%s:%d (%s) (loading %s)", s.host, self.grpc_port,
+            "eopd-teacher listening grpc=%s:%d (%s, %s) http=%s:%d (%s)%s (loading %s)", s.host, self.grpc_port,
             "mutual TLS" if s.tls_client_ca_file else "TLS" if creds else "plaintext",
-            "bearer token required" if token else "no auth", s.host, self.http_port, "https" if creds else "http", s.model,
+            "bearer token required" if token else "no auth", s.host, self.http_port, "https" if creds else "http",
+            f" probes={s.host}:{self.probe_port}" if self.probe_port is not None else "", s.model,
         )
         asyncio.get_running_loop().create_task(self._load())
 
     async def _start_http(self) -> None:
-        sock = _bind_socket(self.settings.host, self.settings.http_port)
-        self.http_port = sock.getsockname()[1]
-
-        class _Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # the teacher handles signals itself
-                yield
-
+        """The HTTP listener (request bodies held at most http_max_inflight_body_bytes in total:
+        `BodyBudget`), then the probe listener if `http_probe_port` is set."""
         s = self.settings
-        app = create_app(self.service, s.bearer_token(), deny_unauthenticated=http_deny_unauthenticated(s))
-        self._http = _Server(http_config(app, s))
-        self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
+        token, deny = s.bearer_token(), http_deny_unauthenticated(s)
+        app = BodyBudget(create_app(self.service, token, deny_unauthenticated=deny),
+                         s.http_max_inflight_body_bytes, on_large_body_done=self.memory.message_done)
+        self.http_port = self._serve_http(app, s.http_port, probes=False)
+        if s.http_probe_port is not None:
+            probe_app = create_app(self.service, token, deny_unauthenticated=deny, probes_only=True)
+            self.probe_port = self._serve_http(probe_app, s.http_probe_port, probes=True)
+
+    def _serve_http(self, app, port: int, *, probes: bool) -> int:
+        sock = _bind_socket(self.settings.host, port)
+        server = _UvicornServer(http_config(app, self.settings, self.open_file_limit, probes=probes))
+        self._http.append(server)
+        self._http_tasks.append(asyncio.get_running_loop().create_task(server.serve(sockets=[sock])))
+        return sock.getsockname()[1]
 
     async def _load(self) -> None:
         loop = asyncio.get_running_loop()
@@ -249,10 +289,10 @@ class TeacherServer:
             await self._grpc.stop(self.settings.grace_seconds)
         if self.state.batcher is not None:
             await self.state.batcher.close()
-        if self._http is not None:
-            self._http.should_exit = True
-            if self._http_task is not None:
-                await self._http_task
+        for server in self._http:
+            server.should_exit = True
+        for task in self._http_tasks:
+            await task
         self.memory.close()
         self.state.engine.shutdown()
 

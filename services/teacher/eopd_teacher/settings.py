@@ -94,7 +94,7 @@ class TeacherSettings(ServiceSettings):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port for /healthz, /readyz, /metrics (0: pick a free one)")
     ports_file: Path | None = Field(
         None,
-        description='once both servers are bound, write {"grpc_port", "http_port", "pid"} here as JSON (atomically: a temp '
+        description='once both servers are bound, write {"grpc_port", "http_port", "pid", "probe_port"} here as JSON (atomically: a temp '
         "file, then a rename); for supervisors that start the teacher on port 0",
     )
     max_message_bytes: int = Field(64 * MiB, ge=MiB, description="gRPC max send/receive message size")
@@ -125,7 +125,29 @@ class TeacherSettings(ServiceSettings):
         10.0, gt=0, description="HTTP side: close a connection whose request headers have not all arrived after this long"
     )
     http_max_connections: int = Field(
-        4096, ge=1, description="HTTP side: open connections (or requests in progress) beyond which requests get 503"
+        4096, ge=1,
+        description="HTTP side: open connections beyond which a new one is answered 503 and closed at once (also "
+        "requests in progress, uvicorn's limit_concurrency); lowered to leave a quarter of the open-file limit "
+        "(at least 384) to gRPC and the probes",
+    )
+    http_max_connections_per_peer: int = Field(
+        256, ge=1,
+        description="HTTP side: open connections from one client address beyond which a new one is answered 503 and "
+        "closed at once, so one client cannot take http_max_connections",
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, description="HTTP side: close a connection whose request body has not all arrived this long after its headers"
+    )
+    http_max_inflight_body_bytes: int = Field(
+        128 * MiB, ge=MiB,
+        description="HTTP side: request-body bytes held by requests in progress, in total; a request that does not fit "
+        "beside them gets 503 (Retry-After: 1) before its body is read (a request alone is always admitted)",
+    )
+    http_probe_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="a second HTTP listener serving only /healthz, /readyz and /metrics, with its own small connection "
+        "budget, so a flood of the HTTP port cannot starve the orchestrator's probes (0: pick a free one; None: none, "
+        "the probes are served on http_port only). They stay on http_port too",
     )
     max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
     max_connection_age_s: float = Field(

@@ -12,12 +12,15 @@ from ..serving.service import TeacherService
 from .openai_compat import create_router
 
 
-def create_app(service: TeacherService, token: str | None = None, *, deny_unauthenticated: bool = False) -> FastAPI:
+def create_app(service: TeacherService, token: str | None = None, *, deny_unauthenticated: bool = False,
+               probes_only: bool = False) -> FastAPI:
     """Probes are open (orchestrators call them without credentials); with a bearer token
     configured, every other path (/metrics, /openapi.json) requires it. `deny_unauthenticated`
-    (mutual TLS on gRPC, no token; see server.http_tls_options): every other path answers 403."""
+    (mutual TLS on gRPC, no token; see server.http_tls_options): every other path answers 403.
+    `probes_only`: /healthz, /readyz and /metrics alone (the probe listener, `http_probe_port`)."""
     state = service.state
-    app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None)
+    app = FastAPI(title="eopd teacher", version="v1", docs_url=None, redoc_url=None,
+                  openapi_url=None if probes_only else "/openapi.json")
     open_paths = {"/healthz", "/readyz", "/health"}
 
     if deny_unauthenticated and not token:
@@ -68,5 +71,6 @@ def create_app(service: TeacherService, token: str | None = None, *, deny_unauth
         """Prometheus text exposition, answered at /metrics itself (no redirect to /metrics/)."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(create_router(service))  # vLLM-compatible /v1/completions, /v1/models, /health
+    if not probes_only:
+        app.include_router(create_router(service))  # vLLM-compatible /v1/completions, /v1/models, /health
     return app
