@@ -45,6 +45,7 @@ from .openai_format import (
     error_body,
     json_bytes_estimate,
     plan,
+    prompt_counts,
     scored_tokens,
     validation_error,
 )
@@ -93,9 +94,10 @@ def _f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def parse_request(raw: bytes) -> CompletionRequest:
+def parse_request(raw: bytes, limits: RequestLimits | None = None) -> CompletionRequest:
     """The body as a CompletionRequest; 400 naming the problem for anything the parser cannot take
-    (not JSON, not UTF-8, nested too deep, not an object, a wrong field)."""
+    (not JSON, not UTF-8, nested too deep, not an object, a wrong field). With `limits`, the prompt
+    count and the token ids given are checked (413) before the fields are validated."""
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -104,6 +106,8 @@ def parse_request(raw: bytes) -> CompletionRequest:
         raise CompatError(400, f"body: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise CompatError(400, "body: must be a JSON object")
+    if limits is not None:
+        prompt_counts(data.get("prompt"), limits)
     try:
         return CompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -160,13 +164,12 @@ class CompletionsRoute:
 
     async def _complete(self, request: Request, raw: bytes) -> bytes:
         s = self.state.settings
-        req = await asyncio.to_thread(parse_request, raw)
-        del raw
+        limits = RequestLimits(s.max_sequences_per_request, s.max_tokens_per_request, s.max_message_bytes)
+        req = await asyncio.to_thread(parse_request, raw, limits)
         try:
             info, _ = self.state.check_ready()
         except Exception as exc:  # noqa: BLE001 - loading / draining: 503
             raise _compat_error(exc) from None
-        limits = RequestLimits(info.max_sequences_per_request, info.max_tokens_per_request, s.max_message_bytes)
         p = await asyncio.to_thread(plan, req, served_model=info.model_name, max_top_k=info.max_top_k,
                                     vocab_size=info.vocab_size, tokenize=self._tokenize(),
                                     max_new_tokens=info.max_new_tokens, limits=limits)

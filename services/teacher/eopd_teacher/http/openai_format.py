@@ -221,18 +221,30 @@ def early_limits(req: CompletionRequest, limits: RequestLimits, prompt_k: int | 
     over a lower bound of the positions (a text prompt counts one token), so nothing that would
     fit is refused here; the estimate over the tokenized prompts follows."""
     prompts = _prompt_list(req)
-    if len(prompts) > limits.max_prompts:
-        raise CompatError(413, f"prompt: {len(prompts)} prompts exceed the server's limit of {limits.max_prompts} per "
-                               "request (max_sequences_per_request)", "prompt")
+    prompt_counts(prompts, limits)
     lengths = [1 if isinstance(one, str) else len(one) for one in prompts]
-    given = sum(n for n, one in zip(lengths, prompts) if not isinstance(one, str))
-    if given > limits.max_tokens:
-        raise CompatError(413, f"prompt: {given} token ids exceed the server's limit of {limits.max_tokens} per request "
-                               "(max_tokens_per_request)", "prompt")
     counts = Plan([], max_tokens == 1, 1, prompt_k, logprobs_k, 1.0, max_tokens, req.n)
     estimate = json_bytes_estimate(counts, lengths)
     if estimate > limits.max_answer_bytes:
         raise answer_too_large(estimate, limits.max_answer_bytes)
+
+
+def prompt_counts(prompt, limits: RequestLimits) -> None:
+    """413 for more prompts than `limits.max_prompts` or more token ids than `limits.max_tokens`
+    in `prompt` (the request's field, parsed JSON or validated: a string, a list of ids, a list of
+    strings or lists); anything else is left to the field validation."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int | bool):
+        given = len(prompt) if isinstance(prompt, list) else 0
+        count = 1
+    else:
+        count = len(prompt)
+        if count > limits.max_prompts:
+            raise CompatError(413, f"prompt: {count} prompts exceed the server's limit of {limits.max_prompts} per "
+                                   "request (max_sequences_per_request)", "prompt")
+        given = sum(len(one) for one in prompt if isinstance(one, list))
+    if given > limits.max_tokens:
+        raise CompatError(413, f"prompt: {given} token ids exceed the server's limit of {limits.max_tokens} per request "
+                               "(max_tokens_per_request)", "prompt")
 
 
 def answer_too_large(estimate: int, limit: int) -> CompatError:
