@@ -184,7 +184,7 @@ class TeacherServer:
         opts = grpc_options(s)
         interceptors: list[grpc.aio.ServerInterceptor] = [
             StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory,
-                              request_bytes=self.state.request_bytes)
+                              request_bytes=self.state.request_bytes, slots=self.state.call_slots)
         ]
         token = s.bearer_token()
         if token:

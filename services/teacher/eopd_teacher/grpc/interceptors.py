@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from ..convert import NOT_RETRYABLE_KEY
+from ..serving.admission import CallSlots
 from ..serving.batcher import Overloaded
 from ..serving.metrics import TeacherMetrics
 from ..serving.resources import ByteBudget, MemoryReturner
@@ -57,12 +58,21 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     is read; large messages hand their memory back once done (`memory`)."""
 
     def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None,
-                 request_bytes: ByteBudget | None = None):
+                 request_bytes: ByteBudget | None = None, slots: CallSlots | None = None):
         self.metrics = metrics
         self.request_bytes = request_bytes  # the server-wide budget (unary bodies; streams: stream_session)
         self.max_concurrent_calls = max_concurrent_calls
-        self.calls = 0  # unary TeacherService calls in progress
+        # unary TeacherService calls in progress, shared with /v1/completions (serving/admission.py)
+        self.slots = slots if slots is not None else CallSlots(max_concurrent_calls)
         self.memory = memory or MemoryReturner()
+
+    @property
+    def calls(self) -> int:
+        return self.slots.count
+
+    @calls.setter
+    def calls(self, n: int) -> None:
+        self.slots.count = n
 
     def _finish(self, method: str, code: grpc.StatusCode, started: float | None) -> None:
         self.metrics.requests.labels(method, code.name).inc()

@@ -16,6 +16,7 @@ while loading or draining.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -31,15 +32,20 @@ from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
 from ..serving.status import describe
 from ..types import GeneratePrompt, GenerateRequest, Generation, ScoreRequest, ScoreSequence, SequenceScores
 from ..validation import FieldNames, RequestTooLarge
+from .admission import Admission, until_disconnected
+from .json_out import answer_bytes
 from .openai_format import (
     CompatError,
     CompletionRequest,
     Decoder,
     Plan,
+    RequestLimits,
+    answer_too_large,
     completion_response,
     error_body,
     json_bytes_estimate,
     plan,
+    prompt_counts,
     scored_tokens,
     validation_error,
 )
@@ -61,23 +67,6 @@ _GENERATE_NAMES = FieldNames("prompt", nested=False, renamed={
     "max_new_tokens": "max_tokens", "num_samples": "n", "score_temperature": "temperature", "top_k": "logprobs"})
 BODY_BYTES_PER_TOKEN = 16  # a token id as JSON takes at most 7 bytes ("49151, "); text a few bytes a token
 _PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*)")
-
-
-class _Body:
-    """Reads a request body up to a limit (413 beyond it, without reading the rest into memory)."""
-
-    @staticmethod
-    async def read(request: Request, limit: int) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise CompatError(413, f"body: {declared} bytes exceed the server's limit of {limit} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise CompatError(413, f"body: over the server's limit of {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
 
 def body_limit(max_message_bytes: int, max_tokens_per_request: int) -> int:
@@ -105,13 +94,38 @@ def _f32(x: float) -> float:
         return float(np.float32(x))
 
 
+def parse_request(raw: bytes, limits: RequestLimits | None = None) -> CompletionRequest:
+    """The body as a CompletionRequest; 400 naming the problem for anything the parser cannot take
+    (not JSON, not UTF-8, nested too deep, not an object, a wrong field). With `limits`, the prompt
+    count and the token ids given are checked (413) before the fields are validated."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise CompatError(400, "body: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CompatError(400, f"body: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CompatError(400, "body: must be a JSON object")
+    if limits is not None:
+        prompt_counts(data.get("prompt"), limits)
+    try:
+        return CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    except RecursionError:
+        raise CompatError(400, "body: JSON nested too deeply") from None
+
+
 class CompletionsRoute:
-    """The handlers: JSON <-> core types around the teacher's service."""
+    """The handlers: JSON <-> core types around the teacher's service. What costs CPU in
+    proportion to the request (parsing, tokenizing, building and encoding the answer) runs in a
+    worker thread (`asyncio.to_thread`), never on the event loop every other client shares."""
 
     def __init__(self, service: TeacherService):
         self.service = service
         self.state = service.state
         self._decoder: Decoder | None = None
+        self.admission = Admission(service.state)
 
     def _tokenizer(self):
         return self.state.engine.tokenizer
@@ -136,49 +150,42 @@ class CompletionsRoute:
 
     async def completions(self, request: Request) -> Response:
         started = time.perf_counter()
+        s = self.state.settings
         try:
-            body = await self._complete(request)
+            async with self.admission.admitted(request, body_limit(s.max_message_bytes, s.max_tokens_per_request)) as raw:
+                body = await until_disconnected(request, self._complete(request, raw))
         except CompatError as exc:
-            code = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED",
+            code = {400: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED",
                     503: "UNAVAILABLE", 499: "CANCELLED"}.get(exc.status, "INTERNAL")
             self._finish(code, started)
             return JSONResponse(error_body(exc.status, str(exc), exc.param), status_code=exc.status)
         self._finish("OK", started)
         return Response(body, media_type="application/json")
 
-    async def _complete(self, request: Request) -> bytes:
+    async def _complete(self, request: Request, raw: bytes) -> bytes:
         s = self.state.settings
-        raw = await _Body.read(request, body_limit(s.max_message_bytes, s.max_tokens_per_request))
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CompatError(400, f"body: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise CompatError(400, "body: must be a JSON object")
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        limits = RequestLimits(s.max_sequences_per_request, s.max_tokens_per_request, s.max_message_bytes)
+        req = await asyncio.to_thread(parse_request, raw, limits)
         try:
             info, _ = self.state.check_ready()
         except Exception as exc:  # noqa: BLE001 - loading / draining: 503
             raise _compat_error(exc) from None
-        p = plan(req, served_model=info.model_name, max_top_k=info.max_top_k, vocab_size=info.vocab_size, tokenize=self._tokenize(),
-                 max_new_tokens=info.max_new_tokens)
-        sample = sampling(req) if p.sample else None
+        p = await asyncio.to_thread(plan, req, served_model=info.model_name, max_top_k=info.max_top_k,
+                                    vocab_size=info.vocab_size, tokenize=self._tokenize(),
+                                    max_new_tokens=info.max_new_tokens, limits=limits)
+        sample = sampling(req, info.vocab_size) if p.sample else None
         estimate = json_bytes_estimate(p)
         if estimate > s.max_message_bytes:
-            raise CompatError(413, f"prompt: an answer of about {estimate} bytes of JSON would exceed the server's "
-                                   f"message limit of {s.max_message_bytes} bytes; split the request or ask fewer log-probs", "prompt")
+            raise answer_too_large(estimate, s.max_message_bytes)
         scores = await self._score(request, p, req.echo)
         fingerprint = f"eopd-{info.server_version}"
         if sample is None:
-            answer = completion_response(req, p, scores, info.model_name, self.decoder(), fingerprint)
-        else:
-            generations = await self._generate(request, p, sample)
-            answer = generation_response(req, p, scores, generations, info.model_name, self.decoder(),
-                                         self._text_of(req.skip_special_tokens), self._eos_id(), fingerprint)
-        return json.dumps(answer, separators=(",", ":")).encode()
+            return await asyncio.to_thread(
+                lambda: answer_bytes(completion_response(req, p, scores, info.model_name, self.decoder(), fingerprint)))
+        generations = await self._generate(request, p, sample)
+        text_of, eos_id = self._text_of(req.skip_special_tokens), self._eos_id()
+        return await asyncio.to_thread(lambda: answer_bytes(generation_response(
+            req, p, scores, generations, info.model_name, self.decoder(), text_of, eos_id, fingerprint)))
 
     def _text_of(self, skip_special_tokens: bool):
         """A completion's text as vLLM's detokenizer gives it: the served tokenizer's decode of the

@@ -81,7 +81,7 @@ class CompatError(Exception):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
-               429: "TooManyRequestsError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+               415: "UnsupportedMediaTypeError", 429: "TooManyRequestsError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -118,12 +118,25 @@ class Plan:
         return self.max_tokens > 1
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may cost, checked from its counts before any prompt is tokenized or scored
+    (`early_limits`): prompts (max_sequences_per_request), token ids given (max_tokens_per_request)
+    and the answer's estimated JSON size (max_message_bytes)."""
+
+    max_prompts: int
+    max_tokens: int
+    max_answer_bytes: int
+
+
 def plan(req: CompletionRequest, *, served_model: str, max_top_k: int, vocab_size: int, tokenize,
-         max_new_tokens: int = 0) -> Plan:
-    """Validates the fields eopd checks beyond their types (in vLLM's terms, the field named);
-    the token-level checks (vocabulary, context, per-request limits) are the gRPC path's.
-    `max_new_tokens` is the server's Generate bound (ModelInfo.max_new_tokens; 0: Generate not
-    served, so `max_tokens` > 1 is refused)."""
+         max_new_tokens: int = 0, limits: RequestLimits | None = None) -> Plan:
+    """Validates the fields eopd checks beyond their types (in vLLM's terms, the field named), the
+    prompts' token ids in the vocabulary (even when nothing is scored), and with `limits` the
+    request's size from its counts before any text is tokenized (`early_limits`); the other
+    token-level checks (context, per-request limits) are the gRPC path's. `max_new_tokens` is the
+    server's Generate bound (ModelInfo.max_new_tokens; 0: Generate not served, so `max_tokens` > 1
+    is refused)."""
     if req.model is not None and req.model != served_model:
         raise CompatError(404, f"model: the model `{req.model}` does not exist (this server serves `{served_model}`)", "model")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # vLLM's default
@@ -157,37 +170,95 @@ def plan(req: CompletionRequest, *, served_model: str, max_top_k: int, vocab_siz
         ks[name] = value
     if req.echo and ks["prompt_logprobs"] is None:  # as vLLM: the echoed prompt's log-probs are prompt log-probs
         ks["prompt_logprobs"] = ks["logprobs"]
-    prompts = prompt_ids(req, tokenize)
+    if limits is not None:
+        early_limits(req, limits, ks["prompt_logprobs"], ks["logprobs"], max_tokens)
+    prompts = prompt_ids(req, tokenize, vocab_size)
     return Plan(prompts, max_tokens == 1, max(ks["prompt_logprobs"] or 0, ks["logprobs"] or 0, 1),
                 ks["prompt_logprobs"], ks["logprobs"], float(temperature), max_tokens, req.n)
 
 
-def prompt_ids(req: CompletionRequest, tokenize) -> list[list[int]]:
-    """The prompt(s) as token id lists; text is tokenized with the teacher's tokenizer."""
+def _prompt_list(req: CompletionRequest) -> list:
+    """The request's prompts as a list (each a string or a list of ids); 400 when there is none."""
     p = req.prompt
     if isinstance(p, str):
         p = [p]
     if not p:
         raise CompatError(400, "prompt: at least one prompt is required", "prompt")
-    if isinstance(p[0], int):
-        return [list(p)]
+    return [p] if isinstance(p[0], int) else p
+
+
+def in_vocab(ids: list[int], vocab_size: int, name: str) -> None:
+    """400 naming the first id of `ids` outside [0, vocab_size), as `{name}[j]` (Python ints: ids
+    beyond int64 are named too, not overflowed)."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        j = next(j for j, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise CompatError(400, f"{name}[{j}]: token id {ids[j]} is outside the vocabulary [0, {vocab_size})", f"{name}[{j}]")
+
+
+def prompt_ids(req: CompletionRequest, tokenize, vocab_size: int | None = None) -> list[list[int]]:
+    """The prompt(s) as token id lists; text is tokenized with the teacher's tokenizer. Given ids
+    are checked against `vocab_size` (400 naming `prompt[j]` or `prompt[i][j]`)."""
+    flat = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], int)
     out = []
-    for i, one in enumerate(p):
+    for i, one in enumerate(_prompt_list(req)):
         if isinstance(one, str):
             if tokenize is None:
                 raise CompatError(400, f"prompt[{i}]: text prompts need the teacher's tokenizer; send token ids", f"prompt[{i}]")
             one = tokenize(one, req.add_special_tokens)
+        elif vocab_size is not None:
+            in_vocab(one, vocab_size, "prompt" if flat else f"prompt[{i}]")
         if not one:
             raise CompatError(400, f"prompt[{i}]: empty prompt", f"prompt[{i}]")
         out.append(list(one))
     return out
 
 
-def json_bytes_estimate(p: Plan) -> int:
+def early_limits(req: CompletionRequest, limits: RequestLimits, prompt_k: int | None, logprobs_k: int | None,
+                 max_tokens: int) -> None:
+    """Refuses (413, not retryable as is) from the request's counts alone, before any text is
+    tokenized or anything scored: more prompts than `max_prompts`, more token ids than
+    `max_tokens`, or an answer whose JSON would exceed `max_answer_bytes` by `json_bytes_estimate`
+    over a lower bound of the positions (a text prompt counts one token), so nothing that would
+    fit is refused here; the estimate over the tokenized prompts follows."""
+    prompts = _prompt_list(req)
+    prompt_counts(prompts, limits)
+    lengths = [1 if isinstance(one, str) else len(one) for one in prompts]
+    counts = Plan([], max_tokens == 1, 1, prompt_k, logprobs_k, 1.0, max_tokens, req.n)
+    estimate = json_bytes_estimate(counts, lengths)
+    if estimate > limits.max_answer_bytes:
+        raise answer_too_large(estimate, limits.max_answer_bytes)
+
+
+def prompt_counts(prompt, limits: RequestLimits) -> None:
+    """413 for more prompts than `limits.max_prompts` or more token ids than `limits.max_tokens`
+    in `prompt` (the request's field, parsed JSON or validated: a string, a list of ids, a list of
+    strings or lists); anything else is left to the field validation."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int | bool):
+        given = len(prompt) if isinstance(prompt, list) else 0
+        count = 1
+    else:
+        count = len(prompt)
+        if count > limits.max_prompts:
+            raise CompatError(413, f"prompt: {count} prompts exceed the server's limit of {limits.max_prompts} per "
+                                   "request (max_sequences_per_request)", "prompt")
+        given = sum(len(one) for one in prompt if isinstance(one, list))
+    if given > limits.max_tokens:
+        raise CompatError(413, f"prompt: {given} token ids exceed the server's limit of {limits.max_tokens} per request "
+                               "(max_tokens_per_request)", "prompt")
+
+
+def answer_too_large(estimate: int, limit: int) -> CompatError:
+    """413: the answer's estimated JSON size is over the server's message limit."""
+    return CompatError(413, f"prompt: an answer of about {estimate} bytes of JSON would exceed the server's message limit "
+                            f"of {limit} bytes; split the request or ask fewer log-probs", "prompt")
+
+
+def json_bytes_estimate(p: Plan, lengths: list[int] | None = None) -> int:
     """An estimate of the JSON answer's size (entries x JSON_ENTRY_BYTES), to refuse before scoring;
-    with max_tokens > 1, every one of the n completions at its longest."""
+    with max_tokens > 1, every one of the n completions at its longest. `lengths`: the prompts'
+    lengths (default: those of `p.prompts`)."""
     copies, generated = (p.n, p.n * p.max_tokens) if p.sample else (1, int(p.generate))  # each choice repeats its prompt's
-    positions = sum(len(ids) * copies + generated for ids in p.prompts)
+    positions = sum(n * copies + generated for n in (lengths if lengths is not None else map(len, p.prompts)))
     per_position = (p.prompt_k or 0) + (p.logprobs_k or 0) + 2
     return positions * per_position * JSON_ENTRY_BYTES
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..types import Generation, SequenceScores
-from .openai_format import CompatError, CompletionRequest, Plan, response_envelope
+from .openai_format import CompatError, CompletionRequest, Plan, in_vocab, response_envelope
 from .openai_logprobs import Decoder, logprob_entries, logprobs_object, prompt_logprobs
 
 MAX_SEED = (1 << 64) - 1  # GenerateRequest.seed is a uint64
@@ -36,10 +36,11 @@ class Sampling:
     stop_token_ids: tuple[int, ...]
 
 
-def sampling(req: CompletionRequest) -> Sampling:
+def sampling(req: CompletionRequest, vocab_size: int | None = None) -> Sampling:
     """Validates the sampling fields Generate honours (400 naming the field) and refuses those it
     cannot (a non-neutral sampling `top_k` or `min_p`, stop strings): vLLM would honour them, so
-    eopd does not ignore them. Vocabulary checks of `stop_token_ids` are the Generate path's."""
+    eopd does not ignore them. `stop_token_ids` are checked against `vocab_size` (ids beyond int64
+    included) before they reach the Generate path."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)  # vLLM's default
     top_p = 1.0 if req.top_p is None else float(req.top_p)
     if not 0.0 < top_p <= 1.0:
@@ -53,6 +54,8 @@ def sampling(req: CompletionRequest) -> Sampling:
         raise CompatError(400, "stop: stop strings are not supported when generating; send stop_token_ids", "stop")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise CompatError(400, f"seed: {req.seed} must be in [0, 2**64)", "seed")
+    if vocab_size is not None:
+        in_vocab(req.stop_token_ids or [], vocab_size, "stop_token_ids")
     return Sampling(temperature, top_p, req.seed, tuple(req.stop_token_ids or ()))
 
 

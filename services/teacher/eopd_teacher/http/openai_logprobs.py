@@ -6,6 +6,8 @@ as -9999.0, as vLLM clamps them, since JSON has no infinity."""
 
 from __future__ import annotations
 
+import functools
+
 from ..types import SequenceScores
 
 LOGPROB_FLOOR = -9999.0
@@ -16,17 +18,27 @@ def lp_clamped(x: float) -> float:
     return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-class Decoder:
-    """Token id -> decoded string as vLLM reports it (`tokenizer.decode([id])`), cached."""
+DECODE_CACHE_SIZE = 1 << 17  # decoded tokens kept (a bounded LRU: ids a client sends cannot grow it for good)
 
-    def __init__(self, tokenizer):
+
+class Decoder:
+    """Token id -> decoded string as vLLM reports it (`tokenizer.decode([id])`), cached in a bounded
+    LRU (thread-safe: answers are built in worker threads). The ids decoded are the engine's and
+    the request's after validation (in the vocabulary)."""
+
+    def __init__(self, tokenizer, cache_size: int = DECODE_CACHE_SIZE):
         self._tok = tokenizer
-        self._cache: dict[int, str | None] = {}
+        self._decode = functools.lru_cache(maxsize=cache_size)(self._decode_one)
+
+    def _decode_one(self, tid: int) -> str | None:
+        return self._tok.decode([tid]) if self._tok is not None else None
 
     def __call__(self, tid: int) -> str | None:
-        if tid not in self._cache:  # "" and None are cached answers too
-            self._cache[tid] = self._tok.decode([tid]) if self._tok is not None else None
-        return self._cache[tid]
+        return self._decode(tid)
+
+    def cached(self) -> int:
+        """How many decoded tokens the cache holds now."""
+        return self._decode.cache_info().currsize
 
 
 def prompt_logprobs(ids: list[int], s: SequenceScores | None, k: int, decode: Decoder) -> tuple[list, list]:

@@ -13,6 +13,7 @@ from ..settings import TeacherSettings
 from ..types import EngineInfo, ModelInfo
 from .batcher import Draining, DynamicBatcher
 from .metrics import TeacherMetrics
+from .admission import CallSlots
 from .resources import ByteBudget
 from .status import NotReady
 
@@ -50,9 +51,11 @@ class ServerState:
     inflight_tokens: dict[str, int] = field(default_factory=dict)
     open_streams: int = 0
     request_bytes: ByteBudget = field(init=False)  # max_inflight_request_bytes, shared by all calls
+    call_slots: CallSlots = field(init=False)  # max_concurrent_calls, gRPC unary calls and /v1/completions
 
     def __post_init__(self) -> None:
         self.request_bytes = ByteBudget(self.settings.max_inflight_request_bytes)
+        self.call_slots = CallSlots(self.settings.max_concurrent_calls)
 
     @property
     def ready(self) -> bool:
