@@ -6,8 +6,12 @@ import asyncio
 
 import pytest
 
+from eopd_teacher.serving.batcher import Overloaded
+from eopd_teacher.serving.metrics import TeacherMetrics
 from eopd_teacher.serving.resources import ByteBudget
+from eopd_teacher.serving.service import TeacherService
 from eopd_teacher.serving.shares import PerClientLimit, client_share, share_key
+from eopd_teacher.serving.state import ServerState
 from eopd_teacher.settings import TeacherSettings
 
 
@@ -117,3 +121,18 @@ def test_settings_bound_the_share():
         TeacherSettings(request_receive_timeout_s=0)
     with pytest.raises(ValueError, match="max_health_watches"):
         TeacherSettings(max_health_watches=0)
+
+
+def test_tokens_in_flight_share_keys_on_the_address_whatever_the_client_calls_itself():
+    """The service's share of max_queue_tokens (tokens in flight) is the address's: a client that
+    renames itself (x-eopd-client) per request still meets it; another address does not."""
+    state = ServerState(settings=TeacherSettings(device="cpu", max_queue_tokens=1000), metrics=TeacherMetrics(), engine=None)
+    service = TeacherService(state)
+    with service._in_flight("id:a", 400, "ipv4:10.0.0.1"), service._in_flight("id:b", 100, "ipv4:10.0.0.1"):
+        with pytest.raises(Overloaded, match=r"client ipv4:10.0.0.1 has 500 tokens in flight, this request adds 1, its share "
+                                             r"of max_queue_tokens \(1000 x max_client_share = 500\)"):
+            with service._in_flight("id:c", 1, "ipv4:10.0.0.1"):
+                pass
+        with service._in_flight("id:d", 500, "ipv4:10.0.0.2"):
+            assert state.tokens.clients() == {"ipv4:10.0.0.1": 500, "ipv4:10.0.0.2": 500}
+    assert state.tokens.held == 0 and state.inflight_tokens == {}
