@@ -154,7 +154,7 @@ def test_calls_an_attacker_holds_its_share_the_victim_is_served_unsent_bodies_ti
     wait_gauge(t, "eopd_teacher_calls_in_progress", 0)  # every slot freed
 
 
-def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_cancelled(teacher):
+def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_given_up(teacher):
     """The attacker opens LIMIT streams: SHARE are served, the rest refused naming the share; the
     victim's stream is served beside them. Then a stream of the attacker that sends requests and
     never reads the (large) answers is given up after the idle timeout: when the client reads

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -70,7 +71,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
         self.request_bytes = request_bytes  # the server-wide budget (unary bodies; streams: stream_session)
         if calls is None:
-            calls = PerClientLimit(max_concurrent_calls if max_concurrent_calls is not None else 1 << 62)
+            calls = PerClientLimit(max_concurrent_calls if max_concurrent_calls is not None else sys.maxsize)
         self.calls = calls  # unary TeacherService calls in progress, by client
         self.max_concurrent_calls = calls.limit
         self.receive_timeout_s = receive_timeout_s
