@@ -84,9 +84,11 @@ def test_byte_budget_share_per_client():
     assert b.share == 50
     assert b.try_take(40, "a") and b.try_take(10, "a") and not b.try_take(1, "a")
     assert b.refusal(1, "a") == "share" and not b.has_room_for("a") and b.has_room_for("b")
-    assert "its share 50 (max_inflight_request_bytes 100 x max_client_share)" in b.refused_message(1, "a")
+    assert b.refused_message(1, "a") == ("client a has 50 request bytes in flight, this call adds 1, its share 50 "
+                                         "(max_inflight_request_bytes 100 x max_client_share); retry later")
     assert b.try_take(50, "b") and not b.has_room and b.refusal(1, "c") == "total"
-    assert "limit 100 (max_inflight_request_bytes)" in b.refused_message(1, "c")
+    assert b.refused_message(1, "c", what="this request", where=" on the server") == (
+        "100 request bytes in flight on the server, this request adds 1, limit 100 (max_inflight_request_bytes); retry later")
     b.give(50, "a")
     assert b.held == 50 and b.held_by("a") == 0 and b.has_room_for("a")
     assert b.try_take(10) and b.held == 60  # the old API: no client, the total only

@@ -136,8 +136,8 @@ class StreamSession:
 
     async def _watch_idle(self) -> None:
         """Fails the stream once it has been idle (nothing in flight, nothing read) for the timeout;
-        cancels the call once an answer handed to gRPC has not been taken by the client for the
-        timeout (`_stalled`), even after the stream failed or the client half-closed."""
+        gives it up once an answer handed to gRPC has not been taken by the client for the timeout
+        (`_stalled`), even after the stream failed or the client half-closed."""
         while not self._failure and not self._read_all.is_set():
             if self._stalled():
                 return
@@ -254,7 +254,8 @@ class StreamSession:
                     continue
                 nbytes = req.ByteSize()
                 if not await self._take_budget(nbytes):
-                    self._answer_error(req.request_id, Overloaded(self._budget.refused_message(nbytes, self._client)),
+                    self._answer_error(req.request_id, Overloaded(self._budget.refused_message(
+                        nbytes, self._client, what="this request", where=" on the server")),
                                        retryable=True)
                     continue
                 if req.request_id:

@@ -149,12 +149,12 @@ class ByteBudget:
             if not w.done():
                 w.set_result(None)
 
-    def refused_message(self, nbytes: int, client: str | None = None, where: str = "on the server") -> str:
-        """The RESOURCE_EXHAUSTED message of `nbytes` refused for `client` (`refusal`)."""
+    def refused_message(self, nbytes: int, client: str | None = None, *, what: str = "this call", where: str = "") -> str:
+        """The RESOURCE_EXHAUSTED message of `nbytes` of `what` refused for `client` (`refusal`)."""
         if self.refusal(nbytes, client) == "share":
-            return (f"client {client} has {self.held_by(client)} request bytes in flight, this request adds {nbytes}, "
+            return (f"client {client} has {self.held_by(client)} request bytes in flight, {what} adds {nbytes}, "
                     f"its share {self.share} (max_inflight_request_bytes {self.limit} x max_client_share); retry later")
-        return (f"{self.held} request bytes in flight {where}, this request adds {nbytes}, "
+        return (f"{self.held} request bytes in flight{where}, {what} adds {nbytes}, "
                 f"limit {self.limit} (max_inflight_request_bytes); retry later")
 
     async def wait_freed(self) -> None:
