@@ -32,8 +32,10 @@ MAX_STREAMS = 2
 MAX_SEQUENCES = 4
 MAX_MESSAGE_BYTES = 1 << 20  # the smallest the settings allow
 MAX_CLIENT_TOKENS = 1500  # below two 1000-token requests
+# The totals, reached by one client: per-client shares off (they are tests/reliability/test_client_shares.py's).
 LIMITS = ("--max-streams", str(MAX_STREAMS), "--max-sequences-per-request", str(MAX_SEQUENCES),
-          "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-inflight-tokens-per-client", str(MAX_CLIENT_TOKENS))
+          "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-inflight-tokens-per-client", str(MAX_CLIENT_TOKENS),
+          "--max-client-share", "1")
 
 
 @pytest.fixture(scope="module")

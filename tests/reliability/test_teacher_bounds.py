@@ -104,7 +104,9 @@ def test_default_receive_limit_fits_the_largest_allowed_request():
 def test_concurrent_max_size_requests_bounded_memory(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    with running_teacher("tiny-random", "--auth-token-file", str(token_file), "--max-concurrent-calls", str(MAX_CALLS)) as t:
+    # The total call limit, reached by one client: per-client shares off (tests/reliability/test_client_shares.py).
+    with running_teacher("tiny-random", "--auth-token-file", str(token_file), "--max-concurrent-calls", str(MAX_CALLS),
+                         "--max-client-share", "1") as t:
         pid = t.popen.pid
         assert_scores(t.target)
         base = status_mib(pid, "VmRSS")
@@ -193,7 +195,9 @@ def test_partial_http_requests_and_idle_streams_do_not_starve(tmp_path):
     stop = threading.Event()
     socks: list[socket.socket] = []
     try:
+        # Every stream slot taken by one client: per-client shares off (tests/reliability/test_client_shares.py).
         with running_teacher("tiny-random", "--auth-token-file", str(token_file), "--max-streams", str(MAX_STREAMS),
+                             "--max-client-share", "1",
                              "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--stream-idle-timeout-s", str(IDLE_TIMEOUT_S),
                              command=command) as t, grpc.insecure_channel(t.target) as ch:
             limits = open(f"/proc/{t.popen.pid}/limits").read()

@@ -73,7 +73,8 @@ def one_stream(target: str, index: int, n: int = PER_STREAM) -> list[str]:
 
 def test_many_streams_of_near_max_requests_bounded_memory():
     assert near_max_request("x").ByteSize() > 0.85 * RECEIVE_MIB * MiB
-    with running_teacher("tiny-random", "--max-streams", str(STREAMS), "--max-request-bytes", str(int(RECEIVE_MIB * MiB)),
+    # Every stream and the whole budget, from one host: per-client shares off (tests/reliability/test_client_shares.py).
+    with running_teacher("tiny-random", "--max-client-share", "1", "--max-streams", str(STREAMS), "--max-request-bytes", str(int(RECEIVE_MIB * MiB)),
                          "--max-inflight-request-bytes", str(BUDGET_MIB * MiB), "--chunk-size", str(CHUNK)) as t:
         pid = t.popen.pid
         assert one_stream(t.target, -1, 1) == ["OK"]  # warm up: the same path once (first-time allocations)

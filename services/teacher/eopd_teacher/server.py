@@ -183,8 +183,8 @@ class TeacherServer:
         self.memory.start()
         opts = grpc_options(s)
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            StatusInterceptor(self.metrics, max_concurrent_calls=s.max_concurrent_calls, memory=self.memory,
-                              request_bytes=self.state.request_bytes, slots=self.state.call_slots)
+            StatusInterceptor(self.metrics, calls=self.state.calls, memory=self.memory, request_bytes=self.state.request_bytes,
+                              receive_timeout_s=s.request_receive_timeout_s, watches=self.state.watches)
         ]
         token = s.bearer_token()
         if token:

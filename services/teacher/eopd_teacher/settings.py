@@ -116,10 +116,30 @@ class TeacherSettings(ServiceSettings):
         description="unary TeacherService calls served at once; beyond, RESOURCE_EXHAUSTED (retryable) before the "
         "request body is read",
     )
+    max_client_share: float = Field(
+        0.5, gt=0, le=1,
+        description="the largest fraction of each global limit (max_concurrent_calls, max_streams, "
+        "max_inflight_request_bytes, max_queue_tokens as tokens in flight, max_health_watches) one client may hold: "
+        "max(1, floor(limit x this)); beyond, RESOURCE_EXHAUSTED (retryable) naming the client's share, so one client "
+        "cannot take all of a limit. Clients are told apart by peer address (IPv6: its /64), not by the token or "
+        "x-eopd-client, which do not tell callers apart (docs/teacher.md, \"Per-client shares\"). 1: no shares",
+    )
+    request_receive_timeout_s: float = Field(
+        30.0, gt=0,
+        description="a unary call (Score, GetModelInfo, Generate) whose request message has not fully arrived this "
+        "long after the call started ends with DEADLINE_EXCEEDED and frees its call slot (a client that never sends "
+        "its body cannot hold a slot)",
+    )
+    max_health_watches: int = Field(
+        256, ge=1,
+        description="grpc.health.v1 Watch streams open at once (health needs no token; each costs a few KiB); beyond, "
+        "and beyond one client's max_client_share of it, RESOURCE_EXHAUSTED (Check is not limited)",
+    )
     stream_idle_timeout_s: float = Field(
         300.0, gt=0,
         description="a ScoreStream with no request in flight and none received for this long is ended with "
-        "UNAVAILABLE (clients re-open it), so idle streams cannot hold max_streams",
+        "UNAVAILABLE (clients re-open it), and one whose client has not taken an answer for this long is cancelled, "
+        "so idle streams and streams that never read cannot hold max_streams",
     )
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="HTTP side: close a connection whose request headers have not all arrived after this long"

@@ -1,5 +1,6 @@
 """gRPC server interceptors: the status policy applied to TeacherService handlers (statuses,
-logs, per-method metrics, the concurrent-call limit) and the bearer-token check.
+logs, per-method metrics, the concurrent-call limit and each client's share of it, the deadline
+for receiving a unary call's request, the limit on health Watch streams) and the bearer-token check.
 
 Bytes in flight: a unary TeacherService call is served by a request-streaming handler that reads
 its one message itself, so a call refused before its body matters (over `max_concurrent_calls`,
@@ -12,21 +13,24 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from ..convert import NOT_RETRYABLE_KEY
-from ..serving.admission import CallSlots
 from ..serving.batcher import Overloaded
 from ..serving.metrics import TeacherMetrics
 from ..serving.resources import ByteBudget, MemoryReturner
-from ..serving.status import describe
+from ..serving.shares import PerClientLimit
+from ..serving.status import DeadlinePassed, describe
 from ..validation import InvalidRequest, RequestTooLarge
-from .servicer import SERVICE_NAME
+from .servicer import SERVICE_NAME, client_share_key
 
 log = logging.getLogger("eopd_teacher")
+
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 
 
 def _decoder(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object]:
@@ -54,25 +58,25 @@ async def _one_message(request_iterator) -> bytes:
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions of TeacherService handlers to statuses (never a dead stream or a bare
     UNKNOWN), logs unexpected ones, and counts every RPC by method and code. Unary calls (and
-    Generate, unary in, streamed out) beyond `max_concurrent_calls` at once are refused (RESOURCE_EXHAUSTED, retryable) before their body
-    is read; large messages hand their memory back once done (`memory`)."""
+    Generate, unary in, streamed out) beyond `max_concurrent_calls` at once, or beyond their
+    client's share of it (`calls`, a `PerClientLimit` keyed on `servicer.client_share_key`), are
+    refused (RESOURCE_EXHAUSTED, retryable) before their body is read; a call whose request has not
+    arrived within `receive_timeout_s` ends with DEADLINE_EXCEEDED; large messages hand their
+    memory back once done (`memory`). With `watches`, grpc.health.v1 Watch streams beyond it (or a
+    client's share of it) are refused with RESOURCE_EXHAUSTED."""
 
     def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None,
-                 request_bytes: ByteBudget | None = None, slots: CallSlots | None = None):
+                 request_bytes: ByteBudget | None = None, calls: PerClientLimit | None = None,
+                 receive_timeout_s: float | None = None, watches: PerClientLimit | None = None):
         self.metrics = metrics
         self.request_bytes = request_bytes  # the server-wide budget (unary bodies; streams: stream_session)
-        self.max_concurrent_calls = max_concurrent_calls
-        # unary TeacherService calls in progress, shared with /v1/completions (serving/admission.py)
-        self.slots = slots if slots is not None else CallSlots(max_concurrent_calls)
+        if calls is None:
+            calls = PerClientLimit(max_concurrent_calls if max_concurrent_calls is not None else sys.maxsize)
+        self.calls = calls  # unary TeacherService calls in progress, by client
+        self.max_concurrent_calls = calls.limit
+        self.receive_timeout_s = receive_timeout_s
+        self.watches = watches
         self.memory = memory or MemoryReturner()
-
-    @property
-    def calls(self) -> int:
-        return self.slots.count
-
-    @calls.setter
-    def calls(self, n: int) -> None:
-        self.slots.count = n
 
     def _finish(self, method: str, code: grpc.StatusCode, started: float | None) -> None:
         self.metrics.requests.labels(method, code.name).inc()
@@ -94,23 +98,39 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         trailing = ((NOT_RETRYABLE_KEY, "0"),) if isinstance(exc, RequestTooLarge) else ()
         await context.abort(code, message, trailing_metadata=trailing)
 
-    async def _admit(self, request_iterator) -> tuple[bytes, int]:
-        """Admission of a call with one request message (Score, Generate, GetModelInfo): refused
-        before its body is read beyond `max_concurrent_calls` (this call already counted in
-        `self.calls`), its body read, its bytes taken from the server-wide budget
-        (`max_inflight_request_bytes`). Returns the body and the bytes taken, which the caller
-        gives back when the call ends; raises Overloaded (RESOURCE_EXHAUSTED, retryable)."""
-        limit = self.max_concurrent_calls
-        if limit is not None and self.calls > limit:
-            self.memory.refused_unread()
-            raise Overloaded(f"{self.calls - 1} calls in progress, limit {limit} (max_concurrent_calls); retry later")
-        raw = await _one_message(request_iterator)
+    def _take_call(self, client: str) -> None:
+        """Counts a call of `client` in `calls`; raises Overloaded (RESOURCE_EXHAUSTED, retryable)
+        beyond `max_concurrent_calls` or the client's share of it, before its body is read."""
+        calls = self.calls
+        if calls.try_take(1, client):
+            return
+        self.memory.refused_unread()
+        if calls.refusal(1, client) == "share":
+            raise Overloaded(calls.share_message("calls in progress", "max_concurrent_calls", client))
+        raise Overloaded(f"{calls.held} calls in progress, limit {calls.limit} (max_concurrent_calls); retry later")
+
+    async def _receive(self, request_iterator) -> bytes:
+        """The call's request message, due within `receive_timeout_s` (DeadlinePassed after it)."""
+        if self.receive_timeout_s is None:
+            return await _one_message(request_iterator)
+        try:
+            return await asyncio.wait_for(_one_message(request_iterator), self.receive_timeout_s)
+        except TimeoutError:
+            raise DeadlinePassed(f"request: the request message had not arrived {self.receive_timeout_s:g}s after the call "
+                                 "started (request_receive_timeout_s)") from None
+
+    async def _admit(self, request_iterator, client: str) -> tuple[bytes, int]:
+        """Admission of a call with one request message (Score, Generate, GetModelInfo), already
+        counted in `calls`: its body read (`_receive`), its bytes taken from the server-wide budget
+        (`max_inflight_request_bytes`) and `client`'s share of it. Returns the body and the bytes
+        taken, which the caller gives back when the call ends; raises Overloaded (RESOURCE_EXHAUSTED,
+        retryable) or DeadlinePassed."""
+        raw = await self._receive(request_iterator)
         if self.request_bytes is None:
             return raw, 0
-        if not self.request_bytes.try_take(len(raw)):
+        if not self.request_bytes.try_take(len(raw), client):
             self.memory.message_done(len(raw))
-            raise Overloaded(f"{self.request_bytes.held} request bytes in flight, this call adds {len(raw)}, "
-                             f"limit {self.request_bytes.limit} (max_inflight_request_bytes); retry later")
+            raise Overloaded(self.request_bytes.refused_message(len(raw), client))
         return raw, len(raw)
 
     async def _statuses(self, method: str, context: grpc.aio.ServicerContext, responses: AsyncIterator[object],
@@ -134,17 +154,18 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                         respond) -> AsyncIterator[object]:
         """The answers of a call with one request message: admitted (`_admit`), decoded, answered by
         `respond(request, context)`; the call slot and the budget's bytes given back however it ends."""
+        client = client_share_key(context)
+        self._take_call(client)
         nbytes = taken = 0
-        self.calls += 1
         try:
-            raw, taken = await self._admit(request_iterator)
+            raw, taken = await self._admit(request_iterator, client)
             nbytes = len(raw)
             async for response in respond(decode(raw), context):
                 yield response
         finally:
-            self.calls -= 1
+            self.calls.give(1, client)
             if taken:
-                self.request_bytes.give(taken)
+                self.request_bytes.give(taken, client)
             self.memory.message_done(nbytes)
 
     async def _one_request(self, method: str, request_iterator, context: grpc.aio.ServicerContext,
@@ -160,6 +181,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
+        if handler is not None and details.method == HEALTH_WATCH and self.watches is not None:
+            return self._bounded_watch(handler)
         if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
             return handler
         method = details.method.rsplit("/", 1)[-1]
@@ -202,6 +225,30 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=handler.response_serializer)
         return handler
+
+
+    def _bounded_watch(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """grpc.health.v1 Watch, counted in `watches` while it is open (RESOURCE_EXHAUSTED beyond
+        it or the client's share): health needs no token, and each open Watch costs memory."""
+        inner = handler.unary_stream
+        watches = self.watches
+
+        async def watch(request, context):
+            client = client_share_key(context)
+            if not watches.try_take(1, client):
+                if watches.refusal(1, client) == "share":
+                    message = watches.share_message("health Watch streams", "max_health_watches", client)
+                else:
+                    message = f"{watches.held} health Watch streams open, limit {watches.limit} (max_health_watches); retry later"
+                self._finish("Watch", grpc.StatusCode.RESOURCE_EXHAUSTED, None)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            try:
+                return await inner(request, context)
+            finally:
+                watches.give(1, client)
+
+        return grpc.unary_stream_rpc_method_handler(watch, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -15,6 +15,7 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from ..convert import STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, info_to_pb, score_request_from_pb, scores_to_pb
 from ..serving.batcher import Overloaded
 from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
+from ..serving.shares import share_key
 from ..validation import GENERATE_FIELDS, SCORE_FIELDS
 from .stream_session import StreamSession
 
@@ -24,11 +25,21 @@ def wants_stream_ending(context: grpc.aio.ServicerContext) -> bool:
     return any(k == STREAM_ENDING_KEY and v == "1" for k, v in context.invocation_metadata() or ())
 
 
+def peer_of(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port ("ipv4:1.2.3.4", "ipv6:[::1]")."""
+    return (context.peer() or "unknown").rsplit(":", 1)[0]
+
+
 def client_key(context: grpc.aio.ServicerContext) -> str:
-    """Who a request is from, for per-client limits and the batcher's fair queuing: the
-    x-eopd-client metadata, else the peer address without its port."""
+    """Who a request is from, for max_inflight_tokens_per_client and the batcher's fair queuing:
+    the x-eopd-client metadata, else the peer address without its port."""
     given = next((v for k, v in context.invocation_metadata() or () if k == CLIENT_ID_HEADER and v), None)
-    return client_from(given, (context.peer() or "unknown").rsplit(":", 1)[0])
+    return client_from(given, peer_of(context))
+
+
+def client_share_key(context: grpc.aio.ServicerContext) -> str:
+    """Whose share of the global limits a call counts against (`shares.share_key`: the peer's address)."""
+    return share_key(peer_of(context))
 
 
 class TeacherServicer(pb_grpc.TeacherServiceServicer):
@@ -37,12 +48,13 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
     def __init__(self, service: TeacherService):
         self.service = service
 
-    async def _score(self, request: pb.ScoreRequest, client: str, *, stream: bool) -> pb.ScoreResponse:
-        results = await self.service.score(score_request_from_pb(request), client, SCORE_FIELDS, require_request_id=stream)
+    async def _score(self, request: pb.ScoreRequest, client: str, share: str, *, stream: bool) -> pb.ScoreResponse:
+        results = await self.service.score(score_request_from_pb(request), client, SCORE_FIELDS, require_request_id=stream,
+                                           share_key=share)
         return pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        return await self._score(request, client_key(context), stream=False)
+        return await self._score(request, client_key(context), client_share_key(context), stream=False)
 
     async def ScoreStream(
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
@@ -56,26 +68,30 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         after the requests already in flight are answered (and, for a client that asked with
         `eopd-stream-ending: 1`, after announcing the end and letting it half-close)."""
         state = self.service.state
-        if state.open_streams >= state.settings.max_streams:
-            raise Overloaded(f"{state.open_streams} streams open, limit {state.settings.max_streams}; retry later")
-        state.open_streams += 1
+        share = client_share_key(context)
+        streams = state.streams
+        if not streams.try_take(1, share):
+            if streams.refusal(1, share) == "share":
+                raise Overloaded(streams.share_message("streams open", "max_streams", share))
+            raise Overloaded(f"{streams.held} streams open, limit {streams.limit}; retry later")
         try:
             client = client_key(context)
 
             async def score(request: pb.ScoreRequest) -> pb.ScoreResponse:
-                return await self._score(request, client, stream=True)
+                return await self._score(request, client, share, stream=True)
 
             session = StreamSession(score, state.metrics, state.request_bytes, state.settings.stream_idle_timeout_s,
-                                    announce=wants_stream_ending(context))
+                                    announce=wants_stream_ending(context), client=share)
             async for response in session.responses(request_iterator):
                 yield response
         finally:
-            state.open_streams -= 1
+            streams.give(1, share)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        async for g in self.service.generate(generate_request_from_pb(request), client_key(context), GENERATE_FIELDS, deadline):
+        async for g in self.service.generate(generate_request_from_pb(request), client_key(context), GENERATE_FIELDS, deadline,
+                                             share_key=client_share_key(context)):
             yield generation_to_pb(request.request_id, g)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

@@ -21,6 +21,15 @@ outside the budget.
 A stream with no request in flight and none received for `stream_idle_timeout_s` fails with
 `StreamIdle` (UNAVAILABLE, a stream-level failure like the others: the client re-opens it), so idle
 streams cannot hold every one of the server's `max_streams` slots for ever (issue 17, section 3).
+A stream whose client has not taken an answer handed to gRPC for `stream_idle_timeout_s` (it
+stopped reading: the answer waits on HTTP/2 flow control) fails with `StreamStalled`: its requests in
+flight are withdrawn, their bytes given back, its answers not yet handed to gRPC dropped, and it
+reads no more; the call ends with UNAVAILABLE as soon as the client takes the answer gRPC holds (or
+when its connection closes), and its `max_streams` slot is held until then. gRPC's asyncio server
+cannot reset one stream whose client does not read (neither an abort nor cancelling the handler
+reaches such a client), so the slot stays counted against the client's share, which bounds what a
+client that never reads can hold (issue 33, section 2). Each request's bytes count against the stream's client's
+share of the byte budget (`client`, `shares.share_key`).
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ class StreamIdle(NotReady):
     """The stream was idle for stream_idle_timeout_s: UNAVAILABLE (the client re-opens it)."""
 
 
+class StreamStalled(StreamIdle):
+    """The client took no answer for stream_idle_timeout_s: UNAVAILABLE."""
+
+
 # Markers on the answer queue: the stream failed (first failure only), the reader is done.
 _FAILED, _END = object(), object()
 
@@ -79,8 +92,9 @@ class StreamSession:
     `idle_timeout_s` fails."""
 
     def __init__(self, score: Callable[[pb.ScoreRequest], Awaitable[pb.ScoreResponse]], metrics: TeacherMetrics,
-                 budget: ByteBudget, idle_timeout_s: float, *, announce: bool = False):
+                 budget: ByteBudget, idle_timeout_s: float, *, announce: bool = False, client: str | None = None):
         self._score = score
+        self._client = client  # whose share of the byte budget this stream's requests count against
         self._metrics = metrics
         self._announce = announce
         self._out: asyncio.Queue = asyncio.Queue()
@@ -94,37 +108,78 @@ class StreamSession:
         self._last_active = time.monotonic()  # a request read or an answer handed to gRPC
         self._budget = budget
         self._waiting_room = False  # the reader waits for room in the byte budget (not idle)
+        self._sending_since: float | None = None  # an answer handed to gRPC and not yet taken since then
+        self._read_task: asyncio.Task | None = None
+        self._stall_handled = False
 
     async def responses(self, request_iterator: AsyncIterator[pb.ScoreRequest]) -> AsyncIterator[pb.ScoreResponse]:
         """The answers, in the order they are ready; raises the stream's failure at its end."""
-        read_task = asyncio.get_running_loop().create_task(self._read(request_iterator))
+        self._read_task = read_task = asyncio.get_running_loop().create_task(self._read(request_iterator))
         idle_task = asyncio.get_running_loop().create_task(self._watch_idle())
         try:
             while (item := await self._out.get()) is not _END and item is not _FAILED:
+                self._sending_since = time.monotonic()
                 yield item
+                self._sending_since = None
                 self._last_active = time.monotonic()
                 self._slots.release()
             if self._failure:
                 async with contextlib.aclosing(self._after_failure()) as rest:
                     async for item in rest:
+                        self._sending_since = time.monotonic()
                         yield item
+                        self._sending_since = None
         finally:
             read_task.cancel()
             idle_task.cancel()
             self._cancel_all()
 
     async def _watch_idle(self) -> None:
-        """Fails the stream once it has been idle (nothing in flight, nothing read) for the timeout."""
+        """Fails the stream once it has been idle (nothing in flight, nothing read) for the timeout;
+        gives it up once an answer handed to gRPC has not been taken by the client for the timeout
+        (`_stalled`), even after the stream failed or the client half-closed."""
         while not self._failure and not self._read_all.is_set():
-            left = self._last_active + self._idle_timeout_s - time.monotonic()
-            if left > 0:
+            if self._stalled():
+                return
+            now = time.monotonic()
+            left = self._last_active + self._idle_timeout_s - now
+            if self._sending_since is not None:  # an answer is on its way to the client: `_stalled` decides
+                await asyncio.sleep(max(0.01, self._sending_since + self._idle_timeout_s - now))
+            elif left > 0:
                 await asyncio.sleep(left)
             elif self._tasks or not self._out.empty() or self._waiting_room:
                 self._last_active = time.monotonic()  # busy: not idle
             else:
                 self._fail(StreamIdle(f"stream idle for {self._idle_timeout_s:g}s (no request in flight); "
                                       "closed by the server (stream_idle_timeout_s), re-open it to send more"), "")
-                return
+                break
+        while not self._stalled():  # failed or half-closed: answers may still wait on the client
+            since = self._sending_since
+            await asyncio.sleep(self._idle_timeout_s if since is None else max(0.01, since + self._idle_timeout_s - time.monotonic()))
+
+    def _stalled(self) -> bool:
+        """Whether the client has not taken an answer for the idle timeout; if so, the stream fails
+        with StreamStalled: it reads no more, its requests in flight are withdrawn (their bytes given
+        back), its answers not yet handed to gRPC are dropped (issue 33, section 2)."""
+        since = self._sending_since
+        if since is None or time.monotonic() - since < self._idle_timeout_s:
+            return False
+        if self._stall_handled:
+            return True
+        self._stall_handled = True
+        self._metrics.streams_stalled.inc()
+        log.warning("ScoreStream: the client took no answer for %gs (stream_idle_timeout_s); its work is withdrawn",
+                    self._idle_timeout_s)
+        if self._read_task is not None:
+            self._read_task.cancel()
+        self._cancel_all()
+        while not self._out.empty():  # answers the client would not take
+            self._out.get_nowait()
+        self._failure.insert(0, (StreamStalled(
+            f"the client took no answer for {self._idle_timeout_s:g}s; stream closed by the server "
+            "(stream_idle_timeout_s), re-open it and read its answers"), ""))
+        self._out.put_nowait(_FAILED)
+        return True
 
     def _fail(self, exc: BaseException, request_id: str) -> None:
         self._failure.append((exc, request_id))
@@ -160,7 +215,7 @@ class StreamSession:
         deadline = time.monotonic() + BUDGET_WAIT_S
         self._waiting_room = True
         try:
-            while not self._budget.try_take(nbytes):
+            while not self._budget.try_take(nbytes, self._client):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -175,10 +230,10 @@ class StreamSession:
         try:
             reader = aiter(request_iterator)
             while True:
-                if not self._budget.has_room:  # full: leave the next message with the client
+                if not self._budget.has_room_for(self._client):  # full: leave the next message with the client
                     self._waiting_room = True
                     try:
-                        await self._budget.wait_room()
+                        await self._budget.wait_room(self._client)
                     finally:
                         self._waiting_room = False
                 try:
@@ -199,9 +254,9 @@ class StreamSession:
                     continue
                 nbytes = req.ByteSize()
                 if not await self._take_budget(nbytes):
-                    self._answer_error(req.request_id, Overloaded(
-                        f"{self._budget.held} request bytes in flight on the server, this request adds {nbytes}, limit "
-                        f"{self._budget.limit} (max_inflight_request_bytes); retry later"), retryable=True)
+                    self._answer_error(req.request_id, Overloaded(self._budget.refused_message(
+                        nbytes, self._client, what="this request", where=" on the server")),
+                                       retryable=True)
                     continue
                 if req.request_id:
                     self._inflight_ids.add(req.request_id)
@@ -209,7 +264,7 @@ class StreamSession:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 # A callback, not the handler's `finally`: a task cancelled before it starts runs none of it.
-                task.add_done_callback(lambda _, n=nbytes: self._budget.give(n))
+                task.add_done_callback(lambda _, n=nbytes: self._budget.give(n, self._client))
         except Exception as exc:  # noqa: BLE001 - a broken client stream
             self._fail(exc, "")
         finally:

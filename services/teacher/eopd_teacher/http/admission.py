@@ -3,10 +3,11 @@ taken through the shared objects' public API, and what a request may cost before
 
 - Content type: a body declared as anything but JSON (`application/json`, `*/*+json`) is refused
   with 415 before it is read (no Content-Type at all is taken as JSON, as FastAPI and vLLM do).
-- Calls: each request holds one of the server's `max_concurrent_calls` slots (`CallSlots`, shared
-  with gRPC's unary calls) while it is served; none free: 429 before the body is read.
+- Calls: each request holds one of the server's `max_concurrent_calls` slots (`ServerState.calls`, a `PerClientLimit` shared
+  with gRPC's unary calls) while it is served, within the caller's per-client share (its address,
+  `shares.share_key`); none free: 429 before the body is read.
 - Bytes: the body's bytes are taken from the server-wide `ByteBudget` (`max_inflight_request_bytes`,
-  shared with gRPC) while the request is served: the declared Content-Length before reading, else
+  shared with gRPC, and the caller's share of it) while the request is served: the declared Content-Length before reading, else
   each chunk as it arrives; over the budget: 429. The body itself is bounded (`body_limit`; 413).
 - Disconnects: the work runs beside a watch of the connection (`until_disconnected`); when the
   client goes away the work is cancelled (a generation stops: the engine is told, as for a gRPC
@@ -14,7 +15,8 @@ taken through the shared objects' public API, and what a request may cost before
   (`AbortLog`, rate-limited), never a traceback.
 
 The client identity (x-eopd-client header, else the peer address) is the one gRPC uses
-(`openai_compat._client`), for the batcher's fair queue and the per-client in-flight tokens."""
+(`openai_compat._client`), for the batcher's fair queue and the per-client in-flight tokens; the
+per-client shares of the global limits key on the address alone (`peer_share_key`)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from ..serving.shares import share_key
 from ..serving.state import ServerState
 from .openai_format import CompatError
 
@@ -77,16 +80,17 @@ class Admission:
         """The request's body, read within `body_limit` (413) and the byte budget (429), with a call
         slot held (429 when none is free, before reading); all given back when the block ends."""
         json_content_type(request)
-        slots, budget = self.state.call_slots, self.state.request_bytes
-        if not slots.try_take():
-            raise CompatError(429, f"{slots.count} calls in progress, limit {slots.limit} (max_concurrent_calls); retry later")
+        calls, budget, key = self.state.calls, self.state.request_bytes, peer_share_key(request)
+        if not calls.try_take(1, key):
+            if calls.refusal(1, key) == "share":
+                raise CompatError(429, calls.share_message("calls in progress", "max_concurrent_calls", key))
+            raise CompatError(429, f"{calls.held} calls in progress, limit {calls.limit} (max_concurrent_calls); retry later")
         taken = 0
 
         def take(nbytes: int) -> None:
             nonlocal taken
-            if not budget.try_take(nbytes):
-                raise CompatError(429, f"{budget.held} request bytes in flight, this request adds {nbytes}, limit "
-                                       f"{budget.limit} (max_inflight_request_bytes); retry later")
+            if not budget.try_take(nbytes, key):
+                raise CompatError(429, budget.refused_message(nbytes, key, what="this request"))
             taken += nbytes
 
         try:
@@ -110,9 +114,22 @@ class Admission:
                 raise CompatError(499, "the client disconnected before sending the whole body") from None
             yield b"".join(chunks)
         finally:
-            slots.give()
+            calls.give(1, key)
             if taken:
-                budget.give(taken)
+                budget.give(taken, key)
+
+
+def peer_address(request: Request) -> str:
+    """The peer as the gRPC side names it ("ipv4:1.2.3.4", "ipv6:[::1]", "unknown"), without its port."""
+    if request.client is None:
+        return "unknown"
+    host = request.client.host
+    return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+
+
+def peer_share_key(request: Request) -> str:
+    """Whose share of the global limits a request counts against (`shares.share_key`: its address)."""
+    return share_key(peer_address(request))
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

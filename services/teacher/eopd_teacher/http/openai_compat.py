@@ -32,7 +32,7 @@ from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
 from ..serving.status import describe
 from ..types import GeneratePrompt, GenerateRequest, Generation, ScoreRequest, ScoreSequence, SequenceScores
 from ..validation import FieldNames, RequestTooLarge
-from .admission import Admission, until_disconnected
+from .admission import Admission, peer_address, peer_share_key, until_disconnected
 from .json_out import answer_bytes
 from .openai_format import (
     CompatError,
@@ -208,7 +208,7 @@ class CompletionsRoute:
                 num_samples=p.n, max_new_tokens=p.max_tokens, temperature=_f32(sample.temperature), top_p=_f32(sample.top_p),
                 stop_token_ids=tuple(sample.stop_token_ids), seed=sample.seed, top_k=max(p.logprobs_k or 0, 1),
                 score_temperature=_f32(p.temperature))
-            answers = [g async for g in self.service.generate(req, _client(request), _GENERATE_NAMES)]
+            answers = [g async for g in self.service.generate(req, _client(request), _GENERATE_NAMES, share_key=peer_share_key(request))]
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
             err = _compat_error(exc)
             if err.status == 500:
@@ -231,7 +231,7 @@ class CompletionsRoute:
                            temperature=_f32(p.temperature))
         names = FieldNames("prompt", nested=False, positions=index, renamed=_SCORE_RENAMED)
         try:
-            results = await self.service.score(req, _client(request), names)
+            results = await self.service.score(req, _client(request), names, share_key=peer_share_key(request))
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
             err = _compat_error(exc)
             if err.status == 500:
@@ -246,12 +246,7 @@ class CompletionsRoute:
 def _client(request: Request) -> str:
     """Who a request is from, for per-client limits, as on gRPC: the x-eopd-client header, else
     the peer address."""
-    if request.client is None:
-        peer = "unknown"
-    else:
-        host = request.client.host
-        peer = f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
-    return client_from(request.headers.get(CLIENT_ID_HEADER), peer)
+    return client_from(request.headers.get(CLIENT_ID_HEADER), peer_address(request))
 
 
 def create_router(service: TeacherService) -> APIRouter:

@@ -43,6 +43,13 @@ class TeacherMetrics:
             registry=r,
         )
         self.ready = Gauge("eopd_teacher_ready", "1 when the model is loaded and requests are accepted", registry=r)
+        # What the global limits hold now (set_function by ServerState; each also split by client: serving/shares.py).
+        self.calls_in_progress = Gauge("eopd_teacher_calls_in_progress", "unary calls and Generates being served (max_concurrent_calls)", registry=r)
+        self.open_streams = Gauge("eopd_teacher_open_streams", "ScoreStreams open (max_streams)", registry=r)
+        self.streams_stalled = Counter(
+            "eopd_teacher_streams_stalled", "ScoreStreams given up because their client took no answer for stream_idle_timeout_s",
+            registry=r)
+        self.health_watches = Gauge("eopd_teacher_health_watches", "grpc.health.v1 Watch streams open (max_health_watches)", registry=r)
 
     def on_batch(self, sequences: int, tokens: int, padded: int, seconds: float) -> None:
         self.batch_sequences.observe(sequences)

@@ -30,6 +30,8 @@ import logging
 import resource
 import time
 
+from .shares import PerClientLimit
+
 log = logging.getLogger("eopd_teacher")
 
 # glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD = -3).
@@ -81,46 +83,79 @@ def _libc() -> ctypes.CDLL | None:
 
 
 class ByteBudget:
-    """Request bytes (their wire size) admitted and not yet answered, at most `limit` in total.
+    """Request bytes (their wire size) admitted and not yet answered, at most `limit` in total and
+    `max(1, limit x share_fraction)` per client (`shares.PerClientLimit`; a taker without a
+    `client` counts against the total only).
 
     The interceptor takes a unary call's bytes once its body is read (refusing the call with
     RESOURCE_EXHAUSTED when they do not fit) and gives them back when it is answered; a ScoreStream
     takes each request's bytes once it is read (waiting for bytes to be given back, `wait_freed`,
     when they do not fit) and gives them back when its handler is done, and does not read its next
-    request while the budget is full (`wait_room`), so under load the bytes stay with the client (HTTP/2 flow
-    control) instead of being read and refused. A request alone is always admitted (the limit is
-    at least the largest message gRPC accepts: settings)."""
+    request while the budget (or its client's share) is full (`wait_room`), so under load the bytes
+    stay with the client (HTTP/2 flow control) instead of being read and refused. A request alone is
+    always admitted (the limit is at least the largest message gRPC accepts: settings), and so is a
+    client's first while the total allows."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, share_fraction: float = 1.0):
+        self._bytes = PerClientLimit(limit, share_fraction)
         self.limit = limit
-        self.held = 0
-        self.peak = 0  # the most ever held at once (tests, diagnostics)
         self._room = asyncio.Event()
         self._room.set()
         self._waiters: list[asyncio.Future] = []  # wait_freed() callers
 
     @property
+    def held(self) -> int:
+        return self._bytes.held
+
+    @property
+    def peak(self) -> int:
+        """The most ever held at once (tests, diagnostics)."""
+        return self._bytes.peak
+
+    @property
+    def share(self) -> int:
+        """What one client may hold."""
+        return self._bytes.share
+
+    def held_by(self, client: str | None) -> int:
+        return self._bytes.held_by(client)
+
+    @property
     def has_room(self) -> bool:
         return self.held < self.limit
 
-    def try_take(self, nbytes: int) -> bool:
-        """Admits `nbytes` if they fit (or nothing is held); False otherwise (nothing taken)."""
-        if self.held + nbytes > self.limit and self.held > 0:
+    def has_room_for(self, client: str | None) -> bool:
+        """Room in the total and in `client`'s share."""
+        return self.has_room and (client is None or self.held_by(client) < self.share)
+
+    def refusal(self, nbytes: int, client: str | None = None) -> str | None:
+        """Why `nbytes` may not be taken now ("total", or "share": the client's), or None."""
+        return self._bytes.refusal(nbytes, client)
+
+    def try_take(self, nbytes: int, client: str | None = None) -> bool:
+        """Admits `nbytes` (for `client`) if they fit (or nothing is held); False otherwise (nothing taken)."""
+        if not self._bytes.try_take(nbytes, client):
             return False
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
         if not self.has_room:
             self._room.clear()
         return True
 
-    def give(self, nbytes: int) -> None:
-        self.held -= nbytes
+    def give(self, nbytes: int, client: str | None = None) -> None:
+        self._bytes.give(nbytes, client)
         if self.has_room:
             self._room.set()
         waiters, self._waiters = self._waiters, []
         for w in waiters:
             if not w.done():
                 w.set_result(None)
+
+    def refused_message(self, nbytes: int, client: str | None = None, *, what: str = "this call", where: str = "") -> str:
+        """The RESOURCE_EXHAUSTED message of `nbytes` of `what` refused for `client` (`refusal`)."""
+        if self.refusal(nbytes, client) == "share":
+            return (f"client {client} has {self.held_by(client)} request bytes in flight, {what} adds {nbytes}, "
+                    f"its share {self.share} (max_inflight_request_bytes {self.limit} x max_client_share); retry later")
+        return (f"{self.held} request bytes in flight{where}, {what} adds {nbytes}, "
+                f"limit {self.limit} (max_inflight_request_bytes); retry later")
 
     async def wait_freed(self) -> None:
         """Returns the next time bytes are given back."""
@@ -132,10 +167,10 @@ class ByteBudget:
             if freed in self._waiters:
                 self._waiters.remove(freed)
 
-    async def wait_room(self) -> None:
-        """Returns once less than `limit` is held."""
-        while not self.has_room:
-            await self._room.wait()
+    async def wait_room(self, client: str | None = None) -> None:
+        """Returns once less than `limit` is held (and, with `client`, less than its share)."""
+        while not self.has_room_for(client):
+            await (self._room.wait() if not self.has_room else self.wait_freed())
 
 
 class MemoryReturner:

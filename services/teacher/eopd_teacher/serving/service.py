@@ -63,31 +63,41 @@ class TeacherService:
         return self.state.info
 
     @contextlib.contextmanager
-    def _in_flight(self, client: str, tokens: int) -> Iterator[None]:
+    def _in_flight(self, client: str, tokens: int, share_key: str | None = None) -> Iterator[None]:
         """Holds `tokens` of `client`'s per-client in-flight budget (Overloaded beyond it, unless
-        the client has nothing else in flight) and the in-flight gauge while the body runs."""
+        the client has nothing else in flight), of `share_key`'s share of max_queue_tokens
+        (`state.tokens`; Overloaded beyond it unless it has nothing in flight; the total is the
+        batcher's queue limit) and the in-flight gauge while the body runs."""
         inflight = self.state.inflight_tokens
         limit = self.state.settings.max_inflight_tokens_per_client
         if inflight.get(client, 0) + tokens > limit and inflight.get(client, 0) > 0:
             raise Overloaded(f"client {client!r} has {inflight[client]} tokens in flight; this request adds {tokens}, limit {limit}")
+        shares = self.state.tokens
+        key = share_key or client
+        if shares.refusal(tokens, key) == "share":
+            raise Overloaded(f"client {key} has {shares.held_by(key)} tokens in flight, this request adds {tokens}, its share "
+                             f"of max_queue_tokens ({shares.limit} x max_client_share = {shares.share}); retry later")
+        shares.take(tokens, key)
         inflight[client] = inflight.get(client, 0) + tokens
         self.state.metrics.inflight.inc()
         try:
             yield
         finally:
             self.state.metrics.inflight.dec()
+            shares.give(tokens, key)
             inflight[client] -= tokens
             if inflight[client] <= 0:
                 del inflight[client]
 
     async def score(self, request: ScoreRequest, client: str, names: FieldNames, *,
-                    require_request_id: bool = False) -> list[SequenceScores]:
+                    require_request_id: bool = False, share_key: str | None = None) -> list[SequenceScores]:
         """Validates `request` whole (errors naming fields by `names`), queues it on the batcher
-        within the client's in-flight budget; the scores of its sequences, in order."""
+        within the client's in-flight budget and `share_key`'s share (`shares.share_key`; None:
+        `client`); the scores of its sequences, in order."""
         info, batcher = self.state.check_ready()
         items = score_items(request, info, names, require_request_id=require_request_id,
                             max_response_bytes=self.state.settings.max_message_bytes)
-        with self._in_flight(client, sum(it.num_tokens for it in items)):
+        with self._in_flight(client, sum(it.num_tokens for it in items), share_key):
             results = await batcher.submit(items, client)
         m = self.state.metrics
         m.sequences.inc(len(items))
@@ -95,7 +105,7 @@ class TeacherService:
         return results
 
     async def generate(self, request: GenerateRequest, client: str, names: FieldNames,
-                       deadline: float | None = None) -> AsyncIterator[Generation]:
+                       deadline: float | None = None, *, share_key: str | None = None) -> AsyncIterator[Generation]:
         """Validates the whole request, then runs its jobs (`generate_jobs`) one after another on
         the batcher and yields each generation as its job ends (prompt order, samples in order).
         `deadline` (time.monotonic(); None: none): no job starts after it."""
@@ -103,7 +113,7 @@ class TeacherService:
         s = self.state.settings
         items = generate_items(request, info, names, max_response_bytes=s.max_message_bytes)
         m = self.state.metrics
-        with self._in_flight(client, sum(generate_tokens(it) for it in items)):
+        with self._in_flight(client, sum(generate_tokens(it) for it in items), share_key):
             for job in generate_jobs(items, s.max_batch_tokens):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlinePassed(f"the call's deadline passed before prompt {job[0].prompt_id!r} was generated")

@@ -13,8 +13,8 @@ from ..settings import TeacherSettings
 from ..types import EngineInfo, ModelInfo
 from .batcher import Draining, DynamicBatcher
 from .metrics import TeacherMetrics
-from .admission import CallSlots
 from .resources import ByteBudget
+from .shares import PerClientLimit
 from .status import NotReady
 
 if TYPE_CHECKING:
@@ -49,13 +49,28 @@ class ServerState:
     load_error: str | None = None
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     inflight_tokens: dict[str, int] = field(default_factory=dict)
-    open_streams: int = 0
+    # The global limits, each with a per-client share (`shares`, `max_client_share`), keyed on `shares.share_key`.
     request_bytes: ByteBudget = field(init=False)  # max_inflight_request_bytes, shared by all calls
-    call_slots: CallSlots = field(init=False)  # max_concurrent_calls, gRPC unary calls and /v1/completions
+    calls: PerClientLimit = field(init=False)  # max_concurrent_calls: unary calls (and Generate) being served
+    streams: PerClientLimit = field(init=False)  # max_streams: ScoreStreams open
+    tokens: PerClientLimit = field(init=False)  # max_queue_tokens: tokens of requests in flight
+    watches: PerClientLimit = field(init=False)  # max_health_watches: grpc.health.v1 Watch streams open
 
     def __post_init__(self) -> None:
-        self.request_bytes = ByteBudget(self.settings.max_inflight_request_bytes)
-        self.call_slots = CallSlots(self.settings.max_concurrent_calls)
+        s = self.settings
+        share = s.max_client_share
+        self.request_bytes = ByteBudget(s.max_inflight_request_bytes, share)
+        self.calls = PerClientLimit(s.max_concurrent_calls, share)
+        self.streams = PerClientLimit(s.max_streams, share)
+        self.tokens = PerClientLimit(s.max_queue_tokens, share)
+        self.watches = PerClientLimit(s.max_health_watches, share)
+        for gauge, limit in ((self.metrics.calls_in_progress, self.calls), (self.metrics.open_streams, self.streams),
+                             (self.metrics.health_watches, self.watches)):
+            gauge.set_function(lambda limit=limit: limit.held)
+
+    @property
+    def open_streams(self) -> int:
+        return self.streams.held
 
     @property
     def ready(self) -> bool:

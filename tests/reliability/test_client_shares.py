@@ -1,0 +1,246 @@
+"""Per-client shares of the teacher's global limits (issue 33, section 2), against the real server
+(a subprocess over TCP, tiny-random model) started with small limits (8 calls, 8 streams, 8 health
+Watches; `max_client_share` 0.5: 4 each per client).
+
+Two clients told apart by address (the share key: `serving/shares.py`): the attacker connects from
+127.0.0.1, the victim from ::1 (the teacher listens on both). The attacker tries to take all of
+each limit: it is held to its share (RESOURCE_EXHAUSTED naming the share), and the victim is served
+beside it (Score, GetModelInfo, Generate, ScoreStream, health). The attacker's unary calls never
+send their body: each ends with DEADLINE_EXCEEDED after `request_receive_timeout_s` and frees its
+slot. A stream that never reads its answers is given up after `stream_idle_timeout_s` (its work
+withdrawn; the call ends as soon as the client reads again)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from eopd.v1 import teacher_pb2 as pb
+from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from tests.procs import running_teacher
+
+pytestmark = pytest.mark.integration
+
+LIMIT = 8  # max_concurrent_calls, max_streams, max_health_watches
+SHARE = 4  # max(1, floor(8 x 0.5)): the default max_client_share
+RECEIVE_TIMEOUT_S = 2.0
+IDLE_TIMEOUT_S = 5.0
+ATTACKER = "ipv4:127.0.0.1"
+DEAF_REQUESTS = 8
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    if not _has_ipv6_loopback():
+        pytest.skip("needs the IPv6 loopback (::1) for a second client address")
+    limits = ("--host", "::", "--max-concurrent-calls", str(LIMIT), "--max-streams", str(LIMIT),
+              "--max-health-watches", str(LIMIT), "--request-receive-timeout-s", str(RECEIVE_TIMEOUT_S),
+              "--stream-idle-timeout-s", str(IDLE_TIMEOUT_S), "--grace-seconds", "2")
+    with running_teacher("tiny-random", *limits) as t:
+        port = t.target.rsplit(":", 1)[1]
+        yield t, f"127.0.0.1:{port}", f"[::1]:{port}"
+
+
+def score_request(rid: str = "v", n_tokens: int = 6, top_k: int = 0) -> pb.ScoreRequest:
+    return pb.ScoreRequest(request_id=rid, top_k=top_k, sequences=[
+        pb.Sequence(id="s", token_ids=[1 + (7 * j) % 500 for j in range(n_tokens)], score_from=1)])
+
+
+def share_refusal(what: str, setting: str) -> str:
+    return (f"client {ATTACKER} holds {SHARE} {what}, its share of {setting} ({LIMIT} x max_client_share = {SHARE}); "
+            "retry later")
+
+
+def gauge(teacher, name: str) -> float:
+    with urllib.request.urlopen(f"{teacher.http}/metrics", timeout=10) as r:
+        return float(re.search(rf"^{name} (\S+)$", r.read().decode(), re.M).group(1))
+
+
+def wait_gauge(teacher, name: str, value: float, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := gauge(teacher, name)) != value:
+        assert time.monotonic() < deadline, f"{name} is {got}, never {value}"
+        time.sleep(0.1)
+
+
+async def victim_is_served(target: str) -> None:
+    """Score, GetModelInfo, Generate and ScoreStream from the victim all answer."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.TeacherServiceStub(ch)
+        resp = await stub.Score(score_request(), timeout=60)
+        assert len(resp.results[0].token_logprobs) == 5
+        assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)).model_name
+        gen = pb.GenerateRequest(request_id="g", prompts=[pb.Prompt(id="p", token_ids=[1, 2, 3])], max_new_tokens=2)
+        answers = [a async for a in stub.Generate(gen, timeout=60)]
+        assert answers and answers[0].request_id == "g"
+        got = [r.request_id async for r in stub.ScoreStream(iter([score_request("s1"), score_request("s2")]), timeout=60)]
+        assert sorted(got) == ["s1", "s2"]
+
+
+async def never_ends(stop: asyncio.Event):
+    """A request stream that sends nothing until `stop` (then ends without a message)."""
+    await stop.wait()
+    return
+    yield  # pragma: no cover
+
+
+def test_calls_an_attacker_holds_its_share_the_victim_is_served_unsent_bodies_time_out(teacher):
+    """The attacker keeps LIMIT + 4 unary calls going that never send their body: at most SHARE are
+    admitted at once (the rest refused, naming the share), each admitted one ends with
+    DEADLINE_EXCEEDED after the receive timeout; meanwhile the victim is served."""
+    t, attacker, victim = teacher
+
+    async def go():
+        outcomes: list[tuple[grpc.StatusCode, str, float]] = []
+        stop = asyncio.Event()
+        async with grpc.aio.insecure_channel(attacker) as ch:
+            score = ch.stream_unary("/eopd.v1.TeacherService/Score", request_serializer=pb.ScoreRequest.SerializeToString,
+                                    response_deserializer=pb.ScoreResponse.FromString)
+
+            async def hold():
+                while not stop.is_set():
+                    started = time.monotonic()
+                    try:
+                        await score(never_ends(stop))
+                        code, details = grpc.StatusCode.OK, ""
+                    except grpc.aio.AioRpcError as e:
+                        code, details = e.code(), e.details()
+                    if not stop.is_set():
+                        outcomes.append((code, details, time.monotonic() - started))
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        await asyncio.sleep(0.2)
+
+            holders = [asyncio.ensure_future(hold()) for _ in range(LIMIT + 4)]
+            try:
+                deadline = time.monotonic() + 60
+                while not any(o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED for o in outcomes):
+                    assert time.monotonic() < deadline, outcomes
+                    await asyncio.sleep(0.05)
+                await victim_is_served(victim)
+                while not any(o[0] == grpc.StatusCode.DEADLINE_EXCEEDED for o in outcomes):
+                    assert time.monotonic() < deadline, outcomes
+                    await asyncio.sleep(0.05)
+            finally:
+                stop.set()
+                for h in holders:
+                    h.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+        return outcomes
+
+    outcomes = asyncio.run(go())
+    refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    timed_out = [o for o in outcomes if o[0] == grpc.StatusCode.DEADLINE_EXCEEDED]
+    assert len(refused) + len(timed_out) == len(outcomes), outcomes
+    assert {o[1] for o in refused} == {share_refusal("calls in progress", "max_concurrent_calls")}, refused
+    assert {o[1] for o in timed_out} == {f"request: the request message had not arrived {RECEIVE_TIMEOUT_S:g}s after the "
+                                         "call started (request_receive_timeout_s)"}, timed_out
+    assert all(RECEIVE_TIMEOUT_S * 0.9 <= o[2] < RECEIVE_TIMEOUT_S + 30 for o in timed_out), timed_out
+    wait_gauge(t, "eopd_teacher_calls_in_progress", 0)  # every slot freed
+
+
+def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_given_up(teacher):
+    """The attacker opens LIMIT streams: SHARE are served, the rest refused naming the share; the
+    victim's stream is served beside them. Then a stream of the attacker that sends requests and
+    never reads the (large) answers is given up after the idle timeout: when the client reads
+    again it gets what gRPC held, then UNAVAILABLE, long before all its answers; its slot is freed."""
+    t, attacker, victim = teacher
+
+    async def go():
+        async with grpc.aio.insecure_channel(attacker) as ch:
+            stub = pb_grpc.TeacherServiceStub(ch)
+            held, refused = [], []
+
+            async def open_one(i: int) -> None:  # all at once: none idles out before the last is opened
+                call = stub.ScoreStream(timeout=120)
+                try:
+                    await call.write(score_request(f"a{i}"))
+                    assert (await asyncio.wait_for(call.read(), 60)).request_id == f"a{i}"
+                    held.append(call)
+                except grpc.aio.AioRpcError as e:
+                    refused.append((e.code(), e.details()))
+
+            await asyncio.gather(*(open_one(i) for i in range(LIMIT)))
+            assert len(held) == SHARE, refused
+            assert set(refused) == {(grpc.StatusCode.RESOURCE_EXHAUSTED, share_refusal("streams open", "max_streams"))}
+            await victim_is_served(victim)
+            for call in held:
+                await call.done_writing()
+            assert [await c.code() for c in held] == [grpc.StatusCode.OK] * SHARE
+            await asyncio.to_thread(wait_gauge, t, "eopd_teacher_open_streams", 0)
+
+            # Never reads: 8 requests of ~130 KB answers each, on a channel whose HTTP/2 window stays
+            # at 64 KiB (no BDP probing): the answers wait on flow control.
+            small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+            deaf_ch = grpc.aio.insecure_channel(attacker, options=small_window)
+            deaf = pb_grpc.TeacherServiceStub(deaf_ch).ScoreStream(timeout=120)
+            for i in range(DEAF_REQUESTS):
+                await asyncio.wait_for(deaf.write(score_request(f"d{i}", n_tokens=256, top_k=64)), 60)
+            # The server gives up on it once an answer has waited on the client for the idle timeout.
+            await asyncio.to_thread(wait_gauge, t, "eopd_teacher_streams_stalled_total", 1, IDLE_TIMEOUT_S + 60)
+            # Its slot is held until gRPC lets the call go (counted against the client's share).
+            assert await asyncio.to_thread(gauge, t, "eopd_teacher_open_streams") == 1
+            # Reading now: what gRPC held, then the end, before all its answers.
+            answers = []
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while (r := await asyncio.wait_for(deaf.read(), 60)) is not grpc.aio.EOF:
+                    answers.append(r.request_id)
+            await deaf_ch.close()
+            return e.value, answers
+
+    err, answers = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert err.details() == (f"the client took no answer for {IDLE_TIMEOUT_S:g}s; stream closed by the server "
+                             "(stream_idle_timeout_s), re-open it and read its answers"), err.details()
+    assert len(answers) < DEAF_REQUESTS, answers
+    wait_gauge(t, "eopd_teacher_open_streams", 0)
+
+
+def test_health_watches_are_bounded_per_client(teacher):
+    """The attacker opens LIMIT Watch streams: SHARE get the status, the rest are refused naming
+    the share; the victim's Watch and Check are served; closed watches free their slots."""
+    t, attacker, victim = teacher
+
+    async def go():
+        async with grpc.aio.insecure_channel(attacker) as ach, grpc.aio.insecure_channel(victim) as vch:
+            astub, vstub = health_pb2_grpc.HealthStub(ach), health_pb2_grpc.HealthStub(vch)
+            watches, refused = [], []
+
+            async def open_one() -> None:
+                call = astub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+                try:
+                    first = await asyncio.wait_for(call.read(), 60)
+                    assert first.status == health_pb2.HealthCheckResponse.SERVING
+                    watches.append(call)
+                except grpc.aio.AioRpcError as e:
+                    refused.append((e.code(), e.details()))
+
+            await asyncio.gather(*(open_one() for _ in range(LIMIT)))
+            assert len(watches) == SHARE, refused
+            assert set(refused) == {(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     share_refusal("health Watch streams", "max_health_watches"))}
+            mine = vstub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            assert (await asyncio.wait_for(mine.read(), 60)).status == health_pb2.HealthCheckResponse.SERVING
+            check = await vstub.Check(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            assert await asyncio.to_thread(gauge, t, "eopd_teacher_health_watches") == SHARE + 1
+            for call in [*watches, mine]:
+                call.cancel()
+
+    asyncio.run(go())
+    wait_gauge(t, "eopd_teacher_health_watches", 0)
