@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 import secrets
 import threading
 
@@ -154,7 +155,12 @@ def _auth_server(address: tuple[str, int], gate: queue_gate.Gate):
             if self.admitted is not None:
                 super().finish()
 
-    server = fakeredis.TcpFakeServer(address)
+    class Server(fakeredis.TcpFakeServer):
+        # socketserver's backlog is 5: a burst of connections (a stranger's flood) overflowed it and the
+        # kernel dropped the SYNs of the run's own clients, which retried after 1, 3, 7 s...
+        request_queue_size = socket.SOMAXCONN
+
+    server = Server(address)
     server.RequestHandlerClass = Handler
     return server
 
