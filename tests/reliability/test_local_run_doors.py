@@ -218,3 +218,33 @@ def test_the_redis_password_goes_only_to_the_runs_own_child(tmp_path, monkeypatc
     finally:
         sup.stop_all()
         stranger.close()
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"*2\r\n$4\r\nAUTH\r\n$2\r\npw\r\n", ([b"AUTH", b"pw"], 22)),
+    (b"*2\r\n$4\r\nAUTH\r\n$2\r\npw", None),  # incomplete: wait for more
+    (b"AUTH default pw\r\nPING\r\n", ([b"AUTH", b"default", b"pw"], 17)),  # inline, as Redis reads it
+    (b"AUTH default", None),
+])
+def test_the_gate_parses_what_redis_reads(data, expected):
+    from eopd_trainer.job.queue_gate import parse_command
+
+    assert parse_command(data) == expected
+
+
+@pytest.mark.parametrize("data", [b"*1\r\n$1073741824\r\n", b"*100000\r\n", b"*1\r\n+x\r\n", b"*x\r\n"])
+def test_the_gate_refuses_what_could_not_fit_or_is_not_resp(data):
+    from eopd_trainer.job.queue_gate import ProtocolError, parse_command
+
+    with pytest.raises(ProtocolError):
+        parse_command(data)
+
+
+def test_the_gate_reads_credentials_as_redis_does():
+    from eopd_trainer.job.queue_gate import credentials
+
+    assert credentials([b"AUTH", b"pw"]) == (b"default", b"pw")
+    assert credentials([b"auth", b"u", b"pw"]) == (b"u", b"pw")
+    assert credentials([b"HELLO", b"3", b"AUTH", b"default", b"pw"]) == (b"default", b"pw")
+    assert "wrong number" in credentials([b"AUTH"]) and "Syntax" in credentials([b"HELLO", b"3", b"AUTH", b"x"])
+    assert credentials([b"HELLO", b"3"]) is None and credentials([b"PING"]) is None and credentials([]) is None

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import socket
 import secrets
+import socket
 import threading
 
 from . import queue_gate
