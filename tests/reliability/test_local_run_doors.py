@@ -135,7 +135,7 @@ def test_idle_unauthenticated_connections_cost_no_cpu_and_are_closed(queue_proce
         cpu0, t0 = cpu_s(pid), time.monotonic()
         time.sleep(2.0)  # below AUTH_TIMEOUT_S: the waiting ones are still open
         cpu, wall = cpu_s(pid) - cpu0, time.monotonic() - t0
-        # fakeredis' own handler polled each: 300 connections used 1.5 cores in the attack, 0.3 here on main
+        # fakeredis' own handler polled each: 300 connections used 1.5 cores in the attack, 0.3-1.2 here on main
         assert cpu < 0.1 * wall, f"300 idle connections used {cpu:.2f} s of CPU in {wall:.1f} s"
         victim_round_trip(port)  # the run's client gets in (it takes the place of the oldest waiting)
         closed_early = 0
