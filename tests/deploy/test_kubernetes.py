@@ -163,8 +163,31 @@ def test_queue_key_reaches_only_the_learner_and_rollout_pods(target, tmp_path, m
             assert not any(m["name"] == volumes[0]["name"] for m in c.get("volumeMounts", [])), (target, key, c["name"])
         # The pod's hardening is unchanged: non-root, no privilege gain, no capabilities.
         assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["fsGroup"] == 10001
-        assert main["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert main["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                           "capabilities": {"drop": ["ALL"]}}
     assert seen == holders, target
+
+
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pods_have_a_read_only_root_and_no_api_token(target):
+    """Issue 33: every container (init containers too) runs on a read-only root filesystem with an
+    emptyDir at /tmp (and at $HOME=/home/eopd for eopd's images: torch, triton, DeepSpeed caches);
+    no pod gets the service-account token (none talks to the Kubernetes API)."""
+    pods = [(o["metadata"]["name"], pod_spec(o)) for o in objects(target) if o["kind"] in WORKLOADS]
+    assert {name for name, _ in pods} >= {"eopd-teacher", "eopd-rollout", "eopd-learner", "eopd-redis"}, pods
+    for name, spec in pods:
+        assert spec.get("automountServiceAccountToken") is False, (target, name)
+        empty_dirs = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            where = (target, name, c["name"])
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, where
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts.get("/tmp") in empty_dirs, where
+            if c["image"].startswith("eopd"):
+                assert mounts.get("/home/eopd") in empty_dirs, where
 
 
 def test_plain_kustomize_renders_without_load_restrictions_none():

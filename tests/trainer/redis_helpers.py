@@ -49,7 +49,7 @@ def start_redis(port: int | None = None, *extra: str, timeout: float = 20.0) -> 
     workdir = Path(tempfile.mkdtemp(prefix="eopd-redis-"))
     sup = Supervisor(workdir, pdeathsig=False)
     try:
-        url, child, _ = start_redis_server(sup, binary, ["--save", "", "--appendonly", "no", "--dir", str(workdir),
+        url, child, _, _ = start_redis_server(sup, binary, ["--save", "", "--appendonly", "no", "--dir", str(workdir),
                                                          *extra], port=port, wait_s=timeout)
     except RunError as exc:
         sup.stop_all()

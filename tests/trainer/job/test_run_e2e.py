@@ -10,9 +10,13 @@ import os
 import re
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -24,6 +28,63 @@ from tests.trainer.pipeline_helpers import committed_state, trained_ids
 pytestmark = pytest.mark.integration
 
 TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def assert_owner_only(*roots) -> int:
+    """Every directory and file under `roots` (and the roots) is owner-only; returns how many it checked."""
+    seen = 0
+    for root in roots:
+        for path in [root, *root.rglob("*")]:
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            assert stat.S_IMODE(st.st_mode) & 0o077 == 0, f"{path} is {stat.S_IMODE(st.st_mode):o}"
+            seen += 1
+    return seen
+
+
+def http_status(url: str, token: str | None = None, body: dict | None = None) -> int:
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body else None, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def check_a_stranger_is_kept_out(run_dir, run_pid: int, backend: str) -> None:
+    """Issue 33 section 4, against a running `eopd run`: its teacher wants the run's token on /metrics
+    and /v1/completions (probes open); the run directory and the shared-memory weights are
+    owner-only; with the embedded queue, an unauthenticated stream of junk does not grow eopd run."""
+    token_file = run_dir / "teacher.token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    http_port = json.loads((run_dir / "logs" / "teacher.ports.json").read_text())["http_port"]
+    base = f"http://127.0.0.1:{http_port}"
+    completion = {"model": "teacher", "prompt": "1 + 1 =", "max_tokens": 1}
+    assert http_status(f"{base}/metrics") == 401
+    assert http_status(f"{base}/v1/completions", body=completion) == 401
+    assert http_status(f"{base}/metrics", token="not-the-token") == 401
+    assert http_status(f"{base}/readyz") == 200 and http_status(f"{base}/healthz") == 200
+    assert http_status(f"{base}/metrics", token=token) == 200
+    assert f"auth_token_file: {token_file}" in (run_dir / "run.yaml").read_text()  # the workers' (a path only)
+    shm = shm_weights_dir(run_dir).parent
+    assert shm.is_dir() and any(shm.rglob("*.safetensors"))  # weight_sync auto: shm, mid-run
+    assert assert_owner_only(run_dir, shm) > 10
+    if backend == "embedded":
+        url = re.search(r"redis_url: (\S+)", (run_dir / "run.yaml").read_text()).group(1)
+        host, port = url.split("/")[2].split(":")
+        rss0 = int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{run_pid}/status").read()).group(1))
+        sent = 0
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            try:
+                while sent < 64 << 20:
+                    sent += s.send(b"x" * (1 << 20))
+            except OSError:
+                pass
+        rss = int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{run_pid}/status").read()).group(1))
+        assert sent < 64 << 20 and rss - rss0 < 16 * 1024, (sent, rss0, rss)  # was +448 MiB in 0.9 s
 
 
 def eopd(*args: str, timeout: float = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -58,6 +119,8 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
         assert m["n_samples"] == 2 and set(m["pass_at_k"]) == {"1", "2"} and m["prompts"] == 8
         assert m["tokens"] > 0 and m["fkl_high_entropy"] == m["fkl_high_entropy"]  # not NaN
     assert ev["models"]["final"]["model"].endswith("/hf")
+    # Owner-only: checkpoints, the redis append-only file, logs, data (issue 33: the AOF and checkpoints were 0644)
+    assert any((run_dir / "redis").rglob("*.aof")) and assert_owner_only(run_dir) > 20
 
     # eopd eval adds a model to eval.json; eopd report renders every figure.
     res = eopd("eval", "--run-dir", str(run_dir), "--model", "teacher", "eval.max_prompts=2")
@@ -147,6 +210,7 @@ def test_run_stops_every_process_on_sigterm(tmp_path, backend):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no iteration within 180 s"
             time.sleep(0.5)
+        check_a_stranger_is_kept_out(run_dir, proc.pid, backend)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     finally:

@@ -320,9 +320,9 @@ def test_teacher_that_dies_before_reporting_its_ports_fails_to_start(tmp_path):
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_redis_server_port_collision_is_retried(tmp_path, monkeypatch):
     """The port picked for the run's redis-server is taken before it binds: (a) by a plain listening
-    socket (redis-server exits), (b) by another redis-server (answers PING, but INFO's process_id is
-    not our child's: never used). The third port is free: the run's queue ends there, and the foreign
-    Redis got nothing written."""
+    socket (redis-server exits), (b) by another redis-server: ours exits too, and the foreign one is
+    never even connected to (issue 33: the password went there first). The third port is free: the
+    run's queue ends there, and the foreign Redis got nothing."""
     import redis
     from eopd_trainer.config import QueueConfig
     from eopd_trainer.job import local_queue
@@ -336,16 +336,19 @@ def test_redis_server_port_collision_is_retried(tmp_path, monkeypatch):
         ports = iter([plain.getsockname()[1], foreign.port, free])
         monkeypatch.setattr(local_queue, "free_port", lambda: next(ports))
         sup = Supervisor(tmp_path / "logs")
+        watcher = foreign.client()
+        seen = watcher.info("stats")["total_connections_received"]
         try:
             q = local_queue.choose_queue(sup, tmp_path, QueueConfig(backend="redis-server"))
             assert q.backend == "redis-server" and q.url == f"redis://127.0.0.1:{free}/0", q
             assert f"port {plain.getsockname()[1]} was taken" in q.message, q.message
-            assert f"port {foreign.port} answered by another Redis (pid {foreign.popen.pid})" in q.message, q.message
+            assert f"port {foreign.port} was taken" in q.message, q.message
             assert [c.name for c in sup.children] == ["redis"] and sup.children[0].alive()
             client = redis.Redis.from_url(q.auth_url)  # a redis-server started here has a random password
             assert client.info("server")["process_id"] == sup.children[0].popen.pid
             client.set("eopd:probe", "1")
-            assert foreign.client().keys("*") == []
+            assert watcher.keys("*") == []
+            assert watcher.info("stats")["total_connections_received"] == seen  # nobody else connected
             sup.check()
         finally:
             sup.stop_all()

@@ -20,7 +20,10 @@ What it is not:
   AUTH default <password>` (what redis-py 8 sends), every command is answered `NOAUTH` and not run;
   a wrong password gets `WRONGPASS`. `eopd run` gives it a random password each start and passes it
   to the learner and workers as REDIS_PASSWORD, as for a redis-server it starts (local_queue.py).
-  CONFIG and ACL are refused even after AUTH, so no client can lock the run out. What the run's
+  CONFIG and ACL are refused even after AUTH, so no client can lock the run out. Before fakeredis
+  reads a byte of a connection, `queue_gate.py` makes it authenticate first: at most 4 KiB and 10 s
+  each, 64 waiting at once, idle ones blocked in `recv` (no CPU), so a stranger's connection costs
+  next to nothing (fakeredis alone buffered an endless line: +448 MiB in 0.9 s). What the run's
   processes accept from it is also authenticated: every message carries an HMAC under the run's
   key (`queue/signing.py`), which the queue never sees.
 - **Not fast for large entries.** fakeredis' TCP server reads a request line by line and its
@@ -37,10 +40,12 @@ method of fakeredis' socket class) and is checked by `tests/trainer/queue/test_p
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import secrets
+import socket
 import threading
+
+from . import queue_gate
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +88,6 @@ def _fix_blocking_xreadgroup() -> None:
         _fixed = True
 
 
-NOAUTH = "NOAUTH Authentication required."
-WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
 REFUSED = (b"config", b"acl")  # could lock the run out (requirepass, users): the run never needs them
 
 
@@ -101,34 +104,25 @@ def _require_auth(sock, password: bytes) -> None:
     run = sock._process_command
     authed = False
 
-    def check(user: bytes, given: bytes) -> bool:
-        nonlocal authed
-        ok = hmac.compare_digest(given, password) and user.lower() == b"default"
-        authed = authed or ok
-        if not ok:
-            sock.put_response(SimpleError(WRONGPASS))
-        return ok
-
     def gate(fields: list[bytes]) -> None:
+        nonlocal authed
         name = fields[0].lower() if fields else b""
-        if name == b"auth":
-            if len(fields) not in (2, 3):
-                sock.put_response(SimpleError("ERR wrong number of arguments for 'auth' command"))
-            elif check(*(fields[1:] if len(fields) == 3 else [b"default", fields[1]])):
-                sock.put_response(b"OK")
+        creds = queue_gate.credentials(fields)
+        if isinstance(creds, str):
+            sock.put_response(SimpleError(creds))
             return
-        if name == b"hello":
-            upper = [f.upper() for f in fields]
-            if b"AUTH" in upper[2:]:
-                at = upper.index(b"AUTH", 2)
-                if len(fields) < at + 3:
-                    sock.put_response(SimpleError("ERR Syntax error in HELLO option 'auth'"))
-                    return
-                if not check(fields[at + 1], fields[at + 2]):
-                    return
-                fields = fields[:at] + fields[at + 3:]  # fakeredis' own ACL knows no password
+        if creds is not None:
+            if not queue_gate.valid(*creds, password):
+                sock.put_response(SimpleError(queue_gate.WRONGPASS))
+                return
+            authed = True
+            if name == b"auth":
+                sock.put_response(b"OK")
+                return
+            at = [f.upper() for f in fields].index(b"AUTH", 2)
+            fields = fields[:at] + fields[at + 3:]  # HELLO: fakeredis' own ACL knows no password
         if not authed:
-            sock.put_response(SimpleError(NOAUTH))
+            sock.put_response(SimpleError(queue_gate.NOAUTH))
         elif name in REFUSED:
             sock.put_response(SimpleError(f"ERR {name.decode().upper()} is disabled in the embedded queue"))
         else:
@@ -137,19 +131,36 @@ def _require_auth(sock, password: bytes) -> None:
     sock._process_command = gate
 
 
-def _auth_server(address: tuple[str, int], password: str):
-    """fakeredis' TcpFakeServer whose connections must authenticate (`_require_auth`)."""
+def _auth_server(address: tuple[str, int], gate: queue_gate.Gate):
+    """fakeredis' TcpFakeServer whose connections pass `gate` before fakeredis reads them, and must
+    authenticate with fakeredis too (`_require_auth`)."""
     import fakeredis
     from fakeredis._clients._tcp_server import TCPFakeRequestHandler
 
-    secret = password.encode()
-
     class Handler(TCPFakeRequestHandler):
         def setup(self) -> None:
+            self.admitted = gate.authenticate(self.request)  # blocking, bounded in bytes and time
+            if self.admitted is None:
+                return  # closed without fakeredis ever seeing it
             super().setup()
-            _require_auth(self.current_client.get_socket(), secret)
+            _require_auth(self.current_client.get_socket(), gate.password)
 
-    server = fakeredis.TcpFakeServer(address)
+        def handle(self) -> None:
+            if self.admitted is None:
+                return
+            self.current_client.get_socket().sendall(self.admitted)  # the AUTH / HELLO and what followed
+            super().handle()
+
+        def finish(self) -> None:
+            if self.admitted is not None:
+                super().finish()
+
+    class Server(fakeredis.TcpFakeServer):
+        # socketserver's backlog is 5: a burst of connections (a stranger's flood) overflowed it and the
+        # kernel dropped the SYNs of the run's own clients, which retried after 1, 3, 7 s...
+        request_queue_size = socket.SOMAXCONN
+
+    server = Server(address)
     server.RequestHandlerClass = Handler
     return server
 
@@ -157,15 +168,21 @@ def _auth_server(address: tuple[str, int], password: str):
 class EmbeddedQueue:
     """A Redis-protocol server on 127.0.0.1 in a daemon thread of this process (see the module doc)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, password: str | None = None):
-        """`password`: what clients must AUTH with (a new random one when None)."""
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, password: str | None = None, *,
+                 max_unauthenticated: int = queue_gate.MAX_PENDING, unauthenticated_bytes: int = queue_gate.MAX_BYTES,
+                 auth_timeout_s: float = queue_gate.TIMEOUT_S):
+        """`password`: what clients must AUTH with (a new random one when None). The other three bound
+        what connections that have not authenticated may cost (queue_gate.py): how many wait at once,
+        the bytes each may send, the seconds each may take."""
         try:
             import fakeredis
         except ImportError as exc:  # the trainer extra pins it
             raise RuntimeError("the embedded queue needs the fakeredis package (pip install 'eopd[trainer]')") from exc
         _fix_blocking_xreadgroup()
         self.password = password or secrets.token_hex(32)
-        self._server = _auth_server((host, port), self.password)
+        self.gate = queue_gate.Gate(self.password.encode(), max_bytes=unauthenticated_bytes,
+                                    max_pending=max_unauthenticated, timeout_s=auth_timeout_s)
+        self._server = _auth_server((host, port), self.gate)
         self._server.daemon_threads = True  # a connection left open by a killed child must not hold up stop()
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},

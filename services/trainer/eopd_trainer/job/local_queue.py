@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -23,6 +24,7 @@ import redis
 
 from ..config import QueueConfig
 from ..queue.signing import write_key_file
+from . import listener
 from .embedded_queue import EmbeddedQueue
 from .supervisor import Child, RunError, Supervisor, free_port
 
@@ -77,26 +79,36 @@ def redis_pid(url: str, timeout: float = 1.0, *, password: str | None = None) ->
     return int(info["process_id"]) if "process_id" in info else None
 
 
+def new_password() -> str:
+    """A fresh random Redis password (one per redis-server start, one per port tried)."""
+    return secrets.token_hex(32)
+
+
 def start_redis(sup: Supervisor, binary: str, options: Sequence[str], *, name: str = "redis", port: int | None = None,
-                wait_s: float = PING_WAIT_S, conf: Path | None = None,
-                password: str | None = None) -> tuple[str, Child, list[str]]:
+                wait_s: float = PING_WAIT_S,
+                conf_for: Callable[[str], Path] | None = None) -> tuple[str, Child, list[str], str | None]:
     """`redis-server --port P --bind 127.0.0.1 *options` under `sup`, on a free port tried up to
     REDIS_PORT_TRIES times (once on an explicit `port`): a try fails when the port was taken meanwhile
-    (redis-server exits, having bound nothing and touched no data) or when the Redis answering there is
-    not our child (INFO process_id): a foreign Redis is never used. Returns (url, child, notes on the
-    ports given up). `conf`: a config file read first (it carries the password, never put on the
-    command line where every local user can read it); `password`: what our checks AUTH with."""
+    (redis-server exits, having bound nothing and touched no data). Nothing is sent to the port until
+    the socket listening there is proven to be the child's own (`listener.listening_owner_is`: the
+    LISTEN socket's inode among the child's open files): a stranger who took the port first is never
+    sent a command, let alone the password. `conf_for(password)`: writes the config file read first
+    (it carries the password, never put on the command line where every local user can read it) and
+    returns its path; each try gets a fresh password, so one given up reveals nothing reusable.
+    Returns (url, child, notes on the ports given up, the password or None without `conf_for`)."""
     notes: list[str] = []
     for _ in range(1 if port else REDIS_PORT_TRIES):
         p = port or free_port()
+        password = new_password() if conf_for else None
+        conf = conf_for(password) if conf_for else None
         log = sup.log_dir / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0  # this try's lines start there
         child = sup.start(name, [binary, *([str(conf)] if conf else []), "--port", str(p), "--bind", "127.0.0.1",
                                  *options])
         url = f"redis://127.0.0.1:{p}/0"
-        taken = _wait_own_redis(child, url, wait_s, offset, password)
+        taken = _wait_own_redis(child, p, url, wait_s, offset, password)
         if taken is None:
-            return url, child, notes
+            return url, child, notes, password
         notes.append(f"port {p} {taken}")
         child.stop(10)
         sup.children.remove(child)
@@ -112,31 +124,48 @@ def write_private(path: Path, text: str) -> Path:
     return path
 
 
-def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str, password: str) -> tuple[str, Child, list[str]]:
+def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child, list[str], str | None]:
     data_dir = run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    # A new random password each invocation (nothing persistent depends on it), in a 0600 config file:
-    # a local process that finds the port cannot read, write or reconfigure the queue (NOAUTH).
-    conf = write_private(data_dir / "auth.conf", f"requirepass {password}\n")
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # the append-only file holds the run's rollouts (an older run's dir may be 0755)
+
+    # A new random password each start, in a 0600 config file: a local process that finds the port
+    # cannot read, write or reconfigure the queue (NOAUTH).
+    def conf_for(password: str) -> Path:
+        return write_private(data_dir / "auth.conf", f"requirepass {password}\n")
+
     # The AOF policy of the deployments (docker-compose.yml, deploy/k8s): each write reaches the file
     # before the reply (unless a slow fsync holds it, up to 2 s), fsync once a second; no RDB snapshots.
     return start_redis(sup, binary, ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir",
-                                     str(data_dir)], conf=conf, password=password)
+                                     str(data_dir)], conf_for=conf_for)
 
 
-def _wait_own_redis(child: Child, url: str, wait_s: float, offset: int, password: str | None = None) -> str | None:
+def _owns_port(child: Child, port: int) -> bool:
+    """Whether `child` is the process listening on 127.0.0.1:`port`. Without Linux' /proc (nothing
+    else runs eopd run's children with PR_SET_PDEATHSIG either) the weaker proof: it is alive and
+    something accepts connections there."""
+    if listener.supported():
+        return listener.listening_owner_is(child.popen.pid, port)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return child.alive()
+    except OSError:
+        return False
+
+
+def _wait_own_redis(child: Child, port: int, url: str, wait_s: float, offset: int,
+                    password: str | None = None) -> str | None:
     """None once our redis-server answers at `url`; else why the port is not usable (taken: its log
-    from `offset` on says so, or another Redis answers there)."""
+    from `offset` on says so). The password is sent only once the child owns the listening socket."""
     deadline = time.monotonic() + wait_s  # a resumed run's redis-server first loads its append-only file
     while True:
-        pid = redis_pid(url, password=password)
-        if pid is None and password:  # a foreign Redis without a password refuses our AUTH
-            pid = redis_pid(url)
-        if pid == child.popen.pid:
-            return None
-        if pid is not None:
-            return f"answered by another Redis (pid {pid})"
-        if not child.alive():
+        if _owns_port(child, port):
+            pid = redis_pid(url, password=password)
+            if pid == child.popen.pid:
+                return None
+            if pid is not None:  # cannot be: the listening socket is the child's
+                return f"answered by another Redis (pid {pid})"
+        elif not child.alive():
             with child.log_path.open("rb") as fh:
                 fh.seek(offset)
                 if b"Address already in use" in fh.read():
@@ -201,9 +230,8 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
         why = f"queue.backend={backend}"
     binary = shutil.which("redis-server")
     if backend in ("auto", "redis-server") and binary is not None:
-        password = secrets.token_hex(32)
+        url, child, notes, password = _start_redis_server(sup, run_dir, binary)
         sup.child_env = {**sup.child_env, "REDIS_PASSWORD": password}  # the learner, workers (not the teacher)
-        url, child, notes = _start_redis_server(sup, run_dir, binary, password)
         retried = f" ({'; '.join(notes)})" if notes else ""
         return QueueChoice(url, "redis-server",
                            f"queue: {why}; started redis-server on {url.split('/')[2]}{retried} with a random password "
@@ -213,7 +241,7 @@ def choose_queue(sup: Supervisor, run_dir: Path, qcfg: QueueConfig | None = None
                        "redis-server, or queue.backend=auto|embedded)")
     if backend == "auto":
         why += "; redis-server is not installed"
-    password = secrets.token_hex(32)
+    password = new_password()
     sup.child_env = {**sup.child_env, "REDIS_PASSWORD": password}  # the learner, workers (not the teacher)
     url = _start_embedded(sup, password)
     return QueueChoice(url, "embedded", f"queue: {why}; using the embedded queue (fakeredis) on "

@@ -59,7 +59,7 @@ SAFE_TO_CHANGE: tuple[str, ...] = (
     "rollout.claim_idle_ms", "rollout.stop_grace_s", "rollout.weights_poll_s", "rollout.max_task_deliveries",
 )
 # What eopd run itself fills into run.yaml (compared only when run.requested.yaml is missing).
-FILLED_IN = ("teacher.target", "queue.redis_url", "queue.namespace", "queue.backend", "queue.auth_key_file",
+FILLED_IN = ("teacher.target", "teacher.auth_token_file", "queue.redis_url", "queue.namespace", "queue.backend", "queue.auth_key_file",
              "logging.progress", "student.model", "data.train_files", "data.eval_files")
 # What an attempt that committed nothing leaves behind, removed before a new run starts there.
 ATTEMPT_OUTPUTS = ("redis", "checkpoints", "weights", "tb", "train_metrics.jsonl", "run_summary.json", "eval.json")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -44,7 +45,7 @@ from ..data import load_prompts
 from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
 from ..faults import Faults
 from ..learner.metrics import trim_records
-from .local_queue import QueueChoice, choose_queue, run_key_file
+from .local_queue import QueueChoice, choose_queue, run_key_file, write_private
 from .prepare import prepare, validate
 from .progress import Progress
 from .resume import (
@@ -67,6 +68,8 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see TrainingAttempt.write_config)
+RUN_UMASK = 0o077  # what eopd run and its children create is owner-only
+TEACHER_TOKEN_NAME = "teacher.token"  # the bearer token of the teacher eopd run starts (0600, new each start)
 
 
 def say(msg: str) -> None:
@@ -99,20 +102,28 @@ def run(cfg: RunConfig, *, overwrite: bool = False, resume: bool = False, evalua
     if problems:
         raise ConfigError("cannot run:\n" + "\n".join(f"  {p}" for p in problems))
     t_start = time.monotonic()
+    # Owner-only: the run directory (made 0700) and every file and directory this process and its children
+    # create (umask 077, inherited): rollouts in redis' append-only file, checkpoints, published weights
+    # (also in /dev/shm), logs, the queue's password and key, the teacher's token.
+    old_umask = os.umask(RUN_UMASK)
     lock = RunLock(Path(cfg.run_dir).resolve())
-    try:  # waits for the processes of a killed invocation of this run directory
-        lock.acquire(note=say)
-    except RunDirBusy as exc:
-        say(str(exc))
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        say("interrupted while waiting for the run directory")
-        return EXIT_INTERRUPTED
     try:
-        return _run(cfg, lock, t_start, overwrite=overwrite, resume=resume, evaluate=evaluate,
-                    teacher_timeout=teacher_timeout, learner_timeout=learner_timeout)
+        try:  # waits for the processes of a killed invocation of this run directory
+            lock.acquire(note=say)
+        except RunDirBusy as exc:
+            say(str(exc))
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            say("interrupted while waiting for the run directory")
+            return EXIT_INTERRUPTED
+        try:
+            lock.run_dir.chmod(0o700)  # a run directory made before (or by another tool) may be 0755
+            return _run(cfg, lock, t_start, overwrite=overwrite, resume=resume, evaluate=evaluate,
+                        teacher_timeout=teacher_timeout, learner_timeout=learner_timeout)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        os.umask(old_umask)
 
 
 def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resume: bool, evaluate: bool,
@@ -283,8 +294,15 @@ class TrainingAttempt:
         return queue, ns
 
     def start_teacher(self) -> None:
-        """The teacher on port 0; returns once it has reported the ports it bound (before its model loads)."""
-        self.teacher = start_teacher(self.sup, self.cfg.teacher.model, "--dtype", self.cfg.teacher.dtype)
+        """The teacher on port 0; returns once it has reported the ports it bound (before its model loads).
+        It requires a bearer token, new each start, in `<run_dir>/teacher.token` (0600): every gRPC
+        call but health, /metrics and /v1/completions (its probes stay open). The teacher gets the
+        file's path by environment (EOPD_TEACHER_AUTH_TOKEN_FILE), the workers by run.yaml
+        (teacher.auth_token_file); the token itself is on no command line and in no config."""
+        token_file = write_private(self.run_dir / TEACHER_TOKEN_NAME, secrets.token_hex(32) + "\n")
+        self.teacher = start_teacher(self.sup, self.cfg.teacher.model, "--dtype", self.cfg.teacher.dtype,
+                                     env={"EOPD_TEACHER_AUTH_TOKEN_FILE": str(token_file)},
+                                     drop_env=("EOPD_TEACHER_AUTH_TOKEN",))  # "auth_token or auth_token_file"
         gp, _ = self.teacher.ports(self.teacher_timeout, on_poll=self._poll)
         say(f"teacher {self.cfg.teacher.model} starting on 127.0.0.1:{gp} (log {self.teacher.log_path})")
 
@@ -304,6 +322,9 @@ class TrainingAttempt:
         # expired while the machine slept and the learner refused to commit after waking up (exit 6).
         # On one machine the run directory's lock already keeps a second learner out.
         target = self.teacher.target if self.teacher is not None else self.cfg.teacher.target
+        if self.teacher is not None:  # the workers send the token of the teacher started here
+            self.cfg = self.cfg.model_copy(update={"teacher": self.cfg.teacher.model_copy(
+                update={"auth_token_file": str(self.run_dir / TEACHER_TOKEN_NAME)})})
         self.cfg = _effective(self.cfg, target=target,
                               queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
                                      "auth_key_file": run_key_file(self.run_dir, self.cfg.queue),

@@ -125,12 +125,13 @@ class Supervisor:
     pdeathsig: bool = True  # children get SIGTERM when this process dies (spawn)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None, *, hold: bool = True,
-              kind: type[C] = Child) -> C:
+              kind: type[C] = Child, drop_env: tuple[str, ...] = ()) -> C:
         """Starts a child in its own session (`spawn`), log `<log_dir>/<name>.log`, stopped by the
         kernel if this process dies. With `hold`, the child inherits `pass_fds` (the run
-        directory's lock) until it exits, and `child_env`."""
+        directory's lock) until it exits, and `child_env`. `drop_env`: more variables this child
+        does not inherit (besides `self.drop_env`)."""
         child = spawn(name, args, self.log_dir / f"{name}.log", env={**(self.child_env if hold else {}), **(env or {})}, cwd=self.cwd,
-                      pass_fds=self.pass_fds if hold else (), drop_env=self.drop_env, pdeathsig=self.pdeathsig,
+                      pass_fds=self.pass_fds if hold else (), drop_env=(*self.drop_env, *drop_env), pdeathsig=self.pdeathsig,
                       kind=kind)
         self.children.append(child)
         return child

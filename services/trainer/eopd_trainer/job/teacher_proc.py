@@ -92,16 +92,18 @@ def teacher_args(model: str, *extra: str, ports_file: Path, grpc_port: int = 0, 
 
 def start_teacher(sup: Supervisor, model: str, *extra: str, name: str = "teacher", grpc_port: int = 0,
                   http_port: int = 0, env: dict[str, str] | None = None, hold: bool = False,
-                  command: Sequence[str] = TEACHER_COMMAND, kind: type[T] = TeacherChild) -> T:
+                  command: Sequence[str] = TEACHER_COMMAND, kind: type[T] = TeacherChild,
+                  drop_env: tuple[str, ...] = ()) -> T:
     """Starts `eopd-teacher serve --model model *extra` under `sup` (log `<log_dir>/<name>.log`) on
     port 0 for both servers unless explicit ports are given (a test restarting a teacher on the same
-    port); returns at once: `.ports()` / `.target` wait for the ports file, `.wait_ready()` for /readyz."""
+    port); returns at once: `.ports()` / `.target` wait for the ports file, `.wait_ready()` for /readyz.
+    `drop_env`: variables of this process the teacher does not inherit."""
     ports_path = sup.log_dir / f"{name}.ports.json"
     ports_path.parent.mkdir(parents=True, exist_ok=True)
     ports_path.unlink(missing_ok=True)
     args = teacher_args(model, *extra, ports_file=ports_path, grpc_port=grpc_port, http_port=http_port,
                         command=command)
-    child = sup.start(name, args, env, hold=hold, kind=kind)
+    child = sup.start(name, args, env, hold=hold, kind=kind, drop_env=drop_env)
     child.ports_path = ports_path
     if grpc_port and http_port:  # known already: usable before the teacher has written its file
         child.grpc_port, child.http_port = grpc_port, http_port
