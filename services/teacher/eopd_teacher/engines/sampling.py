@@ -44,3 +44,24 @@ def sample_next(
     assert generators is not None and len(generators) == logits.shape[0], "one generator per row"
     probs = nucleus_probs(logits, temperature, top_p).cpu()
     return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+def sample_rows(
+    logits: torch.Tensor, temperatures: list[float], top_ps: list[float], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """`sample_next` with a temperature, top-p and generator per row (`[B]` int64 on the CPU): the
+    rows of each (temperature, top_p) are drawn together as `sample_next` draws them (greedy rows
+    take the argmax and need no generator), so a row's token is the one it draws in a batch of its
+    own kind."""
+    groups: dict[tuple[float, float], list[int]] = {}
+    for b, key in enumerate(zip(temperatures, top_ps)):
+        groups.setdefault(key, []).append(b)
+    if len(groups) == 1:
+        ((temperature, top_p),) = groups
+        return sample_next(logits, temperature, top_p, generators if temperature > 0 else None)
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    for (temperature, top_p), rows in groups.items():
+        idx = torch.tensor(rows)
+        out[idx] = sample_next(logits[idx.to(logits.device)], temperature, top_p,
+                               [generators[b] for b in rows] if temperature > 0 else None)
+    return out
