@@ -37,13 +37,18 @@ def sample_next(
     logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None
 ) -> torch.Tensor:
     """The next token of each row, `[B]` int64 on the CPU: the argmax when `temperature == 0`
-    (lowest id on ties), else one draw per row from `nucleus_probs`, row b with `generators[b]`
-    (CPU generators; the probabilities are moved to the CPU for the draw)."""
+    (lowest id on ties), else one draw per row from `nucleus_probs` by inverse CDF: row b takes one
+    uniform u from `generators[b]` (CPU generators) and the first token whose cumulative
+    probability (float64) exceeds u times the row's total, so a token of probability 0 is never
+    drawn. One uniform per draw, where `torch.multinomial` draws one exponential per vocabulary
+    entry (17 ms a draw at 49k entries on a loaded CPU, the largest cost of a decode step)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1).cpu()
     assert generators is not None and len(generators) == logits.shape[0], "one generator per row"
-    probs = nucleus_probs(logits, temperature, top_p).cpu()
-    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+    cdf = nucleus_probs(logits, temperature, top_p).cpu().double().cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return picked.clamp_(max=cdf.shape[-1] - 1)
 
 
 def sample_rows(
