@@ -80,10 +80,18 @@ def measure(model: str, args) -> dict:
     rows = {name: {"seconds": statistics.median(ts), "prompts_s": args.prompts / statistics.median(ts),
                    "tokens_s": tokens[name] / statistics.median(ts), "generated_tokens": tokens[name]}
             for name, ts in times.items()}
-    speedup = statistics.median(a / b for a, b in zip(times["one at a time"], times["batched"]))
+    speedups = [a / b for a, b in zip(times["one at a time"], times["batched"])]
+    speedup = statistics.median(speedups)
     return {"model": model, "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-            "rounds": args.rounds, "rows": rows, "speedup": speedup, "greedy_identical": parity,
+            "rounds": args.rounds, "rows": rows, "speedup": speedup, "speedups": speedups, "greedy_identical": parity,
             "same_tokens": tokens["one at a time"] == tokens["batched"]}
+
+
+def _speedup(r: dict) -> str:
+    """The median per-round ratio, with the range of the rounds where recorded."""
+    rounds = r.get("speedups") or []
+    spread = f" (rounds x{min(rounds):.2f}..x{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"x{r['speedup']:.2f}{spread}"
 
 
 def section_text(d: dict) -> str:
@@ -91,7 +99,7 @@ def section_text(d: dict) -> str:
     for r in d["results"]:
         for name, row in r["rows"].items():
             table_rows.append([r["model"], f"{r['prompts']} x {r['samples']} x {r['max_new_tokens']}", name, row["seconds"],
-                               row["prompts_s"], row["tokens_s"], f"x{r['speedup']:.2f}" if name == "batched" else "",
+                               row["prompts_s"], row["tokens_s"], _speedup(r) if name == "batched" else "",
                                "yes" if r["greedy_identical"] else "NO"])
     table = markdown_table(["model", "prompts x samples x max new", "path", "s / call (median)", "prompts / s",
                             "generated tokens / s", "batched vs one at a time", "greedy ids identical"], table_rows)
