@@ -32,7 +32,7 @@ def tiny():
 
 
 def _item(i: int, prompt, **kw) -> GenerateItem:
-    d = dict(num_samples=1, max_new_tokens=12, temperature=0.0, top_p=1.0, stop_token_ids=(), seed=None, top_k=4,
+    d = dict(num_samples=1, max_new_tokens=8, temperature=0.0, top_p=1.0, stop_token_ids=(), seed=None, top_k=4,
              score_temperature=1.0, index=i)
     return GenerateItem(f"p{i}", np.asarray(prompt, dtype=np.int64), **(d | kw))
 
@@ -74,7 +74,7 @@ def test_greedy_batched_equals_one_at_a_time(tiny):
     batched = tiny.generate(items)
     assert [(g.prompt_id, g.sample_index) for g in batched] == [(it.prompt_id, j) for it in items for j in range(it.num_samples)]
     assert _ids(batched) == [ids for it in items for ids in _one_at_a_time(tiny, it)]
-    assert all(g.finish_reason == "length" and len(g.token_ids) == 12 for g in batched)
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 8 for g in batched)
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(tiny):
