@@ -58,6 +58,7 @@ BENCHES = [
     Bench("pipeline", "bench.bench_pipeline", quick_out=True),
     Bench("rollout", "bench.bench_rollout", python=VLLM_PY, quick_out=True),
     Bench("candidates", "bench.bench_candidates"),
+    Bench("generate", "bench.bench_generate", [], ["--smoke"]),
     Bench("weight_sync", "bench.bench_weight_sync", quick_out=True),
 ]
 

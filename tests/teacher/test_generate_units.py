@@ -196,3 +196,47 @@ def test_batcher_jobs_take_turns_with_scoring_and_never_overlap():
     first = events[:6]
     assert sorted(first) == ["job0", "job1", "job2", "score", "score", "score"]
     assert all(a != b for a, b in zip(first, first[1:])), f"jobs and batches alternate: {first}"
+
+
+def test_stepped_job_takes_turns_with_scoring_and_is_closed_when_its_caller_goes():
+    """A stepped job (`submit_job(..., steps=True)`, the engine's `generate_steps`) runs one step per
+    turn: a scoring batch submitted while it runs goes between two of its steps, not after it; a
+    stepped job whose caller is cancelled is closed at its next turn (its state freed), and the
+    queue is free again."""
+    events: list[str] = []
+    closed: list[str] = []
+
+    def steps(name: str, n: int):
+        try:
+            for i in range(n):
+                time.sleep(0.01)
+                events.append(f"{name}{i}")
+                yield None
+            yield name
+        finally:
+            closed.append(name)
+
+    def score(items):
+        events.append("score")
+        return [it.seq_id for it in items]
+
+    async def run():
+        b = DynamicBatcher(score, max_batch_tokens=4, max_wait_s=0.0, max_queue_tokens=100)
+        b.start()
+        job = asyncio.ensure_future(b.submit_job(lambda: steps("g", 30), 10, steps=True))
+        while "g2" not in events:
+            await asyncio.sleep(0.005)
+        assert await b.submit([ScoreItem("s", np.arange(4), 1, 1, 1.0)], "other") == ["s"]
+        assert await job == "g"
+        abandoned = asyncio.ensure_future(b.submit_job(lambda: steps("a", 10_000), 10, steps=True))
+        while "a2" not in events:
+            await asyncio.sleep(0.005)
+        abandoned.cancel()
+        while "a" not in closed:
+            await asyncio.sleep(0.005)
+        assert b.idle and b.queued_tokens == 0
+        await b.close()
+
+    asyncio.run(run())
+    assert events.index("score") < events.index("g29"), "the scoring batch waited for the whole job"
+    assert closed == ["g", "a"] and len([e for e in events if e.startswith("a")]) < 10_000

@@ -59,6 +59,7 @@ class EngineSettings:
     threads: int
     chunk_size: int
     prefill_chunk_tokens: int
+    generate_step_ms: float
     compile_statistics: bool
     fp32_projection: bool
     warmup_top_k: int
@@ -204,6 +205,12 @@ class TeacherSettings(ServiceSettings):
     # Generation (the Generate RPC; served only by engines that can generate)
     max_new_tokens: int = Field(1024, ge=1, description="largest GenerateRequest.max_new_tokens")
     max_generate_samples: int = Field(16, ge=1, description="largest GenerateRequest.num_samples (responses per prompt)")
+    generate_step_ms: float = Field(
+        50.0, ge=0,
+        description="transformers engine: decode time per engine turn of a Generate job (its prompts and samples decoded "
+        "as one batch); other clients' scoring batches are served between turns, the KV cache kept. 0: a job decodes "
+        "to the end in one turn",
+    )
 
     # Batching and admission
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per forward batch")

@@ -27,6 +27,9 @@ class ScoringEngine(abc.ABC):
     # `score_steps(items)`: `score` in steps of at most `max_batch_tokens` padded tokens, yielding
     # None between steps and the scores last (chunked prefill; the batcher's `steps_fn`);
     score_steps: Callable[[list[ScoreItem]], Iterator[list[SequenceScores] | None]] | None = None
+    # `generate_steps(items, cancelled=...)`: `generate` in bounded steps, yielding None between steps
+    # and the generations last (the batcher serves scoring batches between the steps);
+    generate_steps: Callable[..., Iterator[list[Generation] | None]] | None = None
     # the per-chunk statistics function (its `path`: "compiled" or "eager").
     _stats_fn: ChunkStats | None = None
 

@@ -6,8 +6,9 @@ tensor is ever built. A logit scaling after the projection (Granite's `logits_sc
 `logit_scale`) is folded into the inverse temperature; soft-capping is refused at load
 (`eopd_common.logits.scoring_logit_factor`).
 
-`generate` samples with a KV cache (the prompt's prefill once, repeated for the samples) and then
-scores prompt + generated ids with `score` itself, so Generate's statistics are Score's.
+`generate_steps` decodes the prompts and samples of a Generate job as one batch, in bounded steps
+(`batched_generation`), and then scores prompt + generated ids with the engine's own scoring, so
+Generate's statistics are Score's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from eopd_common.models import LoadedModel, eos_token_ids, load_causal_lm, token
 
 from ..settings import EngineSettings
 from ..stats import ChunkStats
-from ..types import EngineInfo, GenerateItem, Generation, GenerationCancelled, ScoreItem, SequenceScores
+from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
 from .base import ScoringEngine, scores_from_hidden
 from .chunked_prefill import score_in_steps
-from .sampling import sample_next, sample_seed
+from .batched_generation import generate_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -128,65 +129,49 @@ class TransformersEngine(ScoringEngine):
                 return
 
     @torch.inference_mode()
-    def generate(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None) -> list[Generation]:
-        """Per item, `num_samples` responses sampled together (`_sample`), then their statistics
-        by `score` on prompt + response at `score_temperature` (score_from = len(prompt)).
-        `cancelled` is polled before every decoding step (GenerationCancelled once it is True)."""
+    def generate_steps(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None
+                       ) -> Iterator[list[Generation] | None]:
+        """`generate` in bounded steps (`batched_generation.generate_in_steps`: the items' prompts
+        and samples decoded as one batch, at most `generate_step_ms` of decoding, one prefill
+        chunk or one scoring step per `next()`), yielding None between steps and the generations
+        last. The batcher serves other clients' scoring batches between the steps; `close()`
+        frees the KV cache. `cancelled` is polled before every decoding step."""
         assert self._lm is not None, "engine not loaded"
-        out: list[Generation] = []
-        for item in items:
-            with self._lock:
-                responses, reasons = self._sample(item, cancelled or (lambda: False))
-            prompt_len = len(item.token_ids)
-            scores = self.score([
-                ScoreItem(item.prompt_id, np.concatenate([item.token_ids, r]), prompt_len, item.top_k, item.score_temperature)
-                for r in responses
-            ])
-            out += [Generation(item.prompt_id, j, r, reason, s) for j, (r, reason, s) in enumerate(zip(responses, reasons, scores))]
+        s = self.settings
+        steps = generate_in_steps(self._lm.model, items, eos_ids=self._eos_ids, device=self._device,
+                                  prefill_chunk_tokens=s.prefill_chunk_tokens, step_seconds=s.generate_step_ms / 1000.0,
+                                  cancelled=cancelled or (lambda: False), score_steps=self._scoring_steps)
+        try:
+            while True:
+                with self._lock:  # per step: another job's steps run in between
+                    out = next(steps)
+                yield out
+                if out is not None:
+                    return
+        finally:
+            steps.close()
+
+    def generate(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None) -> list[Generation]:
+        """All steps of `generate_steps` at once: per item, `num_samples` responses (the items'
+        rows decoded together), then their statistics by scoring prompt + response at
+        `score_temperature` (score_from = len(prompt)), so Generate's statistics are Score's."""
+        out = None
+        for out in self.generate_steps(items, cancelled=cancelled):
+            pass
+        assert out is not None
         return out
 
-    def _sample(self, item: GenerateItem, cancelled: Callable[[], bool]) -> tuple[list[np.ndarray], list[str]]:
-        """The `num_samples` responses of one prompt (`[n_j]` int64 each, ending with the stop or
-        EOS id that ended it) and their finish reasons. One prefill of the prompt, its cache
-        repeated to `num_samples` rows, then one decode step per new token for every row until all
-        rows have stopped or `max_new_tokens` are drawn. Sample j draws from its own generator
-        (`sample_seed(item.seed, item.index, j)`)."""
-        model, dev, rows = self._lm.model, self._device, item.num_samples
-        generators = None
-        if item.temperature > 0:
-            generators = [torch.Generator().manual_seed(sample_seed(item.seed, item.index, j)) for j in range(rows)]
-        stop = torch.tensor(sorted(self._eos_ids | set(item.stop_token_ids)), dtype=torch.long)
-        prompt = torch.from_numpy(item.token_ids).view(1, -1).to(dev)
-        step = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-        cache_key, cache = _cache_of(step)
-        if rows > 1:
-            cache.batch_repeat_interleave(rows)
-        logits = step.logits[:, -1].expand(rows, -1)
-        tokens = torch.zeros((rows, item.max_new_tokens), dtype=torch.long)
-        lengths = torch.zeros(rows, dtype=torch.long)
-        stopped = torch.zeros(rows, dtype=torch.bool)
-        for t in range(item.max_new_tokens):
-            if cancelled():
-                raise GenerationCancelled(f"generation of prompt {item.prompt_id!r} stopped after {t} tokens: its caller went away")
-            nxt = sample_next(logits, item.temperature, item.top_p, generators)
-            live = ~stopped
-            tokens[live, t] = nxt[live]
-            lengths[live] += 1
-            stopped |= live & torch.isin(nxt, stop)
-            if bool(stopped.all()) or t + 1 == item.max_new_tokens:
-                break
-            step = model(input_ids=nxt.view(rows, 1).to(dev), use_cache=True, logits_to_keep=1, **{cache_key: cache})
-            cache, logits = _cache_of(step)[1], step.logits[:, -1]
-        responses = [tokens[j, : lengths[j]].numpy().copy() for j in range(rows)]
-        return responses, ["stop" if bool(s) else "length" for s in stopped]
-
-
-def _cache_of(output) -> tuple[str, object]:
-    """The KV cache of a causal-LM forward's output and the keyword that passes it back: transformers
-    >= 5.2x names both `cache`, earlier releases (the vLLM venv's 5.19) `past_key_values`."""
-    if getattr(output, "cache", None) is not None:
-        return "cache", output.cache
-    return "past_key_values", output.past_key_values
+    def _scoring_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:
+        """Scores `items` (under the caller's lock): in chunked-prefill steps when they exceed
+        `prefill_chunk_tokens` padded tokens, else in one step."""
+        chunk = self.settings.prefill_chunk_tokens
+        if chunk > 0 and max(it.num_tokens for it in items) * len(items) > chunk:
+            model = self._lm.model
+            yield from score_in_steps(model.get_decoder(), model.get_output_embeddings(), items, chunk_tokens=chunk,
+                                      settings=self.settings, stats_fn=self._stats_fn, logit_factor=self._logit_factor,
+                                      device=self._device)
+        else:
+            yield self._score(items)
 
 
 def _eos_ids(lm: LoadedModel) -> frozenset[int]:

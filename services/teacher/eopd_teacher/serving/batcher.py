@@ -9,8 +9,11 @@ requests are served between them), sequences of similar length are grouped. Admi
 by the tokens waiting in the queue.
 
 Other engine work (generation: `submit_job`) waits in a FIFO beside the scoring queue and runs on
-the same worker thread as one job, so the engine never runs two things at once; when both wait,
-jobs and scoring batches take turns, so neither starves the other.
+the same worker thread, so the engine never runs two things at once; when both wait, jobs and
+scoring batches take turns, so neither starves the other. A stepped job (`steps=True`: the
+transformers engine's `generate_steps`) runs one bounded step per turn, its state (the KV cache)
+kept between turns, so a scoring batch of another client waits for about one step of a long
+generation, not all of it; a stepped job whose caller went away is closed at once.
 
 Chunked prefill (`steps_fn`, the transformers engine's `score_steps`): a batch of more than
 `step_tokens` padded tokens is scored in steps of at most that many (the KV cache kept between
@@ -52,11 +55,23 @@ class BatcherDied(Draining):
 
 @dataclass(eq=False)
 class _Job:
-    """One engine job (`fn()` on the worker thread), `tokens` counted against the queue limit."""
+    """One engine job (`fn()` on the worker thread), `tokens` counted against the queue limit while
+    it waits. A stepped job's `fn()` returns an iterator, advanced one `next()` per turn (None until
+    its result)."""
 
     fn: Callable[[], object]
     tokens: int
     ticket: asyncio.Future
+    stepped: bool = False
+    steps: Iterator[object] | None = None
+
+
+def _next_step(steps: Iterator[object]) -> object:
+    """The next step of a stepped job (None: more to come); its end without a result is an error
+    (a StopIteration cannot cross into a future)."""
+    for out in steps:
+        return out
+    raise RuntimeError("a stepped engine job ended without a result")
 
 
 # Scoring batches in progress at once (each scored in steps holds its KV cache between them).
@@ -111,6 +126,7 @@ class DynamicBatcher:
         self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
         self._counter = 0
         self._jobs: deque[_Job] = deque()
+        self._job_in_progress: _Job | None = None  # a stepped job between two of its steps
         self._job_turn = False  # when both wait: a job next (True) or a scoring batch (False)
         self._wakeup = asyncio.Event()
         self._closed = False
@@ -141,6 +157,9 @@ class DynamicBatcher:
         err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
         tickets = ([w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
                    + [w.ticket for b in self._in_progress for w in b.batch])
+        if self._job_in_progress is not None:
+            tickets.append(self._job_in_progress.ticket)
+            self._end_job_in_progress()
         self._jobs.clear()
         self._in_progress.clear()
         for ticket in tickets:
@@ -159,7 +178,8 @@ class DynamicBatcher:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._jobs and not self._busy and not self._in_progress
+        return (not self._queue and not self._jobs and not self._busy and not self._in_progress
+                and self._job_in_progress is None)
 
     def _admit(self, tokens: int) -> None:
         """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
@@ -172,13 +192,16 @@ class DynamicBatcher:
         if waiting + tokens > self.max_queue_tokens and (self._queue or self._jobs):
             raise Overloaded(f"queue full: {waiting} tokens waiting, request adds {tokens}, limit {self.max_queue_tokens}")
 
-    async def submit_job(self, fn: Callable[[], object], tokens: int) -> object:
-        """Runs `fn()` (engine work other than scoring: generation) on the engine's worker thread
-        as one job, in turn with scoring batches; `tokens` count against the queue limit while it
-        waits. Raises Overloaded or Draining before queueing. A caller cancelled before its job
-        starts withdraws it; one cancelled while it runs leaves it to finish, its result dropped."""
+    async def submit_job(self, fn: Callable[[], object], tokens: int, *, steps: bool = False) -> object:
+        """Runs `fn()` (engine work other than scoring: generation) on the engine's worker thread,
+        in turn with scoring batches; `tokens` count against the queue limit while it waits.
+        `steps`: `fn()` returns an iterator, advanced one `next()` per turn until it yields
+        something other than None (the result); scoring batches run between its steps. Raises
+        Overloaded or Draining before queueing. A caller cancelled before its job starts withdraws
+        it; a stepped job is closed at its next turn; an unstepped one runs to its end, its result
+        dropped."""
         self._admit(tokens)
-        job = _Job(fn, tokens, asyncio.get_running_loop().create_future())
+        job = _Job(fn, tokens, asyncio.get_running_loop().create_future(), stepped=steps)
         self._jobs.append(job)
         self._wakeup.set()
         try:
@@ -211,7 +234,7 @@ class DynamicBatcher:
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while (self._queue or self._jobs or self._busy or self._in_progress) and self._died is None:
+        while (self._queue or self._jobs or self._busy or self._in_progress or self._job_in_progress) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
         if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
@@ -234,13 +257,41 @@ class DynamicBatcher:
         self._queue.drop(lambda w: w.ticket.done())
         if any(j.ticket.done() for j in self._jobs):
             self._jobs = deque(j for j in self._jobs if not j.ticket.done())
+        if self._job_in_progress is not None and self._job_in_progress.ticket.done():
+            self._end_job_in_progress()  # its caller went away: its state (KV cache) is freed now
+
+    def _end_job_in_progress(self) -> None:
+        job, self._job_in_progress = self._job_in_progress, None
+        if job is not None and job.steps is not None:
+            job.steps.close()  # type: ignore[attr-defined]
+
+    def _next_job(self) -> _Job | None:
+        """The job whose turn is next: the stepped job in progress, else the oldest waiting."""
+        if self._job_in_progress is not None:
+            return self._job_in_progress
+        return self._jobs[0] if self._jobs else None
 
     async def _run_job(self, job: _Job) -> None:
-        """One job on the worker thread; its result or error goes to its caller."""
+        """One turn of `job` on the worker thread (all of it, or one step of a stepped job); its
+        result or error goes to its caller."""
+        if job is not self._job_in_progress:
+            self._jobs.popleft()
+        self._job_in_progress = None
         self._busy = True
+        loop = asyncio.get_running_loop()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, job.fn)
+            if not job.stepped:
+                result = await loop.run_in_executor(self._executor, job.fn)
+            else:
+                if job.steps is None:
+                    job.steps = job.fn()  # a generator: nothing runs until its first next()
+                result = await loop.run_in_executor(self._executor, _next_step, job.steps)
+                if result is None:  # more steps to go: it keeps its state and its turn
+                    self._job_in_progress = job
+                    return
         except Exception as exc:  # noqa: BLE001 - the job's own failure, for its caller
+            if job.steps is not None:
+                job.steps.close()  # type: ignore[attr-defined]
             job.ticket.done() or job.ticket.set_exception(exc)
         else:
             job.ticket.done() or job.ticket.set_result(result)
@@ -256,9 +307,10 @@ class DynamicBatcher:
         scoring batch when it may start, and run one step of the batch in progress whose turn it is."""
         while True:
             self._drop_cancelled()
-            if self._jobs and (self._job_turn or (not self._queue and not self._in_progress)):
+            job = self._next_job()
+            if job is not None and (self._job_turn or (not self._queue and not self._in_progress)):
                 self._job_turn = False
-                await self._run_job(self._jobs.popleft())
+                await self._run_job(job)
                 continue
             if self._queue and self._may_start_batch():
                 if not self._in_progress:  # nothing in progress: wait (briefly) for the batch to fill
@@ -271,7 +323,7 @@ class DynamicBatcher:
             if self._in_progress:
                 self._job_turn = True  # a generation job, if one waits, goes after this step
                 await self._step(self._in_progress[0])
-            elif not self._queue and not self._jobs:
+            elif not self._queue and not self._jobs and self._job_in_progress is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
 

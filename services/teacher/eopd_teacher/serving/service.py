@@ -124,17 +124,21 @@ class TeacherService:
                     yield g
 
     async def _run_generate_job(self, batcher: DynamicBatcher, job: list[GenerateItem], deadline: float | None) -> list[Generation]:
-        """One engine job on the batcher; the engine is told to stop (`cancelled`) once this call
-        is cancelled or its deadline has passed, so an abandoned generation frees the engine."""
+        """One engine job on the batcher (its items' prompts and samples decoded together; in bounded
+        steps where the engine has `generate_steps`); the engine is told to stop (`cancelled`) once
+        this call is cancelled or its deadline has passed, so an abandoned generation frees the engine."""
         gone = threading.Event()
 
         def cancelled() -> bool:
             return gone.is_set() or (deadline is not None and time.monotonic() >= deadline)
 
         engine = self.state.engine
+        tokens = sum(generate_tokens(it) for it in job)
         try:
-            return await batcher.submit_job(functools.partial(engine.generate, job, cancelled=cancelled),
-                                            sum(generate_tokens(it) for it in job))
+            if engine.generate_steps is not None:  # in bounded steps, scoring batches served between them
+                return await batcher.submit_job(functools.partial(engine.generate_steps, job, cancelled=cancelled),
+                                                tokens, steps=True)
+            return await batcher.submit_job(functools.partial(engine.generate, job, cancelled=cancelled), tokens)
         except BaseException:
             gone.set()
             raise
