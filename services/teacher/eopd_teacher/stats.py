@@ -14,11 +14,17 @@ For scored positions with final hidden states `h [n, d]`, the output projection 
 Everything after the projection is float32 whatever the weights' dtype. Positions are processed
 in chunks of `chunk_size` rows (never a `[batch, seq, V]` tensor). Per chunk, besides the
 projection output `[chunk_size, V]` (in the weights' dtype), the eager reduction keeps at most two
-`[chunk_size, V]` float32 blocks alive (the shifted logits and their exponentials; everything else
-is done in place on them). The per-chunk reduction can run under `torch.compile`, which fuses the
+float32 blocks of `EAGER_BLOCK_ELEMENTS` alive (rows of the shifted logits and their exponentials;
+everything else is done in place on them). The per-chunk reduction can run under `torch.compile`, which fuses the
 log-softmax, entropy and gather into one pass over the logits (the eager version reads the
 `[chunk, V]` block about five times). `ChunkStats` picks the compiled path and falls back to the
 eager one, once and with a warning, when compiling fails (e.g. no C++ compiler on the machine).
+The top-k is taken from the raw logits in their own dtype; on a GPU in two stages
+(`blocked_topk_indices`: block maxima, then the top-k of the best blocks), the same values as
+`torch.topk` without its multi-pass select over the whole vocabulary.
+
+`device_statistics` leaves the answer on the device with no synchronisation between chunks (the
+engines copy it with `host_copy.to_host`, asynchronously); `token_statistics` returns it on the CPU.
 """
 
 from __future__ import annotations
