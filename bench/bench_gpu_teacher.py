@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.bench_teacher import breakdown_text
 from bench.random_models import SHAPES, TINY, write_random_model
 from bench.report import markdown_table, provenance, write_results, write_section
 
@@ -94,9 +95,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         body.append([r["shape"], f"{r['sequences']} x {r['length']} ({r['scored_per_batch']})", r["profile"],
                      f"{r['bare_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}", f"{100 * r['stats_overhead_vs_bare']:+.1f}%"]
-                    + [f"{r[f'server{c}_tok_s']:.0f} ({r[f'server{c}_vs_engine']:.3f}x)" for c in conc])
+                    + [f"{r[f'server{c}_tok_s']:.0f} ({r[f'server{c}_vs_engine']:.3f}x)" for c in conc]
+                    + [breakdown_text(r[f"server{c}_breakdown"]) for c in conc])
     headers = (["model shape", "batch (scored)", "server settings", "bare tok/s", "engine tok/s", "engine vs bare"]
-               + [f"server, {c} client{'s' if c > 1 else ''}: tok/s (x engine)" for c in conc])
+               + [f"server, {c} client{'s' if c > 1 else ''}: tok/s (x engine)" for c in conc]
+               + [f"server time, {c} client{'s' if c > 1 else ''}: engine / copy / split / encode / other" for c in conc])
     return markdown_table(headers, body)
 
 
@@ -107,7 +110,11 @@ def section_text(data: dict) -> str:
              f"On {sw.get('device', '?')} ({sw.get('device_memory_gib', '?')} GiB), torch {sw['torch']} (CUDA {sw['cuda']}), "
              f"transformers {sw['transformers']}, eopd@{prov.get('describe', '?')}, {data['minutes']:.1f} min; random "
              "bf16 models of the named shapes built on the GPU; rounds interleaved (bench/bench_teacher.py), medians.", "",
-             table(rows), ""]
+             table(rows), "",
+             "Server time: shares of the clients' wall time (the server's /metrics histograms): its engine calls "
+             "(which return once the batch is queued on the GPU: the pipelined path), waiting for the statistics' copy "
+             "from the GPU, splitting per sequence, protobuf encoding, and the rest (RPC, decoding, validation, "
+             "Python between batches).", ""]
     worst_server = min((r[f"server{c}_vs_engine"] for r in rows if r["profile"] == "auto" for c in r["concurrency"]), default=None)
     worst_stats = max((r["stats_overhead_vs_bare"] for r in rows if r["profile"] == "auto"), default=None)
     if worst_server is not None:

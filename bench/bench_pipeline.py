@@ -81,11 +81,17 @@ def machine_cpu() -> tuple[float, float]:
 _PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 
 
+# The server's time besides the engine call (issue 30), from its histograms' sums.
+_BREAKDOWN = {"eopd_teacher_copy_wait_seconds_sum": "copy_wait_s", "eopd_teacher_split_seconds_sum": "split_s",
+              "eopd_teacher_encode_seconds_sum": "encode_s", "eopd_teacher_queue_wait_seconds_sum": "queue_wait_s"}
+
+
 def teacher_counters(http_port: int) -> dict[str, float]:
-    """The teacher's engine seconds and scored tokens so far, from its Prometheus /metrics."""
+    """The teacher's engine seconds, scored tokens and time breakdown so far (`_BREAKDOWN`), from
+    its Prometheus /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics/", timeout=10) as r:
         text = r.read().decode()
-    out = {"engine_s": 0.0, "tokens_scored": 0.0, "batches": 0.0}
+    out = {"engine_s": 0.0, "tokens_scored": 0.0, "batches": 0.0, **{k: 0.0 for k in _BREAKDOWN.values()}}
     for line in text.splitlines():
         m = _PROM_LINE.match(line.strip())
         if not m:
@@ -97,6 +103,8 @@ def teacher_counters(http_port: int) -> dict[str, float]:
             out["batches"] += value
         elif name == "eopd_teacher_tokens_scored_total":
             out["tokens_scored"] += value
+        elif name in _BREAKDOWN:
+            out[_BREAKDOWN[name]] += value
     return out
 
 

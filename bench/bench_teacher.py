@@ -75,12 +75,16 @@ class _Server:
         self.target = self.proc.target
         self.proc.wait_ready(600)
 
-    def engine_seconds(self) -> float:
-        """Seconds the server's engine has spent scoring so far (its /metrics batch latency sum:
-        the same `engine.score(items)` call the bench times in process, timed inside the server)."""
+    def counters(self) -> dict[str, float]:
+        """The server's /metrics sums so far: `engine_s`, the seconds its engine has spent scoring
+        (the same `engine.score(items)` call the bench times in process, timed inside the server),
+        and its time breakdown (`copy_wait_s`, `split_s`, `encode_s`, `queue_wait_s`)."""
         from bench.bench_pipeline import teacher_counters
 
-        return teacher_counters(self.hp)["engine_s"]
+        return teacher_counters(self.hp)
+
+    def engine_seconds(self) -> float:
+        return self.counters()["engine_s"]
 
     def wire_bytes(self, seqs, top_k: int) -> tuple[int, int]:
         from eopd_teacher.client import TeacherClient, build_request
@@ -90,9 +94,9 @@ class _Server:
             resp = c._stub.Score(req)
             return len(resp.SerializeToString()), len(req.SerializeToString())
 
-    def run(self, seqs, top_k: int, clients: int) -> tuple[float, float, float]:
-        """(wall seconds, server CPU seconds, the server's engine seconds) for `clients` concurrent
-        Score calls of `seqs`."""
+    def run(self, seqs, top_k: int, clients: int) -> tuple[float, float, float, dict[str, float]]:
+        """(wall seconds, server CPU seconds, the server's engine seconds, its time breakdown:
+        BREAKDOWN's seconds) for `clients` concurrent Score calls of `seqs`."""
         from eopd_teacher.client import TeacherClient
 
         errors: list[BaseException] = []
@@ -111,7 +115,7 @@ class _Server:
         threads = [threading.Thread(target=one, args=(c,)) for c in conns]
         for th in threads:
             th.start()
-        eng0 = self.engine_seconds()
+        before = self.counters()
         cpu0 = _proc_cpu_seconds(self.proc.popen.pid)
         t = time.perf_counter()
         barrier.wait()
@@ -119,15 +123,41 @@ class _Server:
             th.join()
         elapsed = time.perf_counter() - t
         cpu = _proc_cpu_seconds(self.proc.popen.pid) - cpu0
-        engine_s = self.engine_seconds() - eng0
+        after = self.counters()
+        engine_s = after["engine_s"] - before["engine_s"]
+        breakdown = {k: after[k] - before[k] for k in BREAKDOWN}
         for c in conns:
             c.close()
         if errors:
             raise errors[0]
-        return elapsed, cpu, engine_s
+        return elapsed, cpu, engine_s, breakdown
 
     def stop(self) -> None:
         self.sup.stop_all()
+
+
+# The server's time besides its engine (issue 30): its histograms' sums per run (bench_pipeline.teacher_counters).
+BREAKDOWN = ("copy_wait_s", "split_s", "encode_s", "queue_wait_s")
+
+
+def breakdown_shares(per_round: list[dict], c: int) -> dict[str, float]:
+    """Medians over rounds of the server's time, as shares of the clients' wall time for the run:
+    `engine` (its engine calls), `copy` (waiting for the statistics' copy from the device after the
+    engine call returned: 0 on the CPU), `split` (per sequence), `encode` (protobuf, per request),
+    `other` (the rest: RPC, decoding, validation, Python between batches, the engine thread idle);
+    and `queue_wait`, a batch's oldest sequence's wait in the queue per batch over the wall (not
+    additive: it overlaps the engine time of the batches before it)."""
+    def share(key):
+        return statistics.median([x[f"server{c}_breakdown"][key] / x[f"server{c}_s"] for x in per_round])
+
+    out = {"engine": statistics.median([x[f"server{c}_engine_s"] / x[f"server{c}_s"] for x in per_round]),
+           "copy": share("copy_wait_s"), "split": share("split_s"), "encode": share("encode_s"), "queue_wait": share("queue_wait_s")}
+    out["other"] = max(0.0, 1 - out["engine"] - out["copy"] - out["split"] - out["encode"])
+    return out
+
+
+def breakdown_text(b: dict[str, float]) -> str:
+    return " / ".join(f"{100 * b[k]:.1f}%" for k in ("engine", "copy", "split", "encode", "other"))
 
 
 def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, rounds: int, concurrency: list[int],
@@ -175,7 +205,8 @@ def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, r
                 rec["bare_s"], rec["bare_cpu_s"] = _timed(bare)
                 rec["engine_s"], rec["engine_cpu_s"] = _timed(engine)
                 for c in concurrency:
-                    rec[f"server{c}_s"], rec[f"server{c}_cpu_s"], rec[f"server{c}_engine_s"] = server.run(seqs, top_k, c)
+                    (rec[f"server{c}_s"], rec[f"server{c}_cpu_s"], rec[f"server{c}_engine_s"],
+                     rec[f"server{c}_breakdown"]) = server.run(seqs, top_k, c)
                 per_round.append(rec)
             r = {"engine": engine_name, "dtype": dtype, **cfg, "top_k": top_k, "scored_per_batch": scored, "rounds": per_round,
                  "concurrency": concurrency}
@@ -196,6 +227,7 @@ def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, r
                 # (RPC, validation, batching, (de)serialization), free of process-to-process speed.
                 r[f"server{c}_vs_own_engine"] = med([x[f"server{c}_engine_s"] / x[f"server{c}_s"] for x in per_round])
                 r[f"server{c}_engine_vs_engine"] = med([x["engine_s"] * c / x[f"server{c}_engine_s"] for x in per_round])
+                r[f"server{c}_breakdown"] = breakdown_shares(per_round, c)
             top = max(concurrency)
             r["server_tok_s"], r["server_vs_engine"] = r[f"server{top}_tok_s"], r[f"server{top}_vs_engine"]
             r["server_vs_engine_cpu"] = r[f"server{top}_vs_engine_cpu"]

@@ -35,6 +35,9 @@ def test_gpu_bench_smoke_runs_on_the_cpu_and_renders(tmp_path):
         assert f"| tiny | 2 x 64 (64) | {profile} |" in log
     rows = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert len(rows) == 2 and all(r["server1_tok_s"] > 0 and r["server2_tok_s"] > 0 and r["engine_tok_s"] > 0 for r in rows)
+    # The server's time breakdown (issue 30): shares of its wall time, engine first.
+    assert "engine / copy / split / encode / other" in log
+    assert all(0 < r["server2_breakdown"]["engine"] <= 1.01 and r["server2_breakdown"]["copy"] == 0 for r in rows)  # CPU: no copy
     assert not (tmp_path / "benchmarks.md").exists()  # a smoke run writes no section
     trainer = [json.loads(line) for line in (tmp_path / "quick" / "gpu_trainer.log").read_text().splitlines()
                if line.startswith("{")]

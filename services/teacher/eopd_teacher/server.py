@@ -254,9 +254,11 @@ class TeacherServer:
             max_wait_s=s.max_batch_wait_ms / 1000,
             max_queue_tokens=s.max_queue_tokens,
             max_client_tokens=s.max_batch_tokens_per_client,
-            observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue),
+            observer=BatchObserver(on_batch=self.metrics.on_batch, on_queue=self.metrics.on_queue,
+                                   on_wait=self.metrics.on_wait, on_delivery=self.metrics.on_delivery),
             steps_fn=self.state.engine.score_steps,  # chunked prefill, where the engine can (None: not)
             step_tokens=s.prefill_chunk_tokens,
+            launch_fn=self.state.engine.score_async,  # pipelined: the next batch runs while this one is delivered
         )
         batcher.on_died = self._batcher_died
         batcher.start()

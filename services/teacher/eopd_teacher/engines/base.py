@@ -9,6 +9,7 @@ for a sequence whether it is scored alone or with others.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 
 from ..settings import EngineSettings
-from ..stats import ChunkStats, StatsFn, TokenStatistics, token_statistics
+from ..host_copy import HostStatistics, to_host
+from ..stats import ChunkStats, StatsFn, TokenStatistics, device_statistics
 from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
 
 
@@ -41,6 +43,13 @@ class ScoringEngine(abc.ABC):
     @abc.abstractmethod
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
         """Scores validated items (in order). Items may mix lengths, top_k and temperatures."""
+
+    def score_async(self, items: list[ScoreItem]) -> PendingScores:
+        """`score`, returning once the work is queued on the device: `result()` of the answer
+        waits for the statistics' copy to the host and splits them per sequence. The batcher calls
+        this on the engine's thread and `result()` elsewhere, so the device runs the next batch
+        while this one's answers are delivered. Default: `score` itself, already done."""
+        return PendingScores.done(self.score(items))
 
     def generate(self, items: list[GenerateItem], *, cancelled: Callable[[], bool] | None = None) -> list[Generation]:
         """Generates `item.num_samples` responses per validated item and returns them with their
@@ -69,6 +78,38 @@ class ScoringEngine(abc.ABC):
         return "eager" if self._stats_fn is None else self._stats_fn.path
 
 
+class PendingScores:
+    """The scores of a batch on their way from the device: `result()` (once) waits for the host
+    copy (`host_copy.HostStatistics`) and splits it per sequence. `copy_wait_s` and `split_s`:
+    the seconds `result()` spent blocked on the device and splitting (the server's breakdown)."""
+
+    def __init__(self, items: list[ScoreItem], host: HostStatistics | None, scores: list[SequenceScores] | None = None):
+        self._items = items
+        self._host = host
+        self._scores = scores
+        self.copy_wait_s = 0.0
+        self.split_s = 0.0
+
+    @classmethod
+    def done(cls, scores: list[SequenceScores]) -> PendingScores:
+        return cls([], None, scores)
+
+    @property
+    def ready(self) -> bool:
+        """True when `result()` would not wait for the device."""
+        return self._host is None or self._host.ready
+
+    def result(self) -> list[SequenceScores]:
+        if self._scores is None:
+            stats = self._host.wait()
+            self.copy_wait_s = self._host.copy_wait_s
+            started = time.perf_counter()
+            self._scores = split_scores(self._items, stats)
+            self.split_s = time.perf_counter() - started
+            self._host = None
+        return self._scores
+
+
 def scores_from_hidden(
     items: list[ScoreItem],
     hidden: torch.Tensor,
@@ -86,8 +127,22 @@ def scores_from_hidden(
     model's logits are `logit_factor * (hidden @ weight.T + bias)`); it is folded into each
     position's inverse temperature, so the statistics are those of `model(...).logits` at the
     item's temperature."""
+    return pending_from_hidden(items, hidden, weight, bias, settings, stats_fn, logit_factor).result()
+
+
+def pending_from_hidden(
+    items: list[ScoreItem],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    settings: EngineSettings,
+    stats_fn: StatsFn,
+    logit_factor: float = 1.0,
+) -> PendingScores:
+    """`scores_from_hidden` left on the device (`stats.device_statistics`) with its copy to the
+    host started (`host_copy.to_host`): returns once the work is queued (at once on the CPU)."""
     targets, inv_t, candidates = flat_targets(items, logit_factor)
-    stats = token_statistics(
+    stats = device_statistics(
         hidden,
         weight,
         targets,
@@ -99,7 +154,7 @@ def scores_from_hidden(
         stats_fn=stats_fn,
         candidates=candidates,
     )
-    return split_scores(items, stats)
+    return PendingScores(items, to_host(stats))
 
 
 def flat_targets(items: list[ScoreItem], logit_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -125,7 +180,7 @@ def split_scores(items: list[ScoreItem], stats: TokenStatistics) -> list[Sequenc
     its own top_k and candidates)."""
     lp, ent = stats.token_logprobs.numpy(), stats.entropies.numpy()
     clp = stats.candidate_logprobs.numpy()
-    tids, tlp = stats.topk_ids.numpy().astype(np.int32), stats.topk_logprobs.numpy()
+    tids, tlp = stats.topk_ids.numpy().astype(np.int32, copy=False), stats.topk_logprobs.numpy()
     out: list[SequenceScores] = []
     offset = 0
     for it in items:

@@ -55,7 +55,7 @@ def score_in_steps(
     n, k = targets.shape[0], max(it.top_k for it in items)
     m = 0 if candidates is None else candidates.shape[1]
     out_lp, out_ent = torch.empty(n), torch.empty(n)
-    out_ids, out_tlp = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
+    out_ids, out_tlp = torch.empty(n, k, dtype=torch.int32), torch.empty(n, k)
     out_clp = torch.empty(n, m)
     weight, bias = head.weight, getattr(head, "bias", None)
     step = max(1, chunk_tokens // batch)

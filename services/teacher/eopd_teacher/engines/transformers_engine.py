@@ -26,7 +26,7 @@ from eopd_common.models import LoadedModel, eos_token_ids, load_causal_lm, token
 from ..settings import EngineSettings
 from ..stats import ChunkStats
 from ..types import EngineInfo, GenerateItem, Generation, ScoreItem, SequenceScores
-from .base import ScoringEngine, scores_from_hidden
+from .base import PendingScores, ScoringEngine, pending_from_hidden
 from .chunked_prefill import score_in_steps
 from .batched_generation import generate_in_steps
 
@@ -82,34 +82,41 @@ class TransformersEngine(ScoringEngine):
         self._healthy = False
         self._lm = None
 
-    @torch.inference_mode()
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+        return self.score_async(items).result()
+
+    @torch.inference_mode()
+    def score_async(self, items: list[ScoreItem]) -> PendingScores:
+        """Queues the batch on the device and returns; `result()` waits for the statistics' copy
+        (pinned, non-blocking: `host_copy`) and splits them. On the CPU the work is done on return."""
         if not items:
-            return []
+            return PendingScores.done([])
         assert self._lm is not None, "engine not loaded"
         with self._lock:
             return self._score(items)
 
-    def _score(self, items: list[ScoreItem]) -> list[SequenceScores]:
+    def _score(self, items: list[ScoreItem]) -> PendingScores:
         model = self._lm.model
         dev = self._device
         lengths = [it.num_tokens for it in items]
         width = max(lengths)
         pad_id = 0
-        ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(items), width), dtype=torch.long)
+        pin = str(dev).startswith("cuda")  # pinned: the copies to the device do not block this thread
+        ids = torch.full((len(items), width), pad_id, dtype=torch.long, pin_memory=pin)
+        attn = torch.zeros((len(items), width), dtype=torch.long, pin_memory=pin)
         for row, it in enumerate(items):
             ids[row, : it.num_tokens] = torch.from_numpy(it.token_ids)
             attn[row, : it.num_tokens] = 1
-        hidden = model.get_decoder()(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+        ids, attn = ids.to(dev, non_blocking=pin), attn.to(dev, non_blocking=pin)
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
         # The hidden state at t-1 predicts token t: gather positions [score_from - 1, len - 1).
         rows = torch.cat([torch.full((it.num_scored,), r, dtype=torch.long) for r, it in enumerate(items)])
         cols = torch.cat([torch.arange(it.score_from - 1, it.num_tokens - 1) for it in items])
         h = hidden[rows.to(dev), cols.to(dev)]
         del hidden
         head = model.get_output_embeddings()
-        return scores_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn,
-                                  self._logit_factor)
+        return pending_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn,
+                                   self._logit_factor)
 
     @torch.inference_mode()
     def score_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:

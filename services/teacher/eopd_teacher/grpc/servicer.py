@@ -51,7 +51,10 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
     async def _score(self, request: pb.ScoreRequest, client: str, share: str, *, stream: bool) -> pb.ScoreResponse:
         results = await self.service.score(score_request_from_pb(request), client, SCORE_FIELDS, require_request_id=stream,
                                            share_key=share)
-        return pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
+        started = time.perf_counter()
+        response = pb.ScoreResponse(request_id=request.request_id, results=[scores_to_pb(r) for r in results])
+        self.service.state.metrics.encode.observe(time.perf_counter() - started)
+        return response
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         return await self._score(request, client_key(context), client_share_key(context), stream=False)

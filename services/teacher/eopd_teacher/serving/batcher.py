@@ -22,6 +22,13 @@ client with no batch in progress, it starts at once and runs next (at most MAX_I
 each holding its KV cache), then the batches in progress take turns step by step (and a waiting
 generation job goes between two steps). So a small request from another client waits for about one
 step of a large batch, not the whole batch (issue 17, section 4).
+
+Pipelined scoring (`launch_fn`, the engines' `score_async`): a whole batch's engine call returns
+once its work is queued on the device, with a pending answer; the answer is delivered (its copy
+to the host waited for on a second thread, split per sequence) while the loop forms and launches
+the next batch, so on a GPU the device runs batch N+1 while batch N's answers are copied, split
+and encoded (`delivery.py`). At most delivery.MAX_UNDELIVERED batches wait for delivery; they are delivered in launch order.
+On the CPU the answer is ready when the call returns and is delivered at once.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..types import ScoreItem, SequenceScores
+from .delivery import Deliveries, Pending, deliver_results
 from .scheduling import FairQueue, Waiting
 
 log = logging.getLogger(__name__)
@@ -79,6 +87,8 @@ MAX_IN_PROGRESS = 4
 
 StepsFn = Callable[[list[ScoreItem]], Iterator["list[SequenceScores] | None"]]
 
+LaunchFn = Callable[[list[ScoreItem]], Pending]
+
 
 @dataclass(eq=False)
 class _InProgress:
@@ -97,6 +107,8 @@ class BatchObserver:
 
     on_batch: Callable[[int, int, int, float], None] | None = None  # (sequences, real tokens, padded tokens, seconds)
     on_queue: Callable[[int, int], None] | None = None  # (sequences, tokens) waiting
+    on_wait: Callable[[float], None] | None = None  # a batch's oldest sequence's seconds in the queue
+    on_delivery: Callable[[float, float], None] | None = None  # (seconds blocked on the device copy, splitting)
 
 
 class DynamicBatcher:
@@ -111,11 +123,15 @@ class DynamicBatcher:
         observer: BatchObserver | None = None,
         steps_fn: StepsFn | None = None,
         step_tokens: int = 0,
+        launch_fn: LaunchFn | None = None,
     ):
         """`max_client_tokens`: one client's share of one batch (None: the whole budget).
         `steps_fn` (chunked prefill): scores a batch of more than `step_tokens` padded tokens in
-        steps, other clients' batches served between them (None: every batch whole)."""
+        steps, other clients' batches served between them (None: every batch whole).
+        `launch_fn` (pipelined scoring, the engine's `score_async`): whole batches are launched
+        with it and delivered while the next one runs (None: `score_fn`, one batch at a time)."""
         self._score_fn = score_fn
+        self._launch_fn = launch_fn
         self._steps_fn = steps_fn if step_tokens > 0 else None
         self.step_tokens = step_tokens
         self._in_progress: deque[_InProgress] = deque()  # scoring batches; the next to step first
@@ -123,6 +139,7 @@ class DynamicBatcher:
         self.max_wait_s = max_wait_s
         self.max_queue_tokens = max_queue_tokens
         self._obs = observer or BatchObserver()
+        self._deliveries = Deliveries(self._fail_batch, self._obs.on_delivery)  # launched, not yet delivered
         self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
         self._counter = 0
         self._jobs: deque[_Job] = deque()
@@ -179,7 +196,7 @@ class DynamicBatcher:
     @property
     def idle(self) -> bool:
         return (not self._queue and not self._jobs and not self._busy and not self._in_progress
-                and self._job_in_progress is None)
+                and self._job_in_progress is None and not self._deliveries)
 
     def _admit(self, tokens: int) -> None:
         """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
@@ -237,6 +254,7 @@ class DynamicBatcher:
         while (self._queue or self._jobs or self._busy or self._in_progress or self._job_in_progress) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
+        await self._deliveries.drain()
         if self._task and not self._task.done():  # (a dead loop's error was reported when it died)
             self._task.cancel()
             try:
@@ -244,6 +262,7 @@ class DynamicBatcher:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self._deliveries.shutdown()
 
     # -- loop ---------------------------------------------------------------------------------
     def _report_queue(self) -> None:
@@ -354,6 +373,8 @@ class DynamicBatcher:
     def _start_batch(self, batch: list[Waiting]) -> None:
         """The batch runs next: in steps when it is larger than step_tokens (and the engine can)."""
         items = [w.item for w in batch]
+        if self._obs.on_wait:
+            self._observe(self._obs.on_wait, time.monotonic() - min(w.enqueued for w in batch))
         padded = max(it.num_tokens for it in items) * len(items)
         steps = self._steps_fn(items) if self._steps_fn is not None and padded > self.step_tokens else None
         self._in_progress.appendleft(_InProgress(batch, steps, clients={w.client for w in batch}))
@@ -363,6 +384,9 @@ class DynamicBatcher:
         turn), or all of it; delivers its results when it is done."""
         if all(w.ticket.done() for w in job.batch):  # every request of it was cancelled
             self._finish(job)
+            return
+        if job.steps is None and self._launch_fn is not None:
+            await self._launch(job)
             return
         loop = asyncio.get_running_loop()
         items = [w.item for w in job.batch]
@@ -375,10 +399,7 @@ class DynamicBatcher:
                 results = await loop.run_in_executor(self._executor, next, job.steps)
         except Exception as exc:  # the engine failed on this batch
             self._finish(job)
-            if len(job.batch) == 1:
-                job.batch[0].ticket.done() or job.batch[0].ticket.set_exception(exc)
-            else:  # one at a time, so that only the culprit fails
-                await self._score_one_by_one(job.batch)
+            await self._fail_batch(job.batch, exc)
             return
         finally:
             self._busy = False
@@ -387,15 +408,48 @@ class DynamicBatcher:
             self._in_progress.rotate(-1)
             return
         self._finish(job)
+        self._observe_batch(job)
+        deliver_results(job.batch, results)
+
+    async def _launch(self, job: _InProgress) -> None:
+        """Pipelined: launches the whole batch `job` (`launch_fn` on the engine's thread) and
+        leaves its delivery to `delivery.Deliveries`, so the loop goes on to the next
+        batch; first waits for the oldest delivery when MAX_UNDELIVERED are under way."""
+        await self._deliveries.make_room()
+        loop = asyncio.get_running_loop()
+        items = [w.item for w in job.batch]
+        self._busy = True
+        started = time.perf_counter()
+        try:
+            pending = await loop.run_in_executor(self._executor, self._launch_fn, items)
+        except Exception as exc:  # the engine failed on this batch
+            self._finish(job)
+            await self._fail_batch(job.batch, exc)
+            return
+        finally:
+            self._busy = False
+            job.seconds += time.perf_counter() - started
+        self._finish(job)
+        self._observe_batch(job)
+        await self._deliveries.deliver(job.batch, pending)
+
+    async def _fail_batch(self, batch: list[Waiting], exc: Exception) -> None:
+        if len(batch) == 1:
+            batch[0].ticket.done() or batch[0].ticket.set_exception(exc)
+        else:  # one at a time, so that only the culprit fails
+            await self._score_one_by_one(batch)
+
+    def _observe(self, hook: Callable[..., None], *args) -> None:
+        try:
+            hook(*args)
+        except Exception:  # noqa: BLE001 - metrics must not break scoring
+            log.exception("batch observer %s failed", getattr(hook, "__name__", hook))
+
+    def _observe_batch(self, job: _InProgress) -> None:
         if self._obs.on_batch:
+            items = [w.item for w in job.batch]
             width = max(it.num_tokens for it in items)
-            try:
-                self._obs.on_batch(len(items), sum(it.num_tokens for it in items), width * len(items), job.seconds)
-            except Exception:  # noqa: BLE001 - metrics must not break scoring
-                log.exception("batch observer on_batch failed")
-        for w, r in zip(job.batch, results, strict=True):
-            if not w.ticket.done():
-                w.ticket.set_result(r)
+            self._observe(self._obs.on_batch, len(items), sum(it.num_tokens for it in items), width * len(items), job.seconds)
 
     def _finish(self, job: _InProgress) -> None:
         self._in_progress.remove(job)

@@ -34,6 +34,15 @@ class TeacherMetrics:
             "eopd_teacher_batch_padding_ratio", "padding share of a forward batch", buckets=(0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1), registry=r
         )
         self.batch_latency = Histogram("eopd_teacher_batch_latency_seconds", "engine time per batch", buckets=_LATENCY_BUCKETS, registry=r)
+        # Where a request's time goes besides the engine call (batch_latency): the wait in the queue,
+        # the wait for the statistics' copy to the host, splitting them per sequence, protobuf encoding.
+        fine = (0.0001, 0.00025, 0.0005, 0.001, 0.0025) + _LATENCY_BUCKETS
+        self.queue_wait = Histogram("eopd_teacher_queue_wait_seconds", "a batch's oldest sequence's wait in the queue before its batch started",
+                                    buckets=fine, registry=r)
+        self.copy_wait = Histogram("eopd_teacher_copy_wait_seconds", "per batch: waiting for the statistics' copy from the device "
+                                   "(after the engine call returned; 0 on the CPU)", buckets=fine, registry=r)
+        self.split = Histogram("eopd_teacher_split_seconds", "per batch: splitting the statistics per sequence", buckets=fine, registry=r)
+        self.encode = Histogram("eopd_teacher_encode_seconds", "per Score request: encoding the answer (protobuf)", buckets=fine, registry=r)
         self.queue_sequences = Gauge("eopd_teacher_queue_sequences", "sequences waiting for a batch", registry=r)
         self.queue_tokens = Gauge("eopd_teacher_queue_tokens", "tokens waiting for a batch", registry=r)
         self.inflight = Gauge("eopd_teacher_inflight_requests", "ScoreRequests and GenerateRequests being served", registry=r)
@@ -57,6 +66,13 @@ class TeacherMetrics:
         self.batch_padding.observe(1 - tokens / padded if padded else 0)
         self.batch_latency.observe(seconds)
         self.tokens_forward.inc(tokens)
+
+    def on_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+
+    def on_delivery(self, copy_wait_s: float, split_s: float) -> None:
+        self.copy_wait.observe(copy_wait_s)
+        self.split.observe(split_s)
 
     def on_queue(self, sequences: int, tokens: int) -> None:
         self.queue_sequences.set(sequences)
