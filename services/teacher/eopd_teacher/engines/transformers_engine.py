@@ -178,7 +178,7 @@ class TransformersEngine(ScoringEngine):
                                       settings=self.settings, stats_fn=self._stats_fn, logit_factor=self._logit_factor,
                                       device=self._device)
         else:
-            yield self._score(items)
+            yield self._score(items).result()
 
 
 def _eos_ids(lm: LoadedModel) -> frozenset[int]:

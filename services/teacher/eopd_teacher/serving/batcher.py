@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from ..types import ScoreItem, SequenceScores
 from .delivery import Deliveries, Pending, deliver_results
+from .jobs import EngineJob, JobQueue
 from .scheduling import FairQueue, Waiting
 
 log = logging.getLogger(__name__)
@@ -59,27 +60,6 @@ class Draining(Exception):
 class BatcherDied(Draining):
     """The batcher's loop died (a bug): pending and new work fail with UNAVAILABLE, so clients
     retry on another replica, and the server reports itself not ready."""
-
-
-@dataclass(eq=False)
-class _Job:
-    """One engine job (`fn()` on the worker thread), `tokens` counted against the queue limit while
-    it waits. A stepped job's `fn()` returns an iterator, advanced one `next()` per turn (None until
-    its result)."""
-
-    fn: Callable[[], object]
-    tokens: int
-    ticket: asyncio.Future
-    stepped: bool = False
-    steps: Iterator[object] | None = None
-
-
-def _next_step(steps: Iterator[object]) -> object:
-    """The next step of a stepped job (None: more to come); its end without a result is an error
-    (a StopIteration cannot cross into a future)."""
-    for out in steps:
-        return out
-    raise RuntimeError("a stepped engine job ended without a result")
 
 
 # Scoring batches in progress at once (each scored in steps holds its KV cache between them).
@@ -142,8 +122,7 @@ class DynamicBatcher:
         self._deliveries = Deliveries(self._fail_batch, self._obs.on_delivery)  # launched, not yet delivered
         self._queue = FairQueue(max_batch_tokens=max_batch_tokens, max_client_tokens=max_client_tokens)
         self._counter = 0
-        self._jobs: deque[_Job] = deque()
-        self._job_in_progress: _Job | None = None  # a stepped job between two of its steps
+        self._jobs = JobQueue()  # generation jobs, and the stepped one between two of its steps
         self._job_turn = False  # when both wait: a job next (True) or a scoring batch (False)
         self._wakeup = asyncio.Event()
         self._closed = False
@@ -172,12 +151,8 @@ class DynamicBatcher:
         self._died = exc
         log.error("the batcher loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
         err = BatcherDied(f"the server's batcher stopped ({type(exc).__name__}: {exc}); retry on another replica")
-        tickets = ([w.ticket for w in self._queue.clear()] + [j.ticket for j in self._jobs]
+        tickets = ([w.ticket for w in self._queue.clear()] + self._jobs.clear()
                    + [w.ticket for b in self._in_progress for w in b.batch])
-        if self._job_in_progress is not None:
-            tickets.append(self._job_in_progress.ticket)
-            self._end_job_in_progress()
-        self._jobs.clear()
         self._in_progress.clear()
         for ticket in tickets:
             if not ticket.done():
@@ -191,12 +166,11 @@ class DynamicBatcher:
 
     @property
     def queued_tokens(self) -> int:
-        return self._queue.tokens + sum(j.tokens for j in self._jobs)
+        return self._queue.tokens + self._jobs.tokens
 
     @property
     def idle(self) -> bool:
-        return (not self._queue and not self._jobs and not self._busy and not self._in_progress
-                and self._job_in_progress is None and not self._deliveries)
+        return not self._queue and not self._jobs and not self._busy and not self._in_progress and not self._deliveries
 
     def _admit(self, tokens: int) -> None:
         """Raises BatcherDied, Draining or Overloaded (the queue, jobs included, is full) unless
@@ -218,8 +192,8 @@ class DynamicBatcher:
         it; a stepped job is closed at its next turn; an unstepped one runs to its end, its result
         dropped."""
         self._admit(tokens)
-        job = _Job(fn, tokens, asyncio.get_running_loop().create_future(), stepped=steps)
-        self._jobs.append(job)
+        job = EngineJob(fn, tokens, asyncio.get_running_loop().create_future(), stepped=steps)
+        self._jobs.add(job)
         self._wakeup.set()
         try:
             return await job.ticket
@@ -251,7 +225,7 @@ class DynamicBatcher:
     async def close(self) -> None:
         """Stops accepting work, finishes what is queued, stops the loop."""
         self._closed = True
-        while (self._queue or self._jobs or self._busy or self._in_progress or self._job_in_progress) and self._died is None:
+        while (self._queue or self._jobs or self._busy or self._in_progress) and self._died is None:
             self._wakeup.set()
             await asyncio.sleep(0.01)
         await self._deliveries.drain()
@@ -274,46 +248,13 @@ class DynamicBatcher:
 
     def _drop_cancelled(self) -> None:
         self._queue.drop(lambda w: w.ticket.done())
-        if any(j.ticket.done() for j in self._jobs):
-            self._jobs = deque(j for j in self._jobs if not j.ticket.done())
-        if self._job_in_progress is not None and self._job_in_progress.ticket.done():
-            self._end_job_in_progress()  # its caller went away: its state (KV cache) is freed now
+        self._jobs.drop_cancelled()  # a stepped job whose caller went away: its state (KV cache) is freed now
 
-    def _end_job_in_progress(self) -> None:
-        job, self._job_in_progress = self._job_in_progress, None
-        if job is not None and job.steps is not None:
-            job.steps.close()  # type: ignore[attr-defined]
-
-    def _next_job(self) -> _Job | None:
-        """The job whose turn is next: the stepped job in progress, else the oldest waiting."""
-        if self._job_in_progress is not None:
-            return self._job_in_progress
-        return self._jobs[0] if self._jobs else None
-
-    async def _run_job(self, job: _Job) -> None:
-        """One turn of `job` on the worker thread (all of it, or one step of a stepped job); its
-        result or error goes to its caller."""
-        if job is not self._job_in_progress:
-            self._jobs.popleft()
-        self._job_in_progress = None
+    async def _run_job(self, job: EngineJob) -> None:
+        """One turn of `job` on the worker thread (all of it, or one step of a stepped job)."""
         self._busy = True
-        loop = asyncio.get_running_loop()
         try:
-            if not job.stepped:
-                result = await loop.run_in_executor(self._executor, job.fn)
-            else:
-                if job.steps is None:
-                    job.steps = job.fn()  # a generator: nothing runs until its first next()
-                result = await loop.run_in_executor(self._executor, _next_step, job.steps)
-                if result is None:  # more steps to go: it keeps its state and its turn
-                    self._job_in_progress = job
-                    return
-        except Exception as exc:  # noqa: BLE001 - the job's own failure, for its caller
-            if job.steps is not None:
-                job.steps.close()  # type: ignore[attr-defined]
-            job.ticket.done() or job.ticket.set_exception(exc)
-        else:
-            job.ticket.done() or job.ticket.set_result(result)
+            await self._jobs.run_turn(job, self._executor)
         finally:
             self._busy = False
 
@@ -326,7 +267,7 @@ class DynamicBatcher:
         scoring batch when it may start, and run one step of the batch in progress whose turn it is."""
         while True:
             self._drop_cancelled()
-            job = self._next_job()
+            job = self._jobs.next()
             if job is not None and (self._job_turn or (not self._queue and not self._in_progress)):
                 self._job_turn = False
                 await self._run_job(job)
@@ -342,7 +283,7 @@ class DynamicBatcher:
             if self._in_progress:
                 self._job_turn = True  # a generation job, if one waits, goes after this step
                 await self._step(self._in_progress[0])
-            elif not self._queue and not self._jobs and self._job_in_progress is None:
+            elif not self._queue and not self._jobs:
                 self._wakeup.clear()
                 await self._wakeup.wait()
 
