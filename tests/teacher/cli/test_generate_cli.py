@@ -42,7 +42,9 @@ def test_generate_text_and_token_ids(tiny_teacher, tmp_path):
                           stop_token_ids=[7, 9])[2:]
     same = [r for r in recs if r["id"] == "ids"]
     assert [g.token_ids.tolist() for g in gens] == [r["token_ids"] for r in same]
-    np.testing.assert_allclose([g.scores.token_logprobs for g in gens], [r["token_logprobs"] for r in same], atol=1e-6)
+    # The statistics pass scores a request's rows together (batched generation): beside another prompt
+    # the padded batch differs, so fp32 rounding differs by a few 1e-6 (measured 2.9e-6).
+    np.testing.assert_allclose([g.scores.token_logprobs for g in gens], [r["token_logprobs"] for r in same], atol=1e-5)
 
 
 def test_generate_errors_name_the_input_line(tiny_teacher, tmp_path):
