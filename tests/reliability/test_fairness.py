@@ -33,7 +33,7 @@ import pytest
 from eopd_teacher.client import TeacherClient
 from tests.procs import running_teacher
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]
 
 BIG_SEQUENCES, BIG_LENGTH, SMALL_LENGTH = 16, 2048, 16
 ALONE_MULTIPLE, ALONE_SLACK_S = 10, 0.5

@@ -38,7 +38,7 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_trainer.job.teacher_proc import TEACHER_COMMAND
 from tests.procs import running_teacher
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 MiB = 1024 * 1024
 NOFILE = 640  # soft and hard: the HTTP side's cap becomes 640 - 384 = 256 (http.limits.connection_cap)

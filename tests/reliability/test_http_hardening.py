@@ -33,7 +33,7 @@ import requests
 from eopd_teacher.client import TeacherClient
 from tests.procs import running_teacher
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 VOCAB = 49152
 MAX_CALLS = 4

@@ -19,7 +19,7 @@ from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_teacher.client import TeacherClient
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 ALONE_MULTIPLE, ALONE_SLACK_S = 10, 1.0
 
