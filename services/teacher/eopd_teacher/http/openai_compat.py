@@ -17,7 +17,6 @@ while loading or draining.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -32,6 +31,7 @@ from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
 from ..serving.status import describe
 from ..types import GeneratePrompt, GenerateRequest, Generation, ScoreRequest, ScoreSequence, SequenceScores
 from ..validation import FieldNames, RequestTooLarge
+from . import json_in
 from .admission import Admission, peer_address, peer_share_key, until_disconnected
 from .json_out import answer_bytes
 from .openai_format import (
@@ -99,8 +99,8 @@ def parse_request(raw: bytes, limits: RequestLimits | None = None) -> Completion
     (not JSON, not UTF-8, nested too deep, not an object, a wrong field). With `limits`, the prompt
     count and the token ids given are checked (413) before the fields are validated."""
     try:
-        data = json.loads(raw)
-    except RecursionError:
+        data = json_in.loads(raw)
+    except json_in.TooDeep:
         raise CompatError(400, "body: JSON nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CompatError(400, f"body: not valid JSON ({exc})") from None
@@ -112,8 +112,6 @@ def parse_request(raw: bytes, limits: RequestLimits | None = None) -> Completion
         return CompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    except RecursionError:
-        raise CompatError(400, "body: JSON nested too deeply") from None
 
 
 class CompletionsRoute:
