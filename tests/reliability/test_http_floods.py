@@ -36,6 +36,7 @@ import pytest
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_trainer.job.teacher_proc import TEACHER_COMMAND
+from tests.os_probes import closed_by_server, status_mib
 from tests.procs import running_teacher
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]
@@ -142,14 +143,6 @@ def assert_victim_served(victim: Victim, alone: tuple[float, float]) -> None:
         assert med <= RATIO * base + FLOOR_S, f"{name}: median {med:.3f}s under the flood, {base:.3f}s alone"
 
 
-def closed_by_server(s: socket.socket) -> bool:
-    s.settimeout(0.01)
-    try:
-        return s.recv(65536) == b""
-    except (TimeoutError, BlockingIOError):
-        return False
-    except OSError:  # reset
-        return True
 
 
 def reconnecting_partial_requests(port: int, sources: list[str], per_source: int, seconds: float, counter) -> None:
@@ -248,12 +241,6 @@ def test_slow_bodies_from_one_address_hold_neither_the_port_nor_the_probes(teach
             s.close()
 
 
-def status_mib(pid: int, field: str) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def test_held_bodies_cost_at_most_the_body_budget(teacher):

@@ -27,6 +27,7 @@ from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_teacher.validation import MAX_ID_CHARS
 from eopd_teacher.settings import MiB, TeacherSettings
 from eopd_trainer.job.teacher_proc import TEACHER_COMMAND
+from tests.os_probes import closed_by_server, reset_peak, status_mib
 from tests.procs import running_teacher
 
 pytestmark = pytest.mark.integration
@@ -44,18 +45,8 @@ PEAK_BOUND_MIB = MAX_CALLS * 8 * 4 + 64
 AFTER_BOUND_MIB = 64
 
 
-def status_mib(pid: int, field: str) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-def reset_peak(pid: int) -> None:
-    """Resets the process's VmHWM to its current RSS (Linux: `echo 5 > /proc/PID/clear_refs`)."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
 
 
 def score_request(rid: str = "q", n_tokens: int = 5) -> pb.ScoreRequest:
@@ -153,14 +144,6 @@ def partial_http_requests(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
-def closed_by_server(s: socket.socket) -> bool:
-    s.settimeout(0.01)
-    try:
-        return s.recv(1) == b""
-    except (TimeoutError, BlockingIOError):
-        return False
-    except OSError:  # reset
-        return True
 
 
 def get(url: str) -> int:

@@ -22,8 +22,9 @@ from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_teacher.validation import MAX_ID_CHARS
 from eopd_teacher.settings import MiB
+from tests.os_probes import reset_peak, status_mib
 from tests.procs import running_teacher
-from tests.reliability.test_teacher_bounds import reset_peak, score_request, status_mib
+from tests.reliability.test_teacher_bounds import score_request
 
 pytestmark = pytest.mark.integration
 
