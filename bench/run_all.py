@@ -60,6 +60,7 @@ BENCHES = [
     Bench("candidates", "bench.bench_candidates"),
     Bench("generate", "bench.bench_generate", [], ["--smoke"]),
     Bench("weight_sync", "bench.bench_weight_sync", quick_out=True),
+    Bench("threads", "bench.bench_threads", quick_out=True),
 ]
 
 # The GPU benchmarks (`eopd bench gpu`): random models of real shapes built on the GPU; each prints why

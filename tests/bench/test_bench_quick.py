@@ -63,3 +63,19 @@ def test_weight_sync_quick(tmp_path):
     for path in ("disk", "shm"):
         assert data[f"{path}_publish_s"] > 0 and data[f"{path}_load_s"] > 0
     assert data["shm_vs_disk_total"] > 0
+
+
+def test_threads_quick(tmp_path):
+    """`bench_threads --quick`: every thread setting measured alone and beside a real CPU hog, each in
+    its own process, with the thread count it asked for."""
+    from bench.bench_threads import SETTINGS, main
+
+    out = tmp_path / "threads.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (rec,) = data["rounds"]
+    assert set(rec) == set(SETTINGS)
+    assert rec["one"]["alone"]["torch_threads"] == 1 and rec["cores"]["alone"]["torch_threads"] >= 1
+    for setting in SETTINGS:
+        for work in ("learner", "sampler"):
+            assert data[f"{setting}_{work}_alone_s"] > 0 and data[f"{setting}_{work}_ratio"] > 0

@@ -2,7 +2,7 @@
 tiny random Qwen3-shaped models that have Qwen3's vocabulary size (151936) and special-token ids
 (<|endoftext|> 151643 ends the base student, <|im_end|> 151645 the instruct teacher, ChatML chat
 template), built in code by `bench.random_models`. Only paths, sizes, iterations and the student's
-device are overridden: the preset's sync mode, its token remap and tokenizer check, chat template,
+device are overridden: the preset's async mode, its token remap and tokenizer check, chat template,
 ZeRO-2, bf16 training and bf16 teacher all run as written."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def test_paper_preset_runs_end_to_end_on_tiny_qwen3_shaped_models(tmp_path):
                "logging.progress=false", timeout=600)
     assert res.returncode == 0, res.stderr[-5000:]
     run = yaml.safe_load((run_dir / "run.yaml").read_text())
-    assert (run["mode"], run["loss"]["variant"], run["train"]["zero_stage"], run["train"]["precision"]) == ("sync", "eopd", 2, "bf16")
+    assert (run["mode"], run["loss"]["variant"], run["train"]["zero_stage"], run["train"]["precision"]) == ("async", "eopd", 2, "bf16")
+    assert run["max_staleness"] == 1
     assert {int(k): v for k, v in run["teacher"]["token_remap"].items()} == {151643: IM_END} and run["data"]["chat_template"] is True
 
     rollout_log = (run_dir / "logs" / "rollout-w0.log").read_text()
