@@ -16,6 +16,10 @@ bash scripts/deploy_tools.sh
 if [ $# -gt 0 ]; then
   exec python -m pytest "$@"
 fi
+# Two workers' servers, learners and samplers share two cores: OpenMP threads that spin while they
+# wait for a preempted sibling made a sampler 16x slower beside another torch process, 1.4x with
+# passive waits (docs/benchmarks.md, *A busy CPU*).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 vllm_log="$(mktemp -t eopd-vllm-setup.XXXXXX)"
 bash scripts/vllm_env.sh --install-only >"$vllm_log" 2>&1 &
 vllm_setup=$!
