@@ -19,13 +19,13 @@ fi
 # Two workers' servers, learners and samplers share two cores: OpenMP threads that spin while they
 # wait for a preempted sibling made a sampler 16x slower beside another torch process, 1.4x with
 # passive waits (docs/benchmarks.md, *A busy CPU*).
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+wait_policy="${OMP_WAIT_POLICY:-PASSIVE}"
 vllm_log="$(mktemp -t eopd-vllm-setup.XXXXXX)"
 bash scripts/vllm_env.sh --install-only >"$vllm_log" 2>&1 &
 vllm_setup=$!
 status=0
-python -m pytest -n "${EOPD_TEST_WORKERS:-2}" --dist loadfile -m "not serial" || status=$?
-python -m pytest -m serial || status=$?
+OMP_WAIT_POLICY="$wait_policy" python -m pytest -n "${EOPD_TEST_WORKERS:-2}" --dist loadfile -m "not serial" || status=$?
+OMP_WAIT_POLICY="$wait_policy" python -m pytest -m serial || status=$?
 setup_status=0
 wait "$vllm_setup" || setup_status=$?
 cat "$vllm_log"
