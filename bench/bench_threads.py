@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.report import ROOT, markdown_table, write_results, write_section
+from bench.report import ROOT, markdown_table, measure_and_report
 
 SETTINGS = {
     "cores": {},
@@ -178,17 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     batch, seq, new_tokens = 4, 64, 16
     if args.quick:
         args.model, args.rounds, args.steps, batch, seq, new_tokens = "tiny-random", 1, 1, 2, 16, 4
-    load_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    data = measure(args.model, args.rounds, args.steps, batch, seq, new_tokens)
-    data["load_avg"] = f"{load_start} -> " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(section_text(data))
-    if args.quick:
-        if args.out:
-            args.out.write_text(json.dumps(data))
-        return 0
-    path = write_results("threads", data)
-    write_section("threads", section_text(json.loads(path.read_text())))
-    return 0
+    return measure_and_report("threads", lambda: measure(args.model, args.rounds, args.steps, batch, seq, new_tokens), section_text, quick=args.quick, out=args.out)
 
 
 if __name__ == "__main__":

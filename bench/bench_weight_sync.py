@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.report import ROOT, markdown_table, write_results, write_section
+from bench.report import ROOT, markdown_table, measure_and_report
 
 
 def _timed(fn):
@@ -97,17 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.rounds = "tiny-random", 2
-    load_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    data = measure(args.model, args.rounds)
-    data["load_avg"] = f"{load_start} -> " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(section_text(data))
-    if args.quick:
-        if args.out:
-            args.out.write_text(json.dumps(data))
-        return 0
-    path = write_results("weight_sync", data)
-    write_section("weight_sync", section_text(json.loads(path.read_text())))
-    return 0
+    return measure_and_report("weight_sync", lambda: measure(args.model, args.rounds), section_text, quick=args.quick, out=args.out)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,23 @@ def write_results(name: str, payload: dict) -> Path:
     return path
 
 
+def measure_and_report(name: str, measure, section_text, *, quick: bool, out: Path | None) -> int:
+    """Runs `measure()` (a dict) with the load average before and after it recorded as `load_avg`,
+    prints `section_text(data)`; quick: writes the JSON to `out` (if given) and nothing else; else
+    the results file and the `name` section of docs/benchmarks.md. Returns 0."""
+    load_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    data = measure()
+    data["load_avg"] = f"{load_start} -> " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(section_text(data))
+    if quick:
+        if out:
+            out.write_text(json.dumps(data))
+        return 0
+    path = write_results(name, data)
+    write_section(name, section_text(json.loads(path.read_text())))
+    return 0
+
+
 def _markers(name: str) -> tuple[str, str]:
     return f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
 
