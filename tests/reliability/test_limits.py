@@ -79,6 +79,14 @@ def test_model_info_reports_the_limits(teacher):
     assert info.max_sequences_per_request == MAX_SEQUENCES
 
 
+def refused(err: grpc.aio.AioRpcError) -> bool:
+    """The server's refusal of a stream, or a client write that raced it: grpc.aio then replaces
+    the call's status with its own INTERNAL "Failed execute_batch" (seen in CI under load)."""
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return True
+    return err.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (err.debug_error_string() or "")
+
+
 def test_max_streams(teacher):
     """Two streams held open (each has had an answer, the client keeps its side open): a third is
     refused at once; once one closes, a new stream is accepted."""
@@ -93,8 +101,7 @@ def test_max_streams(teacher):
                 assert (await asyncio.wait_for(call.read(), 60)).request_id == f"held{i}"
                 held.append(call)
             extra = stub.ScoreStream(timeout=120)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await extra.write(req("extra"))
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # refused as it opens, before any request
                 await asyncio.wait_for(extra.read(), 30)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
             assert e.value.details() == f"{MAX_STREAMS} streams open, limit {MAX_STREAMS}; retry later"
@@ -113,7 +120,7 @@ def test_max_streams(teacher):
                     assert (await asyncio.wait_for(new.read(), 60)).request_id == "new"
                     break
                 except grpc.aio.AioRpcError as err:
-                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, err
+                    assert refused(err) and time.monotonic() < deadline, err
                     await asyncio.sleep(0.1)
             await new.done_writing()
             await held[1].done_writing()
