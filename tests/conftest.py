@@ -12,6 +12,17 @@ os.environ.setdefault("EOPD_CACHE_DIR", str(Path.home() / ".cache" / "eopd"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a `slow` test run first (stable otherwise): with two xdist workers and
+    `--dist loadfile` (scripts/test.sh), the longest files last would leave one worker idle while the
+    other finishes them (longest-first scheduling)."""
+    def file_of(item):
+        return item.nodeid.split("::")[0]
+
+    slow_files = {file_of(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: file_of(item) not in slow_files)
+
 @pytest.fixture(scope="session")
 def tiny_teacher():
     """A real teacher server (tiny-random model) as a subprocess over TCP, shared by the session."""

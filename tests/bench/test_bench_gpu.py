@@ -26,6 +26,7 @@ def _bench(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # a server at two settings and two iterations of `eopd run` (~3 min in CI)
 def test_gpu_bench_smoke_runs_on_the_cpu_and_renders(tmp_path):
     res = _bench("bench.run_all", "gpu", "--quick", env_extra={"EOPD_BENCH_RESULTS": str(tmp_path),
                                                               "EOPD_BENCH_DOC": str(tmp_path / "benchmarks.md")})
