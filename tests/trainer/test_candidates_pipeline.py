@@ -19,6 +19,7 @@ from eopd_trainer.queue.rollout_checks import check_rollout_metadata
 from eopd_trainer.rollout.requests import Pending, RequestShaper, answer_problems
 from eopd_trainer.rollout.samplers.transformers_sampler import sequence_logprobs
 from eopd_trainer.config import TeacherConfig
+from eopd_trainer.teacher_context import TeacherPrompts
 from tests.trainer.test_pipeline_units import make_rollout
 
 
@@ -119,7 +120,8 @@ def test_request_carries_remapped_candidates_and_the_answer_must_hold_them():
     top = np.array([[5, 9], [9, 2]], dtype=np.int32)
     p = Pending("e", task, 0, [1, 2], [9, 4], False, np.zeros(2, np.float32), 0, 0, top)
     teacher = TeacherConfig(token_remap={9: 7})
-    (batch,) = RequestShaper("w", teacher, None).shape([p])
+    (batch,), refused = RequestShaper("w", teacher, None, TeacherPrompts()).shape([p])
+    assert refused == []
     (seq,) = batch.sequences
     assert seq.candidate_ids.tolist() == [[5, 7], [7, 2]] and list(seq.token_ids) == [1, 2, 7, 4]
     base = dict(seq_id=p.rollout_id, token_logprobs=np.zeros(2), entropies=np.zeros(2),

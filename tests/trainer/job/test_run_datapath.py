@@ -1,7 +1,8 @@
 """`eopd run` end to end (tiny preset, real processes: redis-server, teacher, worker, DeepSpeed
 learner, then the evaluation) for the off-policy and graded data paths: kd (the teacher generates
 every response), gkd at lambda 0.5 (a deterministic per-sample draw decides who generates), grpo
-(graded by the task grader; no teacher process at all), and eopd after a one-iteration KD warm-up.
+(graded by the task grader; no teacher process at all), and eopd after a one-iteration KD warm-up
+(with privileged teacher context: teacher.prompt_template).
 Each checks the iterations' stages, the share of teacher-generated rollouts the learner trained
 (`iter/teacher_origin_frac`, from the decoded rollouts' origin), the number trained, and eval.json."""
 
@@ -65,12 +66,29 @@ def test_gkd_mixes_teacher_and_student_samples_as_drawn(tmp_path):
         assert r["stage"] == "gkd" and r["iter/teacher_origin_frac"] == pytest.approx(expected)
 
 
-def test_eopd_after_a_kd_warmup(tmp_path):
-    run_dir, res, iters, _ = run_tiny(tmp_path, "train.warmup_kd_iterations=1", "eval.models=[final]", iterations=3)
+def test_eopd_after_a_kd_warmup_with_privileged_teacher_context(tmp_path):
+    """A one-iteration KD warm-up, then eopd, with teacher.prompt_template (issue 32 ask 3): the
+    teacher generates the warm-up's responses and scores the student's after its own prompt, which
+    holds the answer; every rollout is trained (none dead-lettered). The scores' exactness is
+    tests/trainer/rollout/test_teacher_context.py's; the plain teacher's Generate is test_kd_*'s."""
+    template = json.dumps("{prompt}\nThe correct final answer is {answer}.")
+    run_dir, res, iters, _ = run_tiny(tmp_path, "train.warmup_kd_iterations=1", "eval.models=[final]",
+                                      f"teacher.prompt_template={template}", iterations=3)
     assert [r["stage"] for r in iters] == ["kd-warmup", "eopd", "eopd"]
     assert [r["iter/teacher_origin_frac"] for r in iters] == [1.0, 0.0, 0.0]
     assert ["iter/clip_frac" in r for r in iters] == [False, True, True]  # the ratio from the eopd stage on
     assert "stage=kd-warmup" in res.stderr or "kd-warmup" in (run_dir / "logs" / "learner.log").read_text()
+    worker = (run_dir / "logs" / "rollout-w0.log").read_text()
+    assert ("teacher.prompt_template: the teacher sees its own prompt, e.g. 'What is 26 + 28?\\nThe correct final "
+            "answer is 54.'") in worker
     res = eopd("report", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "kd-warmup (iterations 1-1" in (run_dir / "report.html").read_text()
+
+
+def test_a_record_without_a_template_field_is_refused_before_any_process(tmp_path):
+    run_dir = tmp_path / "run"
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", 'teacher.prompt_template="{prompt} {solution}"')
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "tiny_prompts.jsonl:1: teacher.prompt_template uses {solution} and the record has no field 'solution'" in res.stderr
+    assert not (run_dir / "logs" / "teacher.log").exists()

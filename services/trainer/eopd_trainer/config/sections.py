@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from eopd_common.client_security import ClientSecurity, SecurityFileError
 
 from ..objective import LossConfig
+from ..teacher_context import template_fields
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,11 @@ class TeacherConfig(_Section):
     tls_key_file: str = Field("", description="Client private key for mutual TLS (with tls_cert_file).")
     tls_server_name: str = Field("", description="Name to verify the teacher's certificate against when it differs from "
                                  "the target's host (e.g. the target is an IP address).")
+    prompt_template: str = Field("", description="Privileged teacher context: the user message the teacher is shown instead of "
+                                 "the student's prompt, filled from the data record ({prompt}: the student's prompt text; "
+                                 "{answer}, {solution}, any {field}: the record's field). The teacher scores (and, for KD/GKD, "
+                                 "generates) the student's response after it; the student never sees it. Empty: the teacher "
+                                 "sees the student's prompt.")
 
     @model_validator(mode="after")
     def _invertible_remap(self) -> TeacherConfig:
@@ -84,6 +90,15 @@ class TeacherConfig(_Section):
             dst, srcs = min(shared.items())
             raise ValueError(f"teacher.token_remap: ids {sorted(srcs)} are all mapped to {dst}: the remap must be invertible "
                              "(the teacher's top-k ids are mapped back to student ids)")
+        return self
+
+    @model_validator(mode="after")
+    def _template_parses(self) -> TeacherConfig:
+        if self.prompt_template:
+            try:
+                template_fields(self.prompt_template)
+            except ValueError as exc:
+                raise ValueError(f"teacher.prompt_template: {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -39,6 +39,8 @@ from pathlib import Path
 from eopd_common.models import materialise_spec, parse_layer_subset, resolve_spec
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
+from ..data import DataError
+from ..teacher_context import teacher_prompt_texts
 from ..problems.generator import write_splits
 
 LOCK_NAME = ".prepare.lock"
@@ -69,6 +71,17 @@ def validate(cfg: RunConfig, *, local: bool = True, need_teacher: bool = True) -
     if cfg.eval.enabled and not cfg.data.eval_files and cfg.data.generate is None:
         problems.append("eval.enabled: no held-out prompts (data.eval_files or data.generate)")
     return problems
+
+
+def check_teacher_context(cfg: RunConfig, prompts: list[str]) -> None:
+    """ConfigError naming the record and the field when a training record lacks a field of
+    teacher.prompt_template (checked before any process starts, not by a worker mid-run)."""
+    if not cfg.teacher.prompt_template:
+        return
+    try:
+        teacher_prompt_texts(cfg.teacher.prompt_template, cfg.data.train_files, prompts)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
 from ..faults import Faults
 from ..learner.metrics import trim_records
 from .local_queue import QueueChoice, choose_queue, run_key_file, write_private
-from .prepare import prepare, validate
+from .prepare import check_teacher_context, prepare, validate
 from .progress import Progress
 from .resume import (
     RunDirBusy,
@@ -139,7 +139,9 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
         say(start.note)
     requested = cfg
     cfg, facts = prepare(cfg, keep_trained=start.resumed)
-    total = cfg.total_iterations(len(load_prompts(cfg.data.train_files, cfg.data.field)))
+    prompts = load_prompts(cfg.data.train_files, cfg.data.field)
+    check_teacher_context(cfg, prompts)  # ConfigError: a record lacks a field of teacher.prompt_template
+    total = cfg.total_iterations(len(prompts))
     check_extent(start, total)
     write_requested(run_dir, requested)
     record = RunRecord(run_dir, keep=start.resumed)

@@ -14,6 +14,7 @@ from eopd_teacher.client import ScoreBatch, SequenceInput
 
 from ..config import TeacherConfig
 from ..queue.messages import PromptTask, rollout_id
+from ..teacher_context import TeacherPrompts
 
 
 def answer_problems(group, scores) -> list[str | None]:
@@ -129,30 +130,56 @@ class Pending:
 
 class RequestShaper:
     """Turns sampled responses into teacher requests (`shape`) and maps each answer back to its
-    rollouts (`take`). It keeps no copy of a request for re-sending (the client re-sends)."""
+    rollouts (`take`). It keeps no copy of a request for re-sending (the client re-sends). The
+    teacher sees each response after `teacher_prompts`' prefix (the student's prompt, or the
+    privileged one of teacher.prompt_template)."""
 
-    def __init__(self, worker_id: str, teacher: TeacherConfig, max_tokens_per_request: int | None):
+    def __init__(self, worker_id: str, teacher: TeacherConfig, max_tokens_per_request: int | None,
+                 teacher_prompts: TeacherPrompts, max_context_length: int = 0):
         self.worker_id = worker_id
         self.teacher = teacher
         self.remap = TokenRemap.of(teacher.token_remap)
         self.max_tokens_per_request = max_tokens_per_request
+        self.teacher_prompts = teacher_prompts
+        self.max_context_length = max_context_length  # the teacher's (0: not known, not checked)
         self._seq = 0
         self.contexts: dict[str, list[Pending]] = {}  # request id -> the rollouts it scores
 
-    def shape(self, pending: list[Pending]) -> list[ScoreBatch]:
-        """The requests for `pending` (`request_groups`), their contexts recorded."""
+    def prefix(self, p: Pending) -> list[int]:
+        return self.teacher_prompts.ids(p.task.prompt_index, p.prompt_ids)
+
+    def too_long(self, p: Pending, prefix: list[int]) -> str | None:
+        """Why the teacher cannot score `p` after `prefix` (None: it can)."""
+        n = len(prefix) + len(p.response_ids)
+        if not self.max_context_length or n <= self.max_context_length:
+            return None
+        what = "teacher.prompt_template's prompt" if self.teacher_prompts.privileged else "the prompt"
+        return (f"prompt {p.task.prompt_index}: {what} ({len(prefix)} tokens) + the response ({len(p.response_ids)}) "
+                f"= {n} tokens exceeds the teacher's max_context_length ({self.max_context_length})")
+
+    def shape(self, pending: list[Pending]) -> tuple[list[ScoreBatch], list[tuple[Pending, str]]]:
+        """The requests for `pending` (`request_groups`), their contexts recorded; and the
+        rollouts that cannot be sent, with the reason (a prefix + response over the teacher's context)."""
         t = self.teacher
-        lengths = [len(p.prompt_ids) + len(p.response_ids) for p in pending]
+        kept, refused = [], []
+        for p in pending:
+            pre = self.prefix(p)
+            why = self.too_long(p, pre)
+            if why is None:
+                kept.append((p, pre))
+            else:
+                refused.append((p, why))
+        lengths = [len(pre) + len(p.response_ids) for p, pre in kept]
         out = []
         for rows in request_groups(lengths, t.sequences_per_request, self.max_tokens_per_request):
-            group = pending[rows.start : rows.stop]
+            group = kept[rows.start : rows.stop]
             self._seq += 1
             rid = f"{self.worker_id}-{self._seq}"
-            self.contexts[rid] = group
-            seqs = [SequenceInput(p.rollout_id, teacher_tokens(p.prompt_ids, p.response_ids, self.remap),
-                                  len(p.prompt_ids), teacher_candidates(p.old_topk_ids, self.remap)) for p in group]
+            self.contexts[rid] = [p for p, _ in group]
+            seqs = [SequenceInput(p.rollout_id, teacher_tokens(pre, p.response_ids, self.remap), len(pre),
+                                  teacher_candidates(p.old_topk_ids, self.remap)) for p, pre in group]
             out.append(ScoreBatch(rid, seqs, top_k=t.top_k, temperature=t.temperature))
-        return out
+        return out, refused
 
     def take(self, request_id: str) -> list[Pending] | None:
         """The rollouts of an answered request (None: not a request of this shaper's)."""

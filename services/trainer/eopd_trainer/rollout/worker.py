@@ -39,6 +39,7 @@ from ..data import load_prompts
 from ..faults import Faults
 from ..queue.signing import signer_for
 from ..queue.namespace import RunQueue
+from ..teacher_context import TeacherPrompts
 from .answers import ScoreAnswers
 from .grader import TaskGrader
 from .graded import publish_graded
@@ -86,6 +87,11 @@ class RolloutWorker:
         self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
         self.sampler = make_sampler(cfg)  # transformers or vLLM (rollout.engine)
         self.tokenizer = self.sampler.tokenizer
+        # What the teacher sees before a response: the student's prompt or teacher.prompt_template's.
+        self.teacher_prompts = TeacherPrompts(self.tokenizer, cfg.data, cfg.teacher.prompt_template or None, self.prompts)
+        if self.teacher_prompts.privileged:
+            log.info("teacher.prompt_template: the teacher sees its own prompt, e.g. %r for the student's %r",
+                     self.teacher_prompts.texts[0], self.prompts[0])
         self.book = TaskBook(self.tasks, cfg, self.metrics, self.worker_id)
         self.versions = VersionTracker(self.sampler, self.queue, self.metrics, mode=cfg.mode,
                                        weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop,
@@ -100,8 +106,8 @@ class RolloutWorker:
         self.book.resume_pending()
 
     def _teacher_samples(self, generator: TeacherGenerator | None, teacher_model: str) -> TeacherSamples:
-        return TeacherSamples(generator, teacher_model, self.students.prompt_ids, self.grader, self.publisher,
-                              self.book, self.versions, self.metrics)
+        return TeacherSamples(generator, teacher_model, self.students.prompt_ids, self.teacher_prompts, self.grader,
+                              self.publisher, self.book, self.versions, self.metrics)
 
     # Main loop -------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -118,7 +124,8 @@ class RolloutWorker:
                 log.info("stopped by a signal while waiting for the teacher")
                 return 0
             teacher_model = check_teacher(info, cfg, self.tokenizer, self.worker_id)
-            shaper = RequestShaper(self.worker_id, cfg.teacher, info.max_tokens_per_request or None)
+            shaper = RequestShaper(self.worker_id, cfg.teacher, info.max_tokens_per_request or None, self.teacher_prompts,
+                                   info.max_context_length)
             queue = BatchQueue(maxsize=max(2, cfg.teacher.max_in_flight))
             # on_error="yield": a request the teacher rejects for good (invalid, over a per-request
             # limit) comes back as (request_id, RequestFailed) and the streams go on. A stall (no
@@ -195,7 +202,12 @@ class RolloutWorker:
                 if not self.score_students:
                     await publish_graded(pending, self.grader, self.publisher, self.book)
                     continue
-                for batch in shaper.shape(pending):
+                batches, refused = shaper.shape(pending)
+                for p, why in refused:
+                    log.warning("rollout %s not scored: %s", p.rollout_id, why)
+                    self.metrics.unscored.labels("too_long").inc()
+                    await self.book.settle(p.entry_id, p.rollout_id, why)
+                for batch in batches:
                     await queue.put(batch)
         finally:
             if queue is not None:
