@@ -352,3 +352,22 @@ def test_redis_server_port_collision_is_retried(tmp_path, monkeypatch):
             sup.check()
         finally:
             sup.stop_all()
+
+
+def test_a_layer_subset_teacher_is_built_and_the_students_spec_is_its_initial_weights(tmp_path):
+    """Self-distillation (issue 32): teacher.model = student.model serves the student's initial
+    weights (student-init/); another layer-subset teacher is built into teacher-init/."""
+    from eopd_trainer.job.prepare import prepare
+
+    spec = "tiny-random@0[drop=0]"
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run_dir={tmp_path / 'self'}", f"student.model={spec}",
+                                                      f"teacher.model={spec}"])
+    prepared, _ = prepare(cfg)
+    assert prepared.teacher.model == prepared.student.model == str(tmp_path / "self" / "student-init")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run_dir={tmp_path / 'other'}", f"student.model={spec}",
+                                                      "teacher.model=tiny-random@0[drop=1]"])
+    prepared, _ = prepare(cfg)
+    assert prepared.teacher.model == str(tmp_path / "other" / "teacher-init")
+    assert prepared.student.model == str(tmp_path / "other" / "student-init")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run_dir={tmp_path / 'plain'}"])
+    assert prepare(cfg)[0].teacher.model == "tiny-random@0"  # any other spec as it is

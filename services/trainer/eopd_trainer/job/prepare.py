@@ -8,6 +8,7 @@ A run config may name things no process can load as they are: a layer-subset stu
 turns them into files in the run directory and writes the config the processes load:
 
     <run_dir>/student-init/          the layer-subset student (a Hugging Face directory)
+    <run_dir>/teacher-init/          a layer-subset teacher (teacher.model = student.model: student-init/)
     <run_dir>/data/train.jsonl       the generator's splits (data.train_files / data.eval_files)
     <run_dir>/data/heldout.jsonl
     <run_dir>/run.yaml               the effective config: absolute paths, the materialised student
@@ -128,6 +129,18 @@ def _generate_data(cfg: RunConfig, data_dir: Path) -> tuple[Path, Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _teacher_spec(cfg: RunConfig, student: str, run_dir: Path) -> str:
+    """The teacher spec the teacher process loads: a layer-subset spec is built like the student's
+    (`teacher-init/`); the student's own spec is the student's initial weights (`student-init/`:
+    self-distillation, usually with teacher.prompt_template)."""
+    spec = cfg.teacher.model
+    if not spec or parse_layer_subset(spec) is None:
+        return spec
+    if spec == cfg.student.model:
+        return student
+    return materialise_spec(spec, run_dir / "teacher-init")
+
+
 def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = False) -> tuple[RunConfig, dict]:
     """Materialises the run directory; returns the config the processes load (concrete files and
     student directory) and facts for the run's summary. Does not write run.yaml (see
@@ -151,7 +164,10 @@ def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = Fal
             data = data.model_copy(update={"train_files": [train], "eval_files": [held]})
             updates["data"] = data
         student = materialise_spec(cfg.student.model, run_dir / "student-init")
+        teacher = _teacher_spec(cfg, student, run_dir)
     updates["student"] = cfg.student.model_copy(update={"model": student})
+    if teacher != cfg.teacher.model:
+        updates["teacher"] = cfg.teacher.model_copy(update={"model": teacher})
     return cfg.model_copy(update=updates), {"student_init": student, "student_spec": cfg.student.model}
 
 
