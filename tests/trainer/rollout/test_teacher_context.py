@@ -150,3 +150,24 @@ def test_privileged_answer_equals_a_direct_score_of_prefix_plus_response(tiny, t
             np.testing.assert_allclose(s.topk_logprobs, full.topk_logprobs[-n:], atol=1e-5)
             assert (np.asarray(s.topk_ids)[:, 0] == np.asarray(full.topk_ids)[-n:, 0]).all()
             assert np.abs(np.asarray(s.token_logprobs) - np.asarray(plain.token_logprobs)).max() > 1e-4
+
+
+def test_teacher_generation_starts_from_the_privileged_prefix(tiny):
+    """KD / GKD / the warm-up: Generate gets the teacher's prefix, not the student's prompt (a
+    recording client: the request the worker makes is the point here; the real Generate path runs
+    end to end in tests/trainer/job/test_run_datapath.py)."""
+    from eopd_trainer.rollout.teacher_gen import TeacherGenerator
+
+    cfg, tok, prompts, student = tiny
+    tp = TeacherPrompts(tok, cfg.data, cfg.teacher.prompt_template, prompts)
+    sent = []
+
+    class Recording:
+        async def generate(self, prompts_sent, **kwargs):
+            sent.append([list(map(int, p)) for p in prompts_sent])
+            return []
+
+    task = PromptTask(task_seq=0, prompt_index=1, num_samples=2, min_policy_version=0, num_teacher_samples=2)
+    asyncio.run(TeacherGenerator(Recording(), cfg, [2], "w", tp).generate(task, student[1]))
+    asyncio.run(TeacherGenerator(Recording(), cfg, [2], "w").generate(task, student[1]))
+    assert sent == [[tp.ids(1, student[1])], [student[1]]] and tp.ids(1, student[1]) != student[1]

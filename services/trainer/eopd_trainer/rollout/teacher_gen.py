@@ -3,7 +3,7 @@ responses of a task (KD, the KD warm-up, GKD's teacher share) with `TeacherServi
 returns, per generated position, the same statistics Score does; each becomes a Rollout of origin
 "teacher" without a second scoring pass.
 
-The request: the task's rendered prompt (as sent to Score), max_new_tokens =
+The request: the task's rendered prompt (as sent to Score: teacher.prompt_template's when set), max_new_tokens =
 rollout.max_response_length, the rollout's temperature and top-p, stop ids = the student's EOS ids
 (through teacher.token_remap), a seed from (run seed, task_seq) (`objective.step_seed`), the
 statistics at teacher.top_k and teacher.temperature. The rollout: response ids and top-k ids mapped
@@ -22,6 +22,7 @@ import numpy as np
 from ..config import RunConfig
 from ..objective import step_seed
 from ..queue.messages import ORIGIN_TEACHER, PromptTask, Rollout, now_ns
+from ..teacher_context import TeacherPrompts
 from .publisher import make_rollout
 from .requests import TokenRemap
 
@@ -36,10 +37,12 @@ def generation_seed(seed: int, task_seq: int) -> int:
 class TeacherGenerator:
     """Asks the teacher to generate a task's off-policy responses and turns them into Rollouts."""
 
-    def __init__(self, client, cfg: RunConfig, student_stop_ids: Sequence[int], worker_id: str):
+    def __init__(self, client, cfg: RunConfig, student_stop_ids: Sequence[int], worker_id: str,
+                 teacher_prompts: TeacherPrompts | None = None):
         self.client = client
         self.cfg = cfg
         self.worker_id = worker_id
+        self.teacher_prompts = teacher_prompts or TeacherPrompts()  # the teacher's prefix (teacher.prompt_template)
         self.remap = TokenRemap.of(cfg.teacher.token_remap)
         self.stop_ids = tuple(sorted({self.remap.teacher_id(i) for i in student_stop_ids}))
 
@@ -53,8 +56,10 @@ class TeacherGenerator:
                     request_id=f"{self.worker_id}-{task.task_id}")
 
     async def generate(self, task: PromptTask, prompt_ids: Sequence[int]) -> list:
-        """The teacher's Generations for the task (sample_index 0 .. num_teacher_samples - 1)."""
-        gens = await self.client.generate([np.asarray(prompt_ids, dtype=np.int64)], **self.request_kwargs(task))
+        """The teacher's Generations for the task (sample_index 0 .. num_teacher_samples - 1), after
+        the teacher's prefix for the student's `prompt_ids` (its own with teacher.prompt_template)."""
+        prefix = self.teacher_prompts.ids(task.prompt_index, prompt_ids)
+        gens = await self.client.generate([np.asarray(prefix, dtype=np.int64)], **self.request_kwargs(task))
         return sorted(gens, key=lambda g: g.sample_index)
 
     def problems(self, task: PromptTask, gens: list) -> str | None:

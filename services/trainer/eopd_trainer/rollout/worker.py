@@ -106,8 +106,8 @@ class RolloutWorker:
         self.book.resume_pending()
 
     def _teacher_samples(self, generator: TeacherGenerator | None, teacher_model: str) -> TeacherSamples:
-        return TeacherSamples(generator, teacher_model, self.students.prompt_ids, self.teacher_prompts, self.grader,
-                              self.publisher, self.book, self.versions, self.metrics)
+        return TeacherSamples(generator, teacher_model, self.students.prompt_ids, self.grader, self.publisher,
+                              self.book, self.versions, self.metrics)
 
     # Main loop -------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -134,7 +134,7 @@ class RolloutWorker:
             answers = client.score_stream(queue, max_in_flight=cfg.teacher.max_in_flight, streams=cfg.teacher.streams,
                                           on_error="yield", stall_timeout_s=cfg.teacher.timeout_s,
                                           give_up_s=cfg.teacher.retry_timeout_s, on_stall=self._on_stall)
-            generator = TeacherGenerator(client, cfg, sorted(self.sampler.stop), self.worker_id)
+            generator = TeacherGenerator(client, cfg, sorted(self.sampler.stop), self.worker_id, self.teacher_prompts)
             teacher = self._teacher_samples(generator, teacher_model)
             scored = ScoreAnswers(shaper, teacher_model, self.publisher, self.book, self.metrics)
             beat = asyncio.create_task(self.book.heartbeat())
