@@ -1,4 +1,5 @@
-"""The run configuration (facade): the sections (`config/sections.py`) and their loading
+"""The run configuration (facade): the sections (`config/sections.py`, the teachers in
+`config/teachers.py`) and their loading
 (`config/load.py`). `from eopd_trainer.config import load_config, RunConfig, ...` is the public
 API quoted in the README, the docs, `deploy/` and `scripts/`."""
 
@@ -12,9 +13,9 @@ from .load import (
     load_config,
     parse_override,
 )
+from .base import ConfigError
 from .sections import (
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     EvalConfig,
     FaultConfig,
@@ -24,12 +25,13 @@ from .sections import (
     RunConfig,
     StudentConfig,
     TasksConfig,
-    TeacherConfig,
     TrainConfig,
     VllmRolloutConfig,
 )
+from .teachers import DEFAULT_TEACHER, NamedTeacher, RouteConfig, TeacherConfig
 
 __all__ = [
+    "DEFAULT_TEACHER",
     "ENV_PREFIX",
     "CheckpointConfig",
     "ConfigError",
@@ -37,8 +39,10 @@ __all__ = [
     "EvalConfig",
     "FaultConfig",
     "LoggingConfig",
+    "NamedTeacher",
     "QueueConfig",
     "RolloutConfig",
+    "RouteConfig",
     "RunConfig",
     "StudentConfig",
     "TasksConfig",

@@ -20,113 +20,20 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from eopd_common.client_security import ClientSecurity, SecurityFileError
+from pydantic import Field, model_validator
 
 from ..objective import LossConfig
-from ..teacher_context import template_fields
+from .base import ConfigError, Section
+from .teachers import DEFAULT_TEACHER, NamedTeacher, RouteConfig, TeacherConfig, check_routes
 
 
-class ConfigError(ValueError):
-    """Invalid run configuration; the message lists every offending field by dotted path."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class TeacherConfig(_Section):
-    target: str = Field("127.0.0.1:50051", description="gRPC target of the teacher service (host:port or dns:///name:port).")
-    top_k: int = Field(16, ge=1, le=1024, description="Teacher top-k returned per position (paper: 16).")
-    temperature: float = Field(1.0, gt=0, description="Teacher temperature applied before every statistic.")
-    sequences_per_request: int = Field(4, ge=1, description="Sequences per ScoreStream request.")
-    max_in_flight: int = Field(8, ge=1, description="Unanswered requests on the stream (pipelining depth).")
-    timeout_s: float = Field(300.0, gt=0, description="Deadline of one teacher call; on the worker's stream: requests outstanding "
-                             "and no answer for this long -> the stream is abandoned, the channel replaced, the requests re-sent.")
-    retry_timeout_s: float = Field(300.0, gt=0, description="How long UNAVAILABLE (teacher restarting) is retried before the worker gives up.")
-    ready_timeout_s: float = Field(300.0, gt=0, description="How long the worker waits for the teacher at start.")
-    streams: int = Field(2, ge=1, description="ScoreStreams a worker keeps open to the teacher (its requests spread over them); "
-                         "with a dns:/// target and round_robin load balancing they land on different teacher replicas.")
-    token_remap: dict[int, int] = Field(
-        default_factory=dict,
-        description="Student token id -> teacher token id applied to the response tokens sent to the teacher (e.g. the "
-        "student's end-of-text id to the teacher's end-of-turn id; the prompt is sent as rendered); the teacher's "
-        "top-k ids are mapped back. Must be invertible: no two ids mapped to the same target.",
-    )
-    check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's "
-                                                  "(a difference of special tokens explained by token_remap is accepted).")
-    model: str = Field("", description="Model spec `eopd run` serves as the teacher (and `eopd eval` compares against); "
-                       "ignored by the learner and the workers, which use `target`.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights' dtype of the teacher `eopd run` starts (its --dtype); auto: bfloat16 on CUDA, float32 "
-        "on CPU (the teacher's device-aware default). Statistics are float32 either way.")
-    auth_token_file: str = Field("", description="File holding the bearer token the workers send to the teacher (`authorization: "
-                                 "Bearer ...`); when empty, the env var EOPD_TEACHER_AUTH_TOKEN is used if set. The token "
-                                 "itself is never part of the config (which is written into the run directory).")
-    tls: bool = Field(False, description="Connect over TLS (implied by tls_ca_file or tls_cert_file); without tls_ca_file "
-                      "the system's root certificates are trusted.")
-    tls_ca_file: str = Field("", description="CA bundle that signed the teacher's certificate (turns TLS on).")
-    tls_cert_file: str = Field("", description="Client certificate for mutual TLS (with tls_key_file).")
-    tls_key_file: str = Field("", description="Client private key for mutual TLS (with tls_cert_file).")
-    tls_server_name: str = Field("", description="Name to verify the teacher's certificate against when it differs from "
-                                 "the target's host (e.g. the target is an IP address).")
-    prompt_template: str = Field("", description="Privileged teacher context: the user message the teacher is shown instead of "
-                                 "the student's prompt, filled from the data record ({prompt}: the student's prompt text; "
-                                 "{answer}, {solution}, any {field}: the record's field). The teacher scores (and, for KD/GKD, "
-                                 "generates) the student's response after it; the student never sees it. Empty: the teacher "
-                                 "sees the student's prompt.")
-
-    @model_validator(mode="after")
-    def _invertible_remap(self) -> TeacherConfig:
-        negative = sorted(i for pair in self.token_remap.items() for i in pair if i < 0)
-        if negative:
-            raise ValueError(f"teacher.token_remap: token ids must be >= 0, got {negative}")
-        sources: dict[int, list[int]] = {}
-        for src, dst in self.token_remap.items():
-            sources.setdefault(dst, []).append(src)
-        shared = {dst: srcs for dst, srcs in sources.items() if len(srcs) > 1}
-        if shared:
-            dst, srcs = min(shared.items())
-            raise ValueError(f"teacher.token_remap: ids {sorted(srcs)} are all mapped to {dst}: the remap must be invertible "
-                             "(the teacher's top-k ids are mapped back to student ids)")
-        return self
-
-    @model_validator(mode="after")
-    def _template_parses(self) -> TeacherConfig:
-        if self.prompt_template:
-            try:
-                template_fields(self.prompt_template)
-            except ValueError as exc:
-                raise ValueError(f"teacher.prompt_template: {exc}") from None
-        return self
-
-    @model_validator(mode="after")
-    def _mutual_tls_pair(self) -> TeacherConfig:
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            given, missing = ("tls_cert_file", "tls_key_file") if self.tls_cert_file else ("tls_key_file", "tls_cert_file")
-            raise ValueError(f"teacher.{given} is set but teacher.{missing} is not: mutual TLS needs both")
-        return self
-
-    def client_security(self) -> ClientSecurity:
-        """The token and TLS settings of eopd_teacher's clients (`security=`): reads the token and
-        certificate files now, so a missing or unreadable one, or an empty token file, fails at start
-        with a ConfigError naming the field."""
-        try:
-            return ClientSecurity.from_files(auth_token_file=self.auth_token_file, tls=self.tls, tls_ca_file=self.tls_ca_file,
-                                             tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file,
-                                             tls_server_name=self.tls_server_name, field_prefix="teacher.")
-        except SecurityFileError as exc:
-            raise ConfigError(str(exc)) from None
-
-
-class StudentConfig(_Section):
+class StudentConfig(Section):
     model: str = Field("smollm2-135m", description="Student model spec: a preset, tiny-random@SEED, an HF directory or a .gguf file.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype of the rollout workers.")
     device: str = Field("cpu", description="Rollout worker device (cpu, cuda, cuda:1, ...).")
 
 
-class TasksConfig(_Section):
+class TasksConfig(Section):
     """Prompts from the arithmetic/word-problem generator (`eopd_trainer.problems.generator`), written by `eopd run`."""
 
     train: int = Field(512, ge=1, description="Training prompts.")
@@ -137,7 +44,7 @@ class TasksConfig(_Section):
     seed: int = Field(0, ge=0, description="Generator seed.")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     train_files: list[Path] = Field(default_factory=list, description="JSONL (or parquet, with pyarrow) files of training prompts.")
     eval_files: list[Path] = Field(default_factory=list, description="Held-out prompt files (same format).")
     field: str = Field("prompt", description="Name of the prompt field of each record.")
@@ -152,7 +59,7 @@ class DataConfig(_Section):
                                          "<run_dir>/data and uses them as train_files/eval_files.")
 
 
-class VllmRolloutConfig(_Section):
+class VllmRolloutConfig(Section):
     """vLLM's engine settings of a worker with `rollout.engine: vllm` (see docs/vllm.md)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -171,7 +78,7 @@ class VllmRolloutConfig(_Section):
                                         "the cache is reset at every weight reload.")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Literal["auto", "transformers", "vllm"] = Field(
         "auto", description="Sampling engine of the workers: transformers `generate`, or vLLM (needs vllm installed; "
         "weights reloaded in place at each policy version). auto: vLLM where student.device is CUDA and vLLM is "
@@ -214,7 +121,7 @@ class RolloutConfig(_Section):
         return self
 
 
-class QueueConfig(_Section):
+class QueueConfig(Section):
     backend: Literal["auto", "redis", "redis-server", "embedded"] = Field(
         "auto", description="The queue `eopd run` uses (the learner and workers ignore it and use redis_url): auto = the "
         "Redis at $REDIS_URL if it answers, else a redis-server it starts, else the embedded in-memory queue; redis = "
@@ -240,7 +147,7 @@ class QueueConfig(_Section):
                                 "(e.g. a learner killed on another host) before it refuses to start (exit 2).")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     batch_size: int = Field(128, ge=1, description="B: rollouts per iteration (paper: 128).")
     mini_batch_size: int = Field(32, ge=1, description="B_mini: rollouts per optimizer step (paper: 32 -> 4 steps per iteration).")
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward per process (gradient accumulation makes up B_mini).")
@@ -268,14 +175,14 @@ class TrainConfig(_Section):
     dist_backend: str = Field("", description="torch.distributed backend; default gloo on CPU, nccl on GPU.")
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int = Field(1, ge=1, description="Checkpoint every this many iterations (rollouts are acknowledged at checkpoints).")
     keep: int = Field(2, ge=1, description="Checkpoints kept (older ones deleted after a newer one is committed).")
     export_hf: bool = Field(True, description="Also write a Hugging Face save_pretrained export of the student.")
     keep_weights: int = Field(3, ge=1, description="Published weight versions kept in weights/.")
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """`eopd eval` / the evaluation at the end of `eopd run` (paper: temperature 1.0, top-p 0.8)."""
 
     enabled: bool = Field(True, description="`eopd run` evaluates eval.models on data.eval_files at the end.")
@@ -297,14 +204,14 @@ class EvalConfig(_Section):
                               "(student before training), final.")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     progress: bool = Field(True, description="Console progress bar (tqdm).")
     tensorboard: bool = Field(True, description="TensorBoard event files under <run_dir>/tb.")
     prometheus_port: int = Field(0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     level: str = Field("INFO")
 
 
-class FaultConfig(_Section):
+class FaultConfig(Section):
     """A fault to inject (tests and the chaos tier): at `point`, when the context matches, do `action`."""
 
     point: str = Field(description="e.g. learner.after_step, learner.after_commit, rollout.after_publish")
@@ -325,7 +232,7 @@ def shm_weights_dir(run_dir: Path) -> Path:
     return SHM_ROOT / f"eopd-{os.getuid()}-{key}" / "weights"
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     run_dir: Path = Field(Path("runs/default"), description="Checkpoints, published weights, logs and TensorBoard events.")
     seed: int = 0
     mode: Literal["sync", "async"] = Field("sync", description="sync: Algorithm 1 (rollouts of iteration i from the weights after i-1); async: bounded staleness.")
@@ -335,6 +242,9 @@ class RunConfig(_Section):
         "any shared file system, several nodes), shm (the same files in /dev/shm, shared memory: learner and workers on "
         "one node, one user). auto: shm where `eopd run` starts them on this machine and /dev/shm has room, else disk.")
     teacher: TeacherConfig = TeacherConfig()
+    teachers: list[NamedTeacher] = Field(default_factory=list, description="More teachers by name (config/teachers.py); "
+                                         "`teacher:` is the one named `teacher`.")
+    route: RouteConfig = RouteConfig()
     student: StudentConfig = StudentConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -363,12 +273,17 @@ class RunConfig(_Section):
                 "a smaller bound stops the workers before the learner has a batch (deadlock)"
             )
         self._stages_consistent()
+        check_routes(self.teacher, self.teachers, self.route)
         if abs(self.rollout.temperature - self.loss.temperature) > 1e-9:
             raise ValueError(
                 f"rollout.temperature ({self.rollout.temperature}) must equal loss.temperature ({self.loss.temperature}): "
                 "the old log-probs and the ratio must be taken at the same temperature"
             )
         return self
+
+    def all_teachers(self) -> dict[str, TeacherConfig]:
+        """Every teacher by name, `teacher` (the `teacher:` section) first."""
+        return {DEFAULT_TEACHER: self.teacher, **{t.name: t for t in self.teachers}}
 
     def _stages_consistent(self) -> None:
         """The KD warm-up and the off-policy / graded variants against the rest of the config."""

@@ -86,6 +86,7 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
             ax.legend(fontsize=7)
         out.append((title, _png(fig)))
 
+    out += teacher_figures(iters)
     evals = {r: read_eval(r) for r in runs}
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for run, ev in evals.items():
@@ -124,6 +125,39 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
     if ax.lines:
         ax.legend(fontsize=7)
     out.append(("Pass@k", _png(fig)))
+    return out
+
+
+BY_TEACHER = (("token_share", "share of the iteration's response tokens"), ("gate_ratio", "gate ratio"),
+              ("teacher_entropy", "teacher entropy (nats)"),
+              ("reverse_kl", "reverse KL to the teacher (sampled tokens: old log-prob - teacher log-prob)"))
+
+
+def teacher_figures(iters: dict[Path, list[dict]]) -> list[tuple[str, str]]:
+    """Per teacher (a run with `teachers:`, issue 32): each `iter/by_teacher/<name>/<statistic>`
+    over the iterations, one line per run and teacher; nothing for single-teacher runs."""
+    import matplotlib.pyplot as plt
+
+    out = []
+    for stat, what in BY_TEACHER:
+        keys = sorted({k for recs in iters.values() for r in recs for k in r
+                       if k.startswith("iter/by_teacher/") and k.endswith(f"/{stat}")})
+        if not keys:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for run, recs in iters.items():
+            for key in keys:
+                xs = [r["iteration"] for r in recs if key in r and "iteration" in r]
+                if xs:
+                    ax.plot(xs, [r[key] for r in recs if key in r and "iteration" in r], marker=".",
+                            label=f"{run_label(run)} {key.split('/')[2]}")
+        mark_warmup(ax, iters)
+        ax.set_xlabel("iteration")
+        title = f"Per teacher: {what}"
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        out.append((title, _png(fig)))
     return out
 
 

@@ -12,7 +12,8 @@
    (`embedded_queue.py`: a Redis-protocol server in a thread of this process, lost if this process
    dies); it says which one;
 3. starts the teacher (`eopd-teacher serve --model teacher.model` on port 0, reporting the ports it
-   bound: `teacher_proc.py`), the learner and, once the teacher's /readyz answers, one rollout worker,
+   bound: `teacher_proc.py`; and each of `teachers:` that names a model: `run_teachers.py`), the
+   learner and, once the teachers' /readyz answer, one rollout worker,
    as separate processes, logs in `<run_dir>/logs/` (`supervisor.py`); a run that needs no teacher
    to train (loss.variant grpo without train.warmup_kd_iterations) starts none and says so (the
    evaluation still loads teacher.model in-process for its ceiling and KL columns);
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import sys
 import time
@@ -45,7 +45,7 @@ from ..data import load_prompts
 from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
 from ..faults import Faults
 from ..learner.metrics import trim_records
-from .local_queue import QueueChoice, choose_queue, run_key_file, write_private
+from .local_queue import QueueChoice, choose_queue, run_key_file
 from .prepare import check_teacher_context, prepare, validate
 from .progress import Progress
 from .resume import (
@@ -61,7 +61,7 @@ from .resume import (
 )
 from .run_record import RunRecord
 from .supervisor import Child, RunError, Supervisor
-from .teacher_proc import TeacherChild, start_teacher
+from .run_teachers import RunTeachers
 from .weight_sync import choose_weight_sync, release_shm
 
 EXIT_FAILED = 1
@@ -69,7 +69,6 @@ EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 RUN_LEASE_TTL_S = 7 * 24 * 3600.0  # the learner's lease in an eopd run (see TrainingAttempt.write_config)
 RUN_UMASK = 0o077  # what eopd run and its children create is owner-only
-TEACHER_TOKEN_NAME = "teacher.token"  # the bearer token of the teacher eopd run starts (0600, new each start)
 
 
 def say(msg: str) -> None:
@@ -231,7 +230,7 @@ class TrainingAttempt:
         # the children that touch the run's state hold the run directory's lock until they exit
         self.sup = Supervisor(run_dir / "logs", pass_fds=(lock.fd,))
         self.stop = _StopSignal()
-        self.teacher: TeacherChild | None = None
+        self.teachers = RunTeachers(self.sup, run_dir, teacher_timeout, say)
         self.learner: Child | None = None
         self.progress: Progress | None = None
         self.config_path = run_dir / "run.yaml"
@@ -265,13 +264,12 @@ class TrainingAttempt:
         cpu0 = time.process_time()
         queue, ns = self.start_queue()
         if run_needs_teacher(self.cfg.loss, self.cfg.train.warmup_kd_iterations):
-            self.start_teacher()
+            self.teachers.start(self.cfg, self._poll)
         else:
             say(self.no_teacher_note())
         self.write_config(queue, ns)
         self.start_learner()
-        if self.teacher is not None:
-            self.wait_teacher_ready()
+        self.teachers.wait_ready(self._poll)
         self.start_worker()
         self.follow_learner()
         # CPU of this process so far: the progress bar and, with the embedded queue, the queue server
@@ -282,7 +280,7 @@ class TrainingAttempt:
         """Between the polls of a wait: a signal interrupts; another child failing fails the run (the
         teacher's own death is reported by the wait, as "failed to start")."""
         self.stop.check()
-        if self.teacher is None or self.teacher.alive():
+        if self.teachers.alive():
             self.sup.check()
 
     def start_queue(self) -> tuple[QueueChoice, str]:
@@ -294,19 +292,6 @@ class TrainingAttempt:
             self.summary["queue_state"], message = queue_state(queue.auth_url, ns, self.start, queue.backend)
             say(message)
         return queue, ns
-
-    def start_teacher(self) -> None:
-        """The teacher on port 0; returns once it has reported the ports it bound (before its model loads).
-        It requires a bearer token, new each start, in `<run_dir>/teacher.token` (0600): every gRPC
-        call but health, /metrics and /v1/completions (its probes stay open). The teacher gets the
-        file's path by environment (EOPD_TEACHER_AUTH_TOKEN_FILE), the workers by run.yaml
-        (teacher.auth_token_file); the token itself is on no command line and in no config."""
-        token_file = write_private(self.run_dir / TEACHER_TOKEN_NAME, secrets.token_hex(32) + "\n")
-        self.teacher = start_teacher(self.sup, self.cfg.teacher.model, "--dtype", self.cfg.teacher.dtype,
-                                     env={"EOPD_TEACHER_AUTH_TOKEN_FILE": str(token_file)},
-                                     drop_env=("EOPD_TEACHER_AUTH_TOKEN",))  # "auth_token or auth_token_file"
-        gp, _ = self.teacher.ports(self.teacher_timeout, on_poll=self._poll)
-        say(f"teacher {self.cfg.teacher.model} starting on 127.0.0.1:{gp} (log {self.teacher.log_path})")
 
     def no_teacher_note(self) -> str:
         """What `eopd run` says when training needs no teacher (grpo without a KD warm-up)."""
@@ -323,11 +308,8 @@ class TrainingAttempt:
         # The learner's lease outlives a sleeping laptop: its TTL runs on Redis' wall clock, so a short one
         # expired while the machine slept and the learner refused to commit after waking up (exit 6).
         # On one machine the run directory's lock already keeps a second learner out.
-        target = self.teacher.target if self.teacher is not None else self.cfg.teacher.target
-        if self.teacher is not None:  # the workers send the token of the teacher started here
-            self.cfg = self.cfg.model_copy(update={"teacher": self.cfg.teacher.model_copy(
-                update={"auth_token_file": str(self.run_dir / TEACHER_TOKEN_NAME)})})
-        self.cfg = _effective(self.cfg, target=target,
+        self.cfg = self.teachers.effective(self.cfg)  # the teachers started here: their targets and token
+        self.cfg = _effective(self.cfg, target=self.cfg.teacher.target,
                               queue={"redis_url": queue.url, "namespace": ns, "backend": queue.backend,
                                      "auth_key_file": run_key_file(self.run_dir, self.cfg.queue),
                                      "lease_ttl_s": max(self.cfg.queue.lease_ttl_s, RUN_LEASE_TTL_S)})
@@ -343,10 +325,6 @@ class TrainingAttempt:
         # torch's default threads: in sync mode the processes mostly take turns
         self.learner = self.sup.start("learner", [sys.executable, "-m", "eopd_trainer.learner", "--config",
                                                   str(self.config_path)], {})
-
-    def wait_teacher_ready(self) -> None:
-        self.teacher.wait_ready(self.teacher_timeout, on_poll=self._poll)
-        say(f"teacher ready; run directory {self.run_dir}")
 
     def start_worker(self) -> None:
         self.sup.start("rollout-w0", [sys.executable, "-m", "eopd_trainer.rollout", "--config", str(self.config_path),

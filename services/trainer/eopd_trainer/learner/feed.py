@@ -42,6 +42,7 @@ from .ledger import (
 )
 from .rebuild import rebuild_if_lost
 from .state import LearnerState
+from .teacher_stats import per_teacher_stats
 
 log = logging.getLogger("eopd.learner")
 
@@ -290,13 +291,16 @@ class RolloutFeed:
                            f"learner at {batch.version} (max staleness {cfg.effective_max_staleness})")
 
     def _stats(self, batch: _Batch) -> dict[str, float]:
+        cfg = self.cfg
         counters = self.state.feed.counters
         rollouts = [v[2] for v in batch.rollouts.values()]
         staleness = batch.staleness
         graded = [r.reward for r in rollouts if r.reward is not None]  # grpo: the task grader's 1.0 / 0.0
         reward = {"reward_mean": sum(graded) / len(graded)} if graded else {}
+        by_teacher = per_teacher_stats(rollouts, cfg.loss.tau, cfg.loss.gate) if cfg.teachers else {}
         return {
             **reward,
+            **by_teacher,
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "queue_backlog": float(self.rollouts.undelivered()),  # scored rollouts not yet read by the learner

@@ -112,6 +112,7 @@ class Rollout:
     scored_unix_ns: int = 0
     published_unix_ns: int = 0
     teacher_model: str = ""
+    teacher: str = ""  # the run's name of the teacher (config teachers / route); "" for a graded-only rollout
     extra: dict = field(default_factory=dict, compare=False)
     # Per-position candidates (eopd_topk_rkl): [n, m] int32 student ids (-1 filler) and [n, m]
     # float32 teacher log-probs there (NaN at filler); None when the rollout carries none.
@@ -167,12 +168,15 @@ class RolloutLimits:
     max_response_length: int  # rollout.max_response_length
     # teacher.top_k, exactly (what the workers ask the teacher for): a smaller k is a differently
     # configured or truncating teacher and changes the forward-KL term; a larger one would make
-    # the packing pad every rollout to it.
+    # the packing pad every rollout to it. With several teachers (`teachers:`), the largest of
+    # theirs, and `top_ks` holds each (a rollout has one of them exactly).
     top_k: int
+    top_ks: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg) -> RolloutLimits:
-        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, cfg.teacher.top_k)
+        ks = tuple(sorted({t.top_k for t in cfg.all_teachers().values()}))
+        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, ks[-1], ks if len(ks) > 1 else ())
 
     @property
     def max_bytes(self) -> int:
@@ -189,8 +193,9 @@ class RolloutLimits:
         if response > self.max_response_length:
             raise PoisonMessage(f"oversized ScoredRollout {rid}: response_ids has {response} tokens, more than "
                                 f"rollout.max_response_length {self.max_response_length}")
-        if top_k not in (0, self.top_k):
-            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: top_k {top_k} differs from teacher.top_k {self.top_k}")
+        if top_k and top_k not in (self.top_ks or (self.top_k,)):
+            want = f"any teacher's top_k {list(self.top_ks)}" if self.top_ks else f"teacher.top_k {self.top_k}"
+            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: top_k {top_k} differs from {want}")
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,7 @@ def encode_rollout(r: Rollout) -> bytes:
         scored_unix_ns=r.scored_unix_ns,
         published_unix_ns=r.published_unix_ns or now_ns(),
         teacher_model=r.teacher_model,
+        teacher=r.teacher,
         origin=_ORIGIN_TO_PB[r.origin],
     )
     if r.reward is not None:
@@ -386,6 +392,7 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
         scored_unix_ns=msg.scored_unix_ns,
         published_unix_ns=msg.published_unix_ns,
         teacher_model=msg.teacher_model,
+        teacher=msg.teacher,
         candidate_ids=cand_ids,
         candidate_logprobs=cand_lp,
         origin=origin,

@@ -13,7 +13,7 @@ from eopd_teacher.client import RequestFailed
 
 from .metrics import WorkerMetrics
 from .publisher import Publisher
-from .requests import Pending, RequestShaper, answer_problems
+from .requests import Pending, RequestShaper, TeacherSource, answer_problems
 from .task_book import TaskBook
 
 log = logging.getLogger("eopd.rollout")
@@ -22,10 +22,10 @@ log = logging.getLogger("eopd.rollout")
 class ScoreAnswers:
     """Consumes the score stream's (request id, answer) pairs: scored rollouts out."""
 
-    def __init__(self, shaper: RequestShaper, teacher_model: str, publisher: Publisher, book: TaskBook,
+    def __init__(self, shaper: RequestShaper, source: TeacherSource, publisher: Publisher, book: TaskBook,
                  metrics: WorkerMetrics):
         self.shaper = shaper
-        self.teacher_model = teacher_model  # "name@revision", recorded in each rollout
+        self.source = source  # the teacher answering: recorded in each rollout
         self.publisher = publisher
         self.book = book
         self.metrics = metrics
@@ -56,7 +56,7 @@ class ScoreAnswers:
                 self.metrics.unscored.labels("bad_answer").inc()
                 await self.book.settle(p.entry_id, p.rollout_id, reason)
                 continue
-            rollout = self.publisher.to_rollout(p, scores[i], self.teacher_model)
+            rollout = self.publisher.to_rollout(p, scores[i], self.source)
             await self.publisher.publish_and_settle(rollout, self.book, p.entry_id)  # False: stopping
         log.debug("published %d rollouts (policy v%d)", self.publisher.published, group[0].policy_version)
 

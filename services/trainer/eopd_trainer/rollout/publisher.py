@@ -15,14 +15,14 @@ from ..queue.messages import ORIGIN_STUDENT, PromptTask, Rollout, encode_rollout
 from ..queue.namespace import RunQueue
 from ..queue.streams import StreamQueue
 from .metrics import WorkerMetrics
-from .requests import Pending, TokenRemap
+from .requests import Pending, TeacherSource, TokenRemap
 from .task_book import TaskBook
 
 
 def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, old_logprobs: np.ndarray, scores,
                  *, remap: TokenRemap, rollout_cfg: RolloutConfig, worker_id: str, policy_version: int, truncated: bool,
-                 sampled_unix_ns: int, scored_unix_ns: int, teacher_model: str = "", origin: str = ORIGIN_STUDENT,
-                 reward: float | None = None, candidate_ids: np.ndarray | None = None) -> Rollout:
+                 sampled_unix_ns: int, scored_unix_ns: int, teacher_model: str = "", teacher: str = "",
+                 origin: str = ORIGIN_STUDENT, reward: float | None = None, candidate_ids: np.ndarray | None = None) -> Rollout:
     """A Rollout of `task`'s sample `sample_index`: `response_ids` in the student's ids, the
     teacher's `scores` (a SequenceScores: per-token log-probs, entropies, top-k, and the
     candidates' log-probs when `candidate_ids` were sent; its top-k ids mapped back through
@@ -42,7 +42,7 @@ def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, 
         teacher_logprobs=t_lp, teacher_entropies=t_ent, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_tlp,
         policy_version=policy_version, truncated=truncated, sampling_temperature=rollout_cfg.temperature,
         top_p=rollout_cfg.top_p, worker_id=worker_id, sampled_unix_ns=sampled_unix_ns, scored_unix_ns=scored_unix_ns,
-        teacher_model=teacher_model, origin=origin, reward=reward,
+        teacher_model=teacher_model, teacher=teacher, origin=origin, reward=reward,
         candidate_ids=candidate_ids,  # student ids (before the remap), scored by the teacher
         candidate_logprobs=scores.candidate_logprobs if candidate_ids is not None else None,
     )
@@ -61,21 +61,21 @@ class Publisher:
         self.metrics = metrics
         self.worker_id = worker_id
         self.stop = stop
-        self.remap = TokenRemap.of(cfg.teacher.token_remap)
         self.published = 0
 
-    def to_rollout(self, p: Pending, scores, teacher_model: str) -> Rollout:
-        """A student sample scored by the teacher (`scores`: its SequenceScores)."""
-        return self._student_rollout(p, scores, teacher_model=teacher_model, candidate_ids=p.old_topk_ids)
+    def to_rollout(self, p: Pending, scores, source: TeacherSource) -> Rollout:
+        """A student sample scored by the teacher `source` (`scores`: its SequenceScores)."""
+        return self._student_rollout(p, scores, remap=source.remap, teacher_model=source.model, teacher=source.name,
+                                     candidate_ids=p.old_topk_ids)
 
     def to_graded_rollout(self, p: Pending, reward: float) -> Rollout:
         """A student sample graded, not scored (variant grpo): the task grader's `reward`, no teacher
         call (top_k 0, empty teacher arrays)."""
-        return self._student_rollout(p, None, reward=float(reward))
+        return self._student_rollout(p, None, remap=TokenRemap(), reward=float(reward))
 
     def _student_rollout(self, p: Pending, scores, **kw) -> Rollout:
         return make_rollout(p.task, p.sample_index, p.prompt_ids, p.response_ids, p.old_logprobs, scores,
-                            remap=self.remap, rollout_cfg=self.cfg.rollout, worker_id=self.worker_id,
+                            rollout_cfg=self.cfg.rollout, worker_id=self.worker_id,
                             policy_version=p.policy_version, truncated=p.truncated,
                             sampled_unix_ns=p.sampled_unix_ns, scored_unix_ns=now_ns(), **kw)
 

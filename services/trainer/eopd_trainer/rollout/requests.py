@@ -92,6 +92,16 @@ class TokenRemap:
         return int(self.to_teacher.get(token_id, token_id))
 
 
+@dataclass(frozen=True)
+class TeacherSource:
+    """The teacher a rollout's statistics come from: the run's name for it (`teacher` or one of
+    `teachers:`), its model name@revision (ModelInfo) and its token remap."""
+
+    name: str
+    model: str
+    remap: TokenRemap
+
+
 def teacher_tokens(prompt_ids, response_ids, remap: TokenRemap) -> np.ndarray:
     """The token ids sent to the teacher: the prompt as rendered, the response with
     `teacher.token_remap` applied (the remap translates what the student generates, e.g. its

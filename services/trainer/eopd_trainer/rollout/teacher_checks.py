@@ -13,7 +13,7 @@ from eopd_common.models import describe_tokenizer_difference, load_tokenizer, to
 from ..config.stages import run_needs_teacher_generation
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from ..config import RunConfig, TeacherConfig
 
 
 log = logging.getLogger("eopd.rollout")
@@ -99,16 +99,19 @@ def check_tokenizer(info, tokenizer, student_spec: str, token_remap: dict[int, i
     )
 
 
-def check_teacher(info, cfg: RunConfig, tokenizer, worker_id: str) -> str:
-    """The checks of the teacher (ModelInfo `info`) before any task: the tokenizer (when
-    teacher.check_tokenizer), then the limits; returns its model name@revision."""
-    if cfg.teacher.check_tokenizer:
-        moved = check_tokenizer(info, tokenizer, cfg.student.model, cfg.teacher.token_remap)
+def check_teacher(info, cfg: RunConfig, tokenizer, worker_id: str, teacher: TeacherConfig | None = None,
+                  key: str = "teacher") -> str:
+    """The checks of a teacher (ModelInfo `info`; `teacher`: its section, `cfg.teacher` unless
+    given, named `key` in messages) before any task: the tokenizer (when check_tokenizer), then the
+    limits; returns its model name@revision."""
+    t = teacher or cfg.teacher
+    if t.check_tokenizer:
+        moved = check_tokenizer(info, tokenizer, cfg.student.model, t.token_remap)
         if moved:
-            log.info("teacher tokenizer: the student's vocabulary, special tokens moved by teacher.token_remap (%s)",
+            log.info("%s tokenizer: the student's vocabulary, special tokens moved by %s.token_remap (%s)", key, key,
                      moved)
-    check_teacher_limits(info, cfg, tokenizer)  # after the tokenizer check: its message is the more specific
-    log.info("teacher %s ready (%s, top-k max %d); worker %s", info.model_name, info.engine, info.max_top_k, worker_id)
+    check_teacher_limits(info, cfg, tokenizer, t, key)  # after the tokenizer check: its message is the more specific
+    log.info("%s %s ready (%s, top-k max %d); worker %s", key, info.model_name, info.engine, info.max_top_k, worker_id)
     return f"{info.model_name}@{info.model_revision}"
 
 
@@ -116,9 +119,12 @@ class TeacherIncompatible(RuntimeError):
     """The teacher cannot serve this run's requests (context, top-k, request size, vocabulary)."""
 
 
-def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
+def check_teacher_limits(info, cfg: RunConfig, tokenizer, teacher: TeacherConfig | None = None,
+                         key: str = "teacher") -> None:
     """Refuses, before any task is taken, a teacher whose limits (GetModelInfo) every or some
-    request of this run would exceed, naming the config keys; all problems in one message."""
+    request of this run would exceed, naming the config keys (`key`: the teacher's section); all
+    problems in one message."""
+    t = teacher or cfg.teacher
     problems = []
     longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if longest > info.max_context_length:
@@ -128,20 +134,20 @@ def check_teacher_limits(info, cfg: RunConfig, tokenizer) -> None:
     if cfg.loss.num_candidates > getattr(info, "max_candidates", 0):
         problems.append(f"loss.candidate_k ({cfg.loss.num_candidates}, per-position candidates of loss.variant "
                         f"{cfg.loss.variant}) exceeds the teacher's max_candidates ({getattr(info, 'max_candidates', 0)})")
-    if cfg.teacher.top_k > info.max_top_k:
-        problems.append(f"teacher.top_k ({cfg.teacher.top_k}) exceeds the teacher's max_top_k ({info.max_top_k})")
-    if info.max_sequences_per_request and cfg.teacher.sequences_per_request > info.max_sequences_per_request:
-        problems.append(f"teacher.sequences_per_request ({cfg.teacher.sequences_per_request}) exceeds the teacher's "
+    if t.top_k > info.max_top_k:
+        problems.append(f"{key}.top_k ({t.top_k}) exceeds the teacher's max_top_k ({info.max_top_k})")
+    if info.max_sequences_per_request and t.sequences_per_request > info.max_sequences_per_request:
+        problems.append(f"{key}.sequences_per_request ({t.sequences_per_request}) exceeds the teacher's "
                         f"max_sequences_per_request ({info.max_sequences_per_request})")
     if len(tokenizer) > info.vocab_size:
         problems.append(f"student.model {cfg.student.model!r}: its tokenizer has {len(tokenizer)} ids, more than the "
                         f"teacher's vocabulary ({info.vocab_size}): ids the teacher cannot score")
-    outside = sorted(t for t in cfg.teacher.token_remap.values() if t >= info.vocab_size)
+    outside = sorted(i for i in t.token_remap.values() if i >= info.vocab_size)
     if outside:
-        problems.append(f"teacher.token_remap: target ids {outside} outside the teacher's vocabulary [0, {info.vocab_size})")
+        problems.append(f"{key}.token_remap: target ids {outside} outside the teacher's vocabulary [0, {info.vocab_size})")
     problems += generation_problems(info, cfg)
     if problems:
-        raise TeacherIncompatible(f"the teacher {info.model_name!r} at {cfg.teacher.target} cannot serve this run: "
+        raise TeacherIncompatible(f"the {key} {info.model_name!r} at {t.target} cannot serve this run: "
                                   + "; ".join(problems))
 
 

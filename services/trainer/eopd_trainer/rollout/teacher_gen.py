@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..config import RunConfig
+from ..config import RunConfig, TeacherConfig
 from ..objective import step_seed
 from ..queue.messages import ORIGIN_TEACHER, PromptTask, Rollout, now_ns
 from ..teacher_context import TeacherPrompts
@@ -38,17 +38,19 @@ class TeacherGenerator:
     """Asks the teacher to generate a task's off-policy responses and turns them into Rollouts."""
 
     def __init__(self, client, cfg: RunConfig, student_stop_ids: Sequence[int], worker_id: str,
-                 teacher_prompts: TeacherPrompts | None = None):
+                 teacher_prompts: TeacherPrompts | None = None, teacher: TeacherConfig | None = None, name: str = "teacher"):
         self.client = client
         self.cfg = cfg
+        self.teacher = teacher or cfg.teacher  # its section: `teacher:` or one of `teachers:` (`name`)
+        self.name = name
         self.worker_id = worker_id
-        self.teacher_prompts = teacher_prompts or TeacherPrompts()  # the teacher's prefix (teacher.prompt_template)
-        self.remap = TokenRemap.of(cfg.teacher.token_remap)
+        self.teacher_prompts = teacher_prompts or TeacherPrompts()  # the teacher's prefix (its prompt_template)
+        self.remap = TokenRemap.of(self.teacher.token_remap)
         self.stop_ids = tuple(sorted({self.remap.teacher_id(i) for i in student_stop_ids}))
 
     def request_kwargs(self, task: PromptTask) -> dict:
         """The keyword arguments of `client.generate` for the task's teacher samples."""
-        ro, te = self.cfg.rollout, self.cfg.teacher
+        ro, te = self.cfg.rollout, self.teacher
         return dict(num_samples=task.num_teacher_samples, max_new_tokens=ro.max_response_length,
                     temperature=ro.temperature, top_p=ro.top_p, stop_token_ids=self.stop_ids,
                     seed=generation_seed(self.cfg.seed, task.task_seq), top_k=te.top_k,
@@ -88,4 +90,4 @@ class TeacherGenerator:
                             np.zeros(len(response), dtype=np.float32), gen.scores, remap=self.remap,
                             rollout_cfg=self.cfg.rollout, worker_id=self.worker_id, policy_version=policy_version,
                             truncated=gen.finish_reason == "length", sampled_unix_ns=t, scored_unix_ns=t,
-                            teacher_model=teacher_model, origin=ORIGIN_TEACHER, reward=reward)
+                            teacher_model=teacher_model, teacher=self.name, origin=ORIGIN_TEACHER, reward=reward)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ..config.sections import TeacherConfig
+from ..config import TeacherConfig
 
 
 class StopRequested(Exception):

@@ -22,7 +22,9 @@ the prompt cache), `TeacherSamples` (teacher_samples.py: the teacher's samples p
 `publish_graded` (graded.py: grpo's graded samples published), `RequestShaper` and `BatchQueue`
 (requests.py: requests out), `ScoreAnswers` (answers.py: the teacher's answers back to their
 rollouts, published), `Publisher` (publisher.py), `wait_for_teacher` (teacher_wait.py) and
-`check_teacher` (teacher_checks.py). The command line is `cli.py` (`eopd-rollout`).
+`check_teacher` (teacher_checks.py), one `TeacherLink` of these per teacher a `route:` reaches
+(teacher_links.py: `teacher` alone unless the run names `teachers:`). The command line is `cli.py`
+(`eopd-rollout`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 
-from eopd_teacher.client import AsyncTeacherClient, StallReport
+from eopd_teacher.client import StallReport
 
 from ..config import RunConfig
 from ..config.stages import run_needs_teacher
@@ -39,20 +41,17 @@ from ..data import load_prompts
 from ..faults import Faults
 from ..queue.signing import signer_for
 from ..queue.namespace import RunQueue
-from ..teacher_context import TeacherPrompts
-from .answers import ScoreAnswers
 from .grader import TaskGrader
 from .graded import publish_graded
 from .metrics import WorkerMetrics
 from .publisher import Publisher
-from .requests import BatchQueue, RequestShaper
+from .requests import Pending
 from .samplers import make_sampler
 from .student_samples import StudentSamples
 from .task_book import TaskBook
-from .teacher_checks import check_teacher
-from .teacher_gen import TeacherGenerator
 from .teacher_samples import TeacherSamples
-from .teacher_wait import StopRequested, TeacherRefused, wait_for_teacher
+from .teacher_links import TeacherLink, connect, prompt_routes
+from .teacher_wait import StopRequested, TeacherRefused
 from .versions import VersionTracker
 
 __all__ = ["RolloutWorker", "StopRequested", "TeacherRefused"]
@@ -87,11 +86,7 @@ class RolloutWorker:
         self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
         self.sampler = make_sampler(cfg)  # transformers or vLLM (rollout.engine)
         self.tokenizer = self.sampler.tokenizer
-        # What the teacher sees before a response: the student's prompt or teacher.prompt_template's.
-        self.teacher_prompts = TeacherPrompts(self.tokenizer, cfg.data, cfg.teacher.prompt_template or None, self.prompts)
-        if self.teacher_prompts.privileged:
-            log.info("teacher.prompt_template: the teacher sees its own prompt, e.g. %r for the student's %r",
-                     self.teacher_prompts.texts[0], self.prompts[0])
+        self.routes = prompt_routes(cfg.route, cfg.data.train_files, len(self.prompts))  # the teacher of each prompt
         self.book = TaskBook(self.tasks, cfg, self.metrics, self.worker_id)
         self.versions = VersionTracker(self.sampler, self.queue, self.metrics, mode=cfg.mode,
                                        weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop,
@@ -105,47 +100,30 @@ class RolloutWorker:
                        if cfg.loss.advantages_given else None)
         self.book.resume_pending()
 
-    def _teacher_samples(self, generator: TeacherGenerator | None, teacher_model: str) -> TeacherSamples:
-        return TeacherSamples(generator, teacher_model, self.students.prompt_ids, self.grader, self.publisher,
-                              self.book, self.versions, self.metrics)
 
     # Main loop -------------------------------------------------------------------------------
     async def run(self) -> int:
         cfg = self.cfg
         if not run_needs_teacher(cfg.loss, cfg.train.warmup_kd_iterations):
             return await self._run_graded()
-        security = cfg.teacher.client_security()  # token / TLS files: read now, fail at start if unreadable
-        client = AsyncTeacherClient(cfg.teacher.target, timeout=cfg.teacher.timeout_s,
-                                    retry_timeout=cfg.teacher.retry_timeout_s, security=security)
+        links: dict[str, TeacherLink] = {}
         try:
             try:
-                info = await wait_for_teacher(client, cfg.teacher, self.stop)
+                for name in dict.fromkeys(self.routes):  # the teachers a route reaches, in order of first use
+                    links[name] = await connect(name, cfg, self, self._on_stall)
             except StopRequested:
                 log.info("stopped by a signal while waiting for the teacher")
                 return 0
-            teacher_model = check_teacher(info, cfg, self.tokenizer, self.worker_id)
-            shaper = RequestShaper(self.worker_id, cfg.teacher, info.max_tokens_per_request or None, self.teacher_prompts,
-                                   info.max_context_length)
-            queue = BatchQueue(maxsize=max(2, cfg.teacher.max_in_flight))
-            # on_error="yield": a request the teacher rejects for good (invalid, over a per-request
-            # limit) comes back as (request_id, RequestFailed) and the streams go on. A stall (no
-            # answer for teacher.timeout_s) makes the client reconnect and re-send (`_on_stall`);
-            # after teacher.retry_timeout_s without any answer it raises StreamStalled.
-            answers = client.score_stream(queue, max_in_flight=cfg.teacher.max_in_flight, streams=cfg.teacher.streams,
-                                          on_error="yield", stall_timeout_s=cfg.teacher.timeout_s,
-                                          give_up_s=cfg.teacher.retry_timeout_s, on_stall=self._on_stall)
-            generator = TeacherGenerator(client, cfg, sorted(self.sampler.stop), self.worker_id, self.teacher_prompts)
-            teacher = self._teacher_samples(generator, teacher_model)
-            scored = ScoreAnswers(shaper, teacher_model, self.publisher, self.book, self.metrics)
             beat = asyncio.create_task(self.book.heartbeat())
             try:
-                producer = asyncio.create_task(self._produce(teacher, shaper, queue))
-                consumer = asyncio.create_task(scored.consume(answers))
-                return await self._finish(consumer, producer, shaper)
+                producer = asyncio.create_task(self._produce(links))
+                consumers = [asyncio.create_task(link.answers.consume(link.stream)) for link in links.values()]
+                return await self._finish(consumers, producer, list(links.values()))
             finally:
                 beat.cancel()
         finally:
-            await client.close()
+            for link in links.values():
+                await link.close()
 
     async def _run_graded(self) -> int:
         """A run without the teacher (grpo, no KD warm-up): tasks are sampled, graded and published
@@ -154,7 +132,7 @@ class RolloutWorker:
                  self.cfg.loss.variant, self.worker_id)
         beat = asyncio.create_task(self.book.heartbeat())
         try:
-            producer = asyncio.create_task(self._produce(self._teacher_samples(None, ""), None, None))
+            producer = asyncio.create_task(self._produce(None))
             stopping = asyncio.create_task(self.stop.wait())
             await asyncio.wait({producer, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()
@@ -169,12 +147,14 @@ class RolloutWorker:
         log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
         return 0
 
-    async def _produce(self, teacher: TeacherSamples, shaper: RequestShaper | None, queue: BatchQueue | None) -> None:
-        """Takes tasks, has the teacher generate their first num_teacher_samples responses
-        (published at once), samples the rest with the policy version they ask for, and queues
-        their requests for the teacher (or grades and publishes them: grpo), until the run is done
-        or the worker stops; then closes the queue."""
+    async def _produce(self, links: dict[str, TeacherLink] | None) -> None:
+        """Takes tasks, has each task's teacher (`route:`) generate their first num_teacher_samples
+        responses (published at once), samples the rest with the policy version they ask for, and
+        queues their requests for their teacher (or grades and publishes them: grpo, `links` None),
+        until the run is done or the worker stops; then closes the teachers' queues."""
         ro = self.cfg.rollout
+        graded = TeacherSamples(None, "", self.students.prompt_ids, self.grader, self.publisher, self.book,
+                                self.versions, self.metrics)  # a worker without teachers dead-letters teacher samples
         try:
             while not self.stop.is_set():
                 per_round = max(1, ro.generation_batch_size // ro.n_samples)
@@ -193,7 +173,7 @@ class RolloutWorker:
                     self.book.expect(eid, task.num_samples)
                 for eid, task in work:
                     if task.num_teacher_samples:
-                        await teacher.publish(eid, task)
+                        await (links[self.routes[task.prompt_index]].samples if links else graded).publish(eid, task)
                 if all(t.num_teacher_samples == t.num_samples for _, t in work):
                     continue
                 with self.metrics.sample_seconds.time():
@@ -202,16 +182,25 @@ class RolloutWorker:
                 if not self.score_students:
                     await publish_graded(pending, self.grader, self.publisher, self.book)
                     continue
-                batches, refused = shaper.shape(pending)
-                for p, why in refused:
-                    log.warning("rollout %s not scored: %s", p.rollout_id, why)
-                    self.metrics.unscored.labels("too_long").inc()
-                    await self.book.settle(p.entry_id, p.rollout_id, why)
-                for batch in batches:
-                    await queue.put(batch)
+                await self._send(pending, links)
         finally:
-            if queue is not None:
-                await queue.close()
+            for link in (links or {}).values():
+                await link.queue.close()
+
+    async def _send(self, pending: list[Pending], links: dict[str, TeacherLink]) -> None:
+        """Each sample's requests to its prompt's teacher; a sample that cannot be sent (a prefix
+        and response over the teacher's context) dead-letters its task with the reason."""
+        for name, link in links.items():
+            mine = [p for p in pending if self.routes[p.task.prompt_index] == name]
+            if not mine:
+                continue
+            batches, refused = link.shaper.shape(mine)
+            for p, why in refused:
+                log.warning("rollout %s not scored: %s", p.rollout_id, why)
+                self.metrics.unscored.labels("too_long").inc()
+                await self.book.settle(p.entry_id, p.rollout_id, why)
+            for batch in batches:
+                await link.queue.put(batch)
 
     def _on_stall(self, report: StallReport) -> None:
         """The teacher client's stall callback: it is about to abandon its streams, reconnect and
@@ -221,17 +210,19 @@ class RolloutWorker:
                     report.outstanding)
         self.metrics.stream_restarts.inc()
 
-    async def _finish(self, consumer: asyncio.Task, producer: asyncio.Task, shaper: RequestShaper) -> int:
-        """Waits for the answers to end (the run is done), or for a stop signal."""
+    async def _finish(self, consumers: list[asyncio.Task], producer: asyncio.Task, links: list[TeacherLink]) -> int:
+        """Waits for every teacher's answers to end (the run is done), or for a stop signal."""
+        consumer = asyncio.gather(*consumers)
         try:
             stopping = asyncio.create_task(self.stop.wait())
             await asyncio.wait({consumer, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not consumer.done() and not await self._stop_gracefully(consumer, producer, shaper):
+            if not consumer.done() and not await self._stop_gracefully(consumer, producer, links):
                 return 0
             stopping.cancel()
             await consumer
         except BaseException:
             producer.cancel()
+            consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await producer
             raise
@@ -239,7 +230,7 @@ class RolloutWorker:
         log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
         return 0
 
-    async def _stop_gracefully(self, consumer: asyncio.Task, producer: asyncio.Task, shaper: RequestShaper) -> bool:
+    async def _stop_gracefully(self, consumer: asyncio.Future, producer: asyncio.Task, links: list[TeacherLink]) -> bool:
         """Stopped by a signal: the producer takes no new task; answers still in flight get
         `rollout.stop_grace_s` to arrive (a teacher that is gone would keep the client retrying for
         teacher.retry_timeout_s). What is left stays pending in Redis and is re-done by the next
@@ -249,7 +240,7 @@ class RolloutWorker:
         if consumer.done():
             return True
         log.warning("stopping with %d requests unanswered after %.0fs (rollout.stop_grace_s); their tasks stay "
-                    "pending and will be re-done", len(shaper), grace)
+                    "pending and will be re-done", sum(len(link.shaper) for link in links), grace)
         consumer.cancel()
         producer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
