@@ -8,8 +8,10 @@ sampling engine, on the `smollm2-cpu` preset's student and on the whole SmolLM2-
 Runs inside the vLLM environment (bash scripts/vllm_env.sh --setup-only). Paths, each the
 worker's own sampler class (`eopd_trainer.rollout.samplers`) in its own process:
 
-* transformers: `TransformersSampler` - `model.generate`, then a transformers forward for the old
-  log-probs (`rollout.engine: transformers`, the default);
+* transformers: `TransformersSampler` - `model.generate` with a dynamic KV cache, then a
+  transformers forward for the old log-probs (`rollout.engine: transformers`, the default on CPU);
+* transformers_static: the same with `rollout.kv_cache: static` (preallocated to prompt + length
+  cap; transformers compiles its decode step on CUDA only: the CUDA default, measured here on CPU);
 * vllm: `VllmSampler` - vLLM samples, the transformers copy computes the old log-probs
   (`rollout.engine: vllm`, `rollout.old_logprobs: transformers`, the default with vLLM);
 * vllm_own_logprobs: `VllmSampler` with `rollout.old_logprobs: vllm` - the log-prob vLLM returns
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from bench.child import ChildProc, cpu_seconds, rotated, serve, status_mib
 
-PATHS = ("transformers", "vllm", "vllm_own_logprobs")
+PATHS = ("transformers", "transformers_static", "vllm", "vllm_own_logprobs")
 PRESET_CONFIG = "smollm2-cpu.yaml"  # prompts (generator, suffix, chat template) and the preset student
 WORKLOADS = {
     "full": {
@@ -61,11 +63,13 @@ def _config(student: str, path: str, dtype: str, max_new_tokens: int):
     """The preset's run config with this student and the path's rollout engine: what a worker loads."""
     from eopd_trainer.config import load_config
 
-    engine = "transformers" if path == "transformers" else "vllm"
+    engine = "transformers" if path.startswith("transformers") else "vllm"
     old = "vllm" if path == "vllm_own_logprobs" else "transformers"
+    kv_cache = "static" if path == "transformers_static" else "dynamic"
     return load_config(Path(__file__).resolve().parents[1] / "configs" / PRESET_CONFIG,
                        [f"student.model={student}", f"student.dtype={dtype}", f"rollout.engine={engine}",
-                        f"rollout.old_logprobs={old}", f"rollout.max_response_length={max_new_tokens}"])
+                        f"rollout.kv_cache={kv_cache}", f"rollout.old_logprobs={old}",
+                        f"rollout.max_response_length={max_new_tokens}"])
 
 
 class _Child:
@@ -227,6 +231,12 @@ def render(data: dict) -> str:
     for wl in data["workloads"]:
         by = {r["path"]: r for r in rows if r["workload"] == wl["workload"]}
         t, v, o = by.get("transformers"), by.get("vllm"), by.get("vllm_own_logprobs")
+        st = by.get("transformers_static")
+        if t and st:
+            reading.append(f"- {wl['workload']}: a static KV cache samples at {st['generate_tok_s'] / t['generate_tok_s']:.2f}x "
+                           f"the dynamic cache's rate on this CPU (medians; rollout {st['rollout_vs_transformers']:.2f}x paired): "
+                           + ("why `rollout.kv_cache: auto` stays dynamic on CPU." if st["rollout_vs_transformers"] < 1 else
+                              "`rollout.kv_cache: auto` (dynamic on CPU) leaves this on the table."))
         if t and v:
             reading.append(f"- {wl['workload']}: vLLM samples {v['generate_tok_s'] / t['generate_tok_s']:.1f}x as fast as "
                            f"transformers `generate` (medians); with the old log-probs from the transformers copy the "
@@ -252,7 +262,8 @@ def render(data: dict) -> str:
         "",
         wl_lines,
         "",
-        "- **transformers**: `rollout.engine: transformers` (`model.generate`, then a transformers forward for the old log-probs);",
+        "- **transformers**: `rollout.engine: transformers` (`model.generate` with a dynamic KV cache, then a transformers forward for the old log-probs; the CPU default);",
+        "- **transformers_static**: the same with `rollout.kv_cache: static` (preallocated cache; transformers compiles its decode step on CUDA only, where it is the default);",
         "- **vllm**: `rollout.engine: vllm` (vLLM samples; its transformers copy computes the old log-probs exactly as the learner does);",
         "- **vllm_own_logprobs**: `rollout.engine: vllm`, `rollout.old_logprobs: vllm` (the log-prob vLLM returns with each token; "
         "agrees with the learner's to 1e-5..1e-4 in fp32, see docs/vllm.md).",
