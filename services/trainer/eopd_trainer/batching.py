@@ -50,6 +50,9 @@ class PackedBatch:
     # each response token's rollout's (grpo: group-normalised reward, `rollout_advantages`), None
     # when not given.
     loss_inputs: LossInputs
+    # route.mixture: each other teacher's name and its scores as `LossInputs` fields (the four
+    # teacher_* tensors, packed like the main teacher's), for `loss_inputs.replace(**fields)`.
+    mixture: tuple[tuple[str, dict], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -119,7 +122,27 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = 
         advantages=None if advantages is None else _broadcast_advantages(rollouts, advantages),
     )
     return PackedBatch(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, positions=seqs.positions,
-                       loss_inputs=loss_inputs)
+                       loss_inputs=loss_inputs, mixture=_pack_mixture(rollouts))
+
+
+def _pack_mixture(rollouts: Sequence[Rollout]) -> tuple[tuple[str, dict], ...]:
+    """The mixture parts' scores, packed per teacher like the main one's; a micro-batch whose
+    rollouts name different mixture teachers is a ValueError."""
+    names = [tuple(part.teacher for part in r.mixture) for r in rollouts]
+    if len(set(names)) > 1:
+        raise ValueError(f"rollouts of one micro-batch carry different mixture teachers: {sorted(set(names))}")
+    out = []
+    for j, name in enumerate(names[0]):
+        parts = [r.mixture[j] for r in rollouts]
+        k = max(part.top_k for part in parts)
+        out.append((name, {
+            "teacher_logprobs": torch.from_numpy(np.concatenate([part.logprobs for part in parts]).astype(np.float32)),
+            "teacher_entropies": torch.from_numpy(np.concatenate([part.entropies for part in parts]).astype(np.float32)),
+            "teacher_topk_ids": torch.from_numpy(np.concatenate([_pad_topk(part.topk_ids, k, 0) for part in parts]).astype(np.int64)),
+            "teacher_topk_logprobs": torch.from_numpy(
+                np.concatenate([_pad_topk(part.topk_logprobs, k, -np.inf) for part in parts]).astype(np.float32)),
+        }))
+    return tuple(out)
 
 
 def _pack_teacher(rollouts: Sequence[Rollout], cat) -> dict:

@@ -106,3 +106,37 @@ def test_the_learner_admits_each_teachers_top_k_and_pads_them_together():
     packed = pack_rollouts([a, b], pad_id=0)
     lp = packed.loss_inputs.teacher_topk_logprobs.numpy()
     assert lp.shape == (5, 64) and np.isneginf(lp[:3, 16:]).all() and np.isfinite(lp[3:]).all()
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ([MINUS, "route.mixture={teacher: 0.5, minus: 0.6}"], r"route.mixture: weights must sum to 1, they sum to 1.1"),
+    ([MINUS, "route.mixture={teacher: 1.0, minus: 0.0}"], r"route.mixture: weights must be > 0"),
+    ([MINUS, "route.mixture={teacher: 0.5, plus: 0.5}"], r"route.mixture: unknown teachers \['plus'\]"),
+    ([MINUS, "route.mixture={minus: 1.0}"], "name at least two teachers"),
+    ([MINUS, "route.mixture={teacher: 0.5, minus: 0.5}", "route.field=kind"], "either routes each prompt"),
+    ([MINUS, "route.mixture={teacher: 0.5, minus: 0.5}", "train.warmup_kd_iterations=1"],
+     "not with a teacher generating responses"),
+])
+def test_bad_mixtures_are_refused_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(TINY, overrides)
+
+
+@pytest.mark.integration
+def test_a_mixture_of_two_teachers_end_to_end(tmp_path):
+    """route.mixture: both teacher processes score every response; each rollout carries both, the
+    learner's loss is their weighted sum, and the learner records each teacher's FKL at high-entropy
+    positions (from the loss) beside the statistics of its scores."""
+    run_dir = tmp_path / "run"
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=2", MINUS,
+               "route.mixture={teacher: 0.25, minus: 0.75}", "eval.models=[final]", timeout=1200)
+    assert res.returncode == 0, res.stderr[-5000:]
+    learner = (run_dir / "logs" / "learner.log").read_text()
+    assert "training finished: 2 iterations, 16 rollouts trained" in learner and "dead letter" not in learner
+    iters = [r for r in map(json.loads, (run_dir / "train_metrics.jsonl").read_text().splitlines())
+             if r.get("kind") == "iteration"]
+    for r in iters:
+        for name in ("teacher", "minus"):
+            assert r[f"iter/by_teacher/{name}/token_share"] == 1.0  # every token scored by both
+            assert f"iter/by_teacher/{name}/fkl_gated_mean" in r and f"iter/by_teacher/{name}/reverse_kl" in r
+        assert r["iter/by_teacher/teacher/teacher_entropy"] != r["iter/by_teacher/minus/teacher_entropy"]

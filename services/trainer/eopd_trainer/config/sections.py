@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 
 from ..objective import LossConfig
 from .base import ConfigError, Section
+from .stages import run_needs_teacher_generation
 from .teachers import DEFAULT_TEACHER, NamedTeacher, RouteConfig, TeacherConfig, check_routes
 
 
@@ -273,7 +274,8 @@ class RunConfig(Section):
                 "a smaller bound stops the workers before the learner has a batch (deadlock)"
             )
         self._stages_consistent()
-        check_routes(self.teacher, self.teachers, self.route)
+        check_routes(self.teacher, self.teachers, self.route,
+                     teacher_generates=run_needs_teacher_generation(self.loss, self.train.warmup_kd_iterations))
         if abs(self.rollout.temperature - self.loss.temperature) > 1e-9:
             raise ValueError(
                 f"rollout.temperature ({self.rollout.temperature}) must equal loss.temperature ({self.loss.temperature}): "

@@ -122,19 +122,28 @@ class RouteConfig(Section):
     field: str = Field("", description="The data record's field routed on (e.g. kind); empty: every prompt to `default`.")
     routes: dict[str, str] = Field(default_factory=dict, description="Field value -> teacher name.")
     default: str = Field(DEFAULT_TEACHER, description="The teacher of a prompt no route names (`teacher`: the teacher: section's).")
+    mixture: dict[str, float] = Field(default_factory=dict, description="Instead of routes: every response is scored by each "
+                                      "of these teachers and the loss is the weighted sum of their losses (weights > 0, "
+                                      "summing to 1; the first teacher named is the rollout's main one).")
 
     def teacher_of(self, record: dict) -> str:
         value = record.get(self.field) if self.field else None
         return self.routes.get(str(value), self.default) if value is not None else self.default
 
 
-def check_routes(teacher: TeacherConfig, teachers: list[NamedTeacher], route: RouteConfig) -> None:
+def check_routes(teacher: TeacherConfig, teachers: list[NamedTeacher], route: RouteConfig, *,
+                 teacher_generates: bool = False) -> None:
     """ValueError naming the key: duplicate names, a route to an unknown teacher, routes without a
-    field, or a teacher no route reaches (it would be started and never asked)."""
+    field, a teacher no route reaches (it would be started and never asked), a mixture's unknown
+    teachers or weights (> 0, summing to 1), a mixture beside routes or where a teacher generates
+    responses (`teacher_generates`: kd, gkd, a KD warm-up)."""
     names = [DEFAULT_TEACHER] + [t.name for t in teachers]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"teachers: names must be unique; {dup} given more than once")
+    if route.mixture:
+        _check_mixture(route, names, teacher_generates)
+        return
     if route.routes and not route.field:
         raise ValueError("route.routes is set but route.field is empty: name the data record's field routed on")
     for where, name in [("route.default", route.default)] + [(f"route.routes[{v!r}]", n) for v, n in route.routes.items()]:
@@ -144,3 +153,27 @@ def check_routes(teacher: TeacherConfig, teachers: list[NamedTeacher], route: Ro
     unused = [n for n in names[1:] if n not in used]
     if unused:
         raise ValueError(f"teachers: {unused} reached by no route (route.routes / route.default): they would never be asked")
+
+
+def _check_mixture(route: RouteConfig, names: list[str], teacher_generates: bool) -> None:
+    mix = route.mixture
+    unknown = [n for n in mix if n not in names]
+    if unknown:
+        raise ValueError(f"route.mixture: unknown teachers {unknown}; the teachers are {names}")
+    if len(mix) < 2:
+        raise ValueError("route.mixture: name at least two teachers (one teacher is route.default)")
+    bad = {n: w for n, w in mix.items() if not w > 0}
+    if bad:
+        raise ValueError(f"route.mixture: weights must be > 0, got {bad}")
+    total = sum(mix.values())
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"route.mixture: weights must sum to 1, they sum to {total:g} ({mix})")
+    if route.routes or route.field:
+        raise ValueError("route.mixture and route.routes / route.field: a run either routes each prompt to one teacher "
+                         "or scores every response with the mixture")
+    unused = [n for n in names[1:] if n not in mix]
+    if unused:
+        raise ValueError(f"teachers: {unused} not in route.mixture: they would never be asked")
+    if teacher_generates:
+        raise ValueError("route.mixture: not with a teacher generating responses (loss.variant kd / gkd, "
+                         "train.warmup_kd_iterations): a generated response would be scored by one teacher only")

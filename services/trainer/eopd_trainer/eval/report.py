@@ -130,7 +130,8 @@ def figures(runs: list[Path]) -> list[tuple[str, str]]:
 
 BY_TEACHER = (("token_share", "share of the iteration's response tokens"), ("gate_ratio", "gate ratio"),
               ("teacher_entropy", "teacher entropy (nats)"),
-              ("reverse_kl", "reverse KL to the teacher (sampled tokens: old log-prob - teacher log-prob)"))
+              ("reverse_kl", "reverse KL to the teacher (sampled tokens: old log-prob - teacher log-prob)"),
+              ("fkl_gated_mean", "FKL at high-entropy positions (a mixture's teachers)"))
 
 
 def teacher_figures(iters: dict[Path, list[dict]]) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ from ..batching import (
 from ..config import RunConfig
 from ..faults import Faults
 from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, step_generator
+from ..objective.mixture import mixture_loss, per_teacher_keys
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import ensure_private_dir, export_state_dict, prune_weights, save_weights
 from .checkpoint import CheckpointManager
@@ -101,6 +102,7 @@ class PolicyTrainer:
         model = loaded.model
         model.train()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.step_keys = STEP_METRIC_KEYS + per_teacher_keys(list(cfg.route.mixture))  # route.mixture's per teacher
         self.fused_loss, why = fused_loss_path(cfg.train, model)
         if why:
             log.warning("%s", why)
@@ -145,11 +147,20 @@ class PolicyTrainer:
             hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
             head = module.get_output_embeddings()
-            return compute_loss_from_hidden(hidden, head.weight, inputs, bias=head.bias, config=loss_cfg,
-                                            denominator=denominator, generator=generator)
-        logits = self.engine(input_ids=ids, attention_mask=am).logits
-        return compute_loss(logits.reshape(-1, logits.shape[-1])[pos], inputs, loss_cfg,
-                            denominator=denominator, generator=generator)
+
+            def loss_of(x):
+                return compute_loss_from_hidden(hidden, head.weight, x, bias=head.bias, config=loss_cfg,
+                                                denominator=denominator, generator=generator)
+        else:
+            logits = self.engine(input_ids=ids, attention_mask=am).logits
+            flat = logits.reshape(-1, logits.shape[-1])[pos]
+
+            def loss_of(x):
+                return compute_loss(flat, x, loss_cfg, denominator=denominator, generator=generator)
+        if not packed.mixture:
+            return loss_of(inputs)
+        parts = [(name, {k: v.to(dev) for k, v in fields.items()}) for name, fields in packed.mixture]
+        return mixture_loss(loss_of, inputs, parts, self.cfg.route.mixture)  # route.mixture: the weighted sum
 
     def train_iteration(self, iteration: int, rollouts: list[Rollout], opt_step: int,
                         loss_cfg: LossConfig | None = None) -> list[dict[str, float]]:
@@ -192,7 +203,7 @@ class PolicyTrainer:
                     loss_sum[k] += m.get(k, 0.0) / self.gas  # this rank's share x world, see denominator
             opt_step += 1
             # Over every rank's micro-batches (one all-reduce), not rank 0's share only.
-            metrics = {**all_reduce_step_metrics(rows, loss_sum, STEP_METRIC_KEYS, LOSS_TERMS), "lr": lr_used}
+            metrics = {**all_reduce_step_metrics(rows, loss_sum, self.step_keys, LOSS_TERMS), "lr": lr_used}
             grad_norm = self.engine.get_global_grad_norm()
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm)

@@ -16,9 +16,7 @@ import numpy as np
 from eopd.v1 import rollout_pb2 as pb
 from google.protobuf.message import DecodeError
 
-# Smallest log-prob a scored rollout may carry (finite values below are corrupt: they would turn
-# the importance ratio and the loss into inf/NaN).
-MIN_LOGPROB = -1e6
+from .mixture import MIN_LOGPROB, TeacherPart, decode_parts, encode_parts
 
 # Bytes a ScoredRollout may take per value of its arrays (a varint int32 takes at most 5, a float
 # 4; 8 is generous) and on top of them (ids, names, timestamps): a larger entry is refused before
@@ -113,6 +111,7 @@ class Rollout:
     published_unix_ns: int = 0
     teacher_model: str = ""
     teacher: str = ""  # the run's name of the teacher (config teachers / route); "" for a graded-only rollout
+    mixture: tuple[TeacherPart, ...] = field(default=(), compare=False)  # route.mixture's other teachers
     extra: dict = field(default_factory=dict, compare=False)
     # Per-position candidates (eopd_topk_rkl): [n, m] int32 student ids (-1 filler) and [n, m]
     # float32 teacher log-probs there (NaN at filler); None when the rollout carries none.
@@ -172,16 +171,19 @@ class RolloutLimits:
     # theirs, and `top_ks` holds each (a rollout has one of them exactly).
     top_k: int
     top_ks: tuple[int, ...] = ()
+    parts: int = 0  # route.mixture: the other teachers' statistics each rollout carries
 
     @classmethod
     def from_config(cls, cfg) -> RolloutLimits:
         ks = tuple(sorted({t.top_k for t in cfg.all_teachers().values()}))
-        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, ks[-1], ks if len(ks) > 1 else ())
+        parts = max(0, len(cfg.route.mixture) - 1)
+        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, ks[-1], ks if len(ks) > 1 else (), parts)
 
     @property
     def max_bytes(self) -> int:
         """The largest serialised entry an honest rollout within these limits can be."""
-        values = self.max_prompt_length + self.max_response_length * (4 + 2 * self.top_k)
+        per_teacher = 2 + 2 * self.top_k  # log-prob, entropy, top-k ids and log-probs
+        values = self.max_prompt_length + self.max_response_length * (2 + (1 + self.parts) * per_teacher)
         return _BYTES_OVERHEAD + _BYTES_PER_VALUE * values
 
     def check(self, rid: str, *, prompt: int, response: int, top_k: int) -> None:
@@ -278,6 +280,7 @@ def encode_rollout(r: Rollout) -> bytes:
     msg.teacher_topk_ids.extend(np.asarray(r.teacher_topk_ids, dtype=np.int32).reshape(-1).tolist())
     msg.teacher_topk_logprobs.extend(np.asarray(r.teacher_topk_logprobs, dtype=np.float32).reshape(-1).tolist())
     _encode_candidates(msg, r)
+    encode_parts(msg, r.mixture)
     return msg.SerializeToString()
 
 
@@ -371,6 +374,10 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
     # -inf marks an unused (dead) entry; +inf, a positive or an absurdly small finite value is corrupt.
     _check_logprobs_or_inf(rid, "teacher_topk_logprobs", tklp)
     cand_ids, cand_lp = _decode_candidates(msg, rid, n, vocab_size)
+    try:
+        mixture = decode_parts(msg, n, vocab_size, None if limits is None else set(limits.top_ks or (limits.top_k,)))
+    except ValueError as exc:
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {exc}") from None
     return Rollout(
         rollout_id=msg.rollout_id,
         task_id=msg.task_id,
@@ -393,6 +400,7 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
         published_unix_ns=msg.published_unix_ns,
         teacher_model=msg.teacher_model,
         teacher=msg.teacher,
+        mixture=mixture,
         candidate_ids=cand_ids,
         candidate_logprobs=cand_lp,
         origin=origin,

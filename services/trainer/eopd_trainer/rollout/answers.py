@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from eopd_teacher.client import RequestFailed
 
 from .metrics import WorkerMetrics
+from .mixture_join import MixtureJoin
 from .publisher import Publisher
 from .requests import Pending, RequestShaper, TeacherSource, answer_problems
 from .task_book import TaskBook
@@ -23,9 +24,10 @@ class ScoreAnswers:
     """Consumes the score stream's (request id, answer) pairs: scored rollouts out."""
 
     def __init__(self, shaper: RequestShaper, source: TeacherSource, publisher: Publisher, book: TaskBook,
-                 metrics: WorkerMetrics):
+                 metrics: WorkerMetrics, join: MixtureJoin | None = None):
         self.shaper = shaper
         self.source = source  # the teacher answering: recorded in each rollout
+        self.join = join  # route.mixture: answers go to the join, which publishes once every teacher answered
         self.publisher = publisher
         self.book = book
         self.metrics = metrics
@@ -54,7 +56,10 @@ class ScoreAnswers:
                 reason = f"teacher answer to request {rid} unusable: {problems[i]}"
                 log.warning("rollout %s: %s", p.rollout_id, reason)
                 self.metrics.unscored.labels("bad_answer").inc()
-                await self.book.settle(p.entry_id, p.rollout_id, reason)
+                await self.not_scored(p, reason)
+                continue
+            if self.join is not None:
+                await self.join.offer(p, scores[i], self.source)
                 continue
             rollout = self.publisher.to_rollout(p, scores[i], self.source)
             await self.publisher.publish_and_settle(rollout, self.book, p.entry_id)  # False: stopping
@@ -67,4 +72,12 @@ class ScoreAnswers:
         log.warning("%s; %d rollouts not scored", reason, len(group))
         self.metrics.unscored.labels(code.name).inc(len(group))
         for p in group:
+            await self.not_scored(p, reason)
+
+    async def not_scored(self, p: Pending, reason: str) -> None:
+        """`p` cannot be published: its task dead-lettered with the reason (a mixture's, once every
+        teacher answered)."""
+        if self.join is not None:
+            await self.join.fail(p, self.source.name, reason)
+        else:
             await self.book.settle(p.entry_id, p.rollout_id, reason)

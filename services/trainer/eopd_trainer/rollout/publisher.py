@@ -22,7 +22,8 @@ from .task_book import TaskBook
 def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, old_logprobs: np.ndarray, scores,
                  *, remap: TokenRemap, rollout_cfg: RolloutConfig, worker_id: str, policy_version: int, truncated: bool,
                  sampled_unix_ns: int, scored_unix_ns: int, teacher_model: str = "", teacher: str = "",
-                 origin: str = ORIGIN_STUDENT, reward: float | None = None, candidate_ids: np.ndarray | None = None) -> Rollout:
+                 origin: str = ORIGIN_STUDENT, reward: float | None = None, candidate_ids: np.ndarray | None = None,
+                 mixture: tuple = ()) -> Rollout:
     """A Rollout of `task`'s sample `sample_index`: `response_ids` in the student's ids, the
     teacher's `scores` (a SequenceScores: per-token log-probs, entropies, top-k, and the
     candidates' log-probs when `candidate_ids` were sent; its top-k ids mapped back through
@@ -42,7 +43,7 @@ def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, 
         teacher_logprobs=t_lp, teacher_entropies=t_ent, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_tlp,
         policy_version=policy_version, truncated=truncated, sampling_temperature=rollout_cfg.temperature,
         top_p=rollout_cfg.top_p, worker_id=worker_id, sampled_unix_ns=sampled_unix_ns, scored_unix_ns=scored_unix_ns,
-        teacher_model=teacher_model, teacher=teacher, origin=origin, reward=reward,
+        teacher_model=teacher_model, teacher=teacher, origin=origin, reward=reward, mixture=mixture,
         candidate_ids=candidate_ids,  # student ids (before the remap), scored by the teacher
         candidate_logprobs=scores.candidate_logprobs if candidate_ids is not None else None,
     )
@@ -63,10 +64,11 @@ class Publisher:
         self.stop = stop
         self.published = 0
 
-    def to_rollout(self, p: Pending, scores, source: TeacherSource) -> Rollout:
-        """A student sample scored by the teacher `source` (`scores`: its SequenceScores)."""
+    def to_rollout(self, p: Pending, scores, source: TeacherSource, mixture: tuple = ()) -> Rollout:
+        """A student sample scored by the teacher `source` (`scores`: its SequenceScores; `mixture`:
+        the other teachers' statistics, route.mixture)."""
         return self._student_rollout(p, scores, remap=source.remap, teacher_model=source.model, teacher=source.name,
-                                     candidate_ids=p.old_topk_ids)
+                                     candidate_ids=p.old_topk_ids, mixture=mixture)
 
     def to_graded_rollout(self, p: Pending, reward: float) -> Rollout:
         """A student sample graded, not scored (variant grpo): the task grader's `reward`, no teacher

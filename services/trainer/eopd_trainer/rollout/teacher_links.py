@@ -16,6 +16,7 @@ from ..config import RouteConfig, RunConfig, TeacherConfig
 from ..data import read_records
 from ..teacher_context import TeacherPrompts
 from .answers import ScoreAnswers
+from .mixture_join import MixtureJoin
 from .requests import BatchQueue, RequestShaper, TeacherSource, TokenRemap
 from .teacher_checks import check_teacher
 from .teacher_gen import TeacherGenerator
@@ -26,7 +27,10 @@ log = logging.getLogger("eopd.rollout")
 
 
 def prompt_routes(route: RouteConfig, paths: Sequence[Path], num_prompts: int) -> list[str]:
-    """The teacher's name of every prompt (the order of `data.load_prompts` over `paths`)."""
+    """The teacher's name of every prompt (the order of `data.load_prompts` over `paths`); with
+    route.mixture, its first teacher's (every teacher of the mixture scores every prompt)."""
+    if route.mixture:
+        return [next(iter(route.mixture))] * num_prompts
     if not route.field:
         return [route.default] * num_prompts
     names = [route.teacher_of(rec) for path in paths for rec in read_records(path)]
@@ -57,11 +61,11 @@ class TeacherLink:
         await self.client.close()
 
 
-async def connect(name: str, cfg: RunConfig, worker, on_stall: Callable) -> TeacherLink:
+async def connect(name: str, cfg: RunConfig, worker, on_stall: Callable, join: MixtureJoin | None = None) -> TeacherLink:
     """Connects to teacher `name` (`cfg.all_teachers()[name]`), waits for it and checks it against
     the run (tokenizer, limits); raises StopRequested when a stop signal comes first. `worker`: the
     RolloutWorker (tokenizer, prompts, sampler, students, grader, publisher, task book, versions,
-    metrics, stop event)."""
+    metrics, stop event); `join`: route.mixture's (its answers are joined there)."""
     t = cfg.all_teachers()[name]
     security = t.client_security()  # token / TLS files: read now, fail at start if unreadable
     client = AsyncTeacherClient(t.target, timeout=t.timeout_s, retry_timeout=t.retry_timeout_s, security=security)
@@ -87,5 +91,5 @@ async def connect(name: str, cfg: RunConfig, worker, on_stall: Callable) -> Teac
     generator = TeacherGenerator(client, cfg, sorted(worker.sampler.stop), worker.worker_id, prompts, t, name)
     samples = TeacherSamples(generator, model, worker.students.prompt_ids, worker.grader, worker.publisher, worker.book,
                              worker.versions, worker.metrics)
-    answers = ScoreAnswers(shaper, source, worker.publisher, worker.book, worker.metrics)
+    answers = ScoreAnswers(shaper, source, worker.publisher, worker.book, worker.metrics, join)
     return TeacherLink(name, t, client, shaper, queue, answers, samples, stream)

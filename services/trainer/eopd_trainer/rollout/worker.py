@@ -44,6 +44,7 @@ from ..queue.namespace import RunQueue
 from .grader import TaskGrader
 from .graded import publish_graded
 from .metrics import WorkerMetrics
+from .mixture_join import MixtureJoin
 from .publisher import Publisher
 from .requests import Pending
 from .samplers import make_sampler
@@ -107,10 +108,13 @@ class RolloutWorker:
         if not run_needs_teacher(cfg.loss, cfg.train.warmup_kd_iterations):
             return await self._run_graded()
         links: dict[str, TeacherLink] = {}
+        mixture = list(cfg.route.mixture)  # every response scored by each of them, joined per rollout
+        join = MixtureJoin(mixture, self.publisher, self.book, self.metrics) if mixture else None
         try:
             try:
-                for name in dict.fromkeys(self.routes):  # the teachers a route reaches, in order of first use
-                    links[name] = await connect(name, cfg, self, self._on_stall)
+                # the teachers a route reaches, in order of first use (or the mixture's)
+                for name in mixture or dict.fromkeys(self.routes):
+                    links[name] = await connect(name, cfg, self, self._on_stall, join)
             except StopRequested:
                 log.info("stopped by a signal while waiting for the teacher")
                 return 0
@@ -182,23 +186,24 @@ class RolloutWorker:
                 if not self.score_students:
                     await publish_graded(pending, self.grader, self.publisher, self.book)
                     continue
-                await self._send(pending, links)
+                await self._send(pending, links, mixed=bool(self.cfg.route.mixture))
         finally:
             for link in (links or {}).values():
                 await link.queue.close()
 
-    async def _send(self, pending: list[Pending], links: dict[str, TeacherLink]) -> None:
-        """Each sample's requests to its prompt's teacher; a sample that cannot be sent (a prefix
-        and response over the teacher's context) dead-letters its task with the reason."""
+    async def _send(self, pending: list[Pending], links: dict[str, TeacherLink], *, mixed: bool) -> None:
+        """Each sample's requests to its prompt's teacher (`mixed`: to every teacher of the
+        mixture); a sample that cannot be sent (a prefix and response over the teacher's context)
+        dead-letters its task with the reason."""
         for name, link in links.items():
-            mine = [p for p in pending if self.routes[p.task.prompt_index] == name]
+            mine = pending if mixed else [p for p in pending if self.routes[p.task.prompt_index] == name]
             if not mine:
                 continue
             batches, refused = link.shaper.shape(mine)
             for p, why in refused:
-                log.warning("rollout %s not scored: %s", p.rollout_id, why)
+                log.warning("rollout %s not scored by %s: %s", p.rollout_id, name, why)
                 self.metrics.unscored.labels("too_long").inc()
-                await self.book.settle(p.entry_id, p.rollout_id, why)
+                await link.answers.not_scored(p, why)
             for batch in batches:
                 await link.queue.put(batch)
 
