@@ -80,7 +80,7 @@ def test_the_join_publishes_once_every_teacher_answered_and_fails_once():
         return SequenceScores("x", r.teacher_logprobs, r.teacher_entropies, r.teacher_topk_ids, r.teacher_topk_logprobs)
 
     book, pub = Book(), Publisher()
-    join = MixtureJoin(["teacher", "minus"], pub, book, metrics=None)
+    join = MixtureJoin(["teacher", "minus"], pub, book)
     task = PromptTask(task_seq=0, prompt_index=0, num_samples=2, min_policy_version=0)
     a, b = (Pending("e", task, j, [1], [2, 3], False, np.zeros(2, np.float32), 0, 0) for j in range(2))
     src = {n: TeacherSource(n, f"{n}@1", TokenRemap.of({9: 7} if n == "minus" else {})) for n in ("teacher", "minus")}

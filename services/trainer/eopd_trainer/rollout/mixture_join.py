@@ -7,18 +7,16 @@ could not score it, its task is settled once with that reason (dead-lettered).""
 from __future__ import annotations
 
 from ..queue.mixture import part_of
-from .metrics import WorkerMetrics
 from .publisher import Publisher
 from .requests import Pending, TeacherSource
 from .task_book import TaskBook
 
 
 class MixtureJoin:
-    def __init__(self, names: list[str], publisher: Publisher, book: TaskBook, metrics: WorkerMetrics):
+    def __init__(self, names: list[str], publisher: Publisher, book: TaskBook):
         self.names = names  # the mixture's teachers, its first the rollout's main teacher
         self.publisher = publisher
         self.book = book
-        self.metrics = metrics
         self._got: dict[str, dict[str, tuple | str]] = {}  # rollout id -> teacher -> (scores, source) or reason
 
     def __len__(self) -> int:

@@ -109,7 +109,7 @@ class RolloutWorker:
             return await self._run_graded()
         links: dict[str, TeacherLink] = {}
         mixture = list(cfg.route.mixture)  # every response scored by each of them, joined per rollout
-        join = MixtureJoin(mixture, self.publisher, self.book, self.metrics) if mixture else None
+        join = MixtureJoin(mixture, self.publisher, self.book) if mixture else None
         try:
             try:
                 # the teachers a route reaches, in order of first use (or the mixture's)
