@@ -80,7 +80,9 @@ async def connect(name: str, cfg: RunConfig, worker, on_stall: Callable, join: M
         log.info("%s.prompt_template: the teacher sees its own prompt, e.g. %r for the student's %r", key_of(name),
                  prompts.texts[0], worker.prompts[0])
     source = TeacherSource(name, model, TokenRemap.of(t.token_remap))
-    shaper = RequestShaper(worker.worker_id, t, info.max_tokens_per_request or None, prompts, info.max_context_length)
+    # Request ids unique per teacher too: two named teachers may be one server (e.g. with and without a template).
+    rid_prefix = worker.worker_id if name == "teacher" else f"{worker.worker_id}-{name}"
+    shaper = RequestShaper(rid_prefix, t, info.max_tokens_per_request or None, prompts, info.max_context_length)
     queue = BatchQueue(maxsize=max(2, t.max_in_flight))
     # on_error="yield": a request the teacher rejects for good (invalid, over a per-request limit) comes
     # back as (request_id, RequestFailed) and the streams go on. A stall (no answer for timeout_s) makes
