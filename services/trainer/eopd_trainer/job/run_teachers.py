@@ -1,6 +1,7 @@
 """The teachers `eopd run` starts (`RunTeachers`): `teacher.model` (the teacher named `teacher`, log
 `teacher.log`) and each of `teachers:` that names a model (log `teacher-<name>.log`); one that
-names only a target is someone else's service and is left alone. Each is `eopd-teacher serve` on
+names only a target is someone else's service and is left alone; teachers of the same model and
+dtype share one process (their requests differ only in what the worker sends: template, top-k). Each is `eopd-teacher serve` on
 port 0 (teacher_proc.py) requiring the run's bearer token, new each start, in
 `<run_dir>/teacher.token` (0600): every gRPC call but health, /metrics and /v1/completions (its probes
 stay open). A teacher gets the file's path by environment (EOPD_TEACHER_AUTH_TOKEN_FILE), the workers
@@ -34,10 +35,15 @@ class RunTeachers:
     def start(self, cfg: RunConfig, on_poll: Callable[[], None]) -> None:
         """Starts them; returns once each has reported the ports it bound (before its model loads)."""
         token_file = write_private(self.run_dir / TEACHER_TOKEN_NAME, secrets.token_hex(32) + "\n")
+        by_model: dict[tuple[str, str], TeacherChild] = {}
         for name, t in cfg.all_teachers().items():
             if name != DEFAULT_TEACHER and not t.model:
                 continue  # a target only: someone else's service
-            self.children[name] = child = start_teacher(
+            if (t.model, t.dtype) in by_model:  # one process serves teachers of the same model (e.g. with and without a template)
+                self.children[name] = by_model[(t.model, t.dtype)]
+                self.say(f"teacher {name}: served by the process of {t.model} started for another teacher")
+                continue
+            self.children[name] = by_model[(t.model, t.dtype)] = child = start_teacher(
                 self.sup, t.model, "--dtype", t.dtype, name=log_name(name),
                 env={"EOPD_TEACHER_AUTH_TOKEN_FILE": str(token_file)},
                 drop_env=("EOPD_TEACHER_AUTH_TOKEN",))  # "auth_token or auth_token_file"
@@ -60,7 +66,8 @@ class RunTeachers:
         return all(child.alive() for child in self.children.values())
 
     def wait_ready(self, on_poll: Callable[[], None]) -> None:
-        for name, child in self.children.items():
+        processes = list({id(c): c for c in self.children.values()}.values())
+        for child in processes:
             child.wait_ready(self.timeout, on_poll=on_poll)
-        if self.children:
-            self.say(f"teacher{'s' if len(self.children) > 1 else ''} ready; run directory {self.run_dir}")
+        if processes:
+            self.say(f"teacher{'s' if len(processes) > 1 else ''} ready; run directory {self.run_dir}")
