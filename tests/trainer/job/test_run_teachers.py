@@ -123,20 +123,24 @@ def test_bad_mixtures_are_refused_naming_the_key(overrides, says):
 
 
 @pytest.mark.integration
-def test_a_mixture_of_two_teachers_end_to_end(tmp_path):
-    """route.mixture: both teacher processes score every response; each rollout carries both, the
-    learner's loss is their weighted sum, and the learner records each teacher's FKL at high-entropy
-    positions (from the loss) beside the statistics of its scores."""
+def test_a_mixture_of_a_plain_and_a_privileged_teacher_end_to_end(tmp_path):
+    """route.mixture of the teacher and the same model given the answer (`hinted`: one process serves
+    both, the worker sends each response twice, with and without the template); each rollout
+    carries both, the learner's loss is their weighted sum, and it records each teacher's FKL at
+    high-entropy positions (from the loss) beside the statistics of its scores."""
     run_dir = tmp_path / "run"
-    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=2", MINUS,
-               "route.mixture={teacher: 0.25, minus: 0.75}", "eval.models=[final]", timeout=1200)
+    hinted = 'teachers=[{name: hinted, model: "tiny-random@0", prompt_template: "{prompt} The answer is {answer}."}]'
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=2", hinted,
+               "route.mixture={teacher: 0.25, hinted: 0.75}", "eval.models=[final]", timeout=1200)
     assert res.returncode == 0, res.stderr[-5000:]
+    assert "teacher hinted: served by the process of tiny-random@0 started for another teacher" in res.stderr
+    assert not (run_dir / "logs" / "teacher-hinted.log").exists()
     learner = (run_dir / "logs" / "learner.log").read_text()
     assert "training finished: 2 iterations, 16 rollouts trained" in learner and "dead letter" not in learner
     iters = [r for r in map(json.loads, (run_dir / "train_metrics.jsonl").read_text().splitlines())
              if r.get("kind") == "iteration"]
     for r in iters:
-        for name in ("teacher", "minus"):
+        for name in ("teacher", "hinted"):
             assert r[f"iter/by_teacher/{name}/token_share"] == 1.0  # every token scored by both
             assert f"iter/by_teacher/{name}/fkl_gated_mean" in r and f"iter/by_teacher/{name}/reverse_kl" in r
-        assert r["iter/by_teacher/teacher/teacher_entropy"] != r["iter/by_teacher/minus/teacher_entropy"]
+        assert r["iter/by_teacher/teacher/teacher_entropy"] != r["iter/by_teacher/hinted/teacher_entropy"]
