@@ -24,6 +24,11 @@
 # eopd_topk_rkl kd grpo), or gkd<lambda> for GKD at that lambda (gkd0.5 gkd0.8 gkd1.0: the share of
 # on-policy student samples; the rest teacher-generated), or <variant>+warmup<N> for N KD warm-up
 # iterations first (e.g. eopd+warmup4). grpo samples GRPO_SAMPLES (default 8, the paper's) per prompt.
+# Teacher modifiers (issue 32), after the variant and before +warmup: +privileged (the teacher sees
+# the answer: teacher.prompt_template "{prompt}\nThe correct final answer is {answer}."), +self (the
+# teacher is the student's own initial weights, given the answer), +routed (two teachers routed by the
+# problem's kind: word problems, kind "more", to the teacher given the answer, the rest to the plain
+# teacher; one teacher process), e.g. eopd+privileged, eopd+self, eopd+routed.
 # Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] [ARCHIVE=docs/results/runs]
 #        bash scripts/experiment.sh [SEED ...]
 set -euo pipefail
@@ -54,14 +59,24 @@ prune_run() {  # a finished run's big files: checkpoints (with the HF export), w
   rm -rf "$1/checkpoints" "$1/weights" "$1/student-init"
 }
 
-variant_overrides() {  # a variant's name -> its key=value overrides (see the header)
-  local v=$1 extra=""
-  if [[ $v == *+warmup* ]]; then extra="train.warmup_kd_iterations=${v##*+warmup}"; v=${v%%+warmup*}; fi
+PRIVILEGED_TEMPLATE='{prompt}\nThe correct final answer is {answer}.'
+
+variant_overrides() {  # a variant's name -> its key=value overrides, one per line (see the header)
+  local v=$1 extra=() t
+  if [[ $v == *+warmup* ]]; then extra+=("train.warmup_kd_iterations=${v##*+warmup}"); v=${v%%+warmup*}; fi
+  t=$(printf '"%s"' "$PRIVILEGED_TEMPLATE")  # YAML double quotes: \n is a newline
   case $v in
-    gkd[0-9]*) echo "loss.variant=gkd loss.gkd_lambda=${v#gkd} $extra" ;;
-    grpo) echo "loss.variant=grpo rollout.n_samples=${GRPO_SAMPLES:-8} $extra" ;;
-    *) echo "loss.variant=$v $extra" ;;
+    *+privileged) extra+=("teacher.prompt_template=$t"); v=${v%+privileged} ;;
+    *+self) extra+=("teacher.model=smollm2-135m[drop=14]" "teacher.prompt_template=$t"); v=${v%+self} ;;
+    *+routed) extra+=("teachers=[{name: hinted, model: smollm2-135m, prompt_template: $t}]" "route.field=kind"
+                      "route.routes={more: hinted}"); v=${v%+routed} ;;
   esac
+  case $v in
+    gkd[0-9]*) printf '%s\n' "loss.variant=gkd" "loss.gkd_lambda=${v#gkd}" ;;
+    grpo) printf '%s\n' "loss.variant=grpo" "rollout.n_samples=${GRPO_SAMPLES:-8}" ;;
+    *) printf '%s\n' "loss.variant=$v" ;;
+  esac
+  if [ ${#extra[@]} -gt 0 ]; then printf '%s\n' "${extra[@]}"; fi
 }
 
 order=()
@@ -91,11 +106,11 @@ for i in "${!order[@]}"; do
     if [ "$i" != 0 ]; then evals+=("eval.models=[final]"); fi
     if [ "$v" != "${variants[0]}" ]; then evals+=(eval.variants=false); fi
   fi
-  loss=$(variant_overrides "$v")
-  if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name $loss ${evals[*]}"; continue; fi
+  mapfile -t loss < <(variant_overrides "$v")
+  if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name ${loss[*]} ${evals[*]}"; continue; fi
   start=$(date +%s)
   rc=0
-  eopd run --config configs/smollm2-cpu.yaml "run_dir=$dir" "seed=$seed" $loss \
+  eopd run --config configs/smollm2-cpu.yaml "run_dir=$dir" "seed=$seed" "${loss[@]}" \
     "${evals[@]}" ${OVERRIDES:-} --overwrite > "$out/$name.log" 2>&1 || rc=$?
   echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
   if [ "$rc" = 0 ] && [ -n "$archive" ]; then archive_run "$dir" "$archive/$name"; fi
