@@ -31,6 +31,10 @@ def test_teachers_by_name_and_the_route():
     route = cfg.route
     assert [route.teacher_of(r) for r in ({"kind": "sub"}, {"kind": "add"}, {})] == ["minus", "teacher", "teacher"]
     assert load_config(TINY).all_teachers() == {"teacher": load_config(TINY).teacher}  # a single teacher: as before
+    # whom the workers connect to, from the config alone (they wait for the teachers before loading anything)
+    assert route.teacher_names() == ["teacher", "minus"] and load_config(TINY).route.teacher_names() == ["teacher"]
+    mixed = load_config(TINY, [MINUS, "route.mixture={minus: 0.5, teacher: 0.5}"])
+    assert mixed.route.teacher_names() == ["minus", "teacher"]
 
 
 @pytest.mark.parametrize("overrides, says", [

@@ -126,6 +126,12 @@ class RouteConfig(Section):
                                       "of these teachers and the loss is the weighted sum of their losses (weights > 0, "
                                       "summing to 1; the first teacher named is the rollout's main one).")
 
+    def teacher_names(self) -> list[str]:
+        """The teachers the rollout workers ask: the mixture's, or every one a route reaches (the default first)."""
+        if self.mixture:
+            return list(self.mixture)
+        return list(dict.fromkeys([self.default, *self.routes.values()]))
+
     def teacher_of(self, record: dict) -> str:
         value = record.get(self.field) if self.field else None
         return self.routes.get(str(value), self.default) if value is not None else self.default

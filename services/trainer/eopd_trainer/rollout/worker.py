@@ -112,8 +112,7 @@ class RolloutWorker:
         join = MixtureJoin(mixture, self.publisher, self.book) if mixture else None
         try:
             try:
-                # the teachers a route reaches, in order of first use (or the mixture's)
-                for name in mixture or dict.fromkeys(self.routes):
+                for name in cfg.route.teacher_names():  # from the config: the wait needs nothing setup() loads
                     links[name] = await connect(name, cfg, self, self._on_stall, join)
             except StopRequested:
                 log.info("stopped by a signal while waiting for the teacher")
