@@ -11,7 +11,8 @@
 # in every run: the first run evaluates them (held-out and variants sets); the first variant's run of
 # each seed evaluates its final student on both sets, every other run on the held-out set
 # (EVAL_ALL=1: everything in every run; FINAL_ONLY=1: only the final student on the held-out set,
-# when archived runs of the same preset and seeds have evaluated the rest).
+# when archived runs of the same preset and seeds have evaluated the rest; with FINAL_VARIANTS=1 too
+# the final student on the variants set).
 #
 # Resumable across machines: with ARCHIVE=DIR each finished run's small files (run.yaml, eval*.json,
 # train_metrics.jsonl, run_summary.json: what the report and the tables read) are copied to
@@ -101,7 +102,8 @@ for i in "${!order[@]}"; do
   fi
   evals=(eval.n_samples=8)
   if [ -n "${FINAL_ONLY:-}" ]; then
-    evals+=("eval.models=[final]" eval.variants=false)
+    evals+=("eval.models=[final]")
+    if [ -z "${FINAL_VARIANTS:-}" ]; then evals+=(eval.variants=false); fi
   elif [ -z "${EVAL_ALL:-}" ]; then
     if [ "$i" != 0 ]; then evals+=("eval.models=[final]"); fi
     if [ "$v" != "${variants[0]}" ]; then evals+=(eval.variants=false); fi
