@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_common.cpu_threads import cpu_threads_note
 
 from .engines import create_engine
 from .grpc.interceptors import AuthInterceptor, StatusInterceptor
@@ -270,9 +271,9 @@ class TeacherServer:
         self.metrics.statistics_compiled.set_function(lambda: 1.0 if engine.statistics_path == "compiled" else 0.0)
         self.metrics.ready.set(1)
         log.info(
-            "ready: %s (%s, vocab %d, context %d, %s statistics) loaded in %.1fs",
+            "ready: %s (%s, vocab %d, context %d, %s statistics) loaded in %.1fs; %s",
             info.model_name, info.dtype, info.vocab_size, info.max_context_length, engine.statistics_path,
-            time.perf_counter() - started,
+            time.perf_counter() - started, cpu_threads_note(),
         )
 
     def _batcher_died(self, exc: BaseException) -> None:

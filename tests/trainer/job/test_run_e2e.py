@@ -87,8 +87,9 @@ def check_a_stranger_is_kept_out(run_dir, run_pid: int, backend: str) -> None:
         assert sent < 64 << 20 and rss - rss0 < 16 * 1024, (sent, rss0, rss)  # was +448 MiB in 0.9 s
 
 
-def eopd(*args: str, timeout: float = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+def eopd(*args: str, timeout: float = 300, env_extra: dict | None = None,
+         env_drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and k not in env_drop}
     env.update(OMP_NUM_THREADS="1", **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "eopd_trainer.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
@@ -96,9 +97,15 @@ def eopd(*args: str, timeout: float = 300, env_extra: dict | None = None) -> sub
 
 def test_tiny_run_end_to_end_then_report(tmp_path):
     run_dir = tmp_path / "run"
-    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4")
+    # threads: (issue 31 ask 7) reach each child (OMP_NUM_THREADS=1 from this test's environment)
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "threads.learner=2",
+               "threads.omp_wait_policy=passive", env_drop=("OMP_WAIT_POLICY",))
     assert res.returncode == 0, res.stderr[-5000:]
     assert "REDIS_URL is not set; started redis-server" in res.stderr
+    logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in ("learner", "rollout-w0", "teacher")}
+    assert "2 torch threads, OMP_WAIT_POLICY=PASSIVE" in logs["learner"]
+    assert "1 torch threads, OMP_WAIT_POLICY=PASSIVE" in logs["rollout-w0"]
+    assert "1 torch threads, OMP_WAIT_POLICY=PASSIVE" in logs["teacher"]
     for name in ("redis", "teacher", "rollout-w0", "learner"):
         assert (run_dir / "logs" / f"{name}.log").is_file(), name
     assert (run_dir / "checkpoints" / "COMMITTED").is_file()

@@ -25,6 +25,7 @@ from .sections import (
     RunConfig,
     StudentConfig,
     TasksConfig,
+    ThreadsConfig,
     TrainConfig,
     VllmRolloutConfig,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "RunConfig",
     "StudentConfig",
     "TasksConfig",
+    "ThreadsConfig",
     "TeacherConfig",
     "TrainConfig",
     "VllmRolloutConfig",

@@ -14,6 +14,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from eopd_common.cpu_threads import cpu_threads_note
+
 from .sections import ConfigError, RunConfig
 
 _PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"), ("queue", "auth_key_file"))
@@ -142,4 +144,5 @@ def config_for_process(prog: str, config_file: str | None, overrides: list[str],
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(levelname)s {role} %(message)s", stream=sys.stderr)
+    logging.getLogger(f"eopd.{role}").info("%s: %s", prog, cpu_threads_note())
     return cfg

@@ -212,6 +212,20 @@ class LoggingConfig(Section):
     level: str = Field("INFO")
 
 
+class ThreadsConfig(Section):
+    """CPU threads of the processes `eopd run` starts (issue 31, ask 7; job/threads.py). OpenMP reads
+    these once, at a process's start, so they reach a child only through its environment."""
+
+    learner: int = Field(0, ge=0, description="torch threads of the learner (0: every core the process may use).")
+    rollout: int = Field(0, ge=0, description="torch threads of each rollout worker (0: every core).")
+    teacher: int = Field(0, ge=0, description="torch threads of each teacher `eopd run` starts (0: every core).")
+    omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
+        "inherit", description="OMP_WAIT_POLICY of the children: passive (a waiting OpenMP thread sleeps at once: a "
+        "process sharing the CPU with other work is not slowed by threads spinning for preempted ones), active "
+        "(they spin), inherit (this process's environment: OpenMP's default, spin then sleep). An OMP_WAIT_POLICY "
+        "already set in the environment wins over the setting.")
+
+
 class FaultConfig(Section):
     """A fault to inject (tests and the chaos tier): at `point`, when the context matches, do `action`."""
 
@@ -256,6 +270,7 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
     faults: list[FaultConfig] = Field(default_factory=list)
+    threads: ThreadsConfig = ThreadsConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

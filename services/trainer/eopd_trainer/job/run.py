@@ -62,6 +62,7 @@ from .resume import (
 from .run_record import RunRecord
 from .supervisor import Child, RunError, Supervisor
 from .run_teachers import RunTeachers
+from .threads import thread_env
 from .weight_sync import choose_weight_sync, release_shm
 
 EXIT_FAILED = 1
@@ -322,13 +323,13 @@ class TrainingAttempt:
         if self.start.resumed:  # before the learner starts: the bar must not count records of iterations trained again
             trim_records(self.run_dir / "train_metrics.jsonl", self.start.iteration)
         # The learner never talks to the teacher: it loads while the teacher does. The worker waits for it.
-        # torch's default threads: in sync mode the processes mostly take turns
+        # threads: (job/threads.py): every core by default, in sync mode the processes mostly take turns
         self.learner = self.sup.start("learner", [sys.executable, "-m", "eopd_trainer.learner", "--config",
-                                                  str(self.config_path)], {})
+                                                  str(self.config_path)], thread_env(self.cfg.threads, "learner"))
 
     def start_worker(self) -> None:
         self.sup.start("rollout-w0", [sys.executable, "-m", "eopd_trainer.rollout", "--config", str(self.config_path),
-                                      "--worker-id", "w0"], {})
+                                      "--worker-id", "w0"], thread_env(self.cfg.threads, "rollout"))
         self.lock.record({"eopd run": os.getpid(), **{c.name: c.popen.pid for c in self.sup.children if c.holds}})
 
     def follow_learner(self) -> None:

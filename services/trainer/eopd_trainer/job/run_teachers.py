@@ -17,6 +17,7 @@ from ..config import DEFAULT_TEACHER, RunConfig
 from .local_queue import write_private
 from .supervisor import Supervisor
 from .teacher_proc import TeacherChild, start_teacher
+from .threads import thread_env
 
 TEACHER_TOKEN_NAME = "teacher.token"  # the bearer token of the teachers eopd run starts (0600, new each start)
 
@@ -45,7 +46,7 @@ class RunTeachers:
                 continue
             self.children[name] = by_model[(t.model, t.dtype)] = child = start_teacher(
                 self.sup, t.model, "--dtype", t.dtype, name=log_name(name),
-                env={"EOPD_TEACHER_AUTH_TOKEN_FILE": str(token_file)},
+                env={"EOPD_TEACHER_AUTH_TOKEN_FILE": str(token_file), **thread_env(cfg.threads, "teacher")},
                 drop_env=("EOPD_TEACHER_AUTH_TOKEN",))  # "auth_token or auth_token_file"
             gp, _ = child.ports(self.timeout, on_poll=on_poll)
             label = "teacher" if name == DEFAULT_TEACHER else f"teacher {name}:"

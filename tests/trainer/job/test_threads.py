@@ -1,0 +1,38 @@
+"""`threads:` of the run config (issue 31, ask 7): the environment `eopd run` gives each child. The
+children reading it are checked end to end in test_run_e2e.py (their start-up logs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eopd_trainer.config import ConfigError, ThreadsConfig, load_config
+from eopd_trainer.job.threads import thread_env
+from tests.procs import ROOT
+
+
+def test_the_default_leaves_every_child_as_it_was():
+    cfg = ThreadsConfig()
+    for role in ("learner", "rollout", "teacher"):
+        assert thread_env(cfg, role, environ={}) == {}
+
+
+def test_counts_and_the_wait_policy_reach_each_role():
+    cfg = ThreadsConfig(learner=2, rollout=1, omp_wait_policy="passive")
+    assert thread_env(cfg, "learner", environ={}) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env(cfg, "rollout", environ={}) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env(cfg, "teacher", environ={}) == {"OMP_WAIT_POLICY": "PASSIVE"}  # 0: the inherited or torch's count
+    assert thread_env(ThreadsConfig(omp_wait_policy="active"), "teacher", environ={}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_a_wait_policy_set_in_the_environment_wins():
+    cfg = ThreadsConfig(teacher=3, omp_wait_policy="passive")
+    assert thread_env(cfg, "teacher", environ={"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_NUM_THREADS": "3"}
+
+
+def test_unknown_role_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match="unknown role 'evaluator'"):
+        thread_env(ThreadsConfig(), "evaluator", environ={})
+    with pytest.raises(ConfigError, match="threads.learner"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["threads.learner=-1"])
+    with pytest.raises(ConfigError, match="threads.omp_wait_policy"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["threads.omp_wait_policy=sleepy"])
