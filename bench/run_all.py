@@ -61,6 +61,8 @@ BENCHES = [
     Bench("generate", "bench.bench_generate", [], ["--smoke"]),
     Bench("weight_sync", "bench.bench_weight_sync", quick_out=True),
     Bench("threads", "bench.bench_threads", quick_out=True),
+    Bench("busy_job", "bench.bench_busy_job", quick_out=True),
+    Bench("overlap", "bench.bench_overlap", sections=("overlap_smollm2_cpu",), quick_out=True),
 ]
 
 # The GPU benchmarks (`eopd bench gpu`): random models of real shapes built on the GPU; each prints why

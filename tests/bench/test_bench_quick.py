@@ -79,3 +79,19 @@ def test_threads_quick(tmp_path):
     for setting in SETTINGS:
         for work in ("learner", "sampler"):
             assert data[f"{setting}_{work}_alone_s"] > 0 and data[f"{setting}_{work}_ratio"] > 0
+
+
+def test_overlap_quick(tmp_path):
+    """`bench_overlap --quick`: the tiny preset trained by real `eopd run` jobs in sync and in async
+    mode; each mode's idle share, times and staleness come from its own run's records."""
+    from bench.bench_overlap import MODES, main
+
+    out = tmp_path / "overlap.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["preset"] == "tiny" and data["iterations"] == 2
+    for mode in MODES:
+        m = data[mode]
+        assert m["measured"] == 1 and m["s_per_iteration"] > 0 and m["iteration_s"] > 0
+        assert 0.0 <= m["idle_frac"] <= 1.0 and m["collect_s"] >= 0
+    assert data["sync"]["staleness_mean"] == 0.0  # sync trains only on the current version
