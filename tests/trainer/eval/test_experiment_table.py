@@ -79,6 +79,16 @@ def test_gkd_lambdas_and_warmup_are_separate_rows(tmp_path, capsys):
     assert loss_label({"loss": {"variant": "gkd", "gkd_lambda": 0.5}}) == "gkd0.5"
     assert loss_label({"loss": {"variant": "eopd"}, "train": {"warmup_kd_iterations": 4}}) == "eopd+warmup4"
     assert loss_label({"loss": {"variant": "kd"}, "train": {"warmup_kd_iterations": 0}}) == "kd"
+    # teacher modifiers (issue 32), as scripts/experiment.sh names them
+    template = {"model": "smollm2-135m", "prompt_template": "{prompt}\nThe answer is {answer}."}
+    assert loss_label({"loss": {"variant": "eopd"}, "teacher": template, "student": {"model": "/r/student-init"}}) == "eopd+privileged"
+    own = {"model": "/r/student-init", "prompt_template": "{prompt} {answer}"}
+    assert loss_label({"loss": {"variant": "eopd"}, "teacher": own, "student": {"model": "/r/student-init"}}) == "eopd+self"
+    routed = {"field": "kind", "routes": {"more": "hinted"}, "default": "teacher", "mixture": {}}
+    assert loss_label({"loss": {"variant": "eopd"}, "route": routed, "train": {"warmup_kd_iterations": 4}}) == "eopd+routed+warmup4"
+    assert loss_label({"loss": {"variant": "eopd"}, "route": {"mixture": {"teacher": 0.5, "hinted": 0.5}}}) == "eopd+mixture"
+    assert loss_label({"loss": {"variant": "eopd"}, "teacher": {"model": "smollm2-135m", "prompt_template": ""},
+                       "route": {"field": "", "routes": {}, "mixture": {}}}) == "eopd"
     runs = []
     for name, lam, avg in (("g5", 0.5, 0.2), ("g8", 0.8, 0.3)):
         run = fake_run(tmp_path / name, "gkd", 0, avg, [0.3] * 4)

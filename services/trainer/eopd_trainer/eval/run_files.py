@@ -46,13 +46,31 @@ def ordered_models(models: dict) -> list[tuple[str, dict]]:
     return sorted(models.items(), key=lambda kv: SAMPLE_MODELS.index(kv[0]) if kv[0] in SAMPLE_MODELS else 3)
 
 
+def teacher_label(cfg: dict) -> str:
+    """The teacher modifier of a run as scripts/experiment.sh names it, from its run.yaml (`cfg`):
+    `+routed` (teachers routed on a record field), `+mixture` (a mixture of teachers), `+self` (the
+    teacher is the student's own initial weights), `+privileged` (the teacher has its own prompt
+    template); "" for the plain teacher."""
+    route = cfg.get("route") or {}
+    if route.get("mixture"):
+        return "+mixture"
+    if route.get("routes"):
+        return "+routed"
+    teacher, student = cfg.get("teacher") or {}, cfg.get("student") or {}
+    if teacher.get("model") and teacher.get("model") == student.get("model"):
+        return "+self"
+    return "+privileged" if teacher.get("prompt_template") else ""
+
+
 def loss_label(cfg: dict) -> str:
     """A run's loss as scripts/experiment.sh names it, from its run.yaml (`cfg`): `loss.variant`;
-    GKD with its lambda (`gkd0.8`); `+warmupN` after N KD warm-up iterations."""
+    GKD with its lambda (`gkd0.8`); the teacher modifier (`teacher_label`); `+warmupN` after N KD
+    warm-up iterations."""
     loss = cfg.get("loss") or {}
     label = loss.get("variant", "?")
     if label == "gkd":
         label += str(loss.get("gkd_lambda", ""))
+    label += teacher_label(cfg)
     warmup = (cfg.get("train") or {}).get("warmup_kd_iterations") or 0
     return f"{label}+warmup{warmup}" if warmup else label
 
