@@ -53,7 +53,7 @@ def http_status(url: str, token: str | None = None, body: dict | None = None) ->
         return exc.code
 
 
-def check_a_stranger_is_kept_out(run_dir, run_pid: int, backend: str) -> None:
+def check_a_stranger_is_kept_out(run_dir, run_pid: int, backend: str, sync: str) -> None:
     """Issue 33 section 4, against a running `eopd run`: its teacher wants the run's token on /metrics
     and /v1/completions (probes open); the run directory and the shared-memory weights are
     owner-only; with the embedded queue, an unauthenticated stream of junk does not grow eopd run."""
@@ -70,7 +70,7 @@ def check_a_stranger_is_kept_out(run_dir, run_pid: int, backend: str) -> None:
     assert http_status(f"{base}/metrics", token=token) == 200
     assert f"auth_token_file: {token_file}" in (run_dir / "run.yaml").read_text()  # the workers' (a path only)
     shm = shm_weights_dir(run_dir).parent
-    assert shm.is_dir() and any(shm.rglob("*.safetensors"))  # weight_sync auto: shm, mid-run
+    assert shm.is_dir() and any(shm.rglob("policy.buf" if sync == "auto" else "*.safetensors"))  # mid-run
     assert assert_owner_only(run_dir, shm) > 10
     if backend == "embedded":
         url = re.search(r"redis_url: (\S+)", (run_dir / "run.yaml").read_text()).group(1)
@@ -113,9 +113,10 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     assert [r["iteration"] for r in iters if r.get("kind") == "iteration"] == [1, 2, 3, 4]
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert "redis-server" in summary["queue"] and summary["train_s"] > 0
-    # Weights went through shared memory (weight_sync auto on this Linux machine), released at the end.
-    assert "weight_sync auto: shared memory" in res.stderr
-    assert "weight_sync: shm" in (run_dir / "run.yaml").read_text()
+    # Weights went through one mapped buffer in shared memory (weight_sync auto on this Linux machine,
+    # transformers rollouts), released at the end.
+    assert "weight_sync auto: one mapped buffer in shared memory" in res.stderr
+    assert "weight_sync: mapped" in (run_dir / "run.yaml").read_text()
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert learner_log.count("published policy version") == 5  # the initial weights, then one per iteration
     assert "loaded policy version 3" in (run_dir / "logs" / "rollout-w0.log").read_text()
@@ -199,15 +200,18 @@ def test_run_fails_with_the_log_of_a_dead_child(tmp_path):
     assert "Traceback" in res.stderr or "Error" in res.stderr  # the tail of the teacher's log
 
 
-@pytest.mark.parametrize("backend", ["redis-server", "embedded"])
+@pytest.mark.parametrize(("backend", "sync"), [("redis-server", "auto"), ("embedded", "shm")])
 @pytest.mark.chaos
-def test_run_stops_every_process_on_sigterm(tmp_path, backend):
-    """The children stop before the queue (with the embedded queue: before this process ends)."""
+def test_run_stops_every_process_on_sigterm(tmp_path, backend, sync):
+    """The children stop before the queue (with the embedded queue: before this process ends). The
+    second run publishes versioned files in shared memory (weight_sync: shm, what vLLM rollouts get),
+    the first one mapped buffer (auto, transformers rollouts)."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["OMP_NUM_THREADS"] = "1"
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
-                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval", f"queue.backend={backend}"],
+                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval", f"queue.backend={backend}",
+                             f"weight_sync={sync}"],
                             cwd=ROOT, env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -217,7 +221,7 @@ def test_run_stops_every_process_on_sigterm(tmp_path, backend):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no iteration within 180 s"
             time.sleep(0.5)
-        check_a_stranger_is_kept_out(run_dir, proc.pid, backend)
+        check_a_stranger_is_kept_out(run_dir, proc.pid, backend, sync)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     finally:

@@ -15,7 +15,7 @@ import pytest
 from eopd_trainer.config import load_config
 from eopd_trainer.config.sections import shm_weights_dir
 from eopd_trainer.job import weight_sync
-from eopd_trainer.job.weight_sync import choose_weight_sync, release_shm, shm_bytes_needed
+from eopd_trainer.job.weight_sync import choose_weight_sync, mapped_bytes_needed, release_shm, shm_bytes_needed
 from eopd_trainer.queue.weights import WeightsDirUnsafe, ensure_private_dir
 from tests.procs import ROOT
 
@@ -26,6 +26,7 @@ def test_weights_dir_follows_weight_sync(tmp_path):
     disk = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "weight_sync=disk"])
     auto = load_config(TINY, [f"run_dir={tmp_path / 'run'}"])
     shm = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "weight_sync=shm"])
+    assert load_config(TINY, [f"run_dir={tmp_path / 'run'}", "weight_sync=mapped"]).weights_dir == shm.weights_dir
     assert disk.weights_dir == auto.weights_dir == tmp_path / "run" / "weights"  # auto reads as disk until eopd run decides
     assert shm.weights_dir == shm_weights_dir(tmp_path / "run")
     assert str(shm.weights_dir).startswith(f"/dev/shm/eopd-{os.getuid()}-") and shm.weights_dir.name == "weights"
@@ -33,16 +34,25 @@ def test_weights_dir_follows_weight_sync(tmp_path):
     assert shm_weights_dir(tmp_path / "run") == shm_weights_dir(tmp_path / "x" / ".." / "run")  # by real path
 
 
-def test_auto_is_shm_where_there_is_room(tmp_path, monkeypatch):
+def test_auto_is_shared_memory_where_there_is_room(tmp_path, monkeypatch):
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}"])
     root = tmp_path / "shm"
     root.mkdir()
-    assert choose_weight_sync(cfg, shm_root=root)[0] == "shm"
+    # transformers rollouts (a CPU student; or no vLLM): the mapped buffer; vLLM rollouts load files: shm
+    assert choose_weight_sync(cfg, shm_root=root, vllm=False)[0] == "mapped"
+    assert choose_weight_sync(cfg, shm_root=root, vllm=True)[0] == "mapped"  # a CPU student samples with transformers
+    cuda = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "student.device=cuda"])
+    assert choose_weight_sync(cuda, shm_root=root, vllm=True)[0] == "shm"
+    assert choose_weight_sync(cuda, shm_root=root, vllm=False)[0] == "mapped"
+    explicit_vllm = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm"])
+    assert choose_weight_sync(explicit_vllm, shm_root=root, vllm=False)[0] == "shm"
     assert choose_weight_sync(cfg, shm_root=tmp_path / "missing") == ("disk", f"weight_sync auto: disk ({tmp_path / 'missing'} is not available here)")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(weight_sync.shutil, "disk_usage", lambda _p: usage(1 << 40, 0, shm_bytes_needed(cfg) - 1))
-    sync, why = choose_weight_sync(cfg, shm_root=root)
+    monkeypatch.setattr(weight_sync.shutil, "disk_usage", lambda _p: usage(1 << 40, 0, mapped_bytes_needed(cfg) - 1))
+    sync, why = choose_weight_sync(cfg, shm_root=root, vllm=False)
     assert sync == "disk" and "GiB needed" in why
+    monkeypatch.setattr(weight_sync.shutil, "disk_usage", lambda _p: usage(1 << 40, 0, shm_bytes_needed(cfg) - 1))
+    assert choose_weight_sync(explicit_vllm, shm_root=root, vllm=True)[0] == "disk"
     assert choose_weight_sync(load_config(TINY, ["weight_sync=shm"]), shm_root=root) == ("shm", "weight_sync: shm (configured)")
 
 

@@ -252,10 +252,13 @@ class RunConfig(Section):
     seed: int = 0
     mode: Literal["sync", "async"] = Field("sync", description="sync: Algorithm 1 (rollouts of iteration i from the weights after i-1); async: bounded staleness.")
     max_staleness: int = Field(1, ge=0, description="async: rollouts sampled more than this many versions ago are dropped and counted.")
-    weight_sync: Literal["auto", "disk", "shm"] = Field(
+    weight_sync: Literal["auto", "disk", "shm", "mapped"] = Field(
         "auto", description="How published weights reach the rollout workers: disk (versioned files in <run_dir>/weights: "
         "any shared file system, several nodes), shm (the same files in /dev/shm, shared memory: learner and workers on "
-        "one node, one user). auto: shm where `eopd run` starts them on this machine and /dev/shm has room, else disk.")
+        "one node, one user), mapped (one buffer in /dev/shm that the learner rewrites in place and the workers copy "
+        "out under a sequence lock: no file format, no hash; one node, transformers rollouts). auto: mapped where "
+        "`eopd run` starts them on this machine, /dev/shm has room and the workers sample with transformers, shm where "
+        "they sample with vLLM, else disk.")
     teacher: TeacherConfig = TeacherConfig()
     teachers: list[NamedTeacher] = Field(default_factory=list, description="More teachers by name (config/teachers.py); "
                                          "`teacher:` is the one named `teacher`.")
@@ -329,9 +332,9 @@ class RunConfig(Section):
     @property
     def weights_dir(self) -> Path:
         """Where the learner publishes weight versions; workers load announced files only from here
-        (`weight_sync`: shm, a directory of this run in /dev/shm; disk and auto, <run_dir>/weights:
+        (`weight_sync`: shm and mapped, a directory of this run in /dev/shm; disk and auto, <run_dir>/weights:
         `eopd run` makes auto concrete before its processes read the config)."""
-        if self.weight_sync == "shm":
+        if self.weight_sync in ("shm", "mapped"):
             return shm_weights_dir(self.run_dir)
         return self.run_dir / "weights"
 

@@ -31,6 +31,8 @@ from ..queue.messages import (
 from ..queue.namespace import RunQueue
 from ..queue.rollout_checks import check_rollout_metadata
 from ..queue.signing import signer_for
+from ..queue.weights_buffer import FORMAT as BUFFER_FORMAT
+from ..queue.weights_buffer import buffer_holds
 from .ledger import (
     Admit,
     Ledger,
@@ -167,6 +169,8 @@ class RolloutFeed:
 
     def announced_version(self) -> int:
         pv = self.queue.announcement()
+        if pv is not None and pv.format == BUFFER_FORMAT:  # the buffer may hold newer, unannounced bytes
+            return pv.version if buffer_holds(pv) else -1
         return -1 if pv is None or not Path(pv.uri).is_file() else pv.version
 
     # Tasks -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from
 from ..objective.mixture import mixture_loss, per_teacher_keys
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import ensure_private_dir, export_state_dict, prune_weights, save_weights
+from ..queue.weights_buffer import BufferWriter
 from .checkpoint import CheckpointManager
 from .state import LearnerState
 from .distributed import (
@@ -91,6 +92,7 @@ class PolicyTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         self.run_dir = run_dir
+        self._buffer: BufferWriter | None = None  # weight_sync: mapped, opened at the first publish
         self.gas = gradient_accumulation_steps(cfg.train.mini_batch_size, cfg.train.micro_batch_size, self.world)
         on_cpu = not torch.cuda.is_available()
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
@@ -217,8 +219,13 @@ class PolicyTrainer:
         PolicyVersion to announce, the other ranks None)."""
         with full_parameters(self.engine, self.cfg.train.zero_stage):
             if self.rank == 0:
-                if self.cfg.weight_sync == "shm":  # learner and workers of one user on one node
+                if self.cfg.weight_sync in ("shm", "mapped"):  # learner and workers of one user on one node
                     ensure_private_dir(self.cfg.weights_dir.parent)
+                if self.cfg.weight_sync == "mapped":  # one buffer rewritten in place (queue/weights_buffer.py)
+                    if self._buffer is None:
+                        ensure_private_dir(self.cfg.weights_dir)
+                        self._buffer = BufferWriter(self.cfg.weights_dir, self.engine.module)
+                    return self._buffer.publish(self.engine.module, version, iteration)
                 return save_weights(self.engine.module, self.cfg.weights_dir, version, iteration)
         return None
 

@@ -197,7 +197,14 @@ def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = Tr
     left untouched when anything is wrong: WeightsUnavailable for a file that cannot be read right
     now (retry), ValueError for tensors that are not the model's."""
     path = Path(pv.uri)
-    tensors = read_weights(pv, verify=verify, weights_dir=weights_dir)
+    if pv.format == "mapped":  # one node's mapped buffer (weights_buffer.py, which imports this module)
+        from .weights_buffer import read_buffer
+
+        if weights_dir is not None:
+            check_weights_location(pv, weights_dir)
+        tensors = read_buffer(pv)
+    else:
+        tensors = read_weights(pv, verify=verify, weights_dir=weights_dir)
     own = set(model.state_dict())
     unexpected = sorted(set(tensors) - own)
     if unexpected:
@@ -205,7 +212,10 @@ def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = Tr
     missing = sorted(set(export_state_dict_names(model)) - set(tensors))
     if missing:
         raise ValueError(f"weights {path}: missing tensors {missing[:5]}")
-    model.load_state_dict(tensors, strict=False)
+    try:
+        model.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:  # shapes that are not the model's
+        raise ValueError(f"weights {path}: {' '.join(str(exc).split())[:500]}") from None
 
 
 def export_state_dict_names(model: torch.nn.Module) -> list[str]:

@@ -1,0 +1,228 @@
+"""Weight sync through one mapped buffer (`weight_sync: mapped`, issue 31 ask 3): the learner and the
+rollout workers of one node map the same file in the run's owner-only /dev/shm directory
+(`<shm weights dir>/policy.buf`); the learner copies the policy's tensors into it in place and the
+workers copy them out. No file format, no sha256 pass, no file per version: one memcpy each side
+(a GPU learner's copy is its device-to-host copy, a GPU worker's its host-to-device copy).
+
+Layout: a HEADER_BYTES header, the layout (JSON: every tensor `export_state_dict` keeps, in
+state-dict order, with its dtype and shape), then the tensors, each at an offset aligned to ALIGN
+bytes. The header holds a magic, a sequence number, the version and iteration written, and the
+layout's hash and length. A worker reads the tensors in the learner's dtypes and loads them into
+its model like a weights file (dtypes converted; names and shapes checked).
+
+Consistency: the learner makes the sequence number odd, writes the tensors, then writes the
+version, the checksum of what it wrote and an even sequence number (seq + 2 per publish, never
+reused while the file exists: a restarted learner continues from the number it finds). A worker
+checks the sequence number, copies the tensors out into memory of its own, and uses the copy only
+if the number is still the announced one and the copy's checksum is the learner's (`checksum`:
+the number alone is not enough, stores to a mapping may become visible out of order); otherwise the
+buffer was being (or has been) rewritten and the load is `WeightsUnavailable` (transient: re-read
+the announcement, retry), with the worker's model untouched. So a worker never samples from half-written weights, and the announcement
+(`PolicyVersion`, format `mapped`, `sha256` = "seq:<n>") names exactly one content of the buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from .messages import PolicyVersion, now_ns
+from .weights import WeightsUnavailable, export_state_dict_names
+
+FORMAT = "mapped"
+BUFFER_NAME = "policy.buf"
+MAGIC = b"EOPDWB01"
+HEADER = struct.Struct("<8sqqq16sqq")  # magic, seq, version, iteration, layout hash, layout bytes, checksum
+HEADER_BYTES = 64
+ALIGN = 64
+_SEQ_AT = 8  # byte offset of seq in the header
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                               torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def buffer_path(weights_dir: Path) -> Path:
+    return Path(weights_dir) / BUFFER_NAME
+
+
+Entry = tuple[str, torch.dtype, tuple[int, ...], int, int]  # name, dtype, shape, offset, nbytes
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _layout(model: torch.nn.Module) -> tuple[list[Entry], int, bytes]:
+    """(entries, total bytes, the layout's JSON) of the tensors `export_state_dict` keeps (tied
+    aliases dropped), in the learner's dtypes; the JSON sits after the header, the data after it."""
+    state = model.state_dict()
+    names = export_state_dict_names(model)
+    described = json.dumps([(n, str(state[n].dtype), list(state[n].shape)) for n in names]).encode()
+    entries, offset = [], _align(HEADER_BYTES + len(described))
+    for name in names:
+        t = state[name]
+        nbytes = t.numel() * t.element_size()
+        entries.append((name, t.dtype, tuple(t.shape), offset, nbytes))
+        offset += _align(nbytes)
+    return entries, offset, described
+
+
+def _parse_layout(described: bytes, where: str) -> list[Entry]:
+    entries, offset = [], _align(HEADER_BYTES + len(described))
+    try:
+        for name, dtype, shape in json.loads(described):
+            d = _DTYPES[dtype]
+            nbytes = math.prod(shape) * torch.empty((), dtype=d).element_size()
+            entries.append((name, d, tuple(shape), offset, nbytes))
+            offset += _align(nbytes)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WeightsUnavailable(f"weights buffer {where}: unreadable layout ({exc})") from None
+    return entries
+
+
+def _view(mm: mmap.mmap, entry: Entry) -> torch.Tensor:
+    _, dtype, shape, offset, nbytes = entry
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # a read-only mapping: torch warns that the buffer is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+
+
+def _seq(mm: mmap.mmap) -> int:
+    return struct.unpack_from("<q", mm, _SEQ_AT)[0]
+
+
+def _data(mm: mmap.mmap, start: int) -> torch.Tensor:
+    """The data region (every tensor, with the zero padding between them) as bytes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=len(mm) - start, offset=start)
+
+
+def checksum(data: torch.Tensor) -> int:
+    """The sum of the region's 8-byte words (wrapping; the region's length is a multiple of ALIGN):
+    what the learner wrote, checked against what a worker copied out. A copy torn between two
+    versions sums differently unless the parts exchanged sum alike, so it is refused whatever
+    order the CPUs made the bytes visible in (the sequence number alone relies on it: stores to the
+    mapping may be seen out of order, e.g. memcpy's non-temporal stores on x86, any store on ARM)."""
+    return int(data.view(torch.int64).sum())
+
+
+class BufferWriter:
+    """The learner's side (rank 0): creates or reuses the buffer (owner-only), publishes into it."""
+
+    def __init__(self, weights_dir: Path, model: torch.nn.Module):
+        self.path = buffer_path(weights_dir)
+        self.entries, self.size, self.described = _layout(model)
+        self.layout = hashlib.sha256(self.described).digest()[:16]
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != self.size:
+                os.ftruncate(fd, self.size)
+            self.mm = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        magic, seq, _, _, layout, _, _ = HEADER.unpack_from(self.mm, 0)
+        # a restarted learner continues the sequence (even: the last publish completed; odd: it died writing)
+        self.seq = seq + (seq % 2) if magic == MAGIC and layout == self.layout and seq > 0 else 0
+        self.mm[HEADER_BYTES:HEADER_BYTES + len(self.described)] = self.described
+        self.data_start = _align(HEADER_BYTES + len(self.described))
+        HEADER.pack_into(self.mm, 0, MAGIC, self.seq, -1, -1, self.layout, len(self.described), 0)
+
+    def publish(self, model: torch.nn.Module, version: int, iteration: int) -> PolicyVersion:
+        state = model.state_dict()
+        self.seq += 1
+        struct.pack_into("<q", self.mm, _SEQ_AT, self.seq)  # odd: being written
+        with torch.no_grad():
+            for entry in self.entries:
+                _view(self.mm, entry).copy_(state[entry[0]].detach())
+        if any(t.is_cuda for t in state.values()):
+            torch.cuda.synchronize()  # the device-to-host copies have landed before the buffer says complete
+        total = checksum(_data(self.mm, self.data_start))
+        self.seq += 1
+        HEADER.pack_into(self.mm, 0, MAGIC, self.seq, version, iteration, self.layout, len(self.described), total)
+        return PolicyVersion(version=version, uri=str(self.path), sha256=f"seq:{self.seq}", num_bytes=self.size,
+                             iteration=iteration, created_unix_ns=now_ns(), format=FORMAT)
+
+    def close(self) -> None:
+        self.mm.close()
+
+
+def _open(pv: PolicyVersion) -> mmap.mmap:
+    try:
+        fd = os.open(pv.uri, os.O_RDONLY)
+    except FileNotFoundError:
+        raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): not found") from None
+    except OSError as exc:
+        raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): cannot open: {exc.strerror or exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != pv.num_bytes or size < HEADER_BYTES:
+            raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): {size} bytes, the announcement "
+                                     f"says {pv.num_bytes}")
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def announced_seq(pv: PolicyVersion) -> int:
+    if not pv.sha256.startswith("seq:") or not pv.sha256[4:].isdigit():
+        raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): announcement {pv.sha256!r} names no "
+                                 "sequence number")
+    return int(pv.sha256[4:])
+
+
+def buffer_holds(pv: PolicyVersion) -> bool:
+    """Whether the buffer holds, complete, what `pv` announces (a learner that died between writing
+    the buffer and announcing it left newer bytes there: the announcement must be made again)."""
+    try:
+        want = announced_seq(pv)
+        mm = _open(pv)
+    except WeightsUnavailable:
+        return False
+    try:
+        magic, seq, version, _, _, _, _ = HEADER.unpack_from(mm, 0)
+        return magic == MAGIC and seq == want and version == pv.version
+    finally:
+        mm.close()
+
+
+def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
+    """The announced tensors (the learner's dtypes), copied out of the buffer into this process's
+    memory in one copy and checked (module docstring): the sequence number before and after, and
+    the copy's checksum against the one the learner wrote; WeightsUnavailable when the buffer does
+    not hold the announced version now, or held it only in part while it was copied."""
+    want = announced_seq(pv)
+    mm = _open(pv)
+    try:
+        magic, seq, version, _, layout, n, total = HEADER.unpack_from(mm, 0)
+        if magic != MAGIC or not 0 < n <= len(mm) - HEADER_BYTES:
+            raise WeightsUnavailable(f"weights buffer {pv.uri}: not an eopd weights buffer")
+        if seq != want or version != pv.version:
+            raise WeightsUnavailable(f"weights buffer {pv.uri}: holds sequence {seq} (version {version}), the "
+                                     f"announcement names {want} (version {pv.version}): rewritten since, or being written")
+        described = bytes(mm[HEADER_BYTES:HEADER_BYTES + n])
+        if hashlib.sha256(described).digest()[:16] != layout:
+            raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not match its header")
+        entries = _parse_layout(described, pv.uri)
+        start = _align(HEADER_BYTES + n)
+        if entries and _align(entries[-1][3] + entries[-1][4]) != len(mm):
+            raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not span its {len(mm)} bytes")
+        data = _data(mm, start).clone()
+        if _seq(mm) != want or checksum(data) != total:
+            raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): rewritten while it was read")
+    finally:
+        mm.close()
+    out = {}
+    for name, dtype, shape, offset, nbytes in entries:
+        piece = data[offset - start:offset - start + nbytes]
+        out[name] = piece.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+    return out
