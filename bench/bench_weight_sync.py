@@ -1,8 +1,10 @@
-"""Weight sync, file on disk vs shared memory, side by side in one run: the learner's publish
-(`save_weights`: the state dict copied out, a safetensors file written to a temporary name, fsynced,
-renamed, its sha256) and a worker's load (`load_weights`: the sha256 verified, the file read, the
-tensors loaded into the model in place), into a directory on the run's disk and into one in
-/dev/shm (`weight_sync: disk` and `shm`), interleaved rounds, medians.
+"""Weight sync, file on disk vs files in shared memory vs one mapped buffer, side by side in one run:
+the learner's publish (`save_weights`: the state dict copied out, a safetensors file written to a
+temporary name, fsynced, renamed, its sha256; mapped: `BufferWriter.publish`, the tensors copied into
+the buffer and its checksum) and a worker's load (`load_weights`: the sha256 verified, the file
+read, the tensors loaded into the model in place; mapped: the buffer copied out, its checksum
+checked, loaded in place), into a directory on the run's disk and into ones in /dev/shm
+(`weight_sync: disk`, `shm` and `mapped`), interleaved rounds, medians.
 
     .venv/bin/python -m bench.bench_weight_sync [--quick] [--model smollm2-135m] [--rounds 5]
 
@@ -33,6 +35,7 @@ def measure(model_spec: str, rounds: int) -> dict:
 
     from eopd_common.models import load_causal_lm
     from eopd_trainer.queue.weights import ensure_private_dir, load_weights, save_weights
+    from eopd_trainer.queue.weights_buffer import BufferWriter
 
     learner = load_causal_lm(model_spec).model
     worker = load_causal_lm(model_spec).model
@@ -41,13 +44,20 @@ def measure(model_spec: str, rounds: int) -> dict:
             p.mul_(0.5)
     disk_root = Path(tempfile.mkdtemp(prefix="eopd-bench-weights-", dir=ROOT / "bench" / "results"))
     shm_root = Path(tempfile.mkdtemp(prefix="eopd-bench-weights-", dir="/dev/shm"))
-    dirs = {"disk": disk_root / "weights", "shm": ensure_private_dir(shm_root) / "weights"}
+    dirs = {"disk": disk_root / "weights", "shm": ensure_private_dir(shm_root) / "weights",
+            "mapped": ensure_private_dir(shm_root / "mapped")}
+    buffer = BufferWriter(dirs["mapped"], learner)
+    publishers = {"disk": lambda d, r: save_weights(learner, d, r, r), "shm": lambda d, r: save_weights(learner, d, r, r),
+                  "mapped": lambda d, r: buffer.publish(learner, r, r)}
     per_round: list[dict] = []
     try:
         for r in range(rounds + 1):  # round 0 warms up (allocator, page cache of the libraries)
             rec = {}
             for path, d in dirs.items():
-                publish_s, pv = _timed(lambda d=d: save_weights(learner, d, r, r))
+                with torch.no_grad():  # the worker's copy differs from the learner's before each load
+                    for p in worker.parameters():
+                        p.mul_(0.5)
+                publish_s, pv = _timed(lambda d=d, path=path: publishers[path](d, r))
                 load_s, _ = _timed(lambda d=d, pv=pv: load_weights(worker, pv, weights_dir=d))
                 rec[path] = {"publish_s": publish_s, "load_s": load_s, "mb": pv.num_bytes / 1e6}
                 for f in d.glob("v*.safetensors"):
@@ -57,6 +67,7 @@ def measure(model_spec: str, rounds: int) -> dict:
             print(json.dumps({"round": r, **rec}), flush=True)
         same = all(torch.equal(a, b) for a, b in zip(learner.state_dict().values(), worker.state_dict().values()))
     finally:
+        buffer.close()
         shutil.rmtree(disk_root, ignore_errors=True)
         shutil.rmtree(shm_root, ignore_errors=True)
     med = statistics.median
@@ -65,26 +76,30 @@ def measure(model_spec: str, rounds: int) -> dict:
         for k in ("publish_s", "load_s"):
             out[f"{path}_{k}"] = med([x[path][k] for x in per_round])
         out[f"{path}_total_s"] = med([x[path]["publish_s"] + x[path]["load_s"] for x in per_round])
-    out["shm_vs_disk_total"] = med([(x["shm"]["publish_s"] + x["shm"]["load_s"]) / (x["disk"]["publish_s"] + x["disk"]["load_s"])
-                                    for x in per_round])
+    total = lambda x, path: x[path]["publish_s"] + x[path]["load_s"]  # noqa: E731
+    out["shm_vs_disk_total"] = med([total(x, "shm") / total(x, "disk") for x in per_round])
+    out["mapped_vs_shm_total"] = med([total(x, "mapped") / total(x, "shm") for x in per_round])
     return out
 
 
 def section_text(data: dict) -> str:
     rows = [[path, f"{data[f'{path}_publish_s']:.2f}", f"{data[f'{path}_load_s']:.2f}", f"{data[f'{path}_total_s']:.2f}"]
-            for path in ("disk", "shm")]
+            for path in ("disk", "shm", "mapped")]
     return "\n".join([
         "## Weight sync: disk vs shared memory (`python -m bench.bench_weight_sync`)", "",
         f"{data['model']} ({data['mb']:.0f} MB of float32 weights), {len(data['rounds'])} interleaved rounds, medians; "
-        "publish = the learner's `save_weights` (copy out, write, fsync, rename, sha256), load = a worker's "
-        "`load_weights` (sha256 verified, read, loaded in place); the loaded weights equal the published ones: "
+        "publish = the learner's `save_weights` (copy out, write, fsync, rename, sha256; mapped: the tensors copied into "
+        "the buffer, its checksum), load = a worker's `load_weights` (sha256 verified, read, loaded in place; mapped: "
+        "the buffer copied out, its checksum checked, loaded in place); the loaded weights equal the published ones: "
         f"{data['loaded_equal']}. Load average {data.get('load_avg', '?')} (1/5/15 min, start -> end).", "",
         markdown_table(["path", "publish s", "load s", "publish + load s"], rows), "",
-        f"Shared memory / disk, publish + load: {data['shm_vs_disk_total']:.2f}x (median of per-round ratios). "
-        "`eopd run` uses shared memory where /dev/shm has room (`weight_sync: auto`); deployments over several "
-        "nodes use the disk path (a shared file system). On a CPU most of either path is the copy out of the "
-        "model and the two sha256 passes, not the disk; a GPU learner adds the device-to-host copy. CUDA IPC / "
-        "NCCL broadcast between a GPU learner and GPU workers is not built (issue 31).", ""])
+        f"Publish + load, medians of per-round ratios: files in shared memory / disk {data['shm_vs_disk_total']:.2f}x, "
+        f"**mapped buffer / files in shared memory {data['mapped_vs_shm_total']:.2f}x**. `eopd run` (`weight_sync: "
+        "auto`) uses the mapped buffer where /dev/shm has room and the workers sample with transformers, files in "
+        "/dev/shm where they sample with vLLM (it loads files), the disk path for deployments over several nodes (a "
+        "shared file system). On a CPU most of the file paths is the copy out of the model and the two sha256 "
+        "passes, not the disk; the mapped buffer is one copy each side and a checksum pass. A GPU learner adds its "
+        "device-to-host copy, a GPU worker its host-to-device copy; NCCL between nodes is not built (issue 31).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:

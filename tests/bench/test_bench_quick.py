@@ -52,17 +52,18 @@ def test_trl_peer_quick(tmp_path):
 
 
 def test_weight_sync_quick(tmp_path):
-    """`bench_weight_sync --quick`: both paths (a disk directory and one in /dev/shm) publish and
-    load the tiny model for real, and what the worker loaded equals what the learner published."""
+    """`bench_weight_sync --quick`: the three paths (files in a disk directory, files in /dev/shm, the
+    mapped buffer) publish and load the tiny model for real, and what the worker loaded equals what
+    the learner published."""
     from bench.bench_weight_sync import main
 
     out = tmp_path / "weight_sync.json"
     assert main(["--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["loaded_equal"] is True and data["mb"] > 1 and len(data["rounds"]) == 2
-    for path in ("disk", "shm"):
+    for path in ("disk", "shm", "mapped"):
         assert data[f"{path}_publish_s"] > 0 and data[f"{path}_load_s"] > 0
-    assert data["shm_vs_disk_total"] > 0
+    assert data["shm_vs_disk_total"] > 0 and data["mapped_vs_shm_total"] > 0
 
 
 def test_threads_quick(tmp_path):
