@@ -34,7 +34,8 @@ def measure(model_spec: str, rounds: int) -> dict:
     import torch
 
     from eopd_common.models import load_causal_lm
-    from eopd_trainer.queue.weights import ensure_private_dir, load_weights, save_weights
+    from eopd_trainer.queue.policy_load import load_policy
+    from eopd_trainer.queue.weights import ensure_private_dir, save_weights
     from eopd_trainer.queue.weights_buffer import BufferWriter
 
     learner = load_causal_lm(model_spec).model
@@ -58,7 +59,7 @@ def measure(model_spec: str, rounds: int) -> dict:
                     for p in worker.parameters():
                         p.mul_(0.5)
                 publish_s, pv = _timed(lambda d=d, path=path: publishers[path](d, r))
-                load_s, _ = _timed(lambda d=d, pv=pv: load_weights(worker, pv, weights_dir=d))
+                load_s, _ = _timed(lambda d=d, pv=pv: load_policy(worker, pv, weights_dir=d))
                 rec[path] = {"publish_s": publish_s, "load_s": load_s, "mb": pv.num_bytes / 1e6}
                 for f in d.glob("v*.safetensors"):
                     f.unlink()

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from eopd_trainer.queue.weights import WeightsUnavailable, load_weights
+from eopd_trainer.queue.policy_load import load_policy
+from eopd_trainer.queue.weights import WeightsUnavailable
 from eopd_trainer.queue.weights_buffer import BufferWriter, buffer_holds, buffer_path, read_buffer
 
 
@@ -49,7 +50,7 @@ def test_a_published_version_loads_into_a_model_of_another_dtype(tmp_path):
     assert set(tensors) == {"embed.weight", "body.weight", "body.bias", "scale"}  # head.weight: the tied alias
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     worker = Small(torch.float32)
-    load_weights(worker, pv, weights_dir=tmp_path)
+    load_policy(worker, pv, weights_dir=tmp_path)
     for name, t in learner.state_dict().items():
         assert torch.equal(worker.state_dict()[name], t.float()), name
     assert worker.head.weight is worker.embed.weight
@@ -65,9 +66,9 @@ def test_a_restarted_learner_continues_the_sequence_and_stale_announcements_are_
     assert not buffer_holds(first) and buffer_holds(second)
     worker = filled(Small(), 7.0)
     with pytest.raises(WeightsUnavailable, match="holds sequence 4 .* announcement names 2"):
-        load_weights(worker, first)
+        load_policy(worker, first)
     assert all(bool((t == 7.0).all()) for t in worker.state_dict().values())  # untouched
-    load_weights(worker, second)
+    load_policy(worker, second)
     assert all(bool((t == 2.0).all()) for t in worker.state_dict().values())
     # a learner that died while writing left an odd number: the next one starts after it
     second_writer.mm[8:16] = (5).to_bytes(8, "little")
@@ -84,12 +85,12 @@ def test_bad_announcements_and_foreign_layouts_are_named(tmp_path):
     with pytest.raises(WeightsUnavailable, match="the announcement says"):
         read_buffer(dataclasses.replace(pv, num_bytes=pv.num_bytes + 1))
     with pytest.raises(WeightsUnavailable, match="not inside the run's weights directory"):
-        load_weights(model, pv, weights_dir=tmp_path / "elsewhere")
+        load_policy(model, pv, weights_dir=tmp_path / "elsewhere")
     with pytest.raises(ValueError, match="size mismatch"):
-        load_weights(Small(width=4), pv)  # same names, other shapes
+        load_policy(Small(width=4), pv)  # same names, other shapes
     wider = torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match="unexpected tensors"):
-        load_weights(wider, pv)
+        load_policy(wider, pv)
 
 
 WIDTH = 1024  # ~4.3 MB of float32: a copy takes long enough for the writer to overlap some reads

@@ -193,29 +193,28 @@ def read_weights(pv: PolicyVersion, *, verify: bool = True, weights_dir: Path | 
 
 def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = True,
                  weights_dir: Path | None = None) -> None:
-    """Loads announced weights into `model` in place (dtype converted to the model's). The model is
-    left untouched when anything is wrong: WeightsUnavailable for a file that cannot be read right
-    now (retry), ValueError for tensors that are not the model's."""
-    path = Path(pv.uri)
-    if pv.format == "mapped":  # one node's mapped buffer (weights_buffer.py, which imports this module)
-        from .weights_buffer import read_buffer
+    """Loads an announced weights file into `model` in place (dtype converted to the model's). The
+    model is left untouched when anything is wrong: WeightsUnavailable for a file that cannot be
+    read right now (retry), ValueError for tensors that are not the model's. (Any announced format:
+    `queue/policy_load.load_policy`.)"""
+    load_tensors(model, read_weights(pv, verify=verify, weights_dir=weights_dir), pv.uri)
 
-        if weights_dir is not None:
-            check_weights_location(pv, weights_dir)
-        tensors = read_buffer(pv)
-    else:
-        tensors = read_weights(pv, verify=verify, weights_dir=weights_dir)
+
+def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Loads `tensors` (what export_state_dict exported) into `model` in place, dtypes converted;
+    ValueError, the model untouched, when names or shapes are not the model's."""
     own = set(model.state_dict())
     unexpected = sorted(set(tensors) - own)
     if unexpected:
-        raise ValueError(f"weights {path}: unexpected tensors {unexpected[:5]}")
+        raise ValueError(f"weights {where}: unexpected tensors {unexpected[:5]}")
     missing = sorted(set(export_state_dict_names(model)) - set(tensors))
     if missing:
-        raise ValueError(f"weights {path}: missing tensors {missing[:5]}")
-    try:
-        model.load_state_dict(tensors, strict=False)
-    except RuntimeError as exc:  # shapes that are not the model's
-        raise ValueError(f"weights {path}: {' '.join(str(exc).split())[:500]}") from None
+        raise ValueError(f"weights {where}: missing tensors {missing[:5]}")
+    state = model.state_dict()
+    wrong = [f"{k} {tuple(t.shape)} (the model's {tuple(state[k].shape)})" for k, t in tensors.items() if t.shape != state[k].shape]
+    if wrong:
+        raise ValueError(f"weights {where}: size mismatch: {', '.join(wrong[:3])}")
+    model.load_state_dict(tensors, strict=False)
 
 
 def export_state_dict_names(model: torch.nn.Module) -> list[str]:

@@ -20,7 +20,7 @@ from eopd_common.logits import LOGIT_TRANSFORMS, final_logits
 from eopd_common.models import load_causal_lm, pad_token_id
 
 from ...batching import pack_sequences
-from ...queue.weights import load_weights
+from ...queue.policy_load import load_policy
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class TransformersSampler:
         return lps, top
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
-        load_weights(self.model, pv, verify=verify)
+        load_policy(self.model, pv, verify=verify)
 
     def close(self) -> None:
         pass
