@@ -6,7 +6,9 @@ share (the time it waited on the rollouts stream over the iteration's time, `ite
 train_metrics.jsonl, summed over the iterations after the first, which includes start-up), its
 collect time and the mean staleness of what it trained on. In sync mode the learner waits while
 the worker samples and the teacher scores the next batch; in async mode the worker samples
-iteration i + 1 from the weights of i - 1 while the learner trains on i.
+iteration i + 1 from the weights of i - 1 while the learner trains on i. `bench_pipeline` measures
+the same split on processes it composes itself (one thread each, one or two teachers, tokens/s);
+this runs the presets exactly as a user does, through `eopd run`.
 
     .venv/bin/python -m bench.bench_overlap [--preset smollm2-cpu] [--iterations 6]
     .venv/bin/python -m bench.bench_overlap --quick     # the tiny preset, 2 iterations
