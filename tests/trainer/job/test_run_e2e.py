@@ -111,6 +111,8 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     assert (run_dir / "checkpoints" / "COMMITTED").is_file()
     iters = [json.loads(line) for line in (run_dir / "train_metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in iters if r.get("kind") == "iteration"] == [1, 2, 3, 4]
+    # the tiny preset checkpoints every iteration; each record says how long its checkpoint took
+    assert all(0 < r["iter/checkpoint_s"] < r["iter/iteration_s"] for r in iters if r.get("kind") == "iteration")
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert "redis-server" in summary["queue"] and summary["train_s"] > 0
     # Weights went through one mapped buffer in shared memory (weight_sync auto on this Linux machine,

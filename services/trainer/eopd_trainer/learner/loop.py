@@ -111,13 +111,15 @@ class LearnerLoop:
             self.state.iteration = self.state.policy_version = iteration
             self.state.global_steps = self.trainer.global_steps
             unacked.extend(collected.entry_ids)
+            checkpoint_s = 0.0
             if iteration % cfg.checkpoint.every == 0 or iteration == self.total_iterations:
-                self._commit(iteration, unacked, steps, collected.stats, t_collect, t0, plan.stage)
+                checkpoint_s = self._commit(iteration, unacked, steps, collected.stats, t_collect, t0, plan.stage)
                 unacked = []
             else:
                 self.publish_weights(iteration)
             if records is not None:
-                records.log(iteration, steps, collected.stats, t_collect, time.monotonic() - t0,
+                records.log(iteration, steps, {**collected.stats, "checkpoint_s": checkpoint_s}, t_collect,
+                            time.monotonic() - t0,
                             self.state.optimizer_steps, stage=plan.stage)
         if records is not None:
             self._finish(stopped, iteration, records)
@@ -144,9 +146,10 @@ class LearnerLoop:
         return Collected(rollouts=[decode_rollout(b) for b in blobs], blobs=blobs, entry_ids=[], stats={})
 
     def _commit(self, iteration: int, unacked: list[str], steps: list[dict[str, float]], stats: dict[str, float],
-                t_collect: float, t0: float, stage: str) -> None:
+                t_collect: float, t0: float, stage: str) -> float:
         """The ledger, the weights and the optimizer state describe the same instant; then the weights
-        are published and, only then and only while the lease is ours, the entries acknowledged."""
+        are published and, only then and only while the lease is ours, the entries acknowledged.
+        Returns the seconds the checkpoint took to write (the metrics' `iter/checkpoint_s`)."""
         self.state.last_entry_ids = list(unacked)
         if self.rank == 0:  # for a rebuild of the queue, and the metrics if the crash comes before the log
             self.feed.record_tasks_published()
@@ -157,12 +160,15 @@ class LearnerLoop:
                                      stage=stage)]
         self.faults.hit("learner.before_commit", iteration=iteration)
         self._check_lease()  # fencing: a learner that lost the namespace commits nothing
+        t_save = time.monotonic()
         self.trainer.save_checkpoint(iteration, self.state)
+        checkpoint_s = time.monotonic() - t_save
         self.faults.hit("learner.after_commit", iteration=iteration)
         self.publish_weights(iteration)
         if self.rank == 0:
             # Only now (their training effect is durable), and only while the lease is ours.
             self.feed.ack_fenced(unacked)
+        return checkpoint_s
 
     def _finish(self, stopped: bool, iteration: int, records: IterationLog) -> None:
         records.close()

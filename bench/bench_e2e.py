@@ -1,0 +1,309 @@
+"""Head to head with TRL (issue 34): the same distillation on the same machine, accuracy against
+training time. eopd (`eopd run` with EOPD and with OPD), TRL's `GKDTrainer` on-policy with its teacher
+in the same process, and TRL's `ServerDistillationTrainer` against eopd-teacher's and stock vLLM's
+`/v1/completions`, TRL's code unmodified (`bench/e2e_trl.py`, in .venv-vllm where TRL 1.16 is).
+
+    .venv/bin/python -m bench.bench_e2e [--seeds 0 1 2] [--systems eopd opd trl-gkd ...] [--phase all]
+    .venv/bin/python -m bench.bench_e2e --quick [--json OUT]   # tiny preset, seconds: checks the wiring
+
+The task is the default preset's (`configs/smollm2-cpu.yaml`): SmolLM2-135M-Instruct teaching
+`smollm2-135m[drop=14]`, the same generated training problems, prompt (chat template, suffix) and
+16-token answers, graded by `eopd eval` on the same held-out and variants sets. Matched where a
+setting has a counterpart: optimizer (AdamW, lr, betas, eps, no weight decay, gradient clipping 1.0,
+2 warm-up steps then constant), sampling temperature 1, responses per optimizer step (the preset's
+mini-batch, 8) and optimizer steps (the preset's iterations x its steps per iteration, 64), fp32 on
+the CPU, checkpoints at the same share of training. Not matched (listed in the docs section): eopd
+samples 2 responses per prompt (TRL 1 response for each of twice as many prompts), the loss (EOPD /
+OPD's sampled-token PPO surrogate; TRL GKD's full-vocabulary reverse KL, beta 1; TRL server's
+top-1 reverse KL with a tail bucket, beta 1, the only reverse-KL support its server path has), and
+each system's process layout (TRL: one process, or one plus the teacher server).
+
+Phases, each resumable (a run whose files are in --out or --archive is not done again):
+`train` (timed, one run at a time: needs an otherwise idle machine), `eval` (`eopd eval` of every
+checkpoint on the held-out set, the last also on the variants set; the time does not matter, the
+checkpoints are deleted afterwards unless --keep-checkpoints), `report` (docs/benchmarks.md section
+`e2e_trl` and docs/figures/e2e_trl.png). `--phase all` does the three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import e2e_report as rep
+from bench.e2e_systems import SYSTEMS, train, trl_python
+from bench.report import ROOT, machine_description, provenance, write_results, write_section
+
+SECTION = "e2e_trl"
+FIGURE = ROOT / "docs" / "figures" / "e2e_trl.png"
+ARCHIVE = ROOT / "bench" / "results" / "e2e"
+QUICK_EVAL = ("eval.n_samples=2", "eval.max_prompts=4", "eval.batch_size=8")
+
+
+def render_text(tokenizer, text: str, data) -> str:
+    """The prompt text the student sees in `eopd run` (`data.render_prompt` without tokenizing)."""
+    query = text + data.suffix
+    if data.chat_template is True:
+        return tokenizer.apply_chat_template([{"role": "user", "content": query}], add_generation_prompt=True, tokenize=False)
+    if isinstance(data.chat_template, str):
+        return data.chat_template.replace("{query}", query)
+    return query
+
+
+def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_every: int, quick: bool) -> dict:
+    """Prepares the shared run directory (data, student) with `eopd prepare` and derives every
+    system's matched settings from the preset's config."""
+    from eopd_common.model_dirs import materialise_model_dir
+    from eopd_common.models import default_cache_dir, load_tokenizer
+    from eopd_trainer.config import load_config
+    from eopd_trainer.data import read_records, render_prompt
+    from eopd_trainer.job.prepare import prepare_and_write
+
+    shared = out / "shared"
+    _, cfg = prepare_and_write(load_config(preset, [f"run_dir={shared}"]))
+    cache = Path(default_cache_dir())
+    student = str(materialise_model_dir(cfg.student.model, cache)[0])
+    teacher = str(materialise_model_dir(cfg.teacher.model, cache)[0])
+    tok = load_tokenizer(student)
+    t = cfg.train
+    iterations = iterations or t.iterations
+    steps_per_iteration = t.batch_size // t.mini_batch_size
+    records = [r for f in cfg.data.train_files for r in read_records(f)]
+    steps = iterations * steps_per_iteration
+    prompts = [render_text(tok, r[cfg.data.field], cfg.data) for r in records]
+    for text, r in list(zip(prompts, records))[:16]:  # the text TRL tokenizes is the prompt eopd trains on
+        want = render_prompt(tok, r[cfg.data.field], suffix=cfg.data.suffix, chat_template=cfg.data.chat_template,
+                             max_length=cfg.data.max_prompt_length)
+        if tok(text, add_special_tokens=False)["input_ids"] != want:
+            raise RuntimeError(f"the rendered prompt text does not tokenize to eopd's prompt ids: {text[:80]!r}")
+    variants = shared / "data" / "heldout_variants.jsonl"
+    return {"preset": preset.stem, "preset_path": str(preset), "shared": str(shared), "student": student, "teacher": teacher,
+            "teacher_dtype": "float32" if cfg.teacher.dtype == "auto" else cfg.teacher.dtype,
+            "iterations": iterations, "save_every": save_every, "steps": steps, "steps_per_iteration": steps_per_iteration,
+            "save_every_steps": save_every * steps_per_iteration, "batch_size": t.mini_batch_size,
+            "samples_per_prompt": cfg.rollout.n_samples, "prompts_per_iteration": t.batch_size // cfg.rollout.n_samples,
+            "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio, "weight_decay": t.weight_decay,
+            "betas": list(t.betas), "eps": t.eps, "grad_clip": t.grad_clip, "max_new_tokens": cfg.rollout.max_response_length,
+            "temperature": cfg.rollout.temperature, "prompts": prompts, "n_train_prompts": len(prompts),
+            "eval_overrides": list(QUICK_EVAL) if quick else [], "eval_n": cfg.eval.n_samples if not quick else 2,
+            "variants_file": str(variants) if variants.is_file() else ""}
+
+
+def _find(name: str, out: Path, archive: Path | None) -> Path | None:
+    for base in (out, archive):
+        if base is not None and (base / name).is_file():
+            return base / name
+    return None
+
+
+def _eval_dir(run_dir: Path, settings: dict) -> Path:
+    d = run_dir / "eval"
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(settings["shared"]) / "run.yaml", d / "run.yaml")
+    return d
+
+
+def evaluate(run_dir: Path, trained: dict, settings: dict) -> None:
+    """`eopd eval` of every checkpoint on the held-out set; the last also on the variants set."""
+    from eopd_trainer.eval.evaluate import evaluate_run
+
+    d = _eval_dir(run_dir, settings)
+    labels = [c["label"] for c in trained["checkpoints"]]
+    done = json.loads((d / "eval.json").read_text())["models"] if (d / "eval.json").is_file() else {}
+    todo = [c for c in trained["checkpoints"] if c["label"] not in done]
+    if todo:
+        evaluate_run(d, [c["path"] for c in todo], settings["eval_overrides"], names=[c["label"] for c in todo])
+    if settings["variants_file"] and labels and not (d / "eval-variants.json").is_file():
+        last = trained["checkpoints"][-1]
+        evaluate_run(d, [last["path"]], settings["eval_overrides"], names=[last["label"]],
+                     data_files=[Path(settings["variants_file"])], set_name="variants")
+
+
+def evaluate_initial(settings: dict, out: Path, archive: Path | None) -> Path:
+    """The starting student (and the teacher, the ceiling) on the held-out set, once."""
+    from eopd_trainer.eval.evaluate import evaluate_run
+
+    found = _find("initial/eval.json", archive, None) or _find("initial/eval/eval.json", out, None)
+    if found is not None:
+        return found
+    d = _eval_dir(out / "initial", settings)
+    if not (d / "eval.json").is_file():
+        evaluate_run(d, [settings["student"], settings["teacher"]], settings["eval_overrides"], names=["initial", "teacher"])
+    return d / "eval.json"
+
+
+def archive_run(run_dir: Path, archive: Path | None) -> None:
+    if archive is None:
+        return
+    dest = archive / run_dir.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("trained.json", "eval/eval.json", "eval/eval-variants.json"):
+        if (run_dir / name).is_file():
+            shutil.copy(run_dir / name, dest / Path(name).name)
+
+
+def run_all(args, settings: dict) -> list[dict]:
+    """Train, then evaluate, every (seed, system) not done yet; the runs as e2e_report reads them."""
+    out, archive = args.out, args.archive
+    runs = []
+    for seed in args.seeds:
+        for system in args.systems:
+            name = f"{system}-s{seed}"
+            run_dir = out / name
+            found = _find(f"{name}/trained.json", out, archive)
+            if found is None and args.phase in ("all", "train"):
+                print(f"[e2e] training {name}", flush=True)
+                trained = train(system, seed, run_dir, settings).to_json()
+                trained["settings"] = {k: v for k, v in settings.items() if k != "prompts"}
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "trained.json").write_text(json.dumps(trained, indent=1))
+                archive_run(run_dir, archive)
+                print(f"[e2e] {name}: {[(c['label'], round(c['train_s'])) for c in trained['checkpoints']]}", flush=True)
+                found = run_dir / "trained.json"
+            if found is None:
+                continue
+            trained = json.loads(found.read_text())
+            evaluated = _find(f"{name}/eval.json", out, archive) or _find(f"{name}/eval/eval.json", out, archive)
+            if args.phase in ("all", "eval") and (evaluated is None or not _complete(evaluated, trained)):
+                if not all(Path(c["path"]).is_dir() for c in trained["checkpoints"]):
+                    print(f"[e2e] {name}: its checkpoints are gone; not evaluated", flush=True)
+                    continue
+                print(f"[e2e] evaluating {name}", flush=True)
+                evaluate(run_dir, trained, settings)
+                archive_run(run_dir, archive)
+                if not args.keep_checkpoints:
+                    _prune(run_dir)
+                evaluated = run_dir / "eval" / "eval.json"
+            if evaluated is not None:
+                runs.append(_with_accuracy(trained, evaluated))
+    return runs
+
+
+def _complete(evaluated: Path, trained: dict) -> bool:
+    models = json.loads(evaluated.read_text())["models"]
+    return all(c["label"] in models for c in trained["checkpoints"])
+
+
+def _prune(run_dir: Path) -> None:
+    for big in ("checkpoints", "weights", "student-init"):
+        shutil.rmtree(run_dir / big, ignore_errors=True)
+
+
+def _with_accuracy(trained: dict, evaluated: Path) -> dict:
+    models = json.loads(evaluated.read_text())["models"]
+    run = dict(trained)
+    run["checkpoints"] = [{**c, "heldout": {k: models[c["label"]][k] for k in ("avg_at_k", "pass_at_k")}}
+                          for c in trained["checkpoints"] if c["label"] in models]
+    variants = evaluated.with_name("eval-variants.json")
+    last = trained["checkpoints"][-1]["label"] if trained["checkpoints"] else None
+    if variants.is_file() and last in json.loads(variants.read_text())["models"]:
+        v = json.loads(variants.read_text())["models"][last]
+        run["final_variants"] = {"avg_at_k": v["avg_at_k"], "pass_at_k": v["pass_at_k"]}
+    return run
+
+
+def section_text(data: dict) -> str:
+    s, k = data["summary"], data["eval_n"]
+    st = data["settings"]
+    lines = [
+        "## Head to head with TRL: accuracy against training time (`python -m bench.bench_e2e`, issue 34)", "",
+        f"{data['machine']}; one run at a time on an otherwise idle machine. Task: the `{st['preset']}` preset "
+        f"(SmolLM2-135M-Instruct teacher, `smollm2-135m[drop=14]` student, generated arithmetic and word problems, "
+        f"{st['max_new_tokens']}-token answers); every student graded by `eopd eval` on the same held-out set "
+        f"(Avg@{k}, Pass@{k}, temperature 1, top-p 0.8) and, at the end, on the variants set. Training seconds run from "
+        "the launch of a system's first process (teacher start and model loading included) to each checkpoint, "
+        "checkpoint writes excluded.", "",
+        "Matched: AdamW, lr {lr:g}, betas {b}, eps {eps:g}, no weight decay, gradient clip {gc:g}, {w} warm-up steps then "
+        "constant; {bs} responses per optimizer step, {steps} optimizer steps; sampling temperature {temp:g}; fp32. "
+        "Not matched: eopd samples {n} responses for each of {p} prompts per iteration (TRL: 1 response for each of "
+        "{bs} prompts per step, so TRL sees twice as many distinct prompts); the loss (eopd EOPD / OPD: the "
+        "sampled-token PPO surrogate, EOPD adding forward KL over the teacher's top-16 where its entropy >= 0.8; TRL "
+        "GKD: lambda 1 (fully on-policy), beta 1 = the full-vocabulary reverse KL per token; TRL server: beta 1 with "
+        "`loss_top_k` 1, the sampled token's reverse KL with a tail bucket, the only reverse-KL support its server "
+        "path allows); the process layout (eopd: teacher service, rollout worker, Redis and learner processes; TRL "
+        "GKD: one process; TRL server: the trainer plus the teacher server).".format(
+            lr=st["lr"], b=tuple(st["betas"]), eps=st["eps"], gc=st["grad_clip"], w=st["warmup_steps"], bs=st["batch_size"],
+            steps=st["steps"], temp=st["temperature"], n=st["samples_per_prompt"], p=st["prompts_per_iteration"]), "",
+        f"Initial student: held-out Avg@{k} {s['initial']:.3f}. Target: eopd's (EOPD) final held-out Avg@{k}, mean over "
+        f"its seeds: " + ("-" if s["target"] is None else f"{s['target']:.3f}") + ".", "",
+        rep.summary_table(s, k), "",
+        f"![accuracy against training time](figures/{FIGURE.name})", "",
+        "<details><summary>Every checkpoint</summary>", "", rep.curve_table(data["runs"], s["initial"]), "", "</details>", ""]
+    if data.get("reading"):
+        lines += [data["reading"], ""]
+    return "\n".join(lines)
+
+
+def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool, json_out: Path | None) -> dict:
+    initial = json.loads(initial_eval.read_text())["models"]["initial"]["avg_at_k"]
+    summary = rep.summarise(runs, initial)
+    data = {"summary": summary, "runs": runs, "settings": {k: v for k, v in settings.items() if k != "prompts"},
+            "eval_n": settings["eval_n"], "machine": machine_description(provenance()),
+            "trl_python": str(trl_python())}
+    reading = ROOT / "bench" / "results" / "e2e" / "reading.md"
+    if write and reading.is_file():
+        data["reading"] = reading.read_text().strip()
+    print(rep.summary_table(summary, data["eval_n"]))
+    if json_out is not None:
+        json_out.write_text(json.dumps(data, indent=1))
+    if write and runs:
+        FIGURE.parent.mkdir(parents=True, exist_ok=True)
+        rep.figure(runs, initial, summary["target"], FIGURE, data["eval_n"])
+        path = write_results(SECTION, data)
+        write_section(SECTION, section_text(json.loads(path.read_text())))
+    return data
+
+
+def warm_up(systems: list[str]) -> None:
+    """Each system once on the tiny preset, untimed (`--quick --phase train`): one-time costs a user pays
+    once per machine (DeepSpeed's JIT-built CPU op, vLLM's compiled kernels, the page cache) stay off
+    the timed runs."""
+    import subprocess
+
+    print("[e2e] warm-up: every system once on the tiny preset, untimed", flush=True)
+    subprocess.run([sys.executable, "-m", "bench.bench_e2e", "--quick", "--phase", "train", "--systems", *systems],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny preset, 2 iterations, seed 0: the wiring; writes no docs")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--preset", default="smollm2-cpu")
+    p.add_argument("--iterations", type=int, default=None, help="default: the preset's")
+    p.add_argument("--save-every", type=int, default=8, help="checkpoint every this many eopd iterations (TRL: the same share)")
+    p.add_argument("--phase", choices=("all", "train", "eval", "report"), default="all")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "e2e")
+    p.add_argument("--archive", type=Path, default=ARCHIVE, help="small files of each finished run (resumable across machines)")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny run of each system before the timed ones")
+    p.add_argument("--json", type=Path, default=None, help="write the results JSON here too")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.iterations, args.save_every, args.seeds = "tiny", 2, 1, args.seeds[:1]
+        args.out, args.archive = Path(tempfile.mkdtemp(prefix="eopd-e2e-")), None
+    settings = prepare_settings(ROOT / "configs" / f"{args.preset}.yaml", args.out, iterations=args.iterations,
+                                save_every=args.save_every, quick=args.quick)
+    print(f"[e2e] {len(args.systems)} systems x seeds {args.seeds}; {settings['steps']} optimizer steps of "
+          f"{settings['batch_size']} responses; TRL runs with {trl_python()}", flush=True)
+    if args.phase in ("all", "train") and not args.quick and not args.no_warmup:
+        warm_up(args.systems)
+    runs = run_all(args, settings)
+    initial = evaluate_initial(settings, args.out, args.archive) if args.phase != "train" else None
+    if initial is not None:
+        if args.archive is not None and not (args.archive / "initial" / "eval.json").is_file():
+            (args.archive / "initial").mkdir(parents=True, exist_ok=True)
+            shutil.copy(initial, args.archive / "initial" / "eval.json")
+        report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.json)
+    if args.quick:
+        shutil.rmtree(args.out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The head-to-head benchmark's numbers (`bench/bench_e2e.py`), pure: accuracy against training time
+per system, the time each system needs to reach eopd's final accuracy, the docs section and the figure.
+
+A *run* here is one system and seed: `{"system", "seed", "checkpoints": [{"label", "step", "train_s",
+"heldout": {"avg_at_k", "pass_at_k"}, ...}], "final_variants": {...} | None, "memory", "wall_s", ...}`,
+checkpoints in training order. `initial` is the evaluation of the starting student (time 0).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from bench.report import markdown_table
+
+LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
+          "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}
+
+
+def curve(run: dict, initial: float) -> list[tuple[float, float]]:
+    """(training seconds, held-out Avg@k) from time 0 (the initial student) through each checkpoint."""
+    return [(0.0, initial)] + [(c["train_s"], c["heldout"]["avg_at_k"]) for c in run["checkpoints"] if "heldout" in c]
+
+
+def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
+    """The training seconds at which a curve first reaches `target`, linearly interpolated between the
+    checkpoint before and the first checkpoint at or above it; None if it never does. Accuracies
+    within 1e-9 of the target count as reaching it (a mean over seeds is not exact in floating point)."""
+    target -= 1e-9
+    for (t0, a0), (t1, a1) in zip(points, points[1:]):
+        if a1 >= target:
+            if a0 >= target or a1 == a0:
+                return t0 if a0 >= target else t1
+            return t0 + (t1 - t0) * (target - a0) / (a1 - a0)
+    return None if not points or points[0][1] < target else points[0][0]
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict:
+    """Per system: final held-out accuracy over seeds, training seconds, time to reach the target (the
+    mean final Avg@k of `reference` over its seeds) per seed and its ratio to the reference's, memory."""
+    by_system: dict[str, list[dict]] = {}
+    for r in runs:
+        by_system.setdefault(r["system"], []).append(r)
+    ref = [r["checkpoints"][-1]["heldout"]["avg_at_k"] for r in by_system.get(reference, []) if r["checkpoints"]]
+    target = statistics.mean(ref) if ref else None
+    out: dict = {"target": target, "reference": reference, "initial": initial, "systems": {}}
+    for system, rs in by_system.items():
+        rs = sorted(rs, key=lambda r: r["seed"])
+        finals = [r["checkpoints"][-1] for r in rs if r["checkpoints"]]
+        reach = [time_to_reach(curve(r, initial), target) if target is not None else None for r in rs]
+        out["systems"][system] = {
+            "seeds": [r["seed"] for r in rs],
+            "final_avg": [c["heldout"]["avg_at_k"] for c in finals if "heldout" in c],
+            "final_pass": [c["heldout"]["pass_at_k"][max(c["heldout"]["pass_at_k"], key=int)] for c in finals if "heldout" in c],
+            "final_variants_avg": [r["final_variants"]["avg_at_k"] for r in rs if r.get("final_variants")],
+            "train_s": [c["train_s"] for c in finals],
+            "reach_s": reach,
+            "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
+        }
+    ref_reach = [t for t in out["systems"].get(reference, {}).get("reach_s", []) if t is not None]
+    ref_time = statistics.mean(ref_reach) if ref_reach else None
+    for s in out["systems"].values():
+        got = [t for t in s["reach_s"] if t is not None]
+        s["reached"] = f"{len(got)}/{len(s['reach_s'])}"
+        s["reach_mean_s"] = statistics.mean(got) if got else None
+        s["reach_ratio"] = s["reach_mean_s"] / ref_time if got and ref_time else None
+    return out
+
+
+def summary_rows(summary: dict, k: int) -> list[list]:
+    rows = []
+    for system, s in summary["systems"].items():
+        ratio = "never" if s["reach_mean_s"] is None else "-" if s["reach_ratio"] is None else f"{s['reach_ratio']:.2f}x"
+        reach = "-" if s["reach_mean_s"] is None else f"{s['reach_mean_s']:.0f} s ({s['reached']} seeds)"
+        rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
+                     _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
+                     reach, ratio, f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
+    return rows
+
+
+def summary_table(summary: dict, k: int) -> str:
+    return markdown_table(["system", "seeds", f"held-out Avg@{k} at the end", f"Pass@{k}", f"variants Avg@{k}",
+                           "training s", "time to eopd's final accuracy", "ratio to eopd", "peak GiB (all processes)"],
+                          summary_rows(summary, k))
+
+
+def curve_table(runs: list[dict], initial: float) -> str:
+    """Every checkpoint: system, seed, step, training seconds, Avg@k, Pass@k."""
+    rows = [["initial student", "-", "0", "0", f"{initial:.3f}", "-"]]
+    for r in sorted(runs, key=lambda r: (r["system"], r["seed"])):
+        for c in r["checkpoints"]:
+            if "heldout" in c:
+                h = c["heldout"]
+                rows.append([LABELS.get(r["system"], r["system"]), r["seed"], c["label"], f"{c['train_s']:.0f}",
+                             f"{h['avg_at_k']:.3f}", f"{h['pass_at_k'][max(h['pass_at_k'], key=int)]:.3f}"])
+    return markdown_table(["system", "seed", "checkpoint", "training s", "held-out Avg@k", "Pass@k"], rows)
+
+
+def figure(runs: list[dict], initial: float, target: float | None, path, k: int) -> None:
+    """Held-out Avg@k against training seconds: per system the mean over seeds at each checkpoint
+    (times averaged), the seeds' min-max shaded; eopd's final accuracy as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    by_system: dict[str, list[dict]] = {}
+    for r in runs:
+        by_system.setdefault(r["system"], []).append(r)
+    for system, rs in by_system.items():
+        curves = [curve(r, initial) for r in rs]
+        n = min(len(c) for c in curves)
+        ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
+        accs = [[c[i][1] for c in curves] for i in range(n)]
+        line, = ax.plot(ts, [statistics.mean(a) for a in accs], marker="o", label=f"{LABELS.get(system, system)} ({len(rs)} seeds)")
+        if len(rs) > 1:
+            ax.fill_between(ts, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.15)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="eopd's final accuracy (mean)")
+    ax.set_xlabel("training seconds (checkpoint writes excluded)")
+    ax.set_ylabel(f"held-out Avg@{k}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

