@@ -65,13 +65,9 @@ def _layout(model: torch.nn.Module) -> tuple[list[Entry], int, bytes]:
     state = model.state_dict()
     names = export_state_dict_names(model)
     described = json.dumps([(n, str(state[n].dtype), list(state[n].shape)) for n in names]).encode()
-    entries, offset = [], _align(HEADER_BYTES + len(described))
-    for name in names:
-        t = state[name]
-        nbytes = t.numel() * t.element_size()
-        entries.append((name, t.dtype, tuple(t.shape), offset, nbytes))
-        offset += _align(nbytes)
-    return entries, offset, described
+    entries = _parse_layout(described, "being written")  # the offsets a reader computes, by the same code
+    end = _align(entries[-1][3] + entries[-1][4]) if entries else _align(HEADER_BYTES + len(described))
+    return entries, end, described
 
 
 def _parse_layout(described: bytes, where: str) -> list[Entry]:
