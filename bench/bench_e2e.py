@@ -4,7 +4,8 @@ in the same process, and TRL's `ServerDistillationTrainer` against eopd-teacher'
 `/v1/completions`, TRL's code unmodified (`bench/e2e_trl.py`, in .venv-vllm where TRL 1.16 is).
 
     .venv/bin/python -m bench.bench_e2e [--seeds 0 1 2] [--systems eopd opd trl-gkd ...] [--phase all]
-    .venv/bin/python -m bench.bench_e2e --quick [--json OUT]   # tiny preset, seconds: checks the wiring
+    .venv/bin/python -m bench.bench_e2e --quick [--out FILE]   # tiny preset, minutes: checks the wiring
+    eopd bench e2e [--quick]                                  # the same through bench/run_all.py
 
 The task is the default preset's (`configs/smollm2-cpu.yaml`): SmolLM2-135M-Instruct teaching
 `smollm2-135m[drop=14]`, the same generated training problems, prompt (chat template, suffix) and
@@ -148,7 +149,7 @@ def archive_run(run_dir: Path, archive: Path | None) -> None:
 
 def run_all(args, settings: dict) -> list[dict]:
     """Train, then evaluate, every (seed, system) not done yet; the runs as e2e_report reads them."""
-    out, archive = args.out, args.archive
+    out, archive = args.runs, args.archive
     runs = []
     for seed in args.seeds:
         for system in args.systems:
@@ -278,30 +279,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=None, help="default: the preset's")
     p.add_argument("--save-every", type=int, default=8, help="checkpoint every this many eopd iterations (TRL: the same share)")
     p.add_argument("--phase", choices=("all", "train", "eval", "report"), default="all")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "e2e")
+    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "e2e", help="the runs' directories (checkpoints: GBs)")
     p.add_argument("--archive", type=Path, default=ARCHIVE, help="small files of each finished run (resumable across machines)")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny run of each system before the timed ones")
-    p.add_argument("--json", type=Path, default=None, help="write the results JSON here too")
+    p.add_argument("--out", type=Path, default=None, help="write the results JSON here too (with --quick: only here)")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.iterations, args.save_every, args.seeds = "tiny", 2, 1, args.seeds[:1]
-        args.out, args.archive = Path(tempfile.mkdtemp(prefix="eopd-e2e-")), None
-    settings = prepare_settings(ROOT / "configs" / f"{args.preset}.yaml", args.out, iterations=args.iterations,
+        args.runs, args.archive = Path(tempfile.mkdtemp(prefix="eopd-e2e-")), None
+    settings = prepare_settings(ROOT / "configs" / f"{args.preset}.yaml", args.runs, iterations=args.iterations,
                                 save_every=args.save_every, quick=args.quick)
     print(f"[e2e] {len(args.systems)} systems x seeds {args.seeds}; {settings['steps']} optimizer steps of "
           f"{settings['batch_size']} responses; TRL runs with {trl_python()}", flush=True)
     if args.phase in ("all", "train") and not args.quick and not args.no_warmup:
         warm_up(args.systems)
     runs = run_all(args, settings)
-    initial = evaluate_initial(settings, args.out, args.archive) if args.phase != "train" else None
+    initial = evaluate_initial(settings, args.runs, args.archive) if args.phase != "train" else None
     if initial is not None:
         if args.archive is not None and not (args.archive / "initial" / "eval.json").is_file():
             (args.archive / "initial").mkdir(parents=True, exist_ok=True)
             shutil.copy(initial, args.archive / "initial" / "eval.json")
-        report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.json)
+        report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.out)
     if args.quick:
-        shutil.rmtree(args.out, ignore_errors=True)
+        shutil.rmtree(args.runs, ignore_errors=True)
     return 0
 
 

@@ -72,6 +72,10 @@ GPU_BENCHES = [
     Bench("gpu_trainer", "bench.bench_gpu_trainer", [], ["--smoke"]),
 ]
 
+# The head-to-head with TRL (`eopd bench e2e`, issue 34): hours of training runs (3 seeds x 5 systems, one at a
+# time), so not part of `all`; its own section and figure. The orchestrator runs here, TRL in .venv-vllm.
+E2E_BENCHES = [Bench("e2e_trl", "bench.bench_e2e", quick_out=True)]
+
 # Per-token FLOPs of the paper's models (2 x parameters for a forward pass, 6 x for training).
 PAPER = {"teacher_params": 8.2e9, "student_params": 1.7e9, "smollm2_params": 0.135e9, "response_tokens": 4096,
          "batch": 128, "mini_batch": 32}
@@ -324,15 +328,15 @@ def summary(status: list[dict], benches: list[Bench], minutes: float, results: P
 
 def main(argv: list[str] | None = None, benches: list[Bench] | None = None) -> int:
     p = argparse.ArgumentParser(prog="eopd bench", description=__doc__.splitlines()[0])
-    p.add_argument("what", nargs="?", default="all", choices=["all", "projection", "gpu"],
+    p.add_argument("what", nargs="?", default="all", choices=["all", "projection", "gpu", "e2e"],
                    help="all: every CPU benchmark; gpu: the GPU benchmarks (skipped, saying why, without a GPU); "
-                   "projection: recompute the paper-scale projection")
+                   "e2e: the head-to-head with TRL (hours); projection: recompute the paper-scale projection")
     p.add_argument("--quick", action="store_true",
                    help="small shapes, a few minutes; output to bench/results/quick/ and the console, the doc untouched")
     p.add_argument("--only", nargs="*", help="subset of: " + ", ".join(b.name for b in (benches or BENCHES)))
     p.add_argument("--require-all", action="store_true", help="fail (before running anything) if any benchmark would be skipped")
     args = p.parse_args(argv)
-    benches = benches or (GPU_BENCHES if args.what == "gpu" else BENCHES)
+    benches = benches or {"gpu": GPU_BENCHES, "e2e": E2E_BENCHES}.get(args.what, BENCHES)
     results = report.results_dir()
     if args.what == "projection":
         text, data = projection(results)
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None, benches: list[Bench] | None = None) -> i
         if s["status"] != "ok":
             for sec in next(b for b in benches if b.name == s["bench"]).outputs:
                 report.mark_stale(sec, f"{s['status']}: {s['reason']}")
-    if args.what == "gpu":  # their own sections; the summary and projection are the CPU registry's
+    if args.what in ("gpu", "e2e"):  # their own sections; the summary and projection are the CPU registry's
         return 1 if failed else 0
     text, data = projection(results)
     if data:

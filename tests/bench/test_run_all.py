@@ -171,3 +171,11 @@ def test_eopd_bench_runs_the_checkout_bench_as_a_subprocess(tmp_path, monkeypatc
     assert cli.main(["bench", "all", "--quick"]) == 2
     err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"no bench/run_all.py in {tmp_path}" in err and "python -m bench.run_all" in err
+
+
+def test_e2e_is_a_registry_of_its_own():
+    """`eopd bench e2e` runs the head-to-head with TRL alone (hours): `all`'s benchmarks are not in it."""
+    assert [b.module for b in run_all.E2E_BENCHES] == ["bench.bench_e2e"] and run_all.E2E_BENCHES[0].quick_out
+    assert "e2e_trl" not in {b.name for b in run_all.BENCHES}
+    with pytest.raises(SystemExit):
+        run_all.main(["e2e", "--only", "teacher"])

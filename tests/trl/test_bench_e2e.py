@@ -19,7 +19,7 @@ def test_bench_e2e_quick_wires_every_system(tmp_path):
 
     out = tmp_path / "e2e.json"
     systems = ["eopd", "trl-gkd", "trl-server-eopd", "trl-server-vllm"]
-    assert main(["--quick", "--systems", *systems, "--json", str(out)]) == 0
+    assert main(["--quick", "--systems", *systems, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     runs = {r["system"]: r for r in data["runs"]}
     assert set(runs) == set(systems)

@@ -8,7 +8,7 @@
     eopd prepare --config FILE [key=value ...] [--overwrite]   materialise the run directory (student, data, run.yaml)
     eopd eval    --run-dir DIR [--model final|initial|teacher|SPEC ...]        Avg@k, Pass@k, entropies, KL
     eopd report  RUN_DIR [RUN_DIR ...] [--out FILE.html]                       HTML report with figures
-    eopd bench   all|projection [--quick] [--require-all] [--only NAME ...]     benchmarks (from a checkout:
+    eopd bench   all|gpu|e2e|projection [--quick] [--require-all] [--only NAME ...]   benchmarks (from a checkout:
                                                    runs `python -m bench.run_all` in the repository root)
 """
 
