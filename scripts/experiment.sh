@@ -30,8 +30,10 @@
 # teacher is the student's own initial weights, given the answer), +routed (two teachers routed by the
 # problem's kind: word problems, kind "more", to the teacher given the answer, the rest to the plain
 # teacher; one teacher process), e.g. eopd+privileged, eopd+self, eopd+routed.
+# PRESET=smollm2-far runs the far-student preset (issue 35, configs/smollm2-far.yaml) instead of smollm2-cpu;
+# its student is built first when missing (scripts/far_student.py: prune, heal with KD, choose on the training split).
 # Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] [ARCHIVE=docs/results/runs]
-#        bash scripts/experiment.sh [SEED ...]
+#        [PRESET=smollm2-cpu] bash scripts/experiment.sh [SEED ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
@@ -39,7 +41,11 @@ seeds=(${@:-0 1 2})
 variants=(${VARIANTS:-eopd opd full_fkl random_fkl})
 out=${OUT:-runs/exp}
 archive=${ARCHIVE:-}
+preset=${PRESET:-smollm2-cpu}
 mkdir -p "$out"
+if [ "$preset" = smollm2-far ] && [ ! -f runs/far-student/student/config.json ] && [ -z "${DRY_RUN:-}" ]; then
+  python scripts/far_student.py --out runs/far-student
+fi
 
 finished() {  # a run whose training and evaluation completed
   [ -f "$1/eval.json" ] && [ -f "$1/run_summary.json" ] && python - "$1" <<'PY'
@@ -112,7 +118,7 @@ for i in "${!order[@]}"; do
   if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name ${loss[*]} ${evals[*]}"; continue; fi
   start=$(date +%s)
   rc=0
-  eopd run --config configs/smollm2-cpu.yaml "run_dir=$dir" "seed=$seed" "${loss[@]}" \
+  eopd run --config "configs/$preset.yaml" "run_dir=$dir" "seed=$seed" "${loss[@]}" \
     "${evals[@]}" ${OVERRIDES:-} --overwrite > "$out/$name.log" 2>&1 || rc=$?
   echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
   if [ "$rc" = 0 ] && [ -n "$archive" ]; then archive_run "$dir" "$archive/$name"; fi

@@ -1,7 +1,7 @@
 """Weight sync through shared memory (issue 31): where `weight_sync` puts the versions, how `eopd
 run` makes `auto` concrete on this machine, and the owner-only directory the learner publishes into
 (its name in world-writable /dev/shm could be taken first by another local user). End to end: the
-tiny run's tests in test_run_e2e.py (shm by default, disk when configured)."""
+tiny run's tests in test_run_e2e.py (the mapped buffer by default, shm files or disk when configured)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from eopd_trainer.config import load_config
 from eopd_trainer.config.sections import shm_weights_dir
 from eopd_trainer.job import weight_sync
-from eopd_trainer.job.weight_sync import choose_weight_sync, mapped_bytes_needed, release_shm, shm_bytes_needed
+from eopd_trainer.job.weight_sync import choose_weight_sync, mapped_bytes_needed, release_shm
 from eopd_trainer.queue.weights import WeightsDirUnsafe, ensure_private_dir
 from tests.procs import ROOT
 
@@ -38,32 +38,26 @@ def test_auto_is_shared_memory_where_there_is_room(tmp_path, monkeypatch):
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}"])
     root = tmp_path / "shm"
     root.mkdir()
-    # transformers rollouts (a CPU student; or no vLLM): the mapped buffer; vLLM rollouts load files: shm
-    assert choose_weight_sync(cfg, shm_root=root, vllm=False)[0] == "mapped"
-    assert choose_weight_sync(cfg, shm_root=root, vllm=True)[0] == "mapped"  # a CPU student samples with transformers
-    cuda = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "student.device=cuda"])
-    assert choose_weight_sync(cuda, shm_root=root, vllm=True)[0] == "shm"
-    assert choose_weight_sync(cuda, shm_root=root, vllm=False)[0] == "mapped"
-    explicit_vllm = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm"])
-    assert choose_weight_sync(explicit_vllm, shm_root=root, vllm=False)[0] == "shm"
+    # the mapped buffer, whoever samples: transformers workers copy it out, vLLM's workers too (vllm_mapped.py)
+    assert choose_weight_sync(cfg, shm_root=root) == ("mapped", f"weight_sync auto: one mapped buffer in shared memory "
+                                                               f"({shm_weights_dir(tmp_path / 'run').parent})")
+    for extra in ("student.device=cuda", "rollout.engine=vllm"):
+        assert choose_weight_sync(load_config(TINY, [f"run_dir={tmp_path / 'run'}", extra]), shm_root=root)[0] == "mapped"
     assert choose_weight_sync(cfg, shm_root=tmp_path / "missing") == ("disk", f"weight_sync auto: disk ({tmp_path / 'missing'} is not available here)")
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(weight_sync.shutil, "disk_usage", lambda _p: usage(1 << 40, 0, mapped_bytes_needed(cfg) - 1))
-    sync, why = choose_weight_sync(cfg, shm_root=root, vllm=False)
+    sync, why = choose_weight_sync(cfg, shm_root=root)
     assert sync == "disk" and "GiB needed" in why
-    monkeypatch.setattr(weight_sync.shutil, "disk_usage", lambda _p: usage(1 << 40, 0, shm_bytes_needed(cfg) - 1))
-    assert choose_weight_sync(explicit_vllm, shm_root=root, vllm=True)[0] == "disk"
     assert choose_weight_sync(load_config(TINY, ["weight_sync=shm"]), shm_root=root) == ("shm", "weight_sync: shm (configured)")
 
 
-def test_shm_room_is_counted_from_the_student_files(tmp_path):
+def test_the_buffers_room_is_counted_from_the_student_files(tmp_path):
     model = tmp_path / "student"
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"\0" * 1000)
-    cfg = load_config(TINY, [f"student.model={model}", "checkpoint.keep_weights=3"])
-    assert shm_bytes_needed(cfg) == 2 * 1000 * (3 + 2)
-    assert shm_bytes_needed(load_config(TINY)) == 2 * weight_sync.UNKNOWN_MODEL_BYTES * (cfg.checkpoint.keep_weights + 2)
+    assert mapped_bytes_needed(load_config(TINY, [f"student.model={model}"])) == 2 * 1000
+    assert mapped_bytes_needed(load_config(TINY)) == 2 * weight_sync.UNKNOWN_MODEL_BYTES  # a preset: not known here
 
 
 def test_private_dir_is_created_owner_only_and_foreign_ones_are_refused(tmp_path):

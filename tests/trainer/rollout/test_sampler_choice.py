@@ -54,10 +54,3 @@ def test_static_and_dynamic_caches_sample_the_same_tokens():
         runs[kv] = sampler.sample(prompts, [3], temperature=1.0, top_p=0.9, max_new_tokens=24)
     assert [s.response_ids for s in runs["static"]] == [s.response_ids for s in runs["dynamic"]]
     assert [s.truncated for s in runs["static"]] == [s.truncated for s in runs["dynamic"]]
-
-
-def test_the_mapped_weights_buffer_needs_the_transformers_sampler():
-    """vLLM loads published weights from files: `weight_sync: mapped` with vLLM rollouts is refused
-    naming the settings (`eopd run`'s auto picks the files for vLLM workers: test_weight_sync.py)."""
-    with pytest.raises(SamplerUnavailable, match="weight_sync=mapped needs the transformers sampler"):
-        make_sampler(load_config(TINY, ["weight_sync=mapped", "rollout.engine=vllm"]))

@@ -4,7 +4,7 @@
   the sampled-token distribution equal to the student's (temperature, top-p honoured);
 - old log-probs: vLLM's sampled-token log-probs against the transformers forward pass the
   learner's ratio is taken against (fp32 agreement measured and bounded);
-- weights: a version published by `weights.save_weights` is loaded in place (same engine, no
+- weights: a version published by `weights.save_weights`, or through the mapped buffer, is loaded in place (same engine, no
   restart); afterwards vLLM's log-probs of a fixed sequence are those of a transformers forward of
   the new weights (and of the transformers copy used for old log-probs); bad files are refused;
 - end to end: real redis-server, real teacher (gRPC subprocess), a `eopd-rollout` worker with
@@ -275,6 +275,48 @@ def test_reload_published_weights_in_place(sampler, student, prompts, tmp_path):
     assert sorted(p.name for p in sampler._reload_root.iterdir()) == [sampler.version_dir.name]  # old dirs cleaned
 
 
+
+@needs_vllm
+def test_reload_from_the_mapped_buffer(sampler, student, prompts, tmp_path):
+    """`weight_sync: mapped`: the vLLM worker copies the announced version out of the buffer itself
+    (vllm_mapped.py) and the transformers copy gets the same version; a buffer rewritten since its
+    announcement is refused and both keep what they had."""
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.queue.weights import WeightsUnavailable
+    from eopd_trainer.queue.weights_buffer import BufferWriter
+
+    llm = sampler._llm
+    prompt = prompts[1]
+    (fixed,) = sampler.sample([prompt], [11], temperature=1.0, top_p=1.0, max_new_tokens=16)
+    new_model = load_causal_lm("tiny-random@3").model
+    new_ref = _forward_logprobs(new_model, [fixed], 1.0)[0]
+    assert np.abs(new_ref - _forward_logprobs(student.model, [fixed], 1.0)[0]).max() > 0.5  # far apart
+    writer = BufferWriter(tmp_path, new_model)
+    try:
+        pv = writer.publish(new_model, 5, 5)
+        t0 = time.monotonic()
+        sampler.load_weights(pv)
+        print(f"mapped reload of version 5 ({pv.num_bytes / 2**20:.1f} MiB) took {time.monotonic() - t0:.2f}s")
+        assert sampler._llm is llm  # same engine, no restart
+        np.testing.assert_allclose(sampler.prompt_logprobs(prompt, fixed.response_ids), new_ref, atol=FP32_ATOL, rtol=0)
+        np.testing.assert_allclose(sampler.old_logprobs([fixed], temperature=1.0)[0], new_ref, atol=1e-5, rtol=0)
+        after = sampler.sample([prompt] * 2, [1, 2], temperature=1.0, top_p=1.0, max_new_tokens=16)
+        for s, ref in zip(after, _forward_logprobs(new_model, after, 1.0), strict=True):
+            np.testing.assert_allclose(s.logprobs, ref, atol=FP32_ATOL, rtol=0)
+
+        writer.publish(student.model, 6, 6)  # the learner moved on: version 5's announcement is stale
+        with pytest.raises(WeightsUnavailable, match="rewritten since"):
+            sampler.load_weights(pv)
+        np.testing.assert_allclose(sampler.prompt_logprobs(prompt, fixed.response_ids), new_ref, atol=FP32_ATOL, rtol=0)
+        np.testing.assert_allclose(sampler.old_logprobs([fixed], temperature=1.0)[0], new_ref, atol=1e-5, rtol=0)
+
+        back = writer.publish(student.model, 7, 7)  # the student's own weights again, for the tests after this one
+        sampler.load_weights(back)
+        (again,) = sampler.sample([prompt], [11], temperature=1.0, top_p=1.0, max_new_tokens=16)
+        assert again.response_ids == fixed.response_ids
+    finally:
+        writer.close()
+
 # -- end to end ---------------------------------------------------------------------------------
 E2E_ITERATIONS = 4
 
@@ -291,20 +333,27 @@ def redis_server():
 @pytest.mark.integration
 def test_pipeline_with_vllm_rollouts(tmp_path, redis_server, tiny_teacher):
     """The tiny run (sync mode) with rollout.engine=vllm: redis-server, the teacher over gRPC, an
-    `eopd-rollout` worker sampling with vLLM, the DeepSpeed learner."""
+    `eopd-rollout` worker sampling with vLLM, the DeepSpeed learner; the weights go through the
+    mapped buffer (what `eopd run` picks on one node), which the vLLM engine copies out itself."""
     ns = "vllm-e2e"
     run_dir = tmp_path / "run"
     ov = overrides(run_dir, redis_server.url, tiny_teacher.target, ns, f"train.iterations={E2E_ITERATIONS}",
-                   "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_GIB}")
+                   "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_GIB}", "weight_sync=mapped")
+    from eopd_trainer.config.sections import shm_weights_dir
+    from eopd_trainer.job.weight_sync import release_shm
+
     worker = spawn_worker(ov, "w0")
     learner = spawn_learner(ov)
     try:
         rc = wait_exit(learner, 420, worker)
         assert rc == 0, describe(learner, worker)
         assert wait_exit(worker, 90) == 0, describe(worker)
+        assert (shm_weights_dir(run_dir) / "policy.buf").is_file()  # the one buffer, no version files
+        assert not list(shm_weights_dir(run_dir).glob("*.safetensors"))
     finally:
         for p in (learner, worker):
             p.stop()
+        release_shm(run_dir)
 
     state = committed_state(run_dir)
     assert state["iteration"] == E2E_ITERATIONS

@@ -1,7 +1,8 @@
 """`weight_sync: auto` made concrete by `eopd run`, which starts the learner and the workers on this
-machine: shared memory (/dev/shm) when it has room, as one mapped buffer where the workers sample
-with transformers (`mapped`, queue/weights_buffer.py) or as versioned files where they sample with
-vLLM, which loads files (`shm`); else disk. The shared-memory directory is released when the
+machine: shared memory (/dev/shm) when it has room, as one mapped buffer (`mapped`,
+queue/weights_buffer.py) that the workers copy out (with vLLM, each vLLM worker copies it out
+itself: rollout/samplers/vllm_mapped.py); else disk. `shm` (versioned files in shared memory) is
+kept for those who set it. The shared-memory directory is released when the
 training attempt ends (it holds RAM).
 
 The learner republishes its weights when a restarted run finds the announced file gone
@@ -17,7 +18,6 @@ from eopd_common.models import resolve_spec
 
 from ..config import RunConfig
 from ..config.sections import SHM_ROOT, shm_weights_dir
-from ..rollout.samplers import resolve_engine, vllm_installed
 
 UNKNOWN_MODEL_BYTES = 1 << 30  # a preset's weights (tiny-random, SmolLM2-135M: well under this)
 
@@ -37,35 +37,23 @@ def model_file_bytes(spec: str) -> int:
     return UNKNOWN_MODEL_BYTES
 
 
-def shm_bytes_needed(cfg: RunConfig) -> int:
-    """Room for the versions the learner keeps, one being written and one being read: twice the
-    student's files per version (a bf16 file may be published as float32)."""
-    return 2 * model_file_bytes(cfg.student.model) * (cfg.checkpoint.keep_weights + 2)
-
-
 def mapped_bytes_needed(cfg: RunConfig) -> int:
     """Room for the mapped buffer: the student's files, twice (a bf16 file may be published as float32)."""
     return 2 * model_file_bytes(cfg.student.model)
 
 
-def choose_weight_sync(cfg: RunConfig, *, shm_root: Path = SHM_ROOT, vllm: bool | None = None) -> tuple[str, str]:
-    """(disk, shm or mapped; why) for this machine: an explicit setting as it is; auto on Linux, when
-    `shm_root` is a directory with room, is mapped where the workers sample with transformers
-    (`rollout.engine` resolved as the worker will, `vllm`: whether vLLM is installed, looked up when
-    None) and shm where they sample with vLLM; else disk."""
+def choose_weight_sync(cfg: RunConfig, *, shm_root: Path = SHM_ROOT) -> tuple[str, str]:
+    """(disk or mapped; why) for this machine: an explicit setting as it is; auto on Linux, when
+    `shm_root` is a directory with room for the buffer, is mapped (transformers and vLLM workers
+    alike); else disk."""
     if cfg.weight_sync != "auto":
         return cfg.weight_sync, f"weight_sync: {cfg.weight_sync} (configured)"
     if not sys.platform.startswith("linux") or not shm_root.is_dir():
         return "disk", f"weight_sync auto: disk ({shm_root} is not available here)"
-    engine = resolve_engine(cfg.rollout.engine, cfg.student.device, vllm_installed() if vllm is None else vllm)
-    mapped = engine == "transformers"
-    need, free = (mapped_bytes_needed if mapped else shm_bytes_needed)(cfg), shutil.disk_usage(shm_root).free
+    need, free = mapped_bytes_needed(cfg), shutil.disk_usage(shm_root).free
     if free < need:
         return "disk", f"weight_sync auto: disk ({shm_root} has {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB needed)"
-    where = shm_weights_dir(cfg.run_dir).parent
-    if mapped:
-        return "mapped", f"weight_sync auto: one mapped buffer in shared memory ({where})"
-    return "shm", f"weight_sync auto: shared memory ({where}; files: the workers sample with vLLM)"
+    return "mapped", f"weight_sync auto: one mapped buffer in shared memory ({shm_weights_dir(cfg.run_dir).parent})"
 
 
 def release_shm(run_dir: Path) -> None:

@@ -57,10 +57,6 @@ def make_sampler(cfg: RunConfig) -> Sampler:
         raise SamplerUnavailable(f"rollout.old_logprobs=vllm needs vLLM, but rollout.engine={cfg.rollout.engine} resolved to "
                                  f"{engine} (student.device={cfg.student.device}, vLLM installed: {installed})")
     if engine == "vllm":
-        if cfg.weight_sync == "mapped":
-            raise SamplerUnavailable("weight_sync=mapped needs the transformers sampler (vLLM loads published weights "
-                                     f"from files: set weight_sync=shm or disk, or rollout.engine=transformers); "
-                                     f"rollout.engine={cfg.rollout.engine} resolved to vllm")
         return VllmSampler.from_config(cfg)
     return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device,
                                logprob_chunk_size=cfg.rollout.logprob_chunk_size,

@@ -30,7 +30,9 @@ the pinned vLLM 0.32 (docs/vllm.md, "Student rollouts with vLLM"):
   verified first, and the file must hold exactly the tensors of the student's checkpoint
   (vLLM's reload would only warn about missing ones). A path, not tensors, crosses the process
   boundary, so this works with vLLM's worker processes (tensor parallelism) too; the file must be
-  readable on the worker's host (see docs/pipeline.md, multi-node).
+  readable on the worker's host (see docs/pipeline.md, multi-node). The mapped buffer
+  (`weight_sync: mapped`) is copied out by each vLLM worker itself (vllm_mapped.py): the
+  announcement crosses the process boundary, not the tensors.
 
 vLLM is imported when the sampler starts, never at import of `eopd_trainer`.
 """
@@ -58,9 +60,12 @@ from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig
 
 from ...config import VllmRolloutConfig
-from ...queue.weights import verify_weights
+from ...queue.weights import WeightsUnavailable, load_tensors, verify_weights
+from ...queue.weights_buffer import FORMAT as BUFFER_FORMAT
+from ...queue.weights_buffer import read_buffer
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .transformers_sampler import TransformersSampler
+from .vllm_mapped import MISMATCH, UNAVAILABLE, allow_callable_rpc, announced_fields, load_in_worker
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -131,6 +136,7 @@ class VllmSampler:
         # In-process engine core (starts in seconds; the worker calls it from one thread at a time),
         # and OMP_NUM_THREADS set (vLLM's CPU worker drops torch to one thread unless it is).
         prepare_vllm_process()
+        allow_callable_rpc()  # the mapped buffer is loaded by a callable RPC (vllm_mapped.py)
 
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -227,8 +233,13 @@ class VllmSampler:
 
     # -- weights --------------------------------------------------------------------------------
     def load_weights(self, pv: PolicyVersion, *, verify: bool = True) -> None:
-        """Loads a published version into vLLM in place (and into the transformers copy)."""
+        """Loads a published version into vLLM in place (and into the transformers copy): a file, or
+        the mapped buffer (`_load_mapped`)."""
         t0 = time.monotonic()
+        if pv.format == BUFFER_FORMAT:
+            self._load_mapped(pv)
+            self.last_reload_s = time.monotonic() - t0
+            return
         path = Path(pv.uri).resolve()
         if verify:
             verify_weights(pv)  # WeightsUnavailable (a ValueError) when missing or not the announced bytes
@@ -251,6 +262,32 @@ class VllmSampler:
         if previous is not None and previous != target:
             shutil.rmtree(previous, ignore_errors=True)
         self.last_reload_s = time.monotonic() - t0
+
+    def _load_mapped(self, pv: PolicyVersion) -> None:
+        """The mapped buffer (vllm_mapped.py): each vLLM worker copies the announced tensors out of the
+        buffer itself. The transformers copy gets the same version: this process's checked copy is
+        taken first and applied only once every vLLM worker has loaded the same announced sequence,
+        so a buffer rewritten in between leaves both on the old weights (WeightsUnavailable: retried)."""
+        staged = None
+        if self.scorer is not None:
+            staged = read_buffer(pv)  # WeightsUnavailable when not the announced version now
+            if set(staged) != self.checkpoint_names:
+                missing, unexpected = sorted(self.checkpoint_names - set(staged)), sorted(set(staged) - self.checkpoint_names)
+                raise ValueError(f"weights buffer {pv.uri}: not the student's tensors (missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]})")
+        results = self._llm.collective_rpc(load_in_worker, args=(announced_fields(pv), sorted(self.checkpoint_names)))
+        for why in results:
+            if why.startswith(MISMATCH):
+                raise ValueError(f"weights buffer {pv.uri}: {why[len(MISMATCH):]}")
+            if why:
+                if len(results) > 1 and any(not r for r in results):
+                    log.warning("version %d reached %d of %d vLLM workers; the retry loads it into every one",
+                                pv.version, sum(not r for r in results), len(results))
+                raise WeightsUnavailable(why[len(UNAVAILABLE):])
+        if not self._llm.reset_prefix_cache():
+            log.warning("vLLM did not reset its prefix cache after loading version %d", pv.version)
+        if staged is not None:
+            load_tensors(self.scorer.model, staged, pv.uri)
 
     def close(self) -> None:
         llm, self._llm = self._llm, None
