@@ -1,5 +1,6 @@
 """Head to head with TRL (issue 34): the same distillation on the same machine, accuracy against
-training time. eopd (`eopd run` with EOPD and with OPD), TRL's `GKDTrainer` on-policy with its teacher
+training time. eopd (`eopd run` with EOPD, with OPD, and with its GKD at lambda 1: the dense
+divergence, to tell the loss from the system), TRL's `GKDTrainer` on-policy with its teacher
 in the same process, and TRL's `ServerDistillationTrainer` against eopd-teacher's and stock vLLM's
 `/v1/completions`, TRL's code unmodified (`bench/e2e_trl.py`, in .venv-vllm where TRL 1.16 is).
 
@@ -222,7 +223,8 @@ def section_text(data: dict) -> str:
         "constant; {bs} responses per optimizer step, {steps} optimizer steps; sampling temperature {temp:g}; fp32. "
         "Not matched: eopd samples {n} responses for each of {p} prompts per iteration (TRL: 1 response for each of "
         "{bs} prompts per step, so TRL sees twice as many distinct prompts); the loss (eopd EOPD / OPD: the "
-        "sampled-token PPO surrogate, EOPD adding forward KL over the teacher's top-16 where its entropy >= 0.8; TRL "
+        "sampled-token PPO surrogate, EOPD adding forward KL over the teacher's top-16 where its entropy >= 0.8; eopd "
+        "GKD: forward KL over the teacher's top-16 at every position of the student's own samples; TRL "
         "GKD: lambda 1 (fully on-policy), beta 1 = the full-vocabulary reverse KL per token; TRL server: beta 1 with "
         "`loss_top_k` 1, the sampled token's reverse KL with a tail bucket, the only reverse-KL support its server "
         "path allows); the process layout (eopd: teacher service, rollout worker, Redis and learner processes; TRL "

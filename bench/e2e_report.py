@@ -12,7 +12,7 @@ import statistics
 
 from bench.report import markdown_table
 
-LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
+LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, lambda 1)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
           "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}
 
 

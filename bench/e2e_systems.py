@@ -4,8 +4,9 @@ its processes.
 
 Systems (issue 34):
 
-- `eopd`, `opd`: `eopd run` of the preset with that `loss.variant` (teacher service, rollout worker,
-  Redis queue and DeepSpeed learner, as a user runs it), checkpoints every `save_every` iterations;
+- `eopd`, `opd`, `eopd-gkd`: `eopd run` of the preset with that loss (EOPD, OPD, GKD at lambda 1; teacher
+  service, rollout worker, Redis queue and DeepSpeed learner, as a user runs it), checkpoints every
+  `save_every` iterations;
 - `trl-gkd`: TRL's `GKDTrainer` with its teacher in the same process (`bench/e2e_trl.py`);
 - `trl-server-eopd`, `trl-server-vllm`: TRL's `ServerDistillationTrainer` against the `/v1/completions`
   of `eopd-teacher serve` or of stock vLLM's OpenAI server (both started here, their start counted).
@@ -30,7 +31,11 @@ from pathlib import Path
 
 from bench.report import ROOT
 
-EOPD_SYSTEMS = {"eopd": "eopd", "opd": "opd"}
+# eopd's systems: their loss overrides. `eopd-gkd` is eopd's GKD at lambda 1 (forward KL over the teacher's
+# top-16 on the student's own samples, at every position): the dense-divergence counterpart of TRL's GKD,
+# which separates what the loss does from what the system does.
+EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
+                "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
 SYSTEMS = (*EOPD_SYSTEMS, *TRL_SYSTEMS)
 CLEAN_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "REDIS_URL")  # each system gets what its own defaults say
@@ -142,9 +147,9 @@ def eopd_checkpoints(run_dir: Path, launched: float) -> list[dict]:
 
 
 def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
-    """`eopd run` of the preset, variant `EOPD_SYSTEMS[system]`, checkpoints every `save_every` iterations."""
+    """`eopd run` of the preset with `EOPD_SYSTEMS[system]`'s loss, checkpoints every `save_every` iterations."""
     args = [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(settings["preset_path"]), f"run_dir={run_dir}",
-            f"seed={seed}", f"loss.variant={EOPD_SYSTEMS[system]}", f"student.model={settings['student']}",
+            f"seed={seed}", *EOPD_SYSTEMS[system], f"student.model={settings['student']}",
             f"train.iterations={settings['iterations']}", f"checkpoint.every={settings['save_every']}",
             f"checkpoint.keep={settings['iterations']}", "eval.enabled=false", "logging.progress=false",
             *settings.get("eopd_overrides", ()), "--overwrite"]
