@@ -20,6 +20,10 @@ import os
 
 import torch
 
+from ...queue.messages import PolicyVersion
+from ...queue.weights import WeightsUnavailable
+from ...queue.weights_buffer import read_buffer
+
 UNAVAILABLE = "unavailable: "
 MISMATCH = "mismatch: "
 
@@ -34,10 +38,6 @@ def load_in_worker(worker, announced: dict, names: list[str]) -> str:
     """Reads the announced buffer and loads it into this vLLM worker's model; "" when loaded, else
     UNAVAILABLE + why (not the announced version now: retry) or MISMATCH + why (not the student's
     tensors). Nothing is loaded unless the whole copy checked out."""
-    from eopd_trainer.queue.messages import PolicyVersion
-    from eopd_trainer.queue.weights import WeightsUnavailable
-    from eopd_trainer.queue.weights_buffer import read_buffer
-
     try:
         state = read_buffer(PolicyVersion(**announced))
     except WeightsUnavailable as exc:
