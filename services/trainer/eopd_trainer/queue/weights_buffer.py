@@ -66,8 +66,12 @@ def _layout(model: torch.nn.Module) -> tuple[list[Entry], int, bytes]:
     names = export_state_dict_names(model)
     described = json.dumps([(n, str(state[n].dtype), list(state[n].shape)) for n in names]).encode()
     entries = _parse_layout(described, "being written")  # the offsets a reader computes, by the same code
-    end = _align(entries[-1][3] + entries[-1][4]) if entries else _align(HEADER_BYTES + len(described))
-    return entries, end, described
+    return entries, _end(entries, len(described)), described
+
+
+def _end(entries: list[Entry], described_bytes: int) -> int:
+    """The buffer's size: the end of its last tensor (aligned), or of its layout when it has none."""
+    return _align(entries[-1][3] + entries[-1][4]) if entries else _align(HEADER_BYTES + described_bytes)
 
 
 def _parse_layout(described: bytes, where: str) -> list[Entry]:
@@ -210,7 +214,7 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
             raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not match its header")
         entries = _parse_layout(described, pv.uri)
         start = _align(HEADER_BYTES + n)
-        if entries and _align(entries[-1][3] + entries[-1][4]) != len(mm):
+        if entries and _end(entries, n) != len(mm):
             raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not span its {len(mm)} bytes")
         data = _data(mm, start).clone()
         if _seq(mm) != want or checksum(data) != total:

@@ -15,7 +15,6 @@ its weights.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -50,7 +49,3 @@ def load_in_worker(worker, announced: dict, names: list[str]) -> str:
     with torch.no_grad():
         worker.reload_weights(weights_iterator=iter(state.items()))
     return ""
-
-
-def announced_fields(pv) -> dict:
-    return dataclasses.asdict(pv)

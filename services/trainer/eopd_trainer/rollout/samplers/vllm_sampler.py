@@ -40,6 +40,7 @@ vLLM is imported when the sampler starts, never at import of `eopd_trainer`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -65,7 +66,7 @@ from ...queue.weights_buffer import FORMAT as BUFFER_FORMAT
 from ...queue.weights_buffer import read_buffer
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .transformers_sampler import TransformersSampler
-from .vllm_mapped import MISMATCH, UNAVAILABLE, allow_callable_rpc, announced_fields, load_in_worker
+from .vllm_mapped import MISMATCH, UNAVAILABLE, allow_callable_rpc, load_in_worker
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -275,7 +276,7 @@ class VllmSampler:
                 missing, unexpected = sorted(self.checkpoint_names - set(staged)), sorted(set(staged) - self.checkpoint_names)
                 raise ValueError(f"weights buffer {pv.uri}: not the student's tensors (missing {missing[:5]}, "
                                  f"unexpected {unexpected[:5]})")
-        results = self._llm.collective_rpc(load_in_worker, args=(announced_fields(pv), sorted(self.checkpoint_names)))
+        results = self._llm.collective_rpc(load_in_worker, args=(dataclasses.asdict(pv), sorted(self.checkpoint_names)))
         for why in results:
             if why.startswith(MISMATCH):
                 raise ValueError(f"weights buffer {pv.uri}: {why[len(MISMATCH):]}")
