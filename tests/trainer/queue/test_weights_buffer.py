@@ -97,13 +97,16 @@ WIDTH = 1024  # ~4.3 MB of float32: a copy takes long enough for the writer to o
 
 
 def _rewrite(path: str, seconds: float) -> None:
-    """Another process: the learner publishing version v with every value v, as fast as it can."""
+    """Another process: the learner publishing version v with every value v, back to back with a pause
+    of a few milliseconds (without it, on an idle 2-core machine every read overlapped a write and
+    only one version was ever read whole; a learner publishes once an iteration)."""
     model = Small(width=WIDTH)
     writer = BufferWriter(path, model)
     until, v = time.monotonic() + seconds, 0
     while time.monotonic() < until:
         v += 1
         writer.publish(filled(model, float(v)), version=v, iteration=v)
+        time.sleep(0.005 * (v % 3))  # 0, 5 or 10 ms: some reads still overlap a write
 
 
 def test_a_read_beside_a_writer_is_one_whole_version_or_refused(tmp_path):
