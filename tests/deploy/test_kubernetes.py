@@ -243,3 +243,11 @@ def test_only_trainer_pods_reach_the_teacher_and_redis():
     for kind, name in (("Deployment", "eopd-rollout"), ("Job", "eopd-learner")):
         labels = find(objs, kind, name)["spec"]["template"]["metadata"]["labels"]
         assert trainer_labels.items() <= labels.items(), name
+    # weight_sync: broadcast: the learner and the rollout workers reach each other, no one else reaches a worker
+    component = lambda c: {"podSelector": {"matchLabels": {**trainer_labels, "app.kubernetes.io/component": c}}}  # noqa: E731
+    for name, selected, peer in (("eopd-weight-broadcast-learner", "learner", "rollout"),
+                                 ("eopd-weight-broadcast-rollout", "rollout", "learner")):
+        spec = policies[name]["spec"]
+        assert spec["podSelector"] == component(selected)["podSelector"] and spec["ingress"] == [{"from": [component(peer)]}]
+    rollout_labels = find(objs, "Deployment", "eopd-rollout")["spec"]["template"]["metadata"]["labels"]
+    assert rollout_labels["app.kubernetes.io/component"] == "rollout"

@@ -301,3 +301,25 @@ def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
     assert "stopped by a signal" in learner_log or "ConnectionError" in learner_log
     tag = (run_dir / "checkpoints" / "COMMITTED").read_text().strip()
     assert (run_dir / "checkpoints" / tag).is_dir()
+
+
+def test_tiny_run_with_the_weights_broadcast(tmp_path):
+    """weight_sync: broadcast (queue/weights_broadcast.py): the learner and the worker form a gloo group
+    (NCCL on GPUs) and every version goes out in one broadcast, no file; async mode, so versions arrive
+    while the worker samples. Every rollout is trained once."""
+    run_dir = tmp_path / "run"
+    res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "--no-eval",
+               "weight_sync=broadcast", "mode=async")
+    assert res.returncode == 0, res.stderr[-5000:]
+    assert "weight_sync: broadcast (configured)" in res.stderr
+    run_yaml = (run_dir / "run.yaml").read_text()
+    assert re.search(r"address: 127\.0\.0\.1:\d+", run_yaml) and "workers: 1" in run_yaml
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "weight broadcast group formed (gloo, 1 workers)" in learner_log
+    assert len(re.findall(r"published policy version \d \(broadcast,", learner_log)) == 5, learner_log[-3000:]
+    assert "weight broadcast failed" not in learner_log
+    worker_log = (run_dir / "logs" / "rollout-w0.log").read_text()
+    assert "loaded policy version 3" in worker_log and "cannot load" not in worker_log
+    assert not (run_dir / "weights").exists() and not shm_weights_dir(run_dir).parent.exists()
+    ids = trained_ids(committed_state(run_dir))
+    assert len(ids) == 32 and sorted(set(ids.values())) == [1, 2, 3, 4]

@@ -15,7 +15,7 @@ import pytest
 from eopd_trainer.config import load_config
 from eopd_trainer.config.sections import shm_weights_dir
 from eopd_trainer.job import weight_sync
-from eopd_trainer.job.weight_sync import choose_weight_sync, mapped_bytes_needed, release_shm
+from eopd_trainer.job.weight_sync import broadcast_here, choose_weight_sync, mapped_bytes_needed, release_shm
 from eopd_trainer.queue.weights import WeightsDirUnsafe, ensure_private_dir
 from tests.procs import ROOT
 
@@ -32,6 +32,19 @@ def test_weights_dir_follows_weight_sync(tmp_path):
     assert str(shm.weights_dir).startswith(f"/dev/shm/eopd-{os.getuid()}-") and shm.weights_dir.name == "weights"
     assert shm_weights_dir(tmp_path / "run") != shm_weights_dir(tmp_path / "other")  # one per run directory
     assert shm_weights_dir(tmp_path / "run") == shm_weights_dir(tmp_path / "x" / ".." / "run")  # by real path
+
+
+def test_the_broadcast_gets_an_address_and_its_one_worker_under_eopd_run(tmp_path):
+    cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "weight_sync=broadcast", "weight_broadcast.workers=3"])
+    assert cfg.weights_dir == tmp_path / "run" / "weights"  # the files of the fallback
+    assert choose_weight_sync(cfg) == ("broadcast", "weight_sync: broadcast (configured)")
+    here = broadcast_here(cfg.weight_broadcast)
+    host, port = here.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and 0 < int(port) < 65536 and here.workers == 1  # eopd run starts one worker
+    named = load_config(TINY, ["weight_sync=broadcast", "weight_broadcast.address=learner:29600"])
+    assert broadcast_here(named.weight_broadcast).address == "learner:29600"
+    with pytest.raises(Exception, match="weight_broadcast.backend"):
+        load_config(TINY, ["weight_broadcast.backend=mpi"])
 
 
 def test_auto_is_shared_memory_where_there_is_room(tmp_path, monkeypatch):

@@ -317,6 +317,46 @@ def test_reload_from_the_mapped_buffer(sampler, student, prompts, tmp_path):
     finally:
         writer.close()
 
+
+@needs_vllm
+def test_reload_from_the_broadcast(sampler, student, prompts):
+    """`weight_sync: broadcast`: the worker's receiver thread takes the version out of the learner's
+    gloo broadcast and the sampler loads the tensors into vLLM (in place, in this process) and the
+    transformers copy."""
+    import socket
+
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.queue.weights_broadcast import BroadcastReceiver, BroadcastSender, Endpoint
+
+    prompt = prompts[1]
+    (fixed,) = sampler.sample([prompt], [11], temperature=1.0, top_p=1.0, max_new_tokens=16)
+    new_model = load_causal_lm("tiny-random@3").model
+    new_ref = _forward_logprobs(new_model, [fixed], 1.0)[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = Endpoint(address=address, workers=1, join_timeout_s=60, timeout_s=60)
+    sender = BroadcastSender(endpoint, new_model)
+    receiver = BroadcastReceiver(endpoint).start()
+    try:
+        for version, model in ((8, new_model), (9, student.model)):  # then the student's own weights again
+            pv = sender.publish(model, version, version)
+            deadline = time.monotonic() + 60
+            while receiver.ready_header is None or receiver.ready_header[2] != version:
+                assert time.monotonic() < deadline, "the broadcast did not arrive"
+                time.sleep(0.01)
+            with receiver.holding(pv) as tensors:
+                sampler.load_state(pv, tensors)
+            if version == 8:
+                np.testing.assert_allclose(sampler.prompt_logprobs(prompt, fixed.response_ids), new_ref,
+                                           atol=FP32_ATOL, rtol=0)
+                np.testing.assert_allclose(sampler.old_logprobs([fixed], temperature=1.0)[0], new_ref, atol=1e-5, rtol=0)
+        (again,) = sampler.sample([prompt], [11], temperature=1.0, top_p=1.0, max_new_tokens=16)
+        assert again.response_ids == fixed.response_ids
+    finally:
+        receiver.close()
+        sender.close()
+
 # -- end to end ---------------------------------------------------------------------------------
 E2E_ITERATIONS = 4
 

@@ -26,6 +26,7 @@ from .sections import (
     StudentConfig,
     TasksConfig,
     ThreadsConfig,
+    WeightBroadcastConfig,
     TrainConfig,
     VllmRolloutConfig,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "StudentConfig",
     "TasksConfig",
     "ThreadsConfig",
+    "WeightBroadcastConfig",
     "TeacherConfig",
     "TrainConfig",
     "VllmRolloutConfig",

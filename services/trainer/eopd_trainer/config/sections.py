@@ -226,6 +226,24 @@ class ThreadsConfig(Section):
         "already set in the environment wins over the setting.")
 
 
+class WeightBroadcastConfig(Section):
+    """`weight_sync: broadcast` (queue/weights_broadcast.py): the learner and the rollout workers form a
+    process group of their own and every version goes out in one broadcast (NCCL between GPUs, one node
+    or several; gloo between CPUs)."""
+
+    address: str = Field("", description="host:port of the learner's TCPStore, where the group meets (the learner "
+                         "listens there, the workers connect). Empty: `eopd run` picks a free port on 127.0.0.1; a "
+                         "deployment over several nodes names the learner's address.")
+    workers: int = Field(1, ge=1, description="Rollout workers in the group (the learner waits for all of them to join "
+                         "at its first publish).")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL when the learner's weights are on "
+                                                     "a GPU, else gloo.")
+    join_timeout_s: float = Field(600.0, gt=0, description="How long the learner waits at its first publish for every "
+                                  "worker to join (workers load their models first); past it, files.")
+    timeout_s: float = Field(300.0, gt=0, description="One broadcast's limit; a failed or late broadcast ends the group "
+                             "and the run goes on with files (weight_sync disk).")
+
+
 class FaultConfig(Section):
     """A fault to inject (tests and the chaos tier): at `point`, when the context matches, do `action`."""
 
@@ -252,13 +270,15 @@ class RunConfig(Section):
     seed: int = 0
     mode: Literal["sync", "async"] = Field("sync", description="sync: Algorithm 1 (rollouts of iteration i from the weights after i-1); async: bounded staleness.")
     max_staleness: int = Field(1, ge=0, description="async: rollouts sampled more than this many versions ago are dropped and counted.")
-    weight_sync: Literal["auto", "disk", "shm", "mapped"] = Field(
+    weight_sync: Literal["auto", "disk", "shm", "mapped", "broadcast"] = Field(
         "auto", description="How published weights reach the rollout workers: disk (versioned files in <run_dir>/weights: "
         "any shared file system, several nodes), shm (the same files in /dev/shm, shared memory: learner and workers on "
         "one node, one user), mapped (one buffer in /dev/shm that the learner rewrites in place and the workers copy "
-        "out under a sequence lock: no file format, no hash; one node, transformers rollouts). auto: mapped where "
-        "`eopd run` starts them on this machine, /dev/shm has room and the workers sample with transformers, shm where "
-        "they sample with vLLM, else disk.")
+        "out under a sequence lock: no file format, no hash; one node), broadcast (a process group of the learner and "
+        "the workers, `weight_broadcast`: NCCL device to device, one node or several; files in <run_dir>/weights "
+        "once a broadcast fails). auto: mapped where `eopd run` starts them on this machine and /dev/shm has room, "
+        "else disk.")
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     teacher: TeacherConfig = TeacherConfig()
     teachers: list[NamedTeacher] = Field(default_factory=list, description="More teachers by name (config/teachers.py); "
                                          "`teacher:` is the one named `teacher`.")

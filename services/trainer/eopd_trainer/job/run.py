@@ -63,7 +63,7 @@ from .run_record import RunRecord
 from .supervisor import Child, RunError, Supervisor
 from .run_teachers import RunTeachers
 from .threads import thread_env
-from .weight_sync import choose_weight_sync, release_shm
+from .weight_sync import broadcast_here, choose_weight_sync, release_shm
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -317,6 +317,8 @@ class TrainingAttempt:
         sync, why = choose_weight_sync(self.cfg)  # one node: shared memory where it has room
         say(why)
         self.cfg = self.cfg.model_copy(update={"weight_sync": sync})
+        if sync == "broadcast":  # the group of this run's learner and its one worker
+            self.cfg = self.cfg.model_copy(update={"weight_broadcast": broadcast_here(self.cfg.weight_broadcast)})
         self.config_path = _write_run_yaml(self.run_dir, self.cfg)
 
     def start_learner(self) -> None:

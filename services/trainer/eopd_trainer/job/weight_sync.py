@@ -1,4 +1,4 @@
-"""`weight_sync: auto` made concrete by `eopd run`, which starts the learner and the workers on this
+"""`weight_sync: auto` (and `broadcast`'s address) made concrete by `eopd run`, which starts the learner and the workers on this
 machine: shared memory (/dev/shm) when it has room, as one mapped buffer (`mapped`,
 queue/weights_buffer.py) that the workers copy out (with vLLM, each vLLM worker copies it out
 itself: rollout/samplers/vllm_mapped.py); else disk. `shm` (versioned files in shared memory) is
@@ -16,8 +16,9 @@ from pathlib import Path
 
 from eopd_common.models import resolve_spec
 
-from ..config import RunConfig
+from ..config import RunConfig, WeightBroadcastConfig
 from ..config.sections import SHM_ROOT, shm_weights_dir
+from .supervisor import free_port
 
 UNKNOWN_MODEL_BYTES = 1 << 30  # a preset's weights (tiny-random, SmolLM2-135M: well under this)
 
@@ -54,6 +55,13 @@ def choose_weight_sync(cfg: RunConfig, *, shm_root: Path = SHM_ROOT) -> tuple[st
     if free < need:
         return "disk", f"weight_sync auto: disk ({shm_root} has {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB needed)"
     return "mapped", f"weight_sync auto: one mapped buffer in shared memory ({shm_weights_dir(cfg.run_dir).parent})"
+
+
+def broadcast_here(section: WeightBroadcastConfig) -> WeightBroadcastConfig:
+    """`weight_sync: broadcast` under `eopd run`: its one worker, and a free port on 127.0.0.1 for the
+    learner's store unless an address is configured."""
+    address = section.address or f"127.0.0.1:{free_port()}"
+    return section.model_copy(update={"address": address, "workers": 1})
 
 
 def release_shm(run_dir: Path) -> None:

@@ -187,7 +187,8 @@ class LearnerLoop:
         if pv is not None:  # rank 0
             self.feed.announce(pv)
             self.trainer.prune_weights(protect=version)
-            log.info("published policy version %d (%.1f MB, %.2fs)", version, pv.num_bytes / 1e6, time.monotonic() - t0)
+            log.info("published policy version %d (%s, %.1f MB, %.2fs)", version, pv.format, pv.num_bytes / 1e6,
+                     time.monotonic() - t0)
 
     def _check_lease(self) -> None:
         lost = self.feed.check_lease() if self.rank == 0 else None
@@ -197,3 +198,4 @@ class LearnerLoop:
 
     def close(self) -> None:
         self.feed.close()
+        self.trainer.weights_out.close()

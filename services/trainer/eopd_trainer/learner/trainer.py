@@ -29,8 +29,7 @@ from ..faults import Faults
 from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, step_generator
 from ..objective.mixture import mixture_loss, per_teacher_keys
 from ..queue.messages import PolicyVersion, Rollout
-from ..queue.weights import ensure_private_dir, export_state_dict, prune_weights, save_weights
-from ..queue.weights_buffer import BufferWriter
+from ..queue.weights import export_state_dict
 from .checkpoint import CheckpointManager
 from .state import LearnerState
 from .distributed import (
@@ -41,6 +40,7 @@ from .distributed import (
     init_process_group,
     lr_scheduler_factory,
 )
+from .weights_out import WeightsOut
 
 log = logging.getLogger("eopd.learner")
 
@@ -77,6 +77,7 @@ class PolicyTrainer:
     def __init__(self, cfg: RunConfig, faults: Faults):
         self.cfg = cfg
         self.faults = faults
+        self.weights_out = WeightsOut(cfg)  # files, the mapped buffer or the broadcast group (rank 0)
 
     # Set-up ----------------------------------------------------------------------------------
     def init_process_group(self) -> tuple[int, int]:
@@ -92,7 +93,6 @@ class PolicyTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         self.run_dir = run_dir
-        self._buffer: BufferWriter | None = None  # weight_sync: mapped, opened at the first publish
         self.gas = gradient_accumulation_steps(cfg.train.mini_batch_size, cfg.train.micro_batch_size, self.world)
         on_cpu = not torch.cuda.is_available()
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
@@ -215,22 +215,15 @@ class PolicyTrainer:
 
     # Weights out -------------------------------------------------------------------------------
     def save_weights(self, version: int, iteration: int) -> PolicyVersion | None:
-        """Writes the policy's weight file (collective: ZeRO-3 gathers; rank 0 writes and gets the
-        PolicyVersion to announce, the other ranks None)."""
+        """Publishes the policy (collective: ZeRO-3 gathers; rank 0 publishes through `weight_sync` and
+        gets the PolicyVersion to announce, the other ranks None)."""
         with full_parameters(self.engine, self.cfg.train.zero_stage):
             if self.rank == 0:
-                if self.cfg.weight_sync in ("shm", "mapped"):  # learner and workers of one user on one node
-                    ensure_private_dir(self.cfg.weights_dir.parent)
-                if self.cfg.weight_sync == "mapped":  # one buffer rewritten in place (queue/weights_buffer.py)
-                    if self._buffer is None:
-                        ensure_private_dir(self.cfg.weights_dir)
-                        self._buffer = BufferWriter(self.cfg.weights_dir, self.engine.module)
-                    return self._buffer.publish(self.engine.module, version, iteration)
-                return save_weights(self.engine.module, self.cfg.weights_dir, version, iteration)
+                return self.weights_out.publish(self.engine.module, version, iteration)
         return None
 
     def prune_weights(self, protect: int) -> None:
-        prune_weights(self.cfg.weights_dir, self.cfg.checkpoint.keep_weights, protect=protect)
+        self.weights_out.prune(protect)
 
     def export_hf(self, path: Path) -> None:
         """The Hugging Face export of a checkpoint (collective; rank 0 writes)."""

@@ -59,22 +59,22 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _layout(model: torch.nn.Module) -> tuple[list[Entry], int, bytes]:
+def layout_of(model: torch.nn.Module) -> tuple[list[Entry], int, bytes]:
     """(entries, total bytes, the layout's JSON) of the tensors `export_state_dict` keeps (tied
     aliases dropped), in the learner's dtypes; the JSON sits after the header, the data after it."""
     state = model.state_dict()
     names = export_state_dict_names(model)
     described = json.dumps([(n, str(state[n].dtype), list(state[n].shape)) for n in names]).encode()
-    entries = _parse_layout(described, "being written")  # the offsets a reader computes, by the same code
-    return entries, _end(entries, len(described)), described
+    entries = parse_layout(described, "being written")  # the offsets a reader computes, by the same code
+    return entries, buffer_end(entries, len(described)), described
 
 
-def _end(entries: list[Entry], described_bytes: int) -> int:
+def buffer_end(entries: list[Entry], described_bytes: int) -> int:
     """The buffer's size: the end of its last tensor (aligned), or of its layout when it has none."""
     return _align(entries[-1][3] + entries[-1][4]) if entries else _align(HEADER_BYTES + described_bytes)
 
 
-def _parse_layout(described: bytes, where: str) -> list[Entry]:
+def parse_layout(described: bytes, where: str) -> list[Entry]:
     entries, offset = [], _align(HEADER_BYTES + len(described))
     try:
         for name, dtype, shape in json.loads(described):
@@ -121,7 +121,7 @@ class BufferWriter:
 
     def __init__(self, weights_dir: Path, model: torch.nn.Module):
         self.path = buffer_path(weights_dir)
-        self.entries, self.size, self.described = _layout(model)
+        self.entries, self.size, self.described = layout_of(model)
         self.layout = hashlib.sha256(self.described).digest()[:16]
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -212,9 +212,9 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
         described = bytes(mm[HEADER_BYTES:HEADER_BYTES + n])
         if hashlib.sha256(described).digest()[:16] != layout:
             raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not match its header")
-        entries = _parse_layout(described, pv.uri)
+        entries = parse_layout(described, pv.uri)
         start = _align(HEADER_BYTES + n)
-        if entries and _end(entries, n) != len(mm):
+        if entries and buffer_end(entries, n) != len(mm):
             raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not span its {len(mm)} bytes")
         data = _data(mm, start).clone()
         if _seq(mm) != want or checksum(data) != total:

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eopd-rollout: {exc}", file=sys.stderr)
         return 2
     finally:
+        receiver = getattr(worker, "receiver", None)
+        if receiver is not None:
+            receiver.close()
         sampler = getattr(worker, "sampler", None)
         if sampler is not None:
             sampler.close()

@@ -1,5 +1,7 @@
 """The policy version a worker samples with (`VersionTracker`): announced weights are loaded in
-place into the sampler, and `ensure(min_version)` waits until the sampler holds what a task asks for."""
+place into the sampler (a file or the mapped buffer by `sampler.load_weights`, a broadcast version
+from the worker's receiver by `sampler.load_state`), and `ensure(min_version)` waits until the
+sampler holds what a task asks for."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from ..queue.namespace import RunQueue
 from ..queue.weights import WeightsUnavailable, check_weights_location
+from ..queue.weights_broadcast import FORMAT as BROADCAST_FORMAT
+from ..queue.weights_broadcast import BroadcastReceiver, endpoint_of
 from .metrics import WorkerMetrics
 
 log = logging.getLogger("eopd.rollout")
@@ -17,12 +23,19 @@ log = logging.getLogger("eopd.rollout")
 WEIGHTS_RETRY_MAX_S = 5.0  # longest wait between attempts to load an announced file that failed
 
 
+def start_receiver(cfg) -> BroadcastReceiver | None:
+    """The worker's broadcast receiver (`weight_sync: broadcast`), started; None otherwise."""
+    if cfg.weight_sync != "broadcast":
+        return None
+    return BroadcastReceiver(endpoint_of(cfg.weight_broadcast), torch.device(cfg.student.device)).start()
+
+
 class VersionTracker:
     """The sampler's policy version, kept up to date with the announcements (`RunQueue.announcement`:
     one without its MAC is ignored, queue/announce.py)."""
 
     def __init__(self, sampler, queue: RunQueue, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
-                 stop: asyncio.Event, weights_dir: Path | None = None):
+                 stop: asyncio.Event, weights_dir: Path | None = None, receiver: BroadcastReceiver | None = None):
         self.sampler = sampler
         self.queue = queue
         self.metrics = metrics
@@ -30,6 +43,7 @@ class VersionTracker:
         self.weights_poll_s = weights_poll_s
         self.stop = stop
         self.weights_dir = weights_dir  # announced files must lie inside it (the run's <run_dir>/weights)
+        self.receiver = receiver  # weight_sync: broadcast (queue/weights_broadcast.py)
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
 
@@ -39,9 +53,16 @@ class VersionTracker:
         # may be announced again with other weights.
         if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
             t0 = time.monotonic()
-            if self.weights_dir is not None:
-                check_weights_location(pv, self.weights_dir)  # before the sampler opens (and hashes) anything
-            self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
+            if pv.format == BROADCAST_FORMAT:
+                if self.receiver is None:
+                    raise WeightsUnavailable(f"version {pv.version} was broadcast, and this worker is not in the "
+                                             "group (weight_sync is not broadcast here): waiting for a file")
+                with self.receiver.holding(pv) as tensors:  # WeightsUnavailable unless it holds that sequence
+                    self.sampler.load_state(pv, tensors)
+            else:
+                if self.weights_dir is not None:
+                    check_weights_location(pv, self.weights_dir)  # before the sampler opens (and hashes) anything
+                self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
             self.version, self._sha = pv.version, pv.sha256
             self.metrics.version.set(pv.version)
             took = time.monotonic() - t0

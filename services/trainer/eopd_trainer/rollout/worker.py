@@ -53,7 +53,7 @@ from .task_book import TaskBook
 from .teacher_samples import TeacherSamples
 from .teacher_links import TeacherLink, connect, prompt_routes
 from .teacher_wait import StopRequested, TeacherRefused
-from .versions import VersionTracker
+from .versions import VersionTracker, start_receiver
 
 __all__ = ["RolloutWorker", "StopRequested", "TeacherRefused"]
 
@@ -85,13 +85,14 @@ class RolloutWorker:
         self.tasks.ensure_group()
         self.rollouts.ensure_group()
         self.prompts = load_prompts(cfg.data.train_files, cfg.data.field)
+        self.receiver = start_receiver(cfg)  # weight_sync: broadcast; joins while the models load
         self.sampler = make_sampler(cfg)  # transformers or vLLM (rollout.engine)
         self.tokenizer = self.sampler.tokenizer
         self.routes = prompt_routes(cfg.route, cfg.data.train_files, len(self.prompts))  # the teacher of each prompt
         self.book = TaskBook(self.tasks, cfg, self.metrics, self.worker_id)
         self.versions = VersionTracker(self.sampler, self.queue, self.metrics, mode=cfg.mode,
                                        weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop,
-                                       weights_dir=cfg.weights_dir)
+                                       weights_dir=cfg.weights_dir, receiver=self.receiver)
         self.publisher = Publisher(self.rollouts, self.queue, cfg, self.faults, self.metrics, self.worker_id,
                                    self.stop)
         self.students = StudentSamples(cfg, self.sampler, self.prompts, self.faults, self.versions, self.publisher)

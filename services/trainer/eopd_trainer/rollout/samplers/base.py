@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import torch
 
 from eopd_common.models import eos_token_ids
 
@@ -67,6 +68,11 @@ class Sampler(Protocol):
 
     def load_weights(self, pv: PolicyVersion) -> None:
         """Loads an announced policy version in place (sha256 verified); no restart."""
+        ...
+
+    def load_state(self, pv: PolicyVersion, tensors: dict[str, torch.Tensor]) -> None:
+        """Loads `pv`'s tensors, received by this worker (weight_sync: broadcast), in place; ValueError,
+        the model untouched, when they are not the student's."""
         ...
 
     def close(self) -> None: ...

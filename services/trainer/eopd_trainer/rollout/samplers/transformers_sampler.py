@@ -21,6 +21,7 @@ from eopd_common.models import load_causal_lm, pad_token_id
 
 from ...batching import pack_sequences
 from ...queue.policy_load import load_policy
+from ...queue.weights import load_tensors
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ class TransformersSampler:
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
         load_policy(self.model, pv, verify=verify)
+
+    def load_state(self, pv, tensors: dict[str, torch.Tensor]) -> None:
+        load_tensors(self.model, tensors, pv.uri)
 
     def close(self) -> None:
         pass

@@ -44,8 +44,15 @@ def load_in_worker(worker, announced: dict, names: list[str]) -> str:
     if set(state) != set(names):
         missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
         return MISMATCH + f"not the student's tensors (missing {missing[:5]}, unexpected {unexpected[:5]})"
-    # vLLM's in-place reload (as `reload_weights(weights_path=...)` for files, here from tensors): the
-    # model's own load_weights alone fails once its parameters are processed after the first load.
+    return load_tensors_in_worker(worker, state)
+
+
+def load_tensors_in_worker(worker, tensors: dict[str, torch.Tensor]) -> str:
+    """Loads `tensors` (the student's, checked by the caller) into this vLLM worker's model: vLLM's
+    in-place reload (as `reload_weights(weights_path=...)` for files, here from tensors); the model's
+    own load_weights alone fails once its parameters are processed after the first load. Also the
+    broadcast path's load (weight_sync: broadcast): the engine core in this process, nothing is
+    serialised."""
     with torch.no_grad():
-        worker.reload_weights(weights_iterator=iter(state.items()))
+        worker.reload_weights(weights_iterator=iter(tensors.items()))
     return ""

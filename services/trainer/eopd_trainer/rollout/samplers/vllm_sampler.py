@@ -66,7 +66,7 @@ from ...queue.weights_buffer import FORMAT as BUFFER_FORMAT
 from ...queue.weights_buffer import read_buffer
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .transformers_sampler import TransformersSampler
-from .vllm_mapped import MISMATCH, UNAVAILABLE, allow_callable_rpc, load_in_worker
+from .vllm_mapped import MISMATCH, UNAVAILABLE, allow_callable_rpc, load_in_worker, load_tensors_in_worker
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -262,6 +262,20 @@ class VllmSampler:
         previous, self.version_dir = self.version_dir, target
         if previous is not None and previous != target:
             shutil.rmtree(previous, ignore_errors=True)
+        self.last_reload_s = time.monotonic() - t0
+
+    def load_state(self, pv: PolicyVersion, tensors: dict) -> None:
+        """A version this worker received (weight_sync: broadcast) into every vLLM worker in place
+        (vllm_mapped.load_tensors_in_worker), then into the transformers copy."""
+        t0 = time.monotonic()
+        if set(tensors) != self.checkpoint_names:
+            missing, unexpected = sorted(self.checkpoint_names - set(tensors)), sorted(set(tensors) - self.checkpoint_names)
+            raise ValueError(f"weights {pv.uri}: not the student's tensors (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        self._llm.collective_rpc(load_tensors_in_worker, args=(tensors,))
+        if not self._llm.reset_prefix_cache():
+            log.warning("vLLM did not reset its prefix cache after loading version %d", pv.version)
+        if self.scorer is not None:
+            load_tensors(self.scorer.model, tensors, pv.uri)
         self.last_reload_s = time.monotonic() - t0
 
     def _load_mapped(self, pv: PolicyVersion) -> None:

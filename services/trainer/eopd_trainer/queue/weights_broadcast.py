@@ -1,0 +1,285 @@
+"""Weight sync by a collective broadcast (`weight_sync: broadcast`, issue 31 ask 3): the learner
+(rank 0) and the rollout workers (ranks 1..W) form a torch.distributed process group of their own,
+NCCL between GPUs (one node or several), gloo between CPUs, and each published version goes from
+the learner to every worker in one `broadcast`, device to device: no file, no shared memory, no
+host copy on a GPU. The group is separate from the learner's DeepSpeed group (its own TCPStore,
+hosted by the learner at `weight_broadcast.address`; verl, slime and NeMo-RL build theirs the same
+way).
+
+What is sent is the mapped buffer's data region (queue/weights_buffer.py's layout: every tensor
+`export_state_dict` keeps, in the learner's dtypes, at 64-byte aligned offsets; the layout's JSON
+goes through the store once), preceded by a header: a magic number, a sequence number (+1 per
+broadcast), the version, the iteration, the payload's checksum and size, and the layout's hash.
+
+A worker's receiver thread is always waiting in the next broadcast, so the learner's broadcast does
+not wait for the worker's sampling to finish (NCCL: the receive runs on its own stream). It receives
+into a staging buffer, checks the checksum, and swaps staging and ready under a lock; the worker
+loads the ready buffer under the same lock (`BroadcastReceiver.holding`), so it never reads a buffer
+being received into. The learner announces a version (`PolicyVersion`, format `broadcast`, `sha256` =
+"seq:<n>") only after its broadcast has returned, and a worker loads it only when its ready buffer
+holds that sequence number (else `WeightsUnavailable`: retried, as with every other path).
+
+Membership is fixed for the learner's life: W workers, ranks taken from a counter in the store. A
+broadcast that fails (a worker died, a timeout) ends the group: the learner logs it, closes the group
+(`open` = 0 in the store) and publishes every later version as files (`weight_sync: disk`, the
+fallback), which every worker loads. A worker that finds the group full or closed loads files only.
+A restarted learner hosts a new store and group, and the workers' receivers join it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .messages import PolicyVersion, now_ns
+from .weights import WeightsUnavailable
+from .weights_buffer import ALIGN, HEADER_BYTES, Entry, buffer_end, checksum, layout_of, parse_layout
+
+log = logging.getLogger("eopd.weights")
+
+FORMAT = "broadcast"
+MAGIC = 0x454F5044_42433031  # "EOPDBC01"
+HEADER_LEN = 8  # magic, seq, version, iteration, checksum, payload bytes, layout hash (2 x int64)
+REJOIN_S = 2.0  # a receiver whose group ended tries to join a new one this often
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"weight_broadcast.address: {address!r} is not host:port")
+    return host, int(port)
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    """`auto`: NCCL when the tensors live on a CUDA device, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return backend
+
+
+def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+    """A process group of its own over `store` (not the default group: the learner's DeepSpeed group
+    is that). Blocks until every rank has joined (or `timeout_s`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("weight_broadcast.backend=nccl: this torch has no NCCL")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"weight_broadcast.backend: {backend!r} is not gloo or nccl")
+
+
+def _layout_hash(described: bytes) -> tuple[int, int]:
+    digest = hashlib.sha256(described).digest()
+    return int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:16], "little", signed=True)
+
+
+def _payload_views(payload: torch.Tensor, entries: list[Entry], start: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the layout as a view into the flat payload (the data region, from `start`)."""
+    out = {}
+    for name, dtype, shape, offset, nbytes in entries:
+        piece = payload[offset - start:offset - start + nbytes]
+        out[name] = piece.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype, device=payload.device)
+    return out
+
+
+def _payload_bytes(entries: list[Entry], described: bytes) -> tuple[int, int]:
+    """(start of the data region, its bytes): as the mapped buffer lays it out."""
+    start = (HEADER_BYTES + len(described) + ALIGN - 1) // ALIGN * ALIGN
+    return start, buffer_end(entries, len(described)) - start
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the group meets and how: the learner's store (`address`), W workers, the backend."""
+
+    address: str
+    workers: int
+    backend: str = "auto"
+    join_timeout_s: float = 600.0
+    timeout_s: float = 300.0
+
+
+def endpoint_of(section) -> Endpoint:
+    """The Endpoint of a run config's `weight_broadcast` section (config/sections.py)."""
+    if not section.address:
+        raise ValueError("weight_broadcast.address: empty (eopd run fills it in; a deployment names the learner's "
+                         "host:port)")
+    split_address(section.address)
+    return Endpoint(address=section.address, workers=section.workers, backend=section.backend,
+                    join_timeout_s=section.join_timeout_s, timeout_s=section.timeout_s)
+
+
+class BroadcastSender:
+    """The learner's side (rank 0 of the learner): hosts the store, forms the group at the first
+    publish, broadcasts every version; `failed` (why) once a broadcast failed, after which `publish`
+    returns None and the caller publishes files."""
+
+    def __init__(self, endpoint: Endpoint, model: torch.nn.Module):
+        self.endpoint = endpoint
+        self.entries, _, self.described = layout_of(model)
+        self.start, self.nbytes = _payload_bytes(self.entries, self.described)
+        device = next(model.parameters()).device
+        self.backend = pick_backend(endpoint.backend, device)
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        host, port = split_address(endpoint.address)
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=endpoint.join_timeout_s))
+        self.store.set("layout", self.described)
+        self.store.set("backend", self.backend)
+        self.store.set("size", str(endpoint.workers + 1))
+        self.store.set("open", "1")
+        self.group: dist.ProcessGroup | None = None
+        self.payload = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.seq = 0
+        self.failed: str | None = None
+
+    def publish(self, model: torch.nn.Module, version: int, iteration: int) -> PolicyVersion | None:
+        """Broadcasts the model's tensors as `version`; the announcement, or None when the group has
+        failed (now or before: the caller falls back to files)."""
+        if self.failed is not None:
+            return None
+        t0 = time.monotonic()
+        try:
+            if self.group is None:
+                self.group = new_group(dist.PrefixStore("group", self.store), 0, self.endpoint.workers + 1,
+                                       self.backend, self.endpoint.join_timeout_s)
+                log.info("weight broadcast group formed (%s, %d workers) in %.1fs", self.backend,
+                         self.endpoint.workers, time.monotonic() - t0)
+            state = model.state_dict()
+            with torch.no_grad():
+                for name, view in _payload_views(self.payload, self.entries, self.start).items():
+                    view.copy_(state[name].detach())
+            self.seq += 1
+            header = torch.tensor([MAGIC, self.seq, version, iteration, checksum(self.payload), self.nbytes,
+                                   *_layout_hash(self.described)], dtype=torch.int64, device=self.device)
+            timeout = datetime.timedelta(seconds=self.endpoint.timeout_s)
+            self.group.broadcast(header, 0, timeout).wait()
+            self.group.broadcast(self.payload, 0, timeout).wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # any failure ends the group: the rest of the run goes through files
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return None
+        return PolicyVersion(version=version, uri=f"broadcast://{self.endpoint.address}", sha256=f"seq:{self.seq}",
+                             num_bytes=self.nbytes, iteration=iteration, created_unix_ns=now_ns(), format=FORMAT)
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        log.warning("weight broadcast failed (%s); publishing files from now on (weight_sync disk)", why)
+        with contextlib.suppress(Exception):
+            self.store.set("open", "0")
+        self.group = None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set("open", "0")
+        self.group = None
+
+
+class BroadcastReceiver:
+    """A worker's side: a thread that joins the group and receives every broadcast; `holding(pv)`
+    gives the announced version's tensors (views into the ready buffer, valid inside the block)."""
+
+    def __init__(self, endpoint: Endpoint, device: torch.device | str = "cpu"):
+        self.endpoint = endpoint
+        self.device = torch.device(device)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.ready: torch.Tensor | None = None
+        self.ready_header: list[int] | None = None
+        self.views: dict[str, torch.Tensor] = {}
+        self.state = "joining"  # joining, joined, full, closed, failed: <why>
+        self.rank = 0
+        self.received = 0
+        self._thread = threading.Thread(target=self._run, name="weight-broadcast", daemon=True)
+
+    def start(self) -> BroadcastReceiver:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+
+    @contextlib.contextmanager
+    def holding(self, pv: PolicyVersion) -> Iterator[dict[str, torch.Tensor]]:
+        """The tensors of `pv` (views into the ready buffer; loading copies them out), the lock held
+        so that no receive swaps them meanwhile; WeightsUnavailable unless the ready buffer holds the
+        announced sequence number and version."""
+        want = pv.sha256[4:] if pv.sha256.startswith("seq:") else ""
+        if not want.isdigit():
+            raise WeightsUnavailable(f"weight broadcast (version {pv.version}): announcement {pv.sha256!r} names no "
+                                     "sequence number")
+        with self.lock:
+            header = self.ready_header
+            if header is None or header[1] != int(want) or header[2] != pv.version:
+                held = "nothing" if header is None else f"sequence {header[1]} (version {header[2]})"
+                raise WeightsUnavailable(f"weight broadcast: this worker holds {held}, the announcement names sequence "
+                                         f"{want} (version {pv.version}) (receiver {self.state})")
+            yield self.views
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._join_and_receive()
+            except _GroupEnded as exc:
+                self.state = str(exc)
+                if self.state in ("full", "closed"):
+                    log.info("weight broadcast: group %s; this worker loads the announced files", self.state)
+            except Exception as exc:  # the learner went away, a timeout: join the next group it forms
+                self.state = f"failed: {type(exc).__name__}: {exc}"
+                log.warning("weight broadcast receiver: %s; rejoining", self.state)
+            self.stop.wait(REJOIN_S)
+
+    def _join_and_receive(self) -> None:
+        host, port = split_address(self.endpoint.address)
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.endpoint.join_timeout_s))
+        if store.get("open") != b"1":
+            raise _GroupEnded("closed")
+        size = int(store.get("size"))
+        rank = store.add("rank", 1)
+        if rank >= size:
+            raise _GroupEnded("full")
+        described = store.get("layout")
+        backend = store.get("backend").decode()
+        entries = parse_layout(described, "the learner's broadcast layout")
+        start, nbytes = _payload_bytes(entries, described)
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl" and device.type == "cuda":
+            torch.cuda.set_device(device)
+        buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        group = new_group(dist.PrefixStore("group", store), rank, size, backend, self.endpoint.join_timeout_s)
+        self.rank, self.state = rank, "joined"
+        expect = [MAGIC, *_layout_hash(described)]
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        staging = buffers[0]
+        while not self.stop.is_set():
+            # no timeout on the wait for the next version: the learner publishes when it has trained
+            group.broadcast(header, 0, datetime.timedelta(days=7)).wait()
+            group.broadcast(staging, 0, datetime.timedelta(seconds=self.endpoint.timeout_s)).wait()
+            got = [int(x) for x in header.tolist()]
+            if [got[0], got[6], got[7]] != expect or got[5] != nbytes:
+                raise RuntimeError(f"weight broadcast: header {got[:6]} is not this group's")
+            if checksum(staging) != got[4]:
+                raise RuntimeError(f"weight broadcast: version {got[2]} arrived with another checksum")
+            with self.lock:
+                staging, self.ready = (self.ready if self.ready is not None else buffers[1]), staging
+                self.ready_header = got
+                self.views = _payload_views(self.ready, entries, start)
+                self.received += 1
+
+
+class _GroupEnded(Exception):
+    """The group this worker could join is full or closed: it loads files."""
