@@ -2,11 +2,12 @@
 Qwen3-8B / Qwen3-1.7B-shaped models built on the GPU (`bench.random_models`, Qwen3's vocabulary and
 special-token ids), for a few iterations of `eopd run`, reporting per iteration: seconds, the
 learner's collect time and idle share (time blocked on the rollouts stream), the weight sync
-(the learner's publish, the worker's load), and the peak memory of each process (RSS; GPU memory
+(the learner's publish, the worker's load; `weight_sync` auto = the mapped buffer in shared memory,
+broadcast = NCCL from the learner's GPU to the worker's), and the peak memory of each process (RSS; GPU memory
 from nvidia-smi where present).
 
     python -m bench.run_all gpu                  # or: python -m bench.bench_gpu_trainer
-    python -m bench.bench_gpu_trainer --modes sync async --batch 64 --response-length 256
+    python -m bench.bench_gpu_trainer --runs sync:auto async:auto async:broadcast --batch 64 --response-length 256
     python -m bench.bench_gpu_trainer --smoke    # the same run on the CPU, tiny shapes, ~1 min (CI)
 
 Writes the `gpu_trainer` section of docs/benchmarks.md and bench/results/gpu_trainer.json (card,
@@ -34,7 +35,7 @@ from bench.report import ROOT, markdown_table
 SECTION = "gpu_trainer"
 PAPER = ROOT / "configs" / "qwen3-paper.yaml"
 ROLES = (("teacher", "eopd_teacher"), ("rollout", "eopd_trainer.rollout"), ("learner", "eopd_trainer.learner"))
-_PUBLISHED = re.compile(r"published policy version (\d+) \(([\d.]+) MB, ([\d.]+)s\)")
+_PUBLISHED = re.compile(r"published policy version (\d+) \((\w+), ([\d.]+) MB, ([\d.]+)s\)")
 _LOADED = re.compile(r"loaded policy version (\d+) into \S+ in ([\d.]+)s")
 
 
@@ -124,22 +125,25 @@ def summarise(run_dir: Path) -> dict:
     it_s = sum(r["iter/iteration_s"] for r in window)
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     worker_log = (run_dir / "logs" / "rollout-w0.log").read_text()
-    published = [(float(mb), float(s)) for _, mb, s in _PUBLISHED.findall(learner_log)][1:]  # version 0: the initial weights
+    found = _PUBLISHED.findall(learner_log)
+    published = [(float(mb), float(s)) for _, _, mb, s in found][1:]  # version 0: the initial weights (and the group's forming)
     loaded = [float(s) for _, s in _LOADED.findall(worker_log)][1:]
     return {
         "iterations": len(iters), "measured": len(window),
         "iteration_s": it_s / len(window),
         "collect_s": sum(r["iter/collect_s"] for r in window) / len(window),
         "idle_frac": sum(r["iter/queue_wait_s"] for r in window) / it_s,
+        "publish_format": found[-1][1] if found else None,
         "publish_mb": published[-1][0] if published else None,
         "publish_s": sum(s for _, s in published) / len(published) if published else None,
         "load_s": sum(loaded) / len(loaded) if loaded else None,
     }
 
 
-def run_once(tmp: Path, mode: str, teacher: Path, student: Path, prompts: Path, args, device: str) -> dict:
-    run_dir = tmp / f"run-{mode}"
-    overrides = [f"run_dir={run_dir}", f"mode={mode}", f"teacher.model={teacher}", f"student.model={student}",
+def run_once(tmp: Path, run: str, teacher: Path, student: Path, prompts: Path, args, device: str) -> dict:
+    mode, weight_sync = run.split(":")
+    run_dir = tmp / f"run-{mode}-{weight_sync}"
+    overrides = [f"run_dir={run_dir}", f"mode={mode}", f"weight_sync={weight_sync}", f"teacher.model={teacher}", f"student.model={student}",
                  f"student.device={device}", f"data.train_files=[{prompts}]", "data.eval_files=[]", "eval.enabled=false",
                  f"rollout.max_response_length={args.response_length}", f"rollout.generation_batch_size={args.batch}",
                  f"train.batch_size={args.batch}", f"train.mini_batch_size={max(1, args.batch // 4)}",
@@ -152,8 +156,8 @@ def run_once(tmp: Path, mode: str, teacher: Path, student: Path, prompts: Path, 
             MemoryWatch(proc.pid) as mem:
         output = proc.communicate(timeout=args.timeout)[0]
     if proc.returncode != 0:
-        raise RuntimeError(f"eopd run ({mode}) failed with exit code {proc.returncode}:\n{output[-4000:]}")
-    out = {"mode": mode, **summarise(run_dir), "wall_s": time.perf_counter() - started,
+        raise RuntimeError(f"eopd run ({run}) failed with exit code {proc.returncode}:\n{output[-4000:]}")
+    out = {"mode": mode, "weight_sync": weight_sync, **summarise(run_dir), "wall_s": time.perf_counter() - started,
            "peak_rss_gib": {k: round(v, 2) for k, v in mem.rss_gib.items()},
            "peak_gpu_gib": {k: round(v, 2) for k, v in mem.gpu_gib.items()}}
     print(json.dumps(out), flush=True)
@@ -164,11 +168,11 @@ def table(rows: list[dict]) -> str:
     def fmt(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    body = [[r["mode"], r["measured"], fmt(r["iteration_s"], ".1f"), fmt(r["collect_s"], ".1f"), f"{100 * r['idle_frac']:.0f}%",
+    body = [[r["mode"], f"{r['weight_sync']} ({r.get('publish_format') or '-'})", r["measured"], fmt(r["iteration_s"], ".1f"), fmt(r["collect_s"], ".1f"), f"{100 * r['idle_frac']:.0f}%",
              f"{fmt(r['publish_mb'], '.0f')} MB in {fmt(r['publish_s'])} s", fmt(r["load_s"]),
              ", ".join(f"{k} {v}" for k, v in sorted(r["peak_gpu_gib"].items())) or "-",
              ", ".join(f"{k} {v}" for k, v in sorted(r["peak_rss_gib"].items()))] for r in rows]
-    return markdown_table(["mode", "iterations measured", "s / iteration", "collect s", "learner idle",
+    return markdown_table(["mode", "weight_sync (published as)", "iterations measured", "s / iteration", "collect s", "learner idle",
                            "weights published", "worker load s", "peak GPU GiB", "peak RSS GiB"], body)
 
 
@@ -184,7 +188,8 @@ def section_text(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    p.add_argument("--runs", nargs="+", default=["sync:auto", "async:auto", "async:broadcast"],
+                   help="mode:weight_sync of each run (mode sync or async; weight_sync auto, disk, mapped, broadcast)")
     p.add_argument("--batch", type=int, default=64, help="prompts per iteration (the preset's 128 halved to fit the time)")
     p.add_argument("--response-length", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -198,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     from bench.bench_gpu_teacher import finish
 
     if args.smoke:
-        args.modes, args.batch, args.response_length, args.micro_batch, args.iterations = ["sync"], 4, 16, 1, 2
-    elif not torch.cuda.is_available():
+        args.runs, args.batch, args.response_length, args.micro_batch, args.iterations = ["sync:broadcast"], 4, 16, 1, 2
+    for run in args.runs:
+        mode, _, weight_sync = run.partition(":")
+        if mode not in ("sync", "async") or weight_sync not in ("auto", "disk", "shm", "mapped", "broadcast"):
+            p.error(f"--runs: {run!r} is not mode:weight_sync (sync|async):(auto|disk|shm|mapped|broadcast)")
+    if not args.smoke and not torch.cuda.is_available():
         print("[gpu_trainer] skipped: no CUDA device here (torch.cuda.is_available() is False); "
               "`--smoke` runs the same code on the CPU", file=sys.stderr)
         return 0
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():  # the builders' copies, before the run's processes start
             torch.cuda.empty_cache()
         prompts = write_prompts(tmp / "train.jsonl", max(64, args.batch * args.iterations))
-        rows = [run_once(tmp, mode, teacher, student, prompts, args, device) for mode in args.modes]
+        rows = [run_once(tmp, run, teacher, student, prompts, args, device) for run in args.runs]
     return finish(SECTION, rows, args, t0, table, section_text)
 
 

@@ -43,6 +43,7 @@ def test_gpu_bench_smoke_runs_on_the_cpu_and_renders(tmp_path):
     trainer = [json.loads(line) for line in (tmp_path / "quick" / "gpu_trainer.log").read_text().splitlines()
                if line.startswith("{")]
     assert len(trainer) == 1 and trainer[0]["mode"] == "sync" and trainer[0]["iterations"] == 2
+    assert trainer[0]["weight_sync"] == "broadcast" and trainer[0]["publish_format"] == "broadcast"  # gloo here, NCCL there
     t = trainer[0]
     assert t["iteration_s"] > 0 and 0 <= t["idle_frac"] <= 1 and t["publish_s"] > 0 and t["load_s"] >= 0
     assert set(t["peak_rss_gib"]) == {"teacher", "rollout", "learner"}
