@@ -97,9 +97,10 @@ def eopd(*args: str, timeout: float = 300, env_extra: dict | None = None,
 
 def test_tiny_run_end_to_end_then_report(tmp_path):
     run_dir = tmp_path / "run"
-    # threads: (issue 31 ask 7) reach each child (OMP_NUM_THREADS=1 from this test's environment)
+    # threads: (issue 31 ask 7) reach each child (OMP_NUM_THREADS=1 from this test's environment;
+    # passive waits: the default)
     res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", "train.iterations=4", "threads.learner=2",
-               "threads.omp_wait_policy=passive", env_drop=("OMP_WAIT_POLICY",))
+               env_drop=("OMP_WAIT_POLICY",))
     assert res.returncode == 0, res.stderr[-5000:]
     assert "REDIS_URL is not set; started redis-server" in res.stderr
     logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in ("learner", "rollout-w0", "teacher")}

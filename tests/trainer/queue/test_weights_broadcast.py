@@ -167,3 +167,19 @@ def test_endpoints_are_checked():
 
     with pytest.raises(ValueError, match="empty"):
         endpoint_of(Section())
+
+
+def test_nccl_where_it_cannot_run_falls_back_to_files_and_takes_no_rank():
+    """backend=nccl with CPU weights and a torch without NCCL (this machine): the learner's first
+    publish falls back to files at once, and a CPU worker does not take a rank in an NCCL group."""
+    endpoint = Endpoint(address=free_address(), workers=1, backend="nccl", join_timeout_s=30, timeout_s=5)
+    learner = randomised(Small(), 0)
+    sender = BroadcastSender(endpoint, learner)
+    receiver = BroadcastReceiver(endpoint).start()
+    try:
+        wait_for(lambda: receiver.state.startswith("unusable: the learner broadcasts over NCCL"), what="the refusal")
+        assert sender.store.add("rank", 0) == 0  # no rank taken
+        assert sender.publish(learner, 0, 0) is None and "NCCL" in sender.failed
+    finally:
+        receiver.close()
+        sender.close()

@@ -232,15 +232,17 @@ class BroadcastReceiver:
 
     def _run(self) -> None:
         while not self.stop.is_set():
+            before = self.state
             try:
                 self._join_and_receive()
             except _GroupEnded as exc:
                 self.state = str(exc)
-                if self.state in ("full", "closed"):
+                if self.state != before:  # polled every REJOIN_S: said once
                     log.info("weight broadcast: group %s; this worker loads the announced files", self.state)
             except Exception as exc:  # the learner went away, a timeout: join the next group it forms
                 self.state = f"failed: {type(exc).__name__}: {exc}"
-                log.warning("weight broadcast receiver: %s; rejoining", self.state)
+                if self.state != before:
+                    log.warning("weight broadcast receiver: %s; rejoining", self.state)
             self.stop.wait(REJOIN_S)
 
     def _join_and_receive(self) -> None:
@@ -249,11 +251,13 @@ class BroadcastReceiver:
         if store.get("open") != b"1":
             raise _GroupEnded("closed")
         size = int(store.get("size"))
+        backend = store.get("backend").decode()
+        if backend == "nccl" and self.device.type != "cuda":  # no rank taken: the learner falls back to files
+            raise _GroupEnded(f"unusable: the learner broadcasts over NCCL, this worker's device is {self.device}")
         rank = store.add("rank", 1)
         if rank >= size:
             raise _GroupEnded("full")
         described = store.get("layout")
-        backend = store.get("backend").decode()
         entries = parse_layout(described, "the learner's broadcast layout")
         start, nbytes = _payload_bytes(entries, described)
         device = self.device if backend == "nccl" else torch.device("cpu")
@@ -282,4 +286,4 @@ class BroadcastReceiver:
 
 
 class _GroupEnded(Exception):
-    """The group this worker could join is full or closed: it loads files."""
+    """The group this worker could join is full, closed or unusable here: it loads files."""
