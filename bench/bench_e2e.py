@@ -151,6 +151,7 @@ def archive_run(run_dir: Path, archive: Path | None) -> None:
 def run_all(args, settings: dict) -> list[dict]:
     """Train, then evaluate, every (seed, system) not done yet; the runs as e2e_report reads them."""
     out, archive = args.runs, args.archive
+    machine = provenance()
     runs = []
     for seed in args.seeds:
         for system in args.systems:
@@ -161,6 +162,7 @@ def run_all(args, settings: dict) -> list[dict]:
                 print(f"[e2e] training {name}", flush=True)
                 trained = train(system, seed, run_dir, settings).to_json()
                 trained["settings"] = {k: v for k, v in settings.items() if k != "prompts"}
+                trained["machine"] = {k: machine[k] for k in ("cpu", "cores", "mem_gib")}  # its seconds are this CPU's
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "trained.json").write_text(json.dumps(trained, indent=1))
                 archive_run(run_dir, archive)
@@ -213,7 +215,9 @@ def section_text(data: dict) -> str:
     st = data["settings"]
     lines = [
         "## Head to head with TRL: accuracy against training time (`python -m bench.bench_e2e`, issue 34)", "",
-        f"{data['machine']}; one run at a time on an otherwise idle machine. Task: the `{st['preset']}` preset "
+        f"Report written on {data['machine']}. Each seed's systems were timed one after another on one machine, "
+        f"one run at a time, nothing else running: {rep.machines_line(data['runs'])}; the ratios to eopd are paired "
+        f"within a seed (the same CPU). Task: the `{st['preset']}` preset "
         f"(SmolLM2-135M-Instruct teacher, `smollm2-135m[drop=14]` student, generated arithmetic and word problems, "
         f"{st['max_new_tokens']}-token answers); every student graded by `eopd eval` on the same held-out set "
         f"(Avg@{k}, Pass@{k}, temperature 1, top-p 0.8) and, at the end, on the variants set. Training seconds run from "

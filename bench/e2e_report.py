@@ -42,9 +42,26 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+def cpu_of(run: dict) -> str:
+    """The CPU a run was timed on (`machine` of its trained.json), "?" when not recorded."""
+    return run.get("machine", {}).get("cpu", "?")
+
+
+def machines_line(runs: list[dict]) -> str:
+    """Which CPU timed which seeds, e.g. "seed 0 on Intel(R) Xeon(R) Processor; seeds 1, 2 on AMD EPYC"."""
+    seeds: dict[str, set[int]] = {}
+    for r in runs:
+        seeds.setdefault(cpu_of(r), set()).add(r["seed"])
+    return "; ".join(f"seed{'s' if len(v) > 1 else ''} {', '.join(map(str, sorted(v)))} on {cpu}"
+                     for cpu, v in sorted(seeds.items(), key=lambda kv: min(kv[1])))
+
+
 def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict:
     """Per system: final held-out accuracy over seeds, training seconds, time to reach the target (the
-    mean final Avg@k of `reference` over its seeds) per seed and its ratio to the reference's, memory."""
+    mean final Avg@k of `reference` over its seeds) per seed, and its ratio to the reference's, paired
+    by seed: a system's time over the reference's time in the same seed, on the same CPU (a seed's
+    systems run one after another on one machine; seeds may run on different machines, whose seconds
+    do not compare), then the mean of those ratios. Memory."""
     by_system: dict[str, list[dict]] = {}
     for r in runs:
         by_system.setdefault(r["system"], []).append(r)
@@ -57,6 +74,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
         reach = [time_to_reach(curve(r, initial), target) if target is not None else None for r in rs]
         out["systems"][system] = {
             "seeds": [r["seed"] for r in rs],
+            "cpus": [cpu_of(r) for r in rs],
             "final_avg": [c["heldout"]["avg_at_k"] for c in finals if "heldout" in c],
             "final_pass": [c["heldout"]["pass_at_k"][max(c["heldout"]["pass_at_k"], key=int)] for c in finals if "heldout" in c],
             "final_variants_avg": [r["final_variants"]["avg_at_k"] for r in rs if r.get("final_variants")],
@@ -64,20 +82,27 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
             "reach_s": reach,
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
-    ref_reach = [t for t in out["systems"].get(reference, {}).get("reach_s", []) if t is not None]
-    ref_time = statistics.mean(ref_reach) if ref_reach else None
+    ref_by_seed = {seed: (t, cpu) for seed, t, cpu in zip(*(out["systems"].get(reference, {}).get(k, [])
+                                                           for k in ("seeds", "reach_s", "cpus")))}
     for s in out["systems"].values():
         got = [t for t in s["reach_s"] if t is not None]
         s["reached"] = f"{len(got)}/{len(s['reach_s'])}"
         s["reach_mean_s"] = statistics.mean(got) if got else None
-        s["reach_ratio"] = s["reach_mean_s"] / ref_time if got and ref_time else None
+        s["reach_ratios"] = []
+        for seed, t, cpu in zip(s["seeds"], s["reach_s"], s["cpus"]):
+            ref_t, ref_cpu = ref_by_seed.get(seed, (None, None))
+            if t is not None and ref_t and ref_cpu == cpu:
+                s["reach_ratios"].append(t / ref_t)
+        s["reach_ratio"] = statistics.mean(s["reach_ratios"]) if s["reach_ratios"] else None
     return out
 
 
 def summary_rows(summary: dict, k: int) -> list[list]:
     rows = []
     for system, s in summary["systems"].items():
-        ratio = "never" if s["reach_mean_s"] is None else "-" if s["reach_ratio"] is None else f"{s['reach_ratio']:.2f}x"
+        ratios = s["reach_ratios"]
+        ratio = ("never" if s["reach_mean_s"] is None else "-" if not ratios else f"{ratios[0]:.2f}x" if len(ratios) == 1
+                 else f"{statistics.mean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} seeds)")
         reach = "-" if s["reach_mean_s"] is None else f"{s['reach_mean_s']:.0f} s ({s['reached']} seeds)"
         rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",

@@ -18,8 +18,8 @@ def test_time_to_reach_interpolates_between_checkpoints():
     assert time_to_reach([(0.0, 0.1), (50.0, 0.5), (90.0, 0.6)], 0.5) == pytest.approx(50.0)
 
 
-def _run(system, seed, points, peak=1024.0):
-    return {"system": system, "seed": seed, "memory": {"peak_total_mb": peak},
+def _run(system, seed, points, peak=1024.0, cpu="Intel(R) Xeon(R) Processor"):
+    return {"system": system, "seed": seed, "memory": {"peak_total_mb": peak}, "machine": {"cpu": cpu, "cores": 2},
             "checkpoints": [{"label": f"c{i}", "step": i, "train_s": t, "heldout": {"avg_at_k": a, "pass_at_k": {"1": a, "4": min(1.0, 2 * a)}}}
                             for i, (t, a) in enumerate(points, 1)]}
 
@@ -32,11 +32,22 @@ def test_summary_target_reach_and_ratio():
     e, t = s["systems"]["eopd"], s["systems"]["trl-gkd"]
     # eopd seed 0 reaches 0.3 halfway from 100 s to 200 s; seed 1 at its first checkpoint
     assert e["reach_s"] == pytest.approx([150.0, 110.0]) and e["reach_ratio"] == pytest.approx(1.0)
-    assert t["reach_s"] == pytest.approx([100.0, 60.0]) and t["reach_ratio"] == pytest.approx(80.0 / 130.0)
+    # the ratio is paired by seed: each seed's time over eopd's time in that seed, then their mean
+    assert t["reach_s"] == pytest.approx([100.0, 60.0]) and t["reach_ratios"] == pytest.approx([100 / 150, 60 / 110])
+    assert t["reach_ratio"] == pytest.approx((100 / 150 + 60 / 110) / 2)
     assert e["final_avg"] == [0.4, 0.2] and e["final_pass"] == [0.8, 0.4] and t["reached"] == "2/2"
     assert curve(runs[0], 0.1) == [(0.0, 0.1), (100, 0.2), (200, 0.4)]
     table = summary_table(s, 4)
-    assert "0.62x" in table and "TRL GKDTrainer" in table
+    assert "0.61x (0.55-0.67, 2 seeds)" in table and "TRL GKDTrainer" in table
+
+
+def test_seconds_of_different_cpus_are_not_compared():
+    """Seed 1 of TRL ran on another CPU than eopd's seed 1: only seed 0 gives a ratio."""
+    runs = [_run("eopd", 0, [(100, 0.2), (200, 0.4)]), _run("eopd", 1, [(110, 0.3), (220, 0.2)], cpu="AMD EPYC"),
+            _run("trl-gkd", 0, [(50, 0.2), (100, 0.3)]), _run("trl-gkd", 1, [(60, 0.3)])]
+    t = summarise(runs, initial=0.1)["systems"]["trl-gkd"]
+    assert t["reach_ratios"] == pytest.approx([100 / 150]) and t["cpus"] == ["Intel(R) Xeon(R) Processor"] * 2
+    assert t["reached"] == "2/2"
 
 
 def test_a_system_that_never_reaches_the_target():
