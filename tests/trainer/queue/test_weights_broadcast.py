@@ -49,6 +49,15 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def told(endpoint: Endpoint, state: str) -> None:
+    """A receiver that joins now is told `state` (full, closed) and loads files."""
+    late = BroadcastReceiver(endpoint).start()
+    try:
+        wait_for(lambda: late.state == state, what=f"a late receiver to be told {state}")
+    finally:
+        late.close()
+
+
 def test_every_version_reaches_every_worker_whole_and_in_another_dtype():
     endpoint = Endpoint(address=free_address(), workers=2, join_timeout_s=30, timeout_s=30)
     learner = Small(torch.bfloat16)
@@ -91,9 +100,7 @@ def test_a_receiver_past_the_group_size_is_told_full():
     try:
         assert sender.publish(learner, 0, 0) is not None
         wait_for(lambda: first.received == 1, what="the first receiver")
-        extra = BroadcastReceiver(endpoint).start()
-        wait_for(lambda: extra.state == "full", what="the extra receiver to be told full")
-        extra.close()
+        told(endpoint, "full")
     finally:
         first.close()
         sender.close()
@@ -126,9 +133,7 @@ def test_a_dead_worker_ends_the_group_and_the_learner_falls_back():
         assert sender.publish(randomised(learner, 1), 1, 1) is None
         assert time.monotonic() - t0 < 30
         assert sender.failed and sender.publish(learner, 2, 2) is None  # files from now on
-        late = BroadcastReceiver(endpoint).start()
-        wait_for(lambda: late.state == "closed", what="a late receiver to find the group closed")
-        late.close()
+        told(endpoint, "closed")
     finally:
         worker.kill()
         sender.close()

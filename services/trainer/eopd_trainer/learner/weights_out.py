@@ -38,10 +38,6 @@ class WeightsOut:
                 return pv
         return save_weights(model, self.cfg.weights_dir, version, iteration)
 
-    @property
-    def broadcast_failed(self) -> str | None:
-        return None if self._sender is None else self._sender.failed
-
     def prune(self, protect: int) -> None:
         prune_weights(self.cfg.weights_dir, self.cfg.checkpoint.keep_weights, protect=protect)
 

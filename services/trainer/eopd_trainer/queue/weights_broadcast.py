@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .messages import PolicyVersion, now_ns
 from .weights import WeightsUnavailable
-from .weights_buffer import ALIGN, HEADER_BYTES, Entry, buffer_end, checksum, layout_of, parse_layout
+from .weights_buffer import Entry, buffer_end, checksum, data_start, layout_of, parse_layout, tensor_views
 
 log = logging.getLogger("eopd.weights")
 
@@ -86,18 +86,9 @@ def _layout_hash(described: bytes) -> tuple[int, int]:
     return int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:16], "little", signed=True)
 
 
-def _payload_views(payload: torch.Tensor, entries: list[Entry], start: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the layout as a view into the flat payload (the data region, from `start`)."""
-    out = {}
-    for name, dtype, shape, offset, nbytes in entries:
-        piece = payload[offset - start:offset - start + nbytes]
-        out[name] = piece.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype, device=payload.device)
-    return out
-
-
 def _payload_bytes(entries: list[Entry], described: bytes) -> tuple[int, int]:
     """(start of the data region, its bytes): as the mapped buffer lays it out."""
-    start = (HEADER_BYTES + len(described) + ALIGN - 1) // ALIGN * ALIGN
+    start = data_start(len(described))
     return start, buffer_end(entries, len(described)) - start
 
 
@@ -143,6 +134,7 @@ class BroadcastSender:
         self.store.set("open", "1")
         self.group: dist.ProcessGroup | None = None
         self.payload = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.views = tensor_views(self.payload, self.entries, self.start)  # each tensor's place in the payload
         self.seq = 0
         self.failed: str | None = None
 
@@ -160,7 +152,7 @@ class BroadcastSender:
                          self.endpoint.workers, time.monotonic() - t0)
             state = model.state_dict()
             with torch.no_grad():
-                for name, view in _payload_views(self.payload, self.entries, self.start).items():
+                for name, view in self.views.items():
                     view.copy_(state[name].detach())
             self.seq += 1
             header = torch.tensor([MAGIC, self.seq, version, iteration, checksum(self.payload), self.nbytes,
@@ -281,7 +273,7 @@ class BroadcastReceiver:
             with self.lock:
                 staging, self.ready = (self.ready if self.ready is not None else buffers[1]), staging
                 self.ready_header = got
-                self.views = _payload_views(self.ready, entries, start)
+                self.views = tensor_views(self.ready, entries, start)
                 self.received += 1
 
 

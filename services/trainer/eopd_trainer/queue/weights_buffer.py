@@ -71,11 +71,11 @@ def layout_of(model: torch.nn.Module) -> tuple[list[Entry], int, bytes]:
 
 def buffer_end(entries: list[Entry], described_bytes: int) -> int:
     """The buffer's size: the end of its last tensor (aligned), or of its layout when it has none."""
-    return _align(entries[-1][3] + entries[-1][4]) if entries else _align(HEADER_BYTES + described_bytes)
+    return _align(entries[-1][3] + entries[-1][4]) if entries else data_start(described_bytes)
 
 
 def parse_layout(described: bytes, where: str) -> list[Entry]:
-    entries, offset = [], _align(HEADER_BYTES + len(described))
+    entries, offset = [], data_start(len(described))
     try:
         for name, dtype, shape in json.loads(described):
             d = _DTYPES[dtype]
@@ -134,7 +134,7 @@ class BufferWriter:
         # a restarted learner continues the sequence (even: the last publish completed; odd: it died writing)
         self.seq = seq + (seq % 2) if magic == MAGIC and layout == self.layout and seq > 0 else 0
         self.mm[HEADER_BYTES:HEADER_BYTES + len(self.described)] = self.described
-        self.data_start = _align(HEADER_BYTES + len(self.described))
+        self.data_start = data_start(len(self.described))
         HEADER.pack_into(self.mm, 0, MAGIC, self.seq, -1, -1, self.layout, len(self.described), 0)
 
     def publish(self, model: torch.nn.Module, version: int, iteration: int) -> PolicyVersion:
@@ -213,7 +213,7 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
         if hashlib.sha256(described).digest()[:16] != layout:
             raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not match its header")
         entries = parse_layout(described, pv.uri)
-        start = _align(HEADER_BYTES + n)
+        start = data_start(n)
         if entries and buffer_end(entries, n) != len(mm):
             raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not span its {len(mm)} bytes")
         data = _data(mm, start).clone()
@@ -221,8 +221,19 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
             raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): rewritten while it was read")
     finally:
         mm.close()
+    return tensor_views(data, entries, start)
+
+
+def data_start(described_bytes: int) -> int:
+    """Where the data region starts: after the header and the layout's JSON, aligned."""
+    return _align(HEADER_BYTES + described_bytes)
+
+
+def tensor_views(data: torch.Tensor, entries: list[Entry], start: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the layout as a view into `data`, the flat bytes of the data region (which
+    begins at byte `start` of the buffer), on data's device."""
     out = {}
     for name, dtype, shape, offset, nbytes in entries:
         piece = data[offset - start:offset - start + nbytes]
-        out[name] = piece.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        out[name] = piece.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype, device=data.device)
     return out
