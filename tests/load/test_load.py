@@ -3,6 +3,8 @@ bounded memory; beyond capacity it sheds with RESOURCE_EXHAUSTED and recovers.""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from bench.load_test import run_load, run_overload
@@ -23,9 +25,15 @@ def working_set_mib() -> float:
 
 
 def assert_bounded(series: list[float]) -> None:
-    half = len(series) // 2
+    """Below the start plus the working set throughout, and not growing: the second half's median
+    within 48 MiB of the first half's (after the start sample). Medians, not maxima: resident memory
+    swings by ~100 MiB from second to second as chunks are scored (a higher peak in the second half is
+    noise; a leak moves the median)."""
     assert max(series) < series[0] + working_set_mib(), (working_set_mib(), series)
-    assert max(series[half:]) <= max(series[:half]) + 64, f"resident memory keeps growing: {series}"
+    warm = series[1:]
+    half = len(warm) // 2
+    first, second = statistics.median(warm[:half]), statistics.median(warm[half:])
+    assert second <= first + 48, f"resident memory keeps growing (median {first:.0f} -> {second:.0f} MiB): {series}"
 
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]  # 64 clients against deadlines: the whole machine

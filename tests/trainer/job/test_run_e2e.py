@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -31,11 +32,18 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def assert_owner_only(*roots) -> int:
-    """Every directory and file under `roots` (and the roots) is owner-only; returns how many it checked."""
+    """Every directory and file under `roots` (and the roots) is owner-only; returns how many it checked.
+    The run is live: a file listed and then removed (a temporary file renamed into place, a pruned
+    checkpoint) is skipped, never one that exists."""
     seen = 0
     for root in roots:
-        for path in [root, *root.rglob("*")]:
-            st = path.lstat()
+        # os.walk, not rglob: a directory removed mid-walk is skipped (rglob raises)
+        walked = [Path(d) / n for d, dirs, files in os.walk(root) for n in [*dirs, *files]]
+        for path in [root, *walked]:
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
             if stat.S_ISLNK(st.st_mode):
                 continue
             assert stat.S_IMODE(st.st_mode) & 0o077 == 0, f"{path} is {stat.S_IMODE(st.st_mode):o}"
@@ -321,6 +329,9 @@ def test_tiny_run_with_the_weights_broadcast(tmp_path):
     assert "weight broadcast failed" not in learner_log
     worker_log = (run_dir / "logs" / "rollout-w0.log").read_text()
     assert "loaded policy version 3" in worker_log and "cannot load" not in worker_log
+    # the learner's goodbye ended the receiver's thread before the worker exited (a thread left in
+    # gloo's wait could abort the worker's exit: "terminate called without an active exception")
+    assert "the learner finished its run; receiver ended" in worker_log, worker_log[-3000:]
     assert not (run_dir / "weights").exists() and not shm_weights_dir(run_dir).parent.exists()
     ids = trained_ids(committed_state(run_dir))
     assert len(ids) == 32 and sorted(set(ids.values())) == [1, 2, 3, 4]

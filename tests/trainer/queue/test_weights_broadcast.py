@@ -2,7 +2,8 @@
 workers in one collective broadcast over a process group of their own (gloo here, NCCL on GPUs; the
 code is the same but for the backend). Real TCPStores and gloo groups over TCP; receivers in threads
 of this process and in a worker process of their own (killed to end the group). End to end: the
-tiny run with weight_sync=broadcast (tests/trainer/job/test_run_e2e.py)."""
+tiny run with weight_sync=broadcast (tests/trainer/job/test_run_e2e.py), whose worker exits 0 after
+the learner's goodbye."""
 
 from __future__ import annotations
 
@@ -86,6 +87,15 @@ def test_every_version_reaches_every_worker_whole_and_in_another_dtype():
         with pytest.raises(WeightsUnavailable, match="names no sequence"):
             with receivers[0].holding(pv.__class__(**{**pv.__dict__, "sha256": "abc"})):
                 pass
+        # the run is over: the goodbye ends every receiver's thread (none is left blocked in gloo's
+        # wait when a worker exits), and the last version stays loadable
+        sender.finish()
+        for r in receivers:
+            wait_for(lambda r=r: not r._thread.is_alive(), what="the receiver's thread to end")
+            assert (r.state, r.received) == ("ended", 3)
+            with r.holding(pv) as tensors:
+                assert torch.equal(tensors["scale"].float(), learner.state_dict()["scale"].float())
+        told(endpoint, "closed")
     finally:
         for r in receivers:
             r.close()

@@ -177,6 +177,7 @@ class LearnerLoop:
                      "restart to resume (unacknowledged rollouts are trained then)", iteration,
                      self.trainer.ckpt.latest())
         else:
+            self.trainer.weights_out.finish()
             self.feed.finish()
             log.info("training finished: %d iterations, %d rollouts trained", self.state.iteration, len(self.ledger))
 

@@ -41,6 +41,11 @@ class WeightsOut:
     def prune(self, protect: int) -> None:
         prune_weights(self.cfg.weights_dir, self.cfg.checkpoint.keep_weights, protect=protect)
 
+    def finish(self) -> None:
+        """The run is over (before the workers are told): the broadcast's receivers end their threads."""
+        if self._sender is not None:
+            self._sender.finish()
+
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()

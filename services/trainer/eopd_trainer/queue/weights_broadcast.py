@@ -24,6 +24,10 @@ broadcast that fails (a worker died, a timeout) ends the group: the learner logs
 (`open` = 0 in the store) and publishes every later version as files (`weight_sync: disk`, the
 fallback), which every worker loads. A worker that finds the group full or closed loads files only.
 A restarted learner hosts a new store and group, and the workers' receivers join it again.
+
+A learner that finished its run says goodbye (`BroadcastSender.finish`): one last header with
+sequence number 0, after which each receiver's thread leaves the group and ends, so that no thread
+is blocked in gloo's or NCCL's wait when the worker's process exits.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ log = logging.getLogger("eopd.weights")
 FORMAT = "broadcast"
 MAGIC = 0x454F5044_42433031  # "EOPDBC01"
 HEADER_LEN = 8  # magic, seq, version, iteration, checksum, payload bytes, layout hash (2 x int64)
+GOODBYE = 0  # the sequence number of the learner's last header: the run is over
 REJOIN_S = 2.0  # a receiver whose group ended tries to join a new one this often
 
 
@@ -175,6 +180,18 @@ class BroadcastSender:
             self.store.set("open", "0")
         self.group = None
 
+    def finish(self) -> None:
+        """The run is over: a goodbye header (sequence number 0) ends every receiver's thread, then
+        the group closes. Best effort: a receiver that misses it ends with its process."""
+        if self.group is not None:
+            header = torch.tensor([MAGIC, GOODBYE, -1, -1, 0, self.nbytes, *_layout_hash(self.described)],
+                                  dtype=torch.int64, device=self.device)
+            try:
+                self.group.broadcast(header, 0, datetime.timedelta(seconds=self.endpoint.timeout_s)).wait()
+            except Exception as exc:  # a worker already gone: nothing to end there
+                log.info("weight broadcast: goodbye not delivered (%s: %s)", type(exc).__name__, exc)
+        self.close()
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.store.set("open", "0")
@@ -202,8 +219,12 @@ class BroadcastReceiver:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
+        """Stops the thread; waits up to `wait_s` for it (it ends at once unless blocked in a
+        broadcast: the learner's goodbye ends that one)."""
         self.stop.set()
+        if self._thread.is_alive():
+            self._thread.join(wait_s)
 
     @contextlib.contextmanager
     def holding(self, pv: PolicyVersion) -> Iterator[dict[str, torch.Tensor]]:
@@ -264,10 +285,15 @@ class BroadcastReceiver:
         while not self.stop.is_set():
             # no timeout on the wait for the next version: the learner publishes when it has trained
             group.broadcast(header, 0, datetime.timedelta(days=7)).wait()
-            group.broadcast(staging, 0, datetime.timedelta(seconds=self.endpoint.timeout_s)).wait()
             got = [int(x) for x in header.tolist()]
             if [got[0], got[6], got[7]] != expect or got[5] != nbytes:
                 raise RuntimeError(f"weight broadcast: header {got[:6]} is not this group's")
+            if got[1] == GOODBYE:  # the learner finished its run: this thread ends
+                self.state = "ended"
+                self.stop.set()
+                log.info("weight broadcast: the learner finished its run; receiver ended")
+                return
+            group.broadcast(staging, 0, datetime.timedelta(seconds=self.endpoint.timeout_s)).wait()
             if checksum(staging) != got[4]:
                 raise RuntimeError(f"weight broadcast: version {got[2]} arrived with another checksum")
             with self.lock:
