@@ -24,7 +24,11 @@ vllm_log="$(mktemp -t eopd-vllm-setup.XXXXXX)"
 bash scripts/vllm_env.sh --install-only >"$vllm_log" 2>&1 &
 vllm_setup=$!
 status=0
-OMP_WAIT_POLICY="$wait_policy" python -m pytest -n "${EOPD_TEST_WORKERS:-2}" --dist loadfile -m "not serial" || status=$?
+# --no-loadscope-reorder: files are handed out in collection order (tests/conftest.py puts the files
+# with slow tests first); xdist's default reorders them by test count, which put the single-test
+# SmolLM2 files last and left one worker idle while the other finished them.
+OMP_WAIT_POLICY="$wait_policy" python -m pytest -n "${EOPD_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  -m "not serial" || status=$?
 OMP_WAIT_POLICY="$wait_policy" python -m pytest -m serial || status=$?
 setup_status=0
 wait "$vllm_setup" || setup_status=$?
