@@ -31,7 +31,8 @@
 # problem's kind: word problems, kind "more", to the teacher given the answer, the rest to the plain
 # teacher; one teacher process), e.g. eopd+privileged, eopd+self, eopd+routed.
 # PRESET=smollm2-far runs the far-student preset (issue 35, configs/smollm2-far.yaml) instead of smollm2-cpu;
-# its student is built first when missing (scripts/far_student.py: prune, heal with KD, choose on the training split).
+# its student is built first when missing (scripts/far_student.py --build: the student of the archived choice,
+# docs/results/far-student/choice.json, pruned and healed with KD again).
 # Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] [ARCHIVE=docs/results/runs]
 #        [PRESET=smollm2-cpu] bash scripts/experiment.sh [SEED ...]
 set -euo pipefail
@@ -44,7 +45,7 @@ archive=${ARCHIVE:-}
 preset=${PRESET:-smollm2-cpu}
 mkdir -p "$out"
 if [ "$preset" = smollm2-far ] && [ ! -f runs/far-student/student/config.json ] && [ -z "${DRY_RUN:-}" ]; then
-  python scripts/far_student.py --out runs/far-student
+  python scripts/far_student.py --build --out runs/far-student  # the archived choice's student, healed again
 fi
 
 finished() {  # a run whose training and evaluation completed

@@ -4,6 +4,7 @@ format again, chosen on the TRAINING split by the rule below (never the held-out
 
     .venv/bin/python scripts/far_student.py [--candidates "12,14,16;10,12,14,16,18;..."]
         [--heal-iterations 8] [--out runs/far-student] [--probe 64] [--samples 4]
+    .venv/bin/python scripts/far_student.py --build [LAYERS]   # the archived choice's student only
 
 For each candidate (a `;`-separated list of comma-separated layer lists):
 
@@ -36,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT_MIN = 0.9  # share of answers holding a number
 FAR_FACTOR = 2.0  # reverse KL to the teacher, over the default student's
+CHOICE = ROOT / "docs" / "results" / "far-student" / "choice.json"  # configs/smollm2-far.yaml's student
 
 
 def heal(preset: Path, base: str, dropped: str, out: Path, iterations: int) -> Path:
@@ -83,7 +85,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "far-student")
     p.add_argument("--format-min", type=float, default=FORMAT_MIN, help="the rule's answer-format share (tests: 0)")
+    p.add_argument("--build", nargs="?", const=str(CHOICE), default=None, metavar="LAYERS|CHOICE.json",
+                   help="only heal the student that drops LAYERS (default: the archived choice's, "
+                        "docs/results/far-student/choice.json) into <out>/student: no probes, no choice "
+                        "(what scripts/experiment.sh does for smollm2-far)")
     args = p.parse_args(argv)
+    if args.build:
+        from eopd_trainer.config import load_config
+
+        dropped, iterations = args.build, args.heal_iterations
+        if dropped.endswith(".json"):  # an archived choice: its layers and heal length
+            choice = json.loads(Path(dropped).read_text())
+            dropped, iterations = choice["chosen"], choice["heal_iterations"]
+        healed = heal(args.config, load_config(args.config).teacher.model, dropped, args.out, iterations)
+        target = args.out / "student"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(healed, target)
+        print(f"[far] built: drop {dropped} healed {iterations} iterations -> {target}", flush=True)
+        return 0
     from eopd_trainer.config import load_config
     from eopd_trainer.data import read_records
     from eopd_trainer.job.prepare import prepare_and_write

@@ -1,6 +1,7 @@
 """scripts/far_student.py (issue 35): the far student's rule on hand-made probes, and the whole
 build (prune, heal with KD through `eopd run`, probe on the training split, choose, copy) on the
-tiny preset with real processes."""
+tiny preset with real processes, and the rebuild of the chosen student alone (`--build`) to the
+same weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import importlib.util
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.procs import ROOT
 
@@ -43,3 +46,11 @@ def test_far_student_on_the_tiny_preset(tmp_path):
             assert 0 <= c[stage]["avg_at_k"] <= 1 and c[stage]["reverse_kl"] > 0
     assert (out / "student" / "config.json").is_file()
     assert json.loads((out / "student" / "config.json").read_text())["num_hidden_layers"] == 1
+    # --build (scripts/experiment.sh, each session: runs/ is not kept) heals the chosen candidate
+    # alone, to the same weights
+    rebuilt = tmp_path / "rebuilt"
+    assert far_student.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--build", choice["chosen"],
+                             "--heal-iterations", "1", "--out", str(rebuilt)]) == 0
+    ours, theirs = (load_file(next((d / "student").glob("*.safetensors"))) for d in (out, rebuilt))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not (rebuilt / "choice.json").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from eopd_trainer.batching import (
     gradient_accumulation_steps,
     pack_rollouts,
@@ -109,6 +110,24 @@ def test_config_needs_data_and_file():
         load_config(None, [])
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml", [])
+
+
+def test_model_paths_in_a_file_are_relative_to_it(tmp_path):
+    """A model spec with a "/" is a path, relative to the config file (configs/smollm2-far.yaml's
+    built student); presets are left alone; overrides stay relative to the current directory."""
+    conf = tmp_path / "configs" / "far.yaml"
+    conf.parent.mkdir()
+    data = yaml.safe_load(TINY.read_text())
+    data["data"]["train_files"] = [str(ROOT / "configs" / f) for f in data["data"]["train_files"]]
+    data["student"]["model"] = "../runs/far/student"
+    data["teacher"]["model"] = "tiny-random@0"
+    conf.write_text(yaml.safe_dump(data))
+    cfg = load_config(conf)
+    assert cfg.student.model == str(tmp_path / "runs" / "far" / "student") and cfg.teacher.model == "tiny-random@0"
+    assert load_config(conf, ["student.model=runs/x"]).student.model == "runs/x"
+    data["student"]["model"] = "smollm2-135m[drop=14]"
+    conf.write_text(yaml.safe_dump(data))
+    assert load_config(conf).student.model == "smollm2-135m[drop=14]"
 
 
 def test_apply_overrides_creates_paths():

@@ -30,6 +30,20 @@ def test_presets_validate(preset, capsys):
     assert "is valid" in capsys.readouterr().out
 
 
+def test_the_far_student_preset_is_the_default_but_for_its_student():
+    """configs/smollm2-far.yaml (issue 35) differs from the default preset only in its student (the
+    path scripts/far_student.py --build writes, relative to the file), run_dir and queue namespace;
+    the archived choice it names drops the layers the file says."""
+    default, far = (load_config(CONFIGS / f"{p}.yaml").model_dump(mode="json") for p in ("smollm2-cpu", "smollm2-far"))
+    assert far["student"].pop("model") == str(ROOT / "runs" / "far-student" / "student")
+    assert default["student"].pop("model") == "smollm2-135m[drop=14]"
+    assert (far.pop("run_dir"), default.pop("run_dir")) == (str(ROOT / "runs" / "smollm2-far"), str(ROOT / "runs" / "smollm2-cpu"))
+    assert (far["queue"].pop("namespace"), default["queue"].pop("namespace")) == ("eopd:smollm2-far", "eopd:smollm2-cpu")
+    assert far == default
+    choice = json.loads((ROOT / "docs" / "results" / "far-student" / "choice.json").read_text())
+    assert choice["chosen"] == "8,10,12,14,16,18,20" and "(8, 10, 12, 14, 16, 18, 20)" in (CONFIGS / "smollm2-far.yaml").read_text()
+
+
 def test_qwen3_paper_has_the_paper_hyperparameters():
     cfg = load_config(CONFIGS / "qwen3-paper.yaml")
     assert (cfg.train.batch_size, cfg.train.mini_batch_size, cfg.train.lr) == (128, 32, 3e-6)

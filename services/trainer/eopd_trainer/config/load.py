@@ -19,6 +19,9 @@ from eopd_common.cpu_threads import cpu_threads_note
 from .sections import ConfigError, RunConfig
 
 _PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"), ("queue", "auth_key_file"))
+# Model specs are presets ("smollm2-135m[drop=14]", "tiny-random@0") or paths: one with a "/" in it
+# is a path, relative to the file like the others (configs/smollm2-far.yaml's built student).
+_MODEL_FIELDS = (("student", "model"), ("teacher", "model"))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -65,14 +68,18 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
             return os.path.normpath(str(base / p))
         return p
 
-    for path in _PATH_FIELDS:
-        node = data
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or path[-1] not in node:
-            continue
-        value = node[path[-1]]
-        node[path[-1]] = [fix(v) for v in value] if isinstance(value, list) else fix(value)
+    def fix_model(p: Any) -> Any:
+        return fix(p) if isinstance(p, str) and "/" in p else p
+
+    for fields, fixer in ((_PATH_FIELDS, fix), (_MODEL_FIELDS, fix_model)):
+        for path in fields:
+            node = data
+            for part in path[:-1]:
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or path[-1] not in node:
+                continue
+            value = node[path[-1]]
+            node[path[-1]] = [fixer(v) for v in value] if isinstance(value, list) else fixer(value)
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
@@ -93,8 +100,8 @@ def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] 
     """Loads a run config: YAML file (optional), then `EOPD_RUN_*` environment variables, then
     `key=value` overrides, then validation.
 
-    Relative paths (run_dir, data files) in the file are relative to the file's directory; in
-    overrides they are relative to the current directory.
+    Relative paths (run_dir, data files, a model given as a path: one with a "/") in the file are
+    relative to the file's directory; in overrides they are relative to the current directory.
     """
     data: dict[str, Any] = {}
     if path is not None:
