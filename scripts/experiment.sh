@@ -33,16 +33,17 @@
 # PRESET=smollm2-far runs the far-student preset (issue 35, configs/smollm2-far.yaml) instead of smollm2-cpu;
 # its student is built first when missing (scripts/far_student.py --build: the student of the archived choice,
 # docs/results/far-student/choice.json, pruned and healed with KD again).
-# Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp] [ARCHIVE=docs/results/runs]
+# Usage: [VARIANTS="eopd opd"] [OVERRIDES="train.iterations=48"] [OUT=runs/exp, smollm2-far: runs/exp-far]
+#        [ARCHIVE=docs/results/runs; smollm2-far: a directory of its own, docs/results/runs-far]
 #        [PRESET=smollm2-cpu] bash scripts/experiment.sh [SEED ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
 seeds=(${@:-0 1 2})
 variants=(${VARIANTS:-eopd opd full_fkl random_fkl})
-out=${OUT:-runs/exp}
-archive=${ARCHIVE:-}
 preset=${PRESET:-smollm2-cpu}
+if [ "$preset" = smollm2-far ]; then out=${OUT:-runs/exp-far}; else out=${OUT:-runs/exp}; fi  # run names repeat across presets
+archive=${ARCHIVE:-}
 mkdir -p "$out"
 if [ "$preset" = smollm2-far ] && [ ! -f runs/far-student/student/config.json ] && [ -z "${DRY_RUN:-}" ]; then
   python scripts/far_student.py --build --out runs/far-student  # the archived choice's student, healed again
