@@ -43,6 +43,8 @@ class PhaseResult:
     messages: dict[str, str] = field(default_factory=dict)  # the first message seen for each error code
     by_mode: Counter = field(default_factory=Counter)  # answered requests per client mode (unary, stream)
     reopened: int = 0  # streams re-opened after an error
+    connect_s: float = 0.0  # the slowest client's connection, before the clock started
+    slowest: dict[str, float] = field(default_factory=dict)  # the longest answered request per mode, s
 
     def ok(self, mode: str, scored: int, latency: float) -> None:
         self.codes["OK"] += 1
@@ -50,6 +52,7 @@ class PhaseResult:
         self.by_mode[mode] += 1
         self.scored_tokens += scored
         self.latencies.append(latency)
+        self.slowest[mode] = max(self.slowest.get(mode, 0.0), latency)
 
     def error(self, err: Exception) -> None:
         """A failed call (grpc.aio.AioRpcError) or a stream request answered with an in-band error
@@ -71,6 +74,8 @@ class PhaseResult:
             "codes": dict(self.codes),
             "requests_by_mode": {m: self.by_mode[m] for m in ("unary", "stream")},
             "streams_reopened": self.reopened,
+            "connect_s_max": self.connect_s,
+            "slowest_ms_by_mode": {m: v * 1000 for m, v in self.slowest.items()},
             "messages": dict(self.messages),
             "rss_mib_start": self.rss[0] if self.rss else None,
             "rss_mib_max": max(self.rss) if self.rss else None,
@@ -87,13 +92,24 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
     from eopd_teacher.client import AsyncTeacherClient, RequestFailed, ScoreBatch
 
     res = PhaseResult(seconds)
-    stop = time.monotonic() + seconds
+    # Every client connects before the clock starts (64 channels connecting at once is a connection
+    # storm, not sustained load): the phase's `stop` is set once all are connected.
+    stop = float("inf")
+    connected, go = asyncio.Queue(), asyncio.Event()
     scored_per_req = n_seqs * (length - length // 4)
+
+    async def connect(c) -> None:
+        t = time.perf_counter()
+        await c.wait_connected(120)
+        res.connect_s = max(res.connect_s, time.perf_counter() - t)
+        connected.put_nowait(1)
+        await go.wait()
 
     async def unary_client(i: int) -> None:
         rng = np.random.default_rng(i)
         backoff = 0.05
         async with AsyncTeacherClient(target, retry_timeout=30 if retry else 0, retry_overload=retry, client_id=f"load-{i}") as c:
+            await connect(c)
             while time.monotonic() < stop:
                 t = time.perf_counter()
                 try:
@@ -123,6 +139,7 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
 
         backoff = 0.05
         async with AsyncTeacherClient(target, retry_timeout=30 if retry else 0, retry_overload=retry, client_id=f"load-{i}") as c:
+            await connect(c)
             first = True
             while time.monotonic() < stop:
                 if not first:
@@ -139,6 +156,11 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
                     backoff = min(backoff * 2, 1.0)
 
     async def sample_rss() -> None:
+        nonlocal stop
+        for _ in range(clients):
+            await connected.get()
+        stop = time.monotonic() + seconds
+        go.set()
         while time.monotonic() < stop:
             res.rss.append(rss_mib(pid))
             await asyncio.sleep(1.0)

@@ -40,6 +40,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]  # 
 
 
 def test_sustained_load_zero_errors_bounded_memory():
+    """The clients connect before the clock starts (bench/load_test.py): in two CI runs, 28 unary
+    requests missed their 60 s deadline and the slowest stream answer took 63 s (Linux's SYN
+    retransmissions add up to 63 s) while the median answer took 0.2 s. That is the signature of
+    connections that were slow to open, not of requests starved by the server. `connect_s_max`
+    and `slowest_ms_by_mode` in the printed result tell which."""
     with running_teacher("tiny-random") as proc:
         r = run_load(proc.target, proc.popen.pid, clients=64, seconds=60)
     print(r)

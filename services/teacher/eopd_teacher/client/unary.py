@@ -153,6 +153,11 @@ class AsyncTeacherClient(ChannelClient):
     async def __aenter__(self) -> AsyncTeacherClient:
         return self
 
+    async def wait_connected(self, timeout: float) -> None:
+        """Returns once the channel is connected (TimeoutError after `timeout` s): a load test's
+        clients connect before its clock starts."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
