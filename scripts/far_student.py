@@ -76,6 +76,14 @@ def choose(candidates: dict[str, dict], reference: dict, format_min: float = FOR
     return max(keeps_format, key=lambda d: keeps_format[d]["healed"]["reverse_kl"])
 
 
+def install_student(export: Path | str, out: Path) -> Path:
+    """Copies a healed student's export to <out>/student (the preset's student.model), replacing it."""
+    target = out / "student"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(export, target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-cpu.yaml")
@@ -98,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             choice = json.loads(Path(dropped).read_text())
             dropped, iterations = choice["chosen"], choice["heal_iterations"]
         healed = heal(args.config, load_config(args.config).teacher.model, dropped, args.out, iterations)
-        target = args.out / "student"
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(healed, target)
+        target = install_student(healed, args.out)
         print(f"[far] built: drop {dropped} healed {iterations} iterations -> {target}", flush=True)
         return 0
     from eopd_trainer.config import load_config
@@ -124,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         candidates[dropped] = {"layers_removed": len(dropped.split(",")), "export": str(healed), **got}
         print(f"[far] drop {dropped}: {candidates[dropped]}", flush=True)
     chosen = choose(candidates, reference, args.format_min)
-    target = args.out / "student"
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(candidates[chosen]["export"], target)
+    target = install_student(candidates[chosen]["export"], args.out)
     (args.out / "choice.json").write_text(json.dumps({
         "rule": f"most layers removed with number_frac >= {args.format_min} and reverse KL >= {FAR_FACTOR}x the default "
                 "student's (else the farthest keeping the format), on the training probe",
