@@ -12,7 +12,8 @@
 # each seed evaluates its final student on both sets, every other run on the held-out set
 # (EVAL_ALL=1: everything in every run; FINAL_ONLY=1: only the final student on the held-out set,
 # when archived runs of the same preset and seeds have evaluated the rest; with FINAL_VARIANTS=1 too
-# the final student on the variants set).
+# the final student on the variants set; VARIANTS_EVERY_RUN=1: every run's final student on both sets,
+# the teacher and initial student in the first run only; the default for PRESET=smollm2-far, issue 35).
 #
 # Resumable across machines: with ARCHIVE=DIR each finished run's small files (run.yaml, eval*.json,
 # train_metrics.jsonl, run_summary.json: what the report and the tables read) are copied to
@@ -44,6 +45,7 @@ variants=(${VARIANTS:-eopd opd full_fkl random_fkl})
 preset=${PRESET:-smollm2-cpu}
 if [ "$preset" = smollm2-far ]; then out=${OUT:-runs/exp-far}; else out=${OUT:-runs/exp}; fi  # run names repeat across presets
 archive=${ARCHIVE:-}
+if [ "$preset" = smollm2-far ]; then variants_every_run=${VARIANTS_EVERY_RUN-1}; else variants_every_run=${VARIANTS_EVERY_RUN:-}; fi
 mkdir -p "$out"
 if [ "$preset" = smollm2-far ] && [ ! -f runs/far-student/student/config.json ] && [ -z "${DRY_RUN:-}" ]; then
   python scripts/far_student.py --build --out runs/far-student  # the archived choice's student, healed again
@@ -114,7 +116,7 @@ for i in "${!order[@]}"; do
     if [ -z "${FINAL_VARIANTS:-}" ]; then evals+=(eval.variants=false); fi
   elif [ -z "${EVAL_ALL:-}" ]; then
     if [ "$i" != 0 ]; then evals+=("eval.models=[final]"); fi
-    if [ "$v" != "${variants[0]}" ]; then evals+=(eval.variants=false); fi
+    if [ "$v" != "${variants[0]}" ] && [ -z "$variants_every_run" ]; then evals+=(eval.variants=false); fi
   fi
   mapfile -t loss < <(variant_overrides "$v")
   if [ -n "${DRY_RUN:-}" ]; then echo "would run: $name ${loss[*]} ${evals[*]}"; continue; fi
