@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eopd_trainer.eval.experiment_table import last_quarter, main
 
 
 def fake_run(path, variant, seed, final_avg, gates):
     path.mkdir()
     (path / "run.yaml").write_text(f"loss: {{variant: {variant}}}\nseed: {seed}\n")
-    models = {name: {"avg_at_k": avg, "pass_at_k": {"1": avg, "4": min(1.0, 2 * avg)}, "n_samples": 4,
+    models = {name: {"entropy_bins": [0.0, 0.5, 1.0, 8.0], "entropy_hist_student": [5, 3, 2 + seed],
+                     "avg_at_k": avg, "pass_at_k": {"1": avg, "4": min(1.0, 2 * avg)}, "n_samples": 4,
                      "strict": {"avg_at_k": 0.0}, "flexible": {"avg_at_k": avg}, "high_entropy_share_student": 0.1,
                      "high_entropy_share_teacher": 0.2, "fkl_high_entropy": 0.5}
               for name, avg in (("teacher", 0.6), ("initial", 0.1), ("final", final_avg))}
@@ -66,9 +69,26 @@ def test_experiment_figures_written(tmp_path):
     runs = [fake_run(tmp_path / f"{v}{s}", v, s, 0.3 + 0.05 * s, [0.4, 0.3, 0.2]) for v in ("eopd", "opd") for s in (0, 1)]
     assert figures_main([*map(str, runs), "--out", str(tmp_path / "figs"), "--prefix", "exp_"]) == 0
     names = sorted(p.name for p in (tmp_path / "figs").iterdir())
-    assert names == ["exp_entropy_share.png", "exp_pass_at_k.png", "exp_training.png"]
+    assert names == ["exp_entropy_histograms.png", "exp_entropy_share.png", "exp_pass_at_k.png", "exp_training.png"]
     assert all((tmp_path / "figs" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     assert figures_main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_entropy_histograms_pool_counts_per_loss_and_shared_model():
+    from eopd_trainer.eval.experiment_figures import pooled_histograms
+
+    def models(teacher, final):
+        return {"teacher": {"entropy_bins": [0, 1, 2], "entropy_hist_student": teacher},
+                "final": {"entropy_bins": [0, 1, 2], "entropy_hist_student": final}, "initial": {"avg_at_k": 0.1}}
+
+    edges, shares = pooled_histograms([("eopd", models([3, 1], [1, 1])), ("eopd", models([0, 4], [2, 0])),
+                                       ("opd", {"final": {"entropy_bins": [0, 1, 2], "entropy_hist_student": [9, 1]}})])
+    assert edges == [0, 1, 2]
+    # counts summed before dividing: the teacher 3+0, 1+4 of 8; eopd's finals 1+2, 1+0 of 4
+    assert shares == {"teacher": [3 / 8, 5 / 8], "eopd": [3 / 4, 1 / 4], "opd": [0.9, 0.1]}
+    with pytest.raises(ValueError, match="entropy bins differ"):
+        pooled_histograms([("a", models([1, 1], [1, 1])), ("b", {"final": {"entropy_bins": [0, 2, 4],
+                                                                               "entropy_hist_student": [1, 1]}})])
 
 
 def test_gkd_lambdas_and_warmup_are_separate_rows(tmp_path, capsys):

@@ -3,14 +3,17 @@ mean over the group's seeds with its min–max band.
 
     python -m eopd_trainer.eval.experiment_figures runs/exp/eopd-s0 runs/exp/opd-s0 ... --out DIR [--prefix P]
 
-Writes three PNG files into DIR:
+Writes four PNG files into DIR:
 - `<P>pass_at_k.png`: Pass@k (headline grading, held-out set) of each variant's final student
   against k, with the teacher and the initial student (paper fig. 2);
 - `<P>training.png`: over training iterations, per variant: the gate ratio (share of response
   tokens with teacher entropy >= tau, paper appendix E), the student's token entropy, the forward
   KL at those high-entropy positions, and the PPO clip fraction;
 - `<P>entropy_share.png`: the share of held-out response tokens with entropy >= 1 nat, the model's
-  own and the teacher's at the same positions (paper section 5.3).
+  own and the teacher's at the same positions (paper section 5.3);
+- `<P>entropy_histograms.png`: the distribution of the token entropy of held-out responses, the
+  teacher's, the initial student's and each loss's final students' own, counts pooled over the
+  runs (paper fig. 3: does a loss collapse the student's entropy?).
 
 The teacher and the initial student are the same models in every run of an experiment: their
 lines pool every run that evaluated them.
@@ -24,7 +27,7 @@ import sys
 from pathlib import Path
 
 from .experiment_table import run_facts
-from .run_files import read_iterations
+from .run_files import read_eval, read_iterations
 
 #: (panel title, iteration key) of the training figure.
 TRAINING_PANELS = (
@@ -56,6 +59,30 @@ def group_facts(facts_of: dict[Path, dict]) -> tuple[dict[str, list[dict]], dict
             if name in models:
                 shared[name].append(models[name])
     return finals, shared
+
+
+def pooled_histograms(runs_models: list[tuple[str, dict]]) -> tuple[list[float], dict[str, list[float]]]:
+    """(bin edges, label -> share of tokens per bin) of the models' own token entropy on held-out
+    responses. `runs_models`: one (variant, models) pair per run, models being its held-out
+    `eval.json` models (name -> metrics with `entropy_bins` and the counts `entropy_hist_student`).
+    The teacher and the initial student pool every run that evaluated them ("teacher", "initial");
+    a loss's final students pool its runs (the variant's name). Counts are summed before dividing,
+    so a run with more tokens weighs more. Models without a histogram are skipped; runs whose bins
+    differ from the first one's are an error."""
+    edges: list[float] = []
+    counts: dict[str, list[int]] = {}
+    for variant, models in runs_models:
+        for name, m in models.items():
+            if "entropy_bins" not in m or name not in ("teacher", "initial", "final"):
+                continue
+            if not edges:
+                edges = list(m["entropy_bins"])
+            elif list(m["entropy_bins"]) != edges:
+                raise ValueError(f"entropy bins differ between runs: {m['entropy_bins']} vs {edges}")
+            label = variant if name == "final" else name
+            acc = counts.setdefault(label, [0] * (len(edges) - 1))
+            counts[label] = [a + c for a, c in zip(acc, m["entropy_hist_student"], strict=True)]
+    return edges, {k: [c / max(sum(v), 1) for c in v] for k, v in counts.items()}
 
 
 def _ks(rows: list[dict]) -> list[int]:
@@ -133,11 +160,11 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     groups = [(n, r) for n, r in shared.items() if r] + list(finals.items())
     for i, (label, rows) in enumerate(groups):
-        for j, (who, colour) in enumerate((("h1_student", "tab:blue"), ("h1_teacher", "tab:orange"))):
+        for j, (who, bar_colour) in enumerate((("h1_student", "tab:blue"), ("h1_teacher", "tab:orange"))):
             vals = [r[who] for r in rows if r.get(who) is not None]
             if vals:
                 mean = statistics.fmean(vals)
-                ax.bar(i + (j - 0.5) * 0.38, mean, width=0.36, color=colour,
+                ax.bar(i + (j - 0.5) * 0.38, mean, width=0.36, color=bar_colour,
                        yerr=[[mean - min(vals)], [max(vals) - mean]], capsize=3,
                        label=("the model's own" if who == "h1_student" else "the teacher at the same positions")
                        if i == 0 else None)
@@ -147,6 +174,21 @@ def write_figures(runs: list[Path], out_dir: Path, prefix: str = "") -> list[Pat
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     written.append(_save(plt, fig, out_dir / f"{prefix}entropy_share.png"))
+
+    edges, shares = pooled_histograms([(facts_of[run]["variant"], read_eval(run)["models"]) for run in runs])
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    centres = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    for label, share in shares.items():
+        ax.plot(centres, share, drawstyle="steps-mid", color=colour.get(label, "grey"),
+                linestyle="--" if label in shared else "-", label=label)
+    ax.set_xlabel("token entropy (nats), the model's own on its held-out responses")
+    ax.set_ylabel("share of tokens")
+    ax.set_yscale("log")
+    ax.set_title("Token entropy (paper fig. 3), counts pooled over runs", fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    written.append(_save(plt, fig, out_dir / f"{prefix}entropy_histograms.png"))
     return written
 
 
