@@ -273,3 +273,25 @@ def test_loop_trains_rank_0_on_the_feeds_decoded_rollouts(monkeypatch):
     assert [r.rollout_id for r in collected.rollouts] == ["t0-s0", "t0-s1"] and len(decoded) == 2
     loop.request_stop()
     assert loop._collect_everywhere(2, plan) is None
+
+
+def test_metrics_sink_sets_every_gauge_before_the_record_reaches_the_file(tmp_path):
+    """Whoever sees an iteration's record in the JSONL file (a test, `eopd report` on a live run) can
+    scrape every one of its values from Prometheus: the gauges are set first (stop 42's CI: a scrape
+    right after the record appeared missed the record's last key)."""
+    from eopd_trainer.learner.metrics import MetricsSink
+    from prometheus_client import REGISTRY
+
+    sink = MetricsSink(tmp_path, "order_check", tensorboard=False)
+    seen: list[dict] = []
+    real_write = sink._fh.write
+
+    def write(text):  # the gauges' values at the moment the record is written
+        seen.append({k: REGISTRY.get_sample_value(f"eopd_order_check_{k}") for k in ("iter_loss", "iter_idle_frac")})
+        return real_write(text)
+
+    sink._fh.write = write
+    sink.log(3, {"iter/loss": 1.5, "iter/idle_frac": 0.25}, iteration=1, kind="iteration")
+    sink.close()
+    assert seen == [{"iter_loss": 1.5, "iter_idle_frac": 0.25}]
+    assert '"iter/idle_frac": 0.25' in (tmp_path / "order_check_metrics.jsonl").read_text()

@@ -67,13 +67,13 @@ class MetricsSink:
             return
         clean = {k: float(v) for k, v in values.items() if v is not None and isinstance(v, (int, float))}
         record = {"step": step, "time": time.time(), **extra, **clean}
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
-        for k, v in clean.items():
+        for k, v in clean.items():  # gauges first: whoever sees the record in the file can scrape all of it
             if math.isfinite(v):
                 if self._tb is not None:
                     self._tb.add_scalar(k, v, step)
                 self._gauge(k).set(v)
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
 
     def close(self) -> None:
         if self._tb is not None:
