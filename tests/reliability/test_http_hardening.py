@@ -125,8 +125,10 @@ def test_a_large_answer_does_not_stall_another_client(teacher):
 
 
 def test_many_long_text_prompts_do_not_stall_another_client(teacher):
-    """2048 text prompts of ~400 characters (tokenized in a thread; nothing scored)."""
-    words = "the quick brown fox jumps over a lazy dog near " * 8
+    """2048 text prompts of ~750 characters (tokenized in a thread; nothing scored). At ~400 characters
+    the tokenizing took 0.38 s on a fast machine (a rehearsal, 2026-12-01), too short to see the victim
+    three times beside it."""
+    words = "the quick brown fox jumps over a lazy dog near " * 16
     texts = {"prompt": [f"{i} {words}" for i in range(2048)], "max_tokens": 0}
     alone = _alone(teacher)
     texts = json.dumps(texts).encode()
