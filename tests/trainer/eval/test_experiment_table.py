@@ -21,7 +21,8 @@ def fake_run(path, variant, seed, final_avg, gates):
     (path / "eval-variants.json").write_text(json.dumps({"models": {"final": models["final"]}}))
     (path / "train_metrics.jsonl").write_text("".join(
         json.dumps({"kind": "iteration", "iteration": i + 1, "iter/gate_ratio": g, "iter/clip_frac": 0.05,
-                    "iter/approx_kl": 0.01}) + "\n" for i, g in enumerate(gates)))
+                    "iter/approx_kl": 0.01, "iter/student_entropy": 2.0 - 0.1 * i, "iter/fkl_gated_mean": 1.5 - 0.1 * i,
+                    "iter/teacher_entropy": 1.0}) + "\n" for i, g in enumerate(gates)))
     (path / "run_summary.json").write_text(json.dumps({"train_s": 500.0 + seed, "total_s": 700.0 + seed}))
     return path
 
@@ -61,6 +62,33 @@ def test_teacher_and_initial_pooled_and_variants_paired_by_seed(tmp_path, capsys
     # times from run_summary.json: training and whole run, per variant over its seeds
     assert "| eopd | 2 | 0.300 (0.300–0.300) | 0.050 (0.050–0.050) | 0.010 (0.010–0.010) | – | 500.500 (500.000–501.000) | 700.500 (700.000–701.000) |" in out
 
+
+
+def test_seed_by_seed_tables(tmp_path, capsys):
+    """experiment_seeds: each run's values in seed order, paired differences per seed (bold where
+    ahead in every seed), first-quarter -> last-quarter training means."""
+    from eopd_trainer.eval.experiment_seeds import first_quarter_mean, main as seeds_main
+
+    assert first_quarter_mean([{"iter/x": v} for v in (4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)], "x") == 3.0
+    assert first_quarter_mean([{}], "x") is None
+    # given out of seed order: the tables put seed 0 first
+    runs = [fake_run(tmp_path / "e1", "eopd", 1, 0.20, [0.3] * 4), fake_run(tmp_path / "e0", "eopd", 0, 0.40, [0.3] * 4),
+            fake_run(tmp_path / "o0", "opd", 0, 0.30, [0.3] * 4), fake_run(tmp_path / "o1", "opd", 1, 0.25, [0.3] * 4),
+            fake_run(tmp_path / "k0", "kd", 0, 0.50, [0.3] * 4), fake_run(tmp_path / "k1", "kd", 1, 0.30, [0.3] * 4)]
+    assert seeds_main([*map(str, runs), "--paired", "opd", "--paired", "eopd"]) == 0
+    out = capsys.readouterr().out
+    assert "| loss | seeds 0 / 1: Avg@4 | Pass@4 | variants Avg@4 |" in out
+    assert "| eopd | 0.400 / 0.200 | 0.800 / 0.400 | 0.400 / 0.200 | 0.50 / 0.50 | 10% / 10% | 500-501 |" in out
+    # eopd - opd: +0.10 (seed 0), -0.05 (seed 1); kd - opd: +0.20, +0.05, ahead in every seed: bold
+    assert "| eopd − opd | +2.5 (+10.0, -5.0) | +5.0 (+20.0, -10.0) | +2.5 (+10.0, -5.0) |" in out
+    assert "| kd − opd | **+12.5 (+20.0, +5.0)** |" in out
+    assert "| opd − eopd | -2.5 (-10.0, +5.0) |" in out
+    # 4 iterations: first quarter = the first, last quarter = the last
+    assert "| eopd | 2.00→1.70 / 2.00→1.70 | 1.50→1.20 / 1.50→1.20 | 0.30 / 0.30 | 1.00 / 1.00 |" in out
+    assert seeds_main([*map(str, runs), "--paired", "edpo"]) == 0
+    captured = capsys.readouterr()
+    assert "minus edpo" not in captured.out and "--paired edpo: no run of that variant here" in captured.err
+    assert seeds_main([str(tmp_path / "missing")]) == 2
 
 def test_experiment_figures_written(tmp_path):
     from eopd_trainer.eval.experiment_figures import band, main as figures_main
