@@ -39,6 +39,8 @@ VOCAB = 49152
 MAX_CALLS = 4
 MAX_TOP_K = 32
 ALONE_MULTIPLE, ALONE_SLACK_S = 10, 1.0
+# Attacks are repeated for this long at least, so that a stall shows however fast the machine.
+MIN_ATTACK_SPAN_S = 2.0
 MIB = 1 << 20
 
 
@@ -78,36 +80,45 @@ def _alone(proc, payload: dict = VICTIM) -> float:
     return statistics.median(_victim_once(proc, payload) for _ in range(5))
 
 
-def _beside(proc, attack) -> tuple[list[float], float, object]:
-    """The victim's latencies while `attack()` runs in a thread (from 0.3 s after it starts until it
-    ends); the attack's duration and result."""
-    out: dict = {}
+def _beside(proc, attack, min_span_s: float = MIN_ATTACK_SPAN_S) -> tuple[list[float], list[float], list]:
+    """The victim's latencies while `attack()` runs in a thread, again and again until `min_span_s`
+    has passed (at least once: a fast machine finishes one attack in a fraction of a second); each
+    attack's duration and result. The victim starts 0.1 s after the first attack (its body sent)."""
+    out: dict = {"took": [], "results": []}
 
     def run() -> None:
-        started = time.perf_counter()
-        out["result"] = attack()
-        out["took"] = time.perf_counter() - started
+        begun = time.perf_counter()
+        while not out["took"] or time.perf_counter() - begun < min_span_s:
+            started = time.perf_counter()
+            out["results"].append(attack())
+            out["took"].append(time.perf_counter() - started)
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.3)
+    time.sleep(0.1)
     latencies = []
     while t.is_alive() or not latencies:
         latencies.append(_victim_once(proc))
     t.join()
-    return latencies, out["took"], out["result"]
+    return latencies, out["took"], out["results"]
 
 
-def _assert_not_stalled(alone: float, latencies: list[float], took: float) -> None:
-    """The victim's median request within ALONE_MULTIPLE x its time alone + ALONE_SLACK_S, and its
-    slowest within a third of the attack's own time (a loaded machine stalls now and then: engine
-    steps, garbage collection): stalled behind the attack, it waited about the attack's time (15 s
-    of a 19 s attack before the fix)."""
+def _assert_not_stalled(alone: float, latencies: list[float], took: list[float]) -> None:
+    """Stalled behind an attack, a request waits about as long as the attack's blocking part, once
+    per attack: 15 s of a 19 s attack before the fix; with the work put back on the event loop on
+    purpose (2026-12-01, AMD EPYC), 0.4-0.5 s of 0.5-0.9 s text attacks (tokenizing) and 0.26-0.34 s
+    of 0.9-1.0 s large-answer attacks (encoding), while unstalled requests took at most 0.07 s.
+    So: at most half of the attacks may leave a victim request slower than a fifth of an attack (a
+    loaded machine stalls now and then: engine steps, garbage collection), the median request within
+    ALONE_MULTIPLE x its time alone + ALONE_SLACK_S, and the victim served at least 3 times per attack."""
     bound = ALONE_MULTIPLE * alone + ALONE_SLACK_S
-    shown = f"victim {[round(x, 3) for x in latencies]} (alone {alone:.3f}s), attack {took:.2f}s"
+    slow_cut = max(statistics.median(took) / 5, ALONE_MULTIPLE * alone)
+    slow = [x for x in latencies if x > slow_cut]
+    shown = (f"victim {[round(x, 3) for x in latencies]} (alone {alone:.3f}s), {len(took)} attacks "
+             f"{[round(x, 2) for x in took]}s")
     assert statistics.median(latencies) <= bound, shown
-    assert max(latencies) <= max(bound, took / 3), shown
-    assert len(latencies) >= 3, f"the attack was too short to show anything: {shown}"
+    assert len(slow) <= len(took) // 2, f"{len(slow)} victim requests slower than {slow_cut:.2f}s: {shown}"
+    assert len(latencies) >= 3 * len(took), f"the victim was served about once per attack: {shown}"
 
 
 def test_a_large_answer_does_not_stall_another_client(teacher):
@@ -118,22 +129,23 @@ def test_a_large_answer_does_not_stall_another_client(teacher):
     alone = _alone(teacher)
     big = json.dumps(big).encode()
     assert _post(teacher, big).status_code == 200  # the engine's first pass at this shape (compiling) is not the point
-    latencies, took, r = _beside(teacher, lambda: _post(teacher, big, headers={"x-eopd-client": "attacker"}))
-    assert r.status_code == 200, r.text[:300]
-    assert len(r.json()["choices"][1]["prompt_logprobs"]) == 700
+    latencies, took, results = _beside(teacher, lambda: _post(teacher, big, headers={"x-eopd-client": "attacker"}))
+    for r in results:
+        assert r.status_code == 200, r.text[:300]
+        assert len(r.json()["choices"][1]["prompt_logprobs"]) == 700
     _assert_not_stalled(alone, latencies, took)
 
 
 def test_many_long_text_prompts_do_not_stall_another_client(teacher):
-    """2048 text prompts of ~750 characters (tokenized in a thread; nothing scored). At ~400 characters
-    the tokenizing took 0.38 s on a fast machine (a rehearsal, 2026-12-01), too short to see the victim
-    three times beside it."""
+    """2048 text prompts of ~750 characters (tokenized in a thread; nothing scored), again and again
+    for 2 s: one took 0.38 s on a fast machine at ~400 characters (a rehearsal, 2026-12-01); the
+    per-request token limit (512K) keeps one such request about that short."""
     words = "the quick brown fox jumps over a lazy dog near " * 16
     texts = {"prompt": [f"{i} {words}" for i in range(2048)], "max_tokens": 0}
     alone = _alone(teacher)
     texts = json.dumps(texts).encode()
-    latencies, took, r = _beside(teacher, lambda: _post(teacher, texts, headers={"x-eopd-client": "attacker"}))
-    assert r.status_code == 200, r.text[:300]
+    latencies, took, results = _beside(teacher, lambda: _post(teacher, texts, headers={"x-eopd-client": "attacker"}))
+    assert all(r.status_code == 200 for r in results), [r.text[:300] for r in results if r.status_code != 200]
     _assert_not_stalled(alone, latencies, took)
 
 
@@ -146,7 +158,8 @@ def test_many_long_text_prompts_do_not_stall_another_client(teacher):
 def test_oversize_requests_are_refused_before_any_work(teacher, payload, message):
     payload = json.dumps(payload).encode()
     alone = _alone(teacher)
-    latencies, took, r = _beside(teacher, lambda: _post(teacher, payload, headers={"x-eopd-client": "attacker"}))
+    latencies, took, (r,) = _beside(teacher, lambda: _post(teacher, payload, headers={"x-eopd-client": "attacker"}),
+                                    min_span_s=0)
     assert r.status_code == 413, r.text[:300]
     assert message in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
     assert max(latencies) <= ALONE_MULTIPLE * alone + ALONE_SLACK_S, (latencies, alone, took)
