@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .experiment_table import quarter_mean, run_facts
+from .experiment_table import quarter_mean, read_facts
 from .run_files import read_iterations
 
 
@@ -144,11 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", action="append", default=None, metavar="VARIANT",
                    help="tabulate each loss minus this one, seed by seed (repeatable; default opd)")
     args = p.parse_args(argv)
-    missing = [r for r in args.runs if not (r / "run.yaml").is_file()]
-    if missing:
-        print(f"not a run directory (no run.yaml): {', '.join(map(str, missing))}", file=sys.stderr)
+    facts = read_facts(args.runs)
+    if facts is None:
         return 2
-    facts = [run_facts(r) for r in args.runs]
     paired = tuple(args.paired or ["opd"])
     unknown = sorted(set(paired) - {f["variant"] for f in facts})
     for name in unknown:

@@ -138,6 +138,15 @@ def paired_differences(groups: dict[str, list[dict]], reference: str = "opd") ->
     return out
 
 
+def read_facts(runs: list[Path]) -> list[dict] | None:
+    """`run_facts` of every run; None (said on stderr) when one is not a run directory."""
+    missing = [r for r in runs if not (r / "run.yaml").is_file()]
+    if missing:
+        print(f"not a run directory (no run.yaml): {', '.join(map(str, missing))}", file=sys.stderr)
+        return None
+    return [run_facts(r) for r in runs]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eopd_trainer.eval.experiment_table",
                                 description="Markdown tables (mean and range over seeds) of finished runs.")
@@ -146,11 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", action="append", default=None, metavar="VARIANT",
                    help="also tabulate each variant minus this one, paired by seed (repeatable; default opd)")
     args = p.parse_args(argv)
-    missing = [r for r in args.runs if not (r / "run.yaml").is_file()]
-    if missing:
-        print(f"not a run directory (no run.yaml): {', '.join(map(str, missing))}", file=sys.stderr)
+    facts = read_facts(args.runs)
+    if facts is None:
         return 2
-    facts = [run_facts(r) for r in args.runs]
     if args.json:
         args.json.write_text(json.dumps(facts, indent=1))
     paired = tuple(args.paired or ["opd"])
