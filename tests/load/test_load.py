@@ -25,15 +25,18 @@ def working_set_mib() -> float:
 
 
 def assert_bounded(series: list[float]) -> None:
-    """Below the start plus the working set throughout, and not growing: the second half's median
-    within 48 MiB of the first half's (after the start sample). Medians, not maxima: resident memory
-    swings by ~100 MiB from second to second as chunks are scored (a higher peak in the second half is
-    noise; a leak moves the median)."""
+    """Below the start plus the working set throughout, and not growing: the floor (the lowest sample)
+    of the second half within 48 MiB of the first half's, both after the first tenth (the allocator's
+    arenas and gRPC's buffers grow in the first seconds). Resident memory swings by 100-250 MiB from
+    one quarter second to the next as score chunks are allocated and freed, so halves' medians depend
+    on which phase the samples caught: a CI run failed on medians 611 -> 666 MiB while its troughs
+    were 591 and 595 MiB. A leak keeps what it holds between chunks too, so it lifts the troughs;
+    sampled four times a second (bench/load_test.py), each half of a 15 s run sees several."""
     assert max(series) < series[0] + working_set_mib(), (working_set_mib(), series)
-    warm = series[1:]
+    warm = series[1 + len(series) // 10 :]
     half = len(warm) // 2
-    first, second = statistics.median(warm[:half]), statistics.median(warm[half:])
-    assert second <= first + 48, f"resident memory keeps growing (median {first:.0f} -> {second:.0f} MiB): {series}"
+    first, second = min(warm[:half]), min(warm[half:])
+    assert second <= first + 48, f"resident memory keeps growing (floor {first:.0f} -> {second:.0f} MiB): {series}"
 
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]  # 64 clients against deadlines: the whole machine
@@ -68,3 +71,13 @@ def test_overload_sheds_and_recovers():
     # ends with RESOURCE_EXHAUSTED and loses its other in-flight request, so few streams get an
     # answer in 15 s (measured: unary 30, stream 1); sustained load asserts both modes.
     assert r["requests_by_mode"]["unary"] > 0 and r["streams_reopened"] > 0, r
+
+
+def test_memory_bound_tells_a_leak_from_the_chunk_swing():
+    """The check itself, on the series of the CI run whose medians moved 611 -> 666 MiB (no leak: its
+    troughs stayed at 591-595 MiB), and on the same series with 4 MiB more held after every sample."""
+    ci = [570.0, 687.4, 591.2, 590.9, 594.2, 611.4, 612.1, 680.6, 643.7, 689.4, 688.3, 625.0, 688.2, 623.9, 594.8, 691.7]
+    assert_bounded(ci)
+    leaking = [x + 4 * i for i, x in enumerate(ci)]
+    with pytest.raises(AssertionError, match="keeps growing"):
+        assert_bounded(leaking)
