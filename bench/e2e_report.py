@@ -34,6 +34,21 @@ def time_to_reach(points: list[tuple[float, float]], target: float) -> float | N
     return None if not points or points[0][1] < target else points[0][0]
 
 
+def time_to_stay(points: list[tuple[float, float]], target: float) -> float | None:
+    """The training seconds from which a curve stays at or above `target` through its last checkpoint:
+    interpolated between the last checkpoint below it and the next; None if the last one is below it.
+    Sturdier than `time_to_reach` on noisy curves: a checkpoint that crosses the target by chance and
+    falls back does not count. Accuracies within 1e-9 of the target count as reaching it."""
+    target -= 1e-9
+    if not points or points[-1][1] < target:
+        return None
+    below = [i for i, (_, a) in enumerate(points) if a < target]
+    if not below:
+        return points[0][0]
+    (t0, a0), (t1, a1) = points[below[-1]], points[below[-1] + 1]
+    return t0 + (t1 - t0) * (target - a0) / (a1 - a0)
+
+
 def _spread(values: list[float]) -> str:
     if not values:
         return "-"
@@ -61,7 +76,8 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
     mean final Avg@k of `reference` over its seeds) per seed, and its ratio to the reference's, paired
     by seed: a system's time over the reference's time in the same seed, on the same CPU (a seed's
     systems run one after another on one machine; seeds may run on different machines, whose seconds
-    do not compare), then the mean of those ratios. Memory."""
+    do not compare), then the mean of those ratios. The same for the time from which it stays at or above
+    the target (`time_to_stay`). Memory."""
     by_system: dict[str, list[dict]] = {}
     for r in runs:
         by_system.setdefault(r["system"], []).append(r)
@@ -80,39 +96,61 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
             "final_variants_avg": [r["final_variants"]["avg_at_k"] for r in rs if r.get("final_variants")],
             "train_s": [c["train_s"] for c in finals],
             "reach_s": reach,
+            "stay_s": [time_to_stay(curve(r, initial), target) if target is not None else None for r in rs],
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
-    ref_by_seed = {seed: (t, cpu) for seed, t, cpu in zip(*(out["systems"].get(reference, {}).get(k, [])
-                                                           for k in ("seeds", "reach_s", "cpus")))}
+    ref = out["systems"].get(reference, {})
+    ref_by_seed, stay_by_seed = ({seed: (t, cpu) for seed, t, cpu in zip(ref.get("seeds", []), ref.get(key, []), ref.get("cpus", []))}
+                                 for key in ("reach_s", "stay_s"))
     for s in out["systems"].values():
         got = [t for t in s["reach_s"] if t is not None]
         s["reached"] = f"{len(got)}/{len(s['reach_s'])}"
         s["reach_mean_s"] = statistics.mean(got) if got else None
-        s["reach_ratios"] = []
-        for seed, t, cpu in zip(s["seeds"], s["reach_s"], s["cpus"]):
-            ref_t, ref_cpu = ref_by_seed.get(seed, (None, None))
-            if t is not None and ref_t and ref_cpu == cpu:
-                s["reach_ratios"].append(t / ref_t)
+        s["reach_ratios"] = _paired_ratios(s, "reach_s", ref_by_seed)
         s["reach_ratio"] = statistics.mean(s["reach_ratios"]) if s["reach_ratios"] else None
+        stayed = [t for t in s["stay_s"] if t is not None]
+        s["stayed"] = f"{len(stayed)}/{len(s['stay_s'])}"
+        s["stay_mean_s"] = statistics.mean(stayed) if stayed else None
+        s["stay_ratios"] = _paired_ratios(s, "stay_s", stay_by_seed)
     return out
+
+
+def _paired_ratios(s: dict, key: str, ref_by_seed: dict) -> list[float]:
+    """A system's `key` seconds over the reference's in the same seed, where both have one and the same CPU timed them."""
+    out = []
+    for seed, t, cpu in zip(s["seeds"], s[key], s["cpus"]):
+        ref_t, ref_cpu = ref_by_seed.get(seed, (None, None))
+        if t is not None and ref_t and ref_cpu == cpu:
+            out.append(t / ref_t)
+    return out
+
+
+def _ratio_text(ratios: list[float], mean_s: float | None) -> str:
+    if mean_s is None:
+        return "never"
+    if not ratios:
+        return "-"
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.mean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} seeds)"
 
 
 def summary_rows(summary: dict, k: int) -> list[list]:
     rows = []
     for system, s in summary["systems"].items():
-        ratios = s["reach_ratios"]
-        ratio = ("never" if s["reach_mean_s"] is None else "-" if not ratios else f"{ratios[0]:.2f}x" if len(ratios) == 1
-                 else f"{statistics.mean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} seeds)")
         reach = "-" if s["reach_mean_s"] is None else f"{s['reach_mean_s']:.0f} s ({s['reached']} seeds)"
+        stay = "-" if s["stay_mean_s"] is None else f"{s['stay_mean_s']:.0f} s ({s['stayed']}), {_ratio_text(s['stay_ratios'], s['stay_mean_s'])}"
         rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
-                     reach, ratio, f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
+                     reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"]), stay,
+                     f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
     return rows
 
 
 def summary_table(summary: dict, k: int) -> str:
     return markdown_table(["system", "seeds", f"held-out Avg@{k} at the end", f"Pass@{k}", f"variants Avg@{k}",
-                           "training s", "time to eopd's final accuracy", "ratio to eopd", "peak GiB (all processes)"],
+                           "training s", "time to eopd's final accuracy", "ratio to eopd",
+                           "time from which it stays at or above it, ratio", "peak GiB (all processes)"],
                           summary_rows(summary, k))
 
 

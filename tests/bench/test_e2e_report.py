@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.e2e_report import curve, summarise, summary_table, time_to_reach
+from bench.e2e_report import curve, summarise, summary_table, time_to_reach, time_to_stay
 
 
 def test_time_to_reach_interpolates_between_checkpoints():
@@ -55,3 +55,26 @@ def test_a_system_that_never_reaches_the_target():
     never = s["systems"]["trl-server-eopd"]
     assert never["reach_s"] == [None] and never["reach_ratio"] is None and never["reached"] == "0/1"
     assert "never" in summary_table(s, 4)
+
+
+def test_time_to_stay_ignores_a_crossing_that_falls_back():
+    pts = [(0.0, 0.1), (100.0, 0.4), (200.0, 0.2), (300.0, 0.5)]
+    assert time_to_reach(pts, 0.3) == pytest.approx(100 * 2 / 3)  # the first crossing, on the way up to 0.4
+    assert time_to_stay(pts, 0.3) == pytest.approx(200 + 100 / 3)  # after falling to 0.2: a third of the way to 0.5
+    assert time_to_stay(pts, 0.51) is None  # the last checkpoint is below it
+    assert time_to_stay(pts + [(400.0, 0.25)], 0.3) is None
+    assert time_to_stay(pts, 0.05) == 0.0  # the initial student already has it
+    assert time_to_stay(pts, 0.5) == pytest.approx(300.0)
+
+
+def test_summary_stay_ratio_is_paired_by_seed():
+    runs = [_run("eopd", 0, [(100, 0.4), (200, 0.2), (300, 0.5)]), _run("eopd", 1, [(100, 0.5), (200, 0.3)]),
+            _run("trl-gkd", 0, [(50, 0.5), (100, 0.45)]), _run("trl-gkd", 1, [(100, 0.2), (150, 0.2)])]
+    s = summarise(runs, initial=0.1)
+    assert s["target"] == pytest.approx(0.4)
+    e, t = s["systems"]["eopd"], s["systems"]["trl-gkd"]
+    assert e["reach_s"] == pytest.approx([100.0, 75.0])  # seed 1: from 0.1 at 0 s to 0.5 at 100 s
+    # seed 0 falls to 0.2 at 200 s, then two thirds of the way to 0.5; seed 1 ends below 0.4
+    assert e["stay_s"] == pytest.approx([200 + 200 / 3, None]) and e["stayed"] == "1/2"
+    assert t["stay_s"] == pytest.approx([37.5, None]) and t["stay_ratios"] == pytest.approx([37.5 / (200 + 200 / 3)])
+    assert "37 s (1/2), 0.14x" in summary_table(s, 4)
