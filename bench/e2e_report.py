@@ -77,13 +77,16 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
     by seed: a system's time over the reference's time in the same seed, on the same CPU (a seed's
     systems run one after another on one machine; seeds may run on different machines, whose seconds
     do not compare), then the mean of those ratios. The same for the time from which it stays at or above
-    the target (`time_to_stay`). Memory."""
+    the target (`time_to_stay`), and for the time to reach the reference's final accuracy in the same
+    seed (`own_s`, `seed_targets`: every seed of the reference gives a ratio, where the mean over seeds
+    is out of reach of the seeds that end below it). Memory."""
     by_system: dict[str, list[dict]] = {}
     for r in runs:
         by_system.setdefault(r["system"], []).append(r)
     ref = [r["checkpoints"][-1]["heldout"]["avg_at_k"] for r in by_system.get(reference, []) if r["checkpoints"]]
     target = statistics.mean(ref) if ref else None
-    out: dict = {"target": target, "reference": reference, "initial": initial, "systems": {}}
+    seed_target = {r["seed"]: r["checkpoints"][-1]["heldout"]["avg_at_k"] for r in by_system.get(reference, []) if r["checkpoints"]}
+    out: dict = {"target": target, "seed_targets": seed_target, "reference": reference, "initial": initial, "systems": {}}
     for system, rs in by_system.items():
         rs = sorted(rs, key=lambda r: r["seed"])
         finals = [r["checkpoints"][-1] for r in rs if r["checkpoints"]]
@@ -97,11 +100,13 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
             "train_s": [c["train_s"] for c in finals],
             "reach_s": reach,
             "stay_s": [time_to_stay(curve(r, initial), target) if target is not None else None for r in rs],
+            "own_s": [time_to_reach(curve(r, initial), seed_target[r["seed"]]) if r["seed"] in seed_target else None for r in rs],
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
     ref = out["systems"].get(reference, {})
-    ref_by_seed, stay_by_seed = ({seed: (t, cpu) for seed, t, cpu in zip(ref.get("seeds", []), ref.get(key, []), ref.get("cpus", []))}
-                                 for key in ("reach_s", "stay_s"))
+    ref_by_seed, stay_by_seed, own_by_seed = (
+        {seed: (t, cpu) for seed, t, cpu in zip(ref.get("seeds", []), ref.get(key, []), ref.get("cpus", []))}
+        for key in ("reach_s", "stay_s", "own_s"))
     for s in out["systems"].values():
         got = [t for t in s["reach_s"] if t is not None]
         s["reached"] = f"{len(got)}/{len(s['reach_s'])}"
@@ -112,6 +117,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
         s["stayed"] = f"{len(stayed)}/{len(s['stay_s'])}"
         s["stay_mean_s"] = statistics.mean(stayed) if stayed else None
         s["stay_ratios"] = _paired_ratios(s, "stay_s", stay_by_seed)
+        s["own_ratios"] = _paired_ratios(s, "own_s", own_by_seed)
     return out
 
 
@@ -143,6 +149,7 @@ def summary_rows(summary: dict, k: int) -> list[list]:
         rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
                      reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"]), stay,
+                     _ratio_text(s["own_ratios"], 0.0 if any(t is not None for t in s["own_s"]) else None),
                      f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
     return rows
 
@@ -150,7 +157,8 @@ def summary_rows(summary: dict, k: int) -> list[list]:
 def summary_table(summary: dict, k: int) -> str:
     return markdown_table(["system", "seeds", f"held-out Avg@{k} at the end", f"Pass@{k}", f"variants Avg@{k}",
                            "training s", "time to eopd's final accuracy", "ratio to eopd",
-                           "time from which it stays at or above it, ratio", "peak GiB (all processes)"],
+                           "time from which it stays at or above it, ratio",
+                           "ratio to eopd, target eopd's final accuracy in the same seed", "peak GiB (all processes)"],
                           summary_rows(summary, k))
 
 

@@ -78,3 +78,16 @@ def test_summary_stay_ratio_is_paired_by_seed():
     assert e["stay_s"] == pytest.approx([200 + 200 / 3, None]) and e["stayed"] == "1/2"
     assert t["stay_s"] == pytest.approx([37.5, None]) and t["stay_ratios"] == pytest.approx([37.5 / (200 + 200 / 3)])
     assert "37 s (1/2), 0.14x" in summary_table(s, 4)
+
+
+def test_each_seeds_own_target_gives_every_seed_a_ratio():
+    """eopd seed 1 ends at 0.2, below the mean target 0.3, so it never reaches that; its own final accuracy
+    0.2 it first reaches halfway from 0.1 at 0 s to 0.3 at 110 s (55 s), so seed 1 gives a ratio too."""
+    runs = [_run("eopd", 0, [(100, 0.2), (200, 0.4)]), _run("eopd", 1, [(110, 0.3), (220, 0.2)]),
+            _run("trl-gkd", 0, [(50, 0.2), (100, 0.4)]), _run("trl-gkd", 1, [(60, 0.15), (120, 0.2)])]
+    s = summarise(runs, initial=0.1)
+    assert s["seed_targets"] == {0: 0.4, 1: 0.2}
+    e, t = s["systems"]["eopd"], s["systems"]["trl-gkd"]
+    assert e["own_s"] == pytest.approx([200.0, 55.0]) and t["own_s"] == pytest.approx([100.0, 120.0])
+    assert t["own_ratios"] == pytest.approx([100 / 200, 120 / 55])
+    assert f"{(0.5 + 120 / 55) / 2:.2f}x (0.50-2.18, 2 seeds)" in summary_table(s, 4)
