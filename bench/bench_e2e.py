@@ -236,7 +236,12 @@ def section_text(data: dict) -> str:
             lr=st["lr"], b=tuple(st["betas"]), eps=st["eps"], gc=st["grad_clip"], w=st["warmup_steps"], bs=st["batch_size"],
             steps=st["steps"], temp=st["temperature"], n=st["samples_per_prompt"], p=st["prompts_per_iteration"]), "",
         f"Initial student: held-out Avg@{k} {s['initial']:.3f}. Target: eopd's (EOPD) final held-out Avg@{k}, mean over "
-        f"its seeds: " + ("-" if s["target"] is None else f"{s['target']:.3f}") + ".", "",
+        f"its seeds: " + ("-" if s["target"] is None else f"{s['target']:.3f}") + ". Three readings of the time to it, each "
+        "a ratio to eopd's time paired by seed: the first crossing (interpolated between checkpoints); the time from which "
+        "a system stays at or above it through its last checkpoint (a chance crossing that falls back does not count); "
+        "and the first crossing of EOPD's final accuracy in the same seed (" + ", ".join(
+            f"seed {k}: {v:.3f}" for k, v in sorted(s.get("seed_targets", {}).items())) + "), which every seed of eopd "
+        "reaches, where a seed that ends below the mean never reaches the mean target.", "",
         rep.summary_table(s, k), "",
         f"![accuracy against training time](figures/{FIGURE.name})", "",
         "<details><summary>Every checkpoint</summary>", "", rep.curve_table(data["runs"], s["initial"]), "", "</details>", ""]
