@@ -103,22 +103,24 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
             "own_s": [time_to_reach(curve(r, initial), seed_target[r["seed"]]) if r["seed"] in seed_target else None for r in rs],
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
-    ref = out["systems"].get(reference, {})
+    ref_system = out["systems"].get(reference, {})
     ref_by_seed, stay_by_seed, own_by_seed = (
-        {seed: (t, cpu) for seed, t, cpu in zip(ref.get("seeds", []), ref.get(key, []), ref.get("cpus", []))}
+        {seed: (t, cpu) for seed, t, cpu in zip(ref_system.get("seeds", []), ref_system.get(key, []), ref_system.get("cpus", []))}
         for key in ("reach_s", "stay_s", "own_s"))
     for s in out["systems"].values():
-        got = [t for t in s["reach_s"] if t is not None]
-        s["reached"] = f"{len(got)}/{len(s['reach_s'])}"
-        s["reach_mean_s"] = statistics.mean(got) if got else None
+        s["reached"], s["reach_mean_s"] = _count_and_mean(s["reach_s"])
         s["reach_ratios"] = _paired_ratios(s, "reach_s", ref_by_seed)
         s["reach_ratio"] = statistics.mean(s["reach_ratios"]) if s["reach_ratios"] else None
-        stayed = [t for t in s["stay_s"] if t is not None]
-        s["stayed"] = f"{len(stayed)}/{len(s['stay_s'])}"
-        s["stay_mean_s"] = statistics.mean(stayed) if stayed else None
+        s["stayed"], s["stay_mean_s"] = _count_and_mean(s["stay_s"])
         s["stay_ratios"] = _paired_ratios(s, "stay_s", stay_by_seed)
         s["own_ratios"] = _paired_ratios(s, "own_s", own_by_seed)
     return out
+
+
+def _count_and_mean(times: list[float | None]) -> tuple[str, float | None]:
+    """("reached/seeds", mean seconds of the seeds that reached it, or None)."""
+    got = [t for t in times if t is not None]
+    return f"{len(got)}/{len(times)}", (statistics.mean(got) if got else None)
 
 
 def _paired_ratios(s: dict, key: str, ref_by_seed: dict) -> list[float]:
@@ -131,8 +133,8 @@ def _paired_ratios(s: dict, key: str, ref_by_seed: dict) -> list[float]:
     return out
 
 
-def _ratio_text(ratios: list[float], mean_s: float | None) -> str:
-    if mean_s is None:
+def _ratio_text(ratios: list[float], reached: bool) -> str:
+    if not reached:
         return "never"
     if not ratios:
         return "-"
@@ -145,11 +147,11 @@ def summary_rows(summary: dict, k: int) -> list[list]:
     rows = []
     for system, s in summary["systems"].items():
         reach = "-" if s["reach_mean_s"] is None else f"{s['reach_mean_s']:.0f} s ({s['reached']} seeds)"
-        stay = "-" if s["stay_mean_s"] is None else f"{s['stay_mean_s']:.0f} s ({s['stayed']}), {_ratio_text(s['stay_ratios'], s['stay_mean_s'])}"
+        stay = "-" if s["stay_mean_s"] is None else f"{s['stay_mean_s']:.0f} s ({s['stayed']}), {_ratio_text(s['stay_ratios'], s['stay_mean_s'] is not None)}"
         rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
-                     reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"]), stay,
-                     _ratio_text(s["own_ratios"], 0.0 if any(t is not None for t in s["own_s"]) else None),
+                     reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"] is not None), stay,
+                     _ratio_text(s["own_ratios"], any(t is not None for t in s["own_s"])),
                      f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
     return rows
 

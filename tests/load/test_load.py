@@ -3,8 +3,6 @@ bounded memory; beyond capacity it sheds with RESOURCE_EXHAUSTED and recovers.""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 
 from bench.load_test import run_load, run_overload
