@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench import e2e_report as rep
 from bench.e2e_systems import SYSTEMS, train, trl_python
-from bench.report import ROOT, machine_description, provenance, write_results, write_section
+from bench.report import ROOT, boot_id, machine_description, matmul_gflops, provenance, write_results, write_section
 
 SECTION = "e2e_trl"
 FIGURE = ROOT / "docs" / "figures" / "e2e_trl.png"
@@ -160,9 +160,11 @@ def run_all(args, settings: dict) -> list[dict]:
             found = _find(f"{name}/trained.json", out, archive)
             if found is None and args.phase in ("all", "train"):
                 print(f"[e2e] training {name}", flush=True)
+                speed = matmul_gflops()  # before the run, on the quiet machine
                 trained = train(system, seed, run_dir, settings).to_json()
                 trained["settings"] = {k: v for k, v in settings.items() if k != "prompts"}
-                trained["machine"] = {k: machine[k] for k in ("cpu", "cores", "mem_gib")}  # its seconds are this CPU's
+                # its seconds are this machine's: the boot id tells apart machines of one CPU name, the matmul speed how far apart
+                trained["machine"] = {k: machine[k] for k in ("cpu", "cores", "mem_gib")} | {"boot_id": boot_id(), "matmul_gflops": speed}
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "trained.json").write_text(json.dumps(trained, indent=1))
                 archive_run(run_dir, archive)
@@ -217,7 +219,7 @@ def section_text(data: dict) -> str:
         "## Head to head with TRL: accuracy against training time (`python -m bench.bench_e2e`, issue 34)", "",
         f"Report written on {data['machine']}. Each seed's systems were timed one after another on one machine, "
         f"one run at a time, nothing else running: {rep.machines_line(data['runs'])}; the ratios to eopd are paired "
-        f"within a seed (the same CPU). Task: the `{st['preset']}` preset "
+        f"within a seed (the same machine). Task: the `{st['preset']}` preset "
         f"(SmolLM2-135M-Instruct teacher, `smollm2-135m[drop=14]` student, generated arithmetic and word problems, "
         f"{st['max_new_tokens']}-token answers); every student graded by `eopd eval` on the same held-out set "
         f"(Avg@{k}, Pass@{k}, temperature 1, top-p 0.8) and, at the end, on the variants set. Training seconds run from "

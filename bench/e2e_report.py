@@ -57,24 +57,29 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def cpu_of(run: dict) -> str:
-    """The CPU a run was timed on (`machine` of its trained.json), "?" when not recorded."""
-    return run.get("machine", {}).get("cpu", "?")
+def machine_of(run: dict) -> str:
+    """The machine a run was timed on (`machine` of its trained.json): the CPU's name and, where recorded,
+    the first 8 hex digits of the kernel's boot id, e.g. "AMD EPYC (boot 94c6cf01)". Two machines can
+    report the same CPU name and run 1.4-1.9x apart, so seconds pair only under the same key. "?" when
+    not recorded."""
+    m = run.get("machine", {})
+    boot = m.get("boot_id")
+    return m.get("cpu", "?") + (f" (boot {boot[:8]})" if boot else "")
 
 
 def machines_line(runs: list[dict]) -> str:
-    """Which CPU timed which seeds, e.g. "seed 0 on Intel(R) Xeon(R) Processor; seeds 1, 2 on AMD EPYC"."""
+    """Which machine timed which seeds, e.g. "seed 0 on Intel(R) Xeon(R) Processor; seeds 1, 2 on AMD EPYC"."""
     seeds: dict[str, set[int]] = {}
     for r in runs:
-        seeds.setdefault(cpu_of(r), set()).add(r["seed"])
-    return "; ".join(f"seed{'s' if len(v) > 1 else ''} {', '.join(map(str, sorted(v)))} on {cpu}"
-                     for cpu, v in sorted(seeds.items(), key=lambda kv: min(kv[1])))
+        seeds.setdefault(machine_of(r), set()).add(r["seed"])
+    return "; ".join(f"seed{'s' if len(v) > 1 else ''} {', '.join(map(str, sorted(v)))} on {m}"
+                     for m, v in sorted(seeds.items(), key=lambda kv: (min(kv[1]), kv[0])))
 
 
 def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict:
     """Per system: final held-out accuracy over seeds, training seconds, time to reach the target (the
     mean final Avg@k of `reference` over its seeds) per seed, and its ratio to the reference's, paired
-    by seed: a system's time over the reference's time in the same seed, on the same CPU (a seed's
+    by seed: a system's time over the reference's time in the same seed, on the same machine (a seed's
     systems run one after another on one machine; seeds may run on different machines, whose seconds
     do not compare), then the mean of those ratios. The same for the time from which it stays at or above
     the target (`time_to_stay`), and for the time to reach the reference's final accuracy in the same
@@ -93,7 +98,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
         reach = [time_to_reach(curve(r, initial), target) if target is not None else None for r in rs]
         out["systems"][system] = {
             "seeds": [r["seed"] for r in rs],
-            "cpus": [cpu_of(r) for r in rs],
+            "machines": [machine_of(r) for r in rs],
             "final_avg": [c["heldout"]["avg_at_k"] for c in finals if "heldout" in c],
             "final_pass": [c["heldout"]["pass_at_k"][max(c["heldout"]["pass_at_k"], key=int)] for c in finals if "heldout" in c],
             "final_variants_avg": [r["final_variants"]["avg_at_k"] for r in rs if r.get("final_variants")],
@@ -105,7 +110,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
         }
     ref_system = out["systems"].get(reference, {})
     ref_by_seed, stay_by_seed, own_by_seed = (
-        {seed: (t, cpu) for seed, t, cpu in zip(ref_system.get("seeds", []), ref_system.get(key, []), ref_system.get("cpus", []))}
+        {seed: (t, m) for seed, t, m in zip(ref_system.get("seeds", []), ref_system.get(key, []), ref_system.get("machines", []))}
         for key in ("reach_s", "stay_s", "own_s"))
     for s in out["systems"].values():
         s["reached"], s["reach_mean_s"] = _count_and_mean(s["reach_s"])
@@ -124,11 +129,11 @@ def _count_and_mean(times: list[float | None]) -> tuple[str, float | None]:
 
 
 def _paired_ratios(s: dict, key: str, ref_by_seed: dict) -> list[float]:
-    """A system's `key` seconds over the reference's in the same seed, where both have one and the same CPU timed them."""
+    """A system's `key` seconds over the reference's in the same seed, where both have one and the same machine timed them."""
     out = []
-    for seed, t, cpu in zip(s["seeds"], s[key], s["cpus"]):
-        ref_t, ref_cpu = ref_by_seed.get(seed, (None, None))
-        if t is not None and ref_t and ref_cpu == cpu:
+    for seed, t, m in zip(s["seeds"], s[key], s["machines"]):
+        ref_t, ref_m = ref_by_seed.get(seed, (None, None))
+        if t is not None and ref_t and ref_m == m:
             out.append(t / ref_t)
     return out
 

@@ -61,6 +61,29 @@ def cpu_model() -> str:
     return cpu
 
 
+def boot_id() -> str | None:
+    """The kernel's boot id: tells apart two machines (or two boots) that report the same CPU name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # pragma: no cover
+        return None
+
+
+def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
+    """This machine's speed in one number: the best of `reps` fp32 [n, n] @ [n, n] matmuls on torch's
+    default threads, in GFLOP/s. Recorded beside timings that will be compared with other machines'."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # first call: allocation and thread start-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * n**3 / best / 1e9, 1)
+
+
 # What the benchmarks write: a run rewrites them section by section, so a change there is not a
 # change to what the numbers were measured with (else every section after the first of an
 # `eopd bench all` run would call its checkout dirty).

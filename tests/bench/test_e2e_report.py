@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.e2e_report import curve, summarise, summary_table, time_to_reach, time_to_stay
+from bench.e2e_report import curve, machines_line, summarise, summary_table, time_to_reach, time_to_stay
 
 
 def test_time_to_reach_interpolates_between_checkpoints():
@@ -18,8 +18,9 @@ def test_time_to_reach_interpolates_between_checkpoints():
     assert time_to_reach([(0.0, 0.1), (50.0, 0.5), (90.0, 0.6)], 0.5) == pytest.approx(50.0)
 
 
-def _run(system, seed, points, peak=1024.0, cpu="Intel(R) Xeon(R) Processor"):
-    return {"system": system, "seed": seed, "memory": {"peak_total_mb": peak}, "machine": {"cpu": cpu, "cores": 2},
+def _run(system, seed, points, peak=1024.0, cpu="Intel(R) Xeon(R) Processor", boot=None):
+    machine = {"cpu": cpu, "cores": 2} | ({"boot_id": boot} if boot else {})
+    return {"system": system, "seed": seed, "memory": {"peak_total_mb": peak}, "machine": machine,
             "checkpoints": [{"label": f"c{i}", "step": i, "train_s": t, "heldout": {"avg_at_k": a, "pass_at_k": {"1": a, "4": min(1.0, 2 * a)}}}
                             for i, (t, a) in enumerate(points, 1)]}
 
@@ -46,8 +47,20 @@ def test_seconds_of_different_cpus_are_not_compared():
     runs = [_run("eopd", 0, [(100, 0.2), (200, 0.4)]), _run("eopd", 1, [(110, 0.3), (220, 0.2)], cpu="AMD EPYC"),
             _run("trl-gkd", 0, [(50, 0.2), (100, 0.3)]), _run("trl-gkd", 1, [(60, 0.3)])]
     t = summarise(runs, initial=0.1)["systems"]["trl-gkd"]
-    assert t["reach_ratios"] == pytest.approx([100 / 150]) and t["cpus"] == ["Intel(R) Xeon(R) Processor"] * 2
+    assert t["reach_ratios"] == pytest.approx([100 / 150]) and t["machines"] == ["Intel(R) Xeon(R) Processor"] * 2
     assert t["reached"] == "2/2"
+
+
+def test_seconds_of_two_machines_with_one_cpu_name_are_not_compared():
+    """Two machines both called "AMD EPYC" ran 1.4-1.9x apart: the boot id, where recorded, keeps them apart."""
+    runs = [_run("eopd", 2, [(100, 0.2), (200, 0.4)], cpu="AMD EPYC"),
+            _run("trl-gkd", 2, [(50, 0.4)], cpu="AMD EPYC"),
+            _run("trl-server-vllm", 2, [(50, 0.4)], cpu="AMD EPYC", boot="94c6cf01-c04c-410c-9fa5-4cab669b8e2e")]
+    s = summarise(runs, initial=0.1)["systems"]
+    assert s["trl-gkd"]["own_ratios"] == pytest.approx([50 / 200])
+    assert s["trl-server-vllm"]["machines"] == ["AMD EPYC (boot 94c6cf01)"] and s["trl-server-vllm"]["own_ratios"] == []
+    assert s["trl-server-vllm"]["own_s"] == pytest.approx([50.0])  # its time is kept, only the ratio is not formed
+    assert machines_line(runs) == "seed 2 on AMD EPYC; seed 2 on AMD EPYC (boot 94c6cf01)"
 
 
 def test_a_system_that_never_reaches_the_target():
