@@ -217,9 +217,10 @@ def section_text(data: dict) -> str:
     st = data["settings"]
     lines = [
         "## Head to head with TRL: accuracy against training time (`python -m bench.bench_e2e`, issue 34)", "",
-        f"Report written on {data['machine']}. Each seed's systems were timed one after another on one machine, "
-        f"one run at a time, nothing else running: {rep.machines_line(data['runs'])}; the ratios to eopd are paired "
-        f"within a seed (the same machine). Task: the `{st['preset']}` preset "
+        f"Report written on {data['machine']}. Every run was timed alone on its machine, one run at a time, nothing "
+        f"else running: {rep.machines_line(data['runs'])}. The ratios to eopd are paired within a seed and a machine "
+        f"(the CPU's name and, where recorded, the kernel's boot id: two machines called AMD EPYC ran 1.4-1.9x apart); a "
+        f"run timed on another machine than its seed's eopd run gives accuracy but no ratio. Task: the `{st['preset']}` preset "
         f"(SmolLM2-135M-Instruct teacher, `smollm2-135m[drop=14]` student, generated arithmetic and word problems, "
         f"{st['max_new_tokens']}-token answers); every student graded by `eopd eval` on the same held-out set "
         f"(Avg@{k}, Pass@{k}, temperature 1, top-p 0.8) and, at the end, on the variants set. Training seconds run from "

@@ -68,12 +68,14 @@ def machine_of(run: dict) -> str:
 
 
 def machines_line(runs: list[dict]) -> str:
-    """Which machine timed which seeds, e.g. "seed 0 on Intel(R) Xeon(R) Processor; seeds 1, 2 on AMD EPYC"."""
-    seeds: dict[str, set[int]] = {}
+    """Which machine timed which runs, e.g. "Intel(R) Xeon(R) Processor: seed 0 (eopd, trl-gkd); AMD EPYC
+    (boot 94c6cf01): seeds 0 (opd), 2 (trl-server-vllm)": a seed's systems need not share one machine."""
+    by_machine: dict[str, dict[int, list[str]]] = {}
     for r in runs:
-        seeds.setdefault(machine_of(r), set()).add(r["seed"])
-    return "; ".join(f"seed{'s' if len(v) > 1 else ''} {', '.join(map(str, sorted(v)))} on {m}"
-                     for m, v in sorted(seeds.items(), key=lambda kv: (min(kv[1]), kv[0])))
+        by_machine.setdefault(machine_of(r), {}).setdefault(r["seed"], []).append(r["system"])
+    return "; ".join(
+        f"{m}: seed{'s' if len(seeds) > 1 else ''} " + ", ".join(f"{seed} ({', '.join(sorted(systems))})" for seed, systems in sorted(seeds.items()))
+        for m, seeds in sorted(by_machine.items(), key=lambda kv: (min(kv[1]), kv[0])))
 
 
 def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict:

@@ -60,7 +60,7 @@ def test_seconds_of_two_machines_with_one_cpu_name_are_not_compared():
     assert s["trl-gkd"]["own_ratios"] == pytest.approx([50 / 200])
     assert s["trl-server-vllm"]["machines"] == ["AMD EPYC (boot 94c6cf01)"] and s["trl-server-vllm"]["own_ratios"] == []
     assert s["trl-server-vllm"]["own_s"] == pytest.approx([50.0])  # its time is kept, only the ratio is not formed
-    assert machines_line(runs) == "seed 2 on AMD EPYC; seed 2 on AMD EPYC (boot 94c6cf01)"
+    assert machines_line(runs) == "AMD EPYC: seed 2 (eopd, trl-gkd); AMD EPYC (boot 94c6cf01): seed 2 (trl-server-vllm)"
 
 
 def test_a_system_that_never_reaches_the_target():

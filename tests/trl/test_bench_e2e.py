@@ -32,8 +32,10 @@ def test_bench_e2e_quick_wires_every_system(tmp_path):
         for c in cps:
             assert 0.0 <= c["heldout"]["avg_at_k"] <= 1.0 and set(c["heldout"]["pass_at_k"]) == {"1", "2"}
         assert r["memory"]["peak_total_mb"] > 100, (system, r["memory"])
+        assert r["machine"]["boot_id"] and r["machine"]["matmul_gflops"] > 0, r["machine"]  # which machine, how fast
     assert [c["step"] for c in runs["trl-gkd"]["checkpoints"]] == [2, 4]
     assert runs["trl-server-vllm"]["teacher_start_s"] > 0 and "vllm.entrypoints.openai.api_server" in runs["trl-server-vllm"]["memory"]["per_process_peak_mb"]
     assert any("learner" in name or "eopd_trainer" in name for name in runs["eopd"]["memory"]["per_process_peak_mb"])
     summary = data["summary"]
     assert set(summary["systems"]) == set(systems) and summary["target"] is not None
+    assert len({m for s in summary["systems"].values() for m in s["machines"]}) == 1  # one machine: every ratio pairs
