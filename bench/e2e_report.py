@@ -120,6 +120,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
         s["reach_ratio"] = statistics.mean(s["reach_ratios"]) if s["reach_ratios"] else None
         s["stayed"], s["stay_mean_s"] = _count_and_mean(s["stay_s"])
         s["stay_ratios"] = _paired_ratios(s, "stay_s", stay_by_seed)
+        s["own_reached"], _ = _count_and_mean(s["own_s"])
         s["own_ratios"] = _paired_ratios(s, "own_s", own_by_seed)
     return out
 
@@ -143,10 +144,10 @@ def _paired_ratios(s: dict, key: str, ref_by_seed: dict) -> list[float]:
 def _ratio_text(ratios: list[float], reached: bool) -> str:
     if not reached:
         return "never"
-    if not ratios:
-        return "-"
+    if not ratios:  # reached, but in no seed timed on the same machine as eopd's run
+        return "no seed paired"
     if len(ratios) == 1:
-        return f"{ratios[0]:.2f}x"
+        return f"{ratios[0]:.2f}x (1 seed)"
     return f"{statistics.mean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} seeds)"
 
 
@@ -158,7 +159,7 @@ def summary_rows(summary: dict, k: int) -> list[list]:
         rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
                      reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"] is not None), stay,
-                     _ratio_text(s["own_ratios"], any(t is not None for t in s["own_s"])),
+                     f"{s['own_reached']} reach it; " + _ratio_text(s["own_ratios"], any(t is not None for t in s["own_s"])),
                      f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
     return rows
 

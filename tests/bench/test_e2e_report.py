@@ -60,6 +60,9 @@ def test_seconds_of_two_machines_with_one_cpu_name_are_not_compared():
     assert s["trl-gkd"]["own_ratios"] == pytest.approx([50 / 200])
     assert s["trl-server-vllm"]["machines"] == ["AMD EPYC (boot 94c6cf01)"] and s["trl-server-vllm"]["own_ratios"] == []
     assert s["trl-server-vllm"]["own_s"] == pytest.approx([50.0])  # its time is kept, only the ratio is not formed
+    assert s["trl-server-vllm"]["own_reached"] == "1/1"
+    table = summary_table(summarise(runs, initial=0.1), 4)
+    assert "| 1/1 reach it; 0.25x (1 seed) |" in table and "| 1/1 reach it; no seed paired |" in table
     assert machines_line(runs) == "AMD EPYC: seed 2 (eopd, trl-gkd); AMD EPYC (boot 94c6cf01): seed 2 (trl-server-vllm)"
 
 
@@ -90,7 +93,7 @@ def test_summary_stay_ratio_is_paired_by_seed():
     # seed 0 falls to 0.2 at 200 s, then two thirds of the way to 0.5; seed 1 ends below 0.4
     assert e["stay_s"] == pytest.approx([200 + 200 / 3, None]) and e["stayed"] == "1/2"
     assert t["stay_s"] == pytest.approx([37.5, None]) and t["stay_ratios"] == pytest.approx([37.5 / (200 + 200 / 3)])
-    assert "37 s (1/2), 0.14x" in summary_table(s, 4)
+    assert "37 s (1/2), 0.14x (1 seed)" in summary_table(s, 4)
 
 
 def test_each_seeds_own_target_gives_every_seed_a_ratio():
