@@ -86,8 +86,8 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 # What the benchmarks write: a run rewrites them section by section, so a change there is not a
 # change to what the numbers were measured with (else every section after the first of an
-# `eopd bench all` run would call its checkout dirty).
-BENCH_OUTPUTS = ("docs/benchmarks.md", "bench/results")
+# `eopd bench all` run would call its checkout dirty). Figures are written before the results JSON.
+BENCH_OUTPUTS = ("docs/benchmarks.md", "docs/figures", "bench/results")
 
 
 def dirty_files() -> list[str]:

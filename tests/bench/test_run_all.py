@@ -141,6 +141,8 @@ def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
     (repo / "src.py").write_text("x = 1\n")
     (repo / "docs" / "benchmarks.md").write_text("# Benchmarks\n")
     (repo / "bench" / "results" / "a.json").write_text("{}\n")
+    (repo / "docs" / "figures").mkdir()
+    (repo / "docs" / "figures" / "f.png").write_bytes(b"png")
 
     def git(*args):
         subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True, capture_output=True)
@@ -152,6 +154,7 @@ def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
     assert not report.provenance()["describe"].endswith("-dirty")
     (repo / "docs" / "benchmarks.md").write_text("# Benchmarks\n\nnew section\n")
     (repo / "bench" / "results" / "a.json").write_text('{"v": 1}\n')
+    (repo / "docs" / "figures" / "f.png").write_bytes(b"png, redrawn")  # figures are written before the JSON
     p = report.provenance()
     assert not p["describe"].endswith("-dirty") and p["dirty_files"] == []
     (repo / "src.py").write_text("x = 2\n")
