@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench import e2e_report as rep
 from bench.e2e_systems import SYSTEMS, train, trl_python
-from bench.report import ROOT, boot_id, machine_description, matmul_gflops, provenance, write_results, write_section
+from bench.report import ROOT, machine_description, matmul_gflops, provenance, write_results, write_section
 
 SECTION = "e2e_trl"
 FIGURE = ROOT / "docs" / "figures" / "e2e_trl.png"
@@ -164,7 +164,7 @@ def run_all(args, settings: dict) -> list[dict]:
                 trained = train(system, seed, run_dir, settings).to_json()
                 trained["settings"] = {k: v for k, v in settings.items() if k != "prompts"}
                 # its seconds are this machine's: the boot id tells apart machines of one CPU name, the matmul speed how far apart
-                trained["machine"] = {k: machine[k] for k in ("cpu", "cores", "mem_gib")} | {"boot_id": boot_id(), "matmul_gflops": speed}
+                trained["machine"] = {k: machine[k] for k in ("cpu", "cores", "mem_gib", "boot_id")} | {"matmul_gflops": speed}
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "trained.json").write_text(json.dumps(trained, indent=1))
                 archive_run(run_dir, archive)

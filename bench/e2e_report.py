@@ -81,9 +81,9 @@ def machines_line(runs: list[dict]) -> str:
 def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict:
     """Per system: final held-out accuracy over seeds, training seconds, time to reach the target (the
     mean final Avg@k of `reference` over its seeds) per seed, and its ratio to the reference's, paired
-    by seed: a system's time over the reference's time in the same seed, on the same machine (a seed's
-    systems run one after another on one machine; seeds may run on different machines, whose seconds
-    do not compare), then the mean of those ratios. The same for the time from which it stays at or above
+    by seed: a system's time over the reference's time in the same seed, on the same machine
+    (`machine_of`: runs on different machines, whose seconds do not compare, give no ratio), then the
+    mean of those ratios. The same for the time from which it stays at or above
     the target (`time_to_stay`), and for the time to reach the reference's final accuracy in the same
     seed (`own_s`, `seed_targets`: every seed of the reference gives a ratio, where the mean over seeds
     is out of reach of the seeds that end below it). Memory."""
@@ -120,7 +120,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
         s["reach_ratio"] = statistics.mean(s["reach_ratios"]) if s["reach_ratios"] else None
         s["stayed"], s["stay_mean_s"] = _count_and_mean(s["stay_s"])
         s["stay_ratios"] = _paired_ratios(s, "stay_s", stay_by_seed)
-        s["own_reached"], _ = _count_and_mean(s["own_s"])
+        s["own_reached"], s["own_mean_s"] = _count_and_mean(s["own_s"])
         s["own_ratios"] = _paired_ratios(s, "own_s", own_by_seed)
     return out
 
@@ -159,7 +159,7 @@ def summary_rows(summary: dict, k: int) -> list[list]:
         rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
                      reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"] is not None), stay,
-                     f"{s['own_reached']} reach it; " + _ratio_text(s["own_ratios"], any(t is not None for t in s["own_s"])),
+                     f"{s['own_reached']} reach it; " + _ratio_text(s["own_ratios"], s["own_mean_s"] is not None),
                      f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
     return rows
 

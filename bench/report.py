@@ -101,7 +101,8 @@ def dirty_files() -> list[str]:
 
 
 def provenance() -> dict:
-    """This machine and checkout: CPU model, cores, memory, torch, `git describe --always` (with
+    """This machine and checkout: CPU model, cores, memory, the kernel's boot id (two machines can share
+    a CPU name), torch, `git describe --always` (with
     `-dirty` when tracked files other than the benchmarks' outputs are changed, which are listed
     in `dirty_files`) and the full commit hash. Stored in every results JSON."""
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -117,7 +118,7 @@ def provenance() -> dict:
             tv = "no torch"
     dirty = dirty_files()
     describe = _git("describe", "--always")
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "torch": tv,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv,
             "commit": _git("rev-parse", "HEAD") or "?", "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
             "dirty_files": dirty[:20]}
 

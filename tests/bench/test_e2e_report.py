@@ -56,12 +56,13 @@ def test_seconds_of_two_machines_with_one_cpu_name_are_not_compared():
     runs = [_run("eopd", 2, [(100, 0.2), (200, 0.4)], cpu="AMD EPYC"),
             _run("trl-gkd", 2, [(50, 0.4)], cpu="AMD EPYC"),
             _run("trl-server-vllm", 2, [(50, 0.4)], cpu="AMD EPYC", boot="94c6cf01-c04c-410c-9fa5-4cab669b8e2e")]
-    s = summarise(runs, initial=0.1)["systems"]
+    summary = summarise(runs, initial=0.1)
+    s = summary["systems"]
     assert s["trl-gkd"]["own_ratios"] == pytest.approx([50 / 200])
     assert s["trl-server-vllm"]["machines"] == ["AMD EPYC (boot 94c6cf01)"] and s["trl-server-vllm"]["own_ratios"] == []
     assert s["trl-server-vllm"]["own_s"] == pytest.approx([50.0])  # its time is kept, only the ratio is not formed
     assert s["trl-server-vllm"]["own_reached"] == "1/1"
-    table = summary_table(summarise(runs, initial=0.1), 4)
+    table = summary_table(summary, 4)
     assert "| 1/1 reach it; 0.25x (1 seed) |" in table and "| 1/1 reach it; no seed paired |" in table
     assert machines_line(runs) == "AMD EPYC: seed 2 (eopd, trl-gkd); AMD EPYC (boot 94c6cf01): seed 2 (trl-server-vllm)"
 
