@@ -22,6 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from eopd_common.private_files import write_private
+
 from ..config import QueueConfig
 from ..queue.signing import write_key_file
 from . import listener
@@ -113,15 +115,6 @@ def start_redis(sup: Supervisor, binary: str, options: Sequence[str], *, name: s
         child.stop(10)
         sup.children.remove(child)
     raise RunError(f"redis-server did not start on a free port ({'; '.join(notes)}); log {sup.log_dir / f'{name}.log'}")
-
-
-def write_private(path: Path, text: str) -> Path:
-    """`text` into `path`, created 0600 (replacing an older file): never readable by others."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    return path
 
 
 def _start_redis_server(sup: Supervisor, run_dir: Path, binary: str) -> tuple[str, Child, list[str], str | None]:

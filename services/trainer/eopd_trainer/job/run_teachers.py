@@ -9,12 +9,12 @@ by run.yaml (`auth_token_file`); the token itself is on no command line and in n
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from eopd_common.private_files import write_token_file
+
 from ..config import DEFAULT_TEACHER, RunConfig
-from .local_queue import write_private
 from .supervisor import Supervisor
 from .teacher_proc import TeacherChild, start_teacher
 from .threads import thread_env
@@ -35,7 +35,7 @@ class RunTeachers:
 
     def start(self, cfg: RunConfig, on_poll: Callable[[], None]) -> None:
         """Starts them; returns once each has reported the ports it bound (before its model loads)."""
-        token_file = write_private(self.run_dir / TEACHER_TOKEN_NAME, secrets.token_hex(32) + "\n")
+        token_file = write_token_file(self.run_dir / TEACHER_TOKEN_NAME)
         by_model: dict[tuple[str, str], TeacherChild] = {}
         for name, t in cfg.all_teachers().items():
             if name != DEFAULT_TEACHER and not t.model:
