@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(work / "logs")
     try:
         teacher = start_teacher(sup, "smollm2-135m", "--dtype", "float32", "--max-top-k", str(max(args.top_k, 64)),
-                                name="eopd-teacher")
+                                name="eopd-teacher", insecure_no_auth=True)
         teacher.wait_ready(600)
         paths = {"eopd gRPC": GrpcPath(teacher.target, seqs, args.top_k),
                  "eopd /v1/completions": CompletionsPath(teacher.http_url, "smollm2-135m", seqs, args.top_k)}

@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         teachers = []
         for i in range(max(args.teachers)):  # port 0 for both servers, read from each teacher's ports file
             child = start_teacher(shared, base.teacher.model, "--threads", str(args.threads), name=f"teacher{i}",
-                                  env={"OMP_NUM_THREADS": str(args.threads)})
+                                  env={"OMP_NUM_THREADS": str(args.threads)}, insecure_no_auth=True)
             gp, hp = child.ports(600)
             teachers.append(Teacher(child, gp, hp))
         for t in teachers:

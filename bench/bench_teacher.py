@@ -70,7 +70,7 @@ class _Server:
 
         self.sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-teacher-")))
         self.proc = start_teacher(self.sup, model, "--engine", engine, "--dtype", dtype, "--max-batch-tokens",
-                                  str(max_batch_tokens), *extra)  # port 0 for both servers, read from its ports file
+                                  str(max_batch_tokens), *extra, insecure_no_auth=True)  # port 0 for both servers, read from its ports file
         self.gp, self.hp = self.proc.ports(600)
         self.target = self.proc.target
         self.proc.wait_ready(600)

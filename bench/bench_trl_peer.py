@@ -325,7 +325,7 @@ def _measure(args, seqs, scored: int, rounds: int, per_client: int, with_vllm: b
     try:
         tp = free_port()  # TRL's own server is an external program: it cannot bind port 0 and report it
         teacher = start_teacher(sup, args.model, "--dtype", "float32", "--threads", str(args.threads),
-                                name="eopd-teacher")  # port 0 for both servers, read from its ports file
+                                name="eopd-teacher", insecure_no_auth=True)  # port 0 for both servers, read from its ports file
         peer = sup.start("trl-peer", [py, "-m", "bench.trl_peer", "--model", args.model, "--dtype", "float32", "--threads",
                                       str(args.threads), "--port", str(tp)],
                          {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})

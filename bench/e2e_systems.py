@@ -185,7 +185,7 @@ def start_teacher_server(system: str, sup, settings: dict):
 
     if system == "trl-server-eopd":
         child = start_teacher(sup, settings["teacher"], "--dtype", settings["teacher_dtype"], name="eopd-teacher",
-                              env=child_env())
+                              env=child_env(), insecure_no_auth=True)
         child.wait_ready(900)
         return child, child.http_url
     port = free_port()

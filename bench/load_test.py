@@ -201,7 +201,7 @@ def running_teacher(model: str, *extra: str, timeout: float = 180.0) -> Iterator
 
     sup = Supervisor(Path(tempfile.mkdtemp(prefix="eopd-bench-load-")))
     try:
-        teacher = start_teacher(sup, model, *extra)
+        teacher = start_teacher(sup, model, *extra, insecure_no_auth=True)
         teacher.wait_ready(timeout)
         yield teacher
     finally:

@@ -67,14 +67,28 @@ class TeacherProc(teacher_proc.TeacherChild):
         return self.http_url
 
 
+# What names a teacher's client authentication, as a flag or an environment variable.
+AUTH_FLAGS = ("--auth-token", "--auth-token-file", "--tls-client-ca-file", "--insecure-no-auth", "--no-insecure-no-auth")
+AUTH_ENV = ("EOPD_TEACHER_AUTH_TOKEN", "EOPD_TEACHER_AUTH_TOKEN_FILE", "EOPD_TEACHER_TLS_CLIENT_CA_FILE",
+            "EOPD_TEACHER_INSECURE_NO_AUTH")
+
+
+def names_auth(extra: tuple[str, ...], env: dict[str, str] | None) -> bool:
+    """Whether a teacher's flags or environment say how callers authenticate (or that they need not)."""
+    return any(a.split("=", 1)[0] in AUTH_FLAGS for a in extra) or any(k in AUTH_ENV for k in env or {})
+
+
 def start_teacher(model: str = "tiny-random", *extra: str, grpc_port: int | None = None, http_port: int | None = None,
                   env: dict[str, str] | None = None, wait: bool = True, timeout: float = 180.0,
                   command: tuple[str, ...] = teacher_proc.TEACHER_COMMAND, name: str = "teacher") -> TeacherProc:
     """Starts `eopd-teacher serve` as a subprocess (port 0 and its ports file unless ports are
-    given; log in a temp dir); returns once its ports are known and, with `wait`, once it is ready."""
+    given; log in a temp dir); returns once its ports are known and, with `wait`, once it is ready.
+    A teacher whose `extra` and `env` name no authentication is started with `--insecure-no-auth`
+    (tests on loopback that call it without a token); one that names a token requires it."""
     sup = supervisor.Supervisor(Path(tempfile.mkdtemp(prefix=f"eopd-{name}-")), cwd=ROOT, pdeathsig=False)
     proc = teacher_proc.start_teacher(sup, model, *extra, name=name, grpc_port=grpc_port or 0,
-                                      http_port=http_port or 0, env=env, command=command, kind=TeacherProc)
+                                      http_port=http_port or 0, env=env, command=command, kind=TeacherProc,
+                                      insecure_no_auth=not names_auth(extra, env))
     try:  # its ports are known on return, as they were when tests picked them (bound before the model loads)
         proc.ports(timeout)
     except BaseException:

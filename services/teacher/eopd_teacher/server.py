@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 from eopd_common.cpu_threads import cpu_threads_note
+from eopd_common.private_files import write_token_file
 
 from .engines import create_engine
 from .grpc.interceptors import AuthInterceptor, StatusInterceptor
@@ -47,6 +48,16 @@ if TYPE_CHECKING:
     from .engines.base import ScoringEngine
 
 log = logging.getLogger("eopd_teacher")
+
+INSECURE_WARNING = (
+    "INSECURE: serving with no client authentication (insecure_no_auth): anyone who can reach %s may score, "
+    "generate and read /metrics, and per-client shares key on source addresses only; give a bearer token "
+    "(--auth-token-file FILE --create-token) unless every process that can reach these ports is trusted"
+)
+
+
+class AuthRequired(RuntimeError):
+    """The settings name no client authentication and no explicit opt-out (`TeacherSettings.auth_refusal`)."""
 
 
 def server_credentials(settings: TeacherSettings) -> grpc.ServerCredentials | None:
@@ -177,6 +188,8 @@ class TeacherServer:
     async def start(self) -> None:
         """Binds both servers (NOT_SERVING), then loads the model in a thread (SERVING when done)."""
         s = self.settings
+        if (why := s.auth_refusal()) is not None:
+            raise AuthRequired(why)
         soft, hard = raise_open_file_limit()
         self.open_file_limit = soft
         log.info("open-file limit %d (hard %d); HTTP connections at most %d", soft, hard,
@@ -215,6 +228,8 @@ class TeacherServer:
             "bearer token required" if token else "no auth", s.host, self.http_port, "https" if creds else "http",
             f" probes={s.host}:{self.probe_port}" if self.probe_port is not None else "", s.model,
         )
+        if s.client_auth() is None:
+            log.warning(INSECURE_WARNING, s.host)
         asyncio.get_running_loop().create_task(self._load())
 
     async def _start_http(self) -> None:
@@ -313,5 +328,13 @@ class TeacherServer:
 
 
 def serve(settings: TeacherSettings) -> int:
+    """Serves until a signal; 2 (and why, logged) when the settings name no client authentication
+    and no opt-out. With create_token, a missing auth_token_file is created first (0600)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (why := settings.auth_refusal()) is not None:
+        log.error("eopd-teacher serve: %s", why)
+        return 2
+    if settings.create_token and not Path(settings.auth_token_file).exists():
+        write_token_file(Path(settings.auth_token_file))
+        log.info("created a new bearer token in %s (mode 0600); clients read it with --auth-token-file", settings.auth_token_file)
     return asyncio.run(TeacherServer(settings).run_until_signal())

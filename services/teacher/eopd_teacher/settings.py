@@ -190,6 +190,16 @@ class TeacherSettings(ServiceSettings):
         "the env var EOPD_TEACHER_AUTH_TOKEN: as --auth-token it is in argv, readable by every local user",
     )
     auth_token_file: Path | None = Field(None, description="file holding the bearer token (alternative to auth_token)")
+    create_token: bool = Field(
+        False, description="with auth_token_file: if that file does not exist, create it (mode 0600) holding a new random "
+        "token, which clients then read (--auth-token-file); an existing file is used as it is",
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="serve without a bearer token or client certificates: anyone who reaches the ports may use the "
+        "teacher, and shares key on addresses only (docs/teacher.md, \"Authentication\"). Without it, serve refuses "
+        "to start unless auth_token(_file) or tls_client_ca_file is set. Env: EOPD_TEACHER_INSECURE_NO_AUTH=1",
+    )
     tls_cert_file: Path | None = Field(None, description="PEM server certificate chain: serve gRPC over TLS")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
     tls_client_ca_file: Path | None = Field(None, description="PEM CA bundle: require and verify client certificates (mutual TLS)")
@@ -300,15 +310,34 @@ class TeacherSettings(ServiceSettings):
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         if self.auth_token is not None and self.auth_token_file is not None:
             raise ValueError("give auth_token or auth_token_file, not both")
+        if self.create_token and self.auth_token_file is None:
+            raise ValueError("create_token: needs auth_token_file, the file to create the token in")
+        creating = self.create_token and not Path(self.auth_token_file).exists()
         for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
+            if path is not None and not Path(path).is_file() and not (name == "auth_token_file" and creating):
                 raise ValueError(f"{name}: {path} is not a readable file")
-        if self.auth_token_file is not None and not self.bearer_token():  # fail closed, never "no auth"
+        if self.auth_token_file is not None and not creating and not self.bearer_token():  # fail closed, never "no auth"
             raise ValueError(f"auth_token_file: {self.auth_token_file} is empty (an empty token would turn auth off)")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
             raise ValueError("auth_token: empty (an empty token would turn auth off)")
         return self
+
+    def client_auth(self) -> str | None:
+        """How callers authenticate: "token" (a bearer token; with mutual TLS too), "mtls" (client
+        certificates only), or None (nobody: allowed only with insecure_no_auth, `auth_refusal`)."""
+        if self.auth_token is not None or self.auth_token_file is not None:
+            return "token"
+        return "mtls" if self.tls_client_ca_file is not None else None
+
+    def auth_refusal(self) -> str | None:
+        """Why these settings may not serve (no client authentication and no explicit opt-out), or None."""
+        if self.client_auth() is not None or self.insecure_no_auth:
+            return None
+        return ("no client authentication: give a bearer token (--auth-token-file FILE, with --create-token to create "
+                "the file; or EOPD_TEACHER_AUTH_TOKEN / EOPD_TEACHER_AUTH_TOKEN_FILE) or client certificates "
+                "(--tls-client-ca-file with --tls-cert-file/--tls-key-file), or serve anyone who reaches the ports "
+                "with --insecure-no-auth (EOPD_TEACHER_INSECURE_NO_AUTH=1)")
 
     def bearer_token(self) -> str | None:
         """The configured token (from auth_token or auth_token_file), or None."""

@@ -77,7 +77,8 @@ def test_readme_commands_on_smollm2():
     then `info` and `score` on the example file."""
     exe = _console_script()
     gp, hp = restart_port(), restart_port()
-    base = spawn([exe, "serve", "--model", "smollm2-135m", "--host", "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp)],
+    base = spawn([exe, "serve", "--model", "smollm2-135m", "--host", "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp),
+                  "--insecure-no-auth"],
                  name="teacher-smollm2")
     proc = TeacherProc("teacher", base.popen, base.log_path, grpc_port=gp, http_port=hp)
     try:
@@ -127,7 +128,7 @@ def test_serve_on_port_zero_reports_its_ports(tmp_path):
     exe = _console_script()
     ports_file = tmp_path / "teacher.ports.json"
     base = spawn([exe, "serve", "--model", "tiny-random", "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
-                  "--ports-file", str(ports_file)], name="teacher-port0")
+                  "--ports-file", str(ports_file), "--insecure-no-auth"], name="teacher-port0")
     try:
         deadline = time.monotonic() + 120
         while not ports_file.exists():

@@ -68,7 +68,7 @@ def _metrics(port: int) -> str:
 
 async def test_engine_exception_is_internal_and_server_keeps_serving():
     settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5,
-                               **LIMITS)
+                               **LIMITS, insecure_no_auth=True)
     server = TeacherServer(settings, engine=FlakyEngine())
     await server.start()
     try:
@@ -143,7 +143,7 @@ async def test_shared_batch_engine_error_fails_only_the_culprit_request():
     """Two requests batched together, one of which makes the engine raise: the batch is re-scored
     item by item, so only that request gets INTERNAL."""
     settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=200, grace_seconds=5,
-                               **LIMITS)
+                               **LIMITS, insecure_no_auth=True)
     server = TeacherServer(settings, engine=FlakyEngine())
     await server.start()
     try:
@@ -169,7 +169,7 @@ async def test_dead_batcher_turns_the_server_not_ready():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5,
-                               **LIMITS)
+                               **LIMITS, insecure_no_auth=True)
     server = TeacherServer(settings, engine=FlakyEngine())
     await server.start()
     try:

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 
 def test_generate_request_matches_grpc_generate():
     async def run():
-        server = TeacherServer(TeacherSettings(model="tiny-random", grpc_port=0, http_port=0, compile_statistics=False))
+        server = TeacherServer(TeacherSettings(model="tiny-random", grpc_port=0, http_port=0, compile_statistics=False,
+                                               insecure_no_auth=True))
         await server.start()
         try:
             for _ in range(600):

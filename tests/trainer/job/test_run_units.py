@@ -312,7 +312,7 @@ def test_run_teacher_serves_the_configured_dtype(tmp_path):
     sup = Supervisor(tmp_path / "logs")
     try:
         for dtype, served in (("auto", "float32"), ("bfloat16", "bfloat16")):
-            teacher = start_teacher(sup, "tiny-random", "--dtype", dtype, name=f"teacher-{dtype}")
+            teacher = start_teacher(sup, "tiny-random", "--dtype", dtype, name=f"teacher-{dtype}", insecure_no_auth=True)
             teacher.wait_ready(120)
             with TeacherClient(teacher.target) as client:
                 assert client.info(timeout=30).dtype == served

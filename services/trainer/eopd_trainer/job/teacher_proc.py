@@ -85,24 +85,27 @@ T = TypeVar("T", bound=TeacherChild)
 
 
 def teacher_args(model: str, *extra: str, ports_file: Path, grpc_port: int = 0, http_port: int = 0,
-                 command: Sequence[str] = TEACHER_COMMAND) -> list[str]:
+                 command: Sequence[str] = TEACHER_COMMAND, insecure_no_auth: bool = False) -> list[str]:
+    """`insecure_no_auth`: serve without a token (`--insecure-no-auth`; tests and benchmarks on loopback)."""
+    opt_out = ["--insecure-no-auth"] if insecure_no_auth else []
     return [*command, "serve", "--model", model, "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-            "--http-port", str(http_port), "--ports-file", str(ports_file), *extra]
+            "--http-port", str(http_port), "--ports-file", str(ports_file), *opt_out, *extra]
 
 
 def start_teacher(sup: Supervisor, model: str, *extra: str, name: str = "teacher", grpc_port: int = 0,
                   http_port: int = 0, env: dict[str, str] | None = None, hold: bool = False,
                   command: Sequence[str] = TEACHER_COMMAND, kind: type[T] = TeacherChild,
-                  drop_env: tuple[str, ...] = ()) -> T:
+                  drop_env: tuple[str, ...] = (), insecure_no_auth: bool = False) -> T:
     """Starts `eopd-teacher serve --model model *extra` under `sup` (log `<log_dir>/<name>.log`) on
     port 0 for both servers unless explicit ports are given (a test restarting a teacher on the same
     port); returns at once: `.ports()` / `.target` wait for the ports file, `.wait_ready()` for /readyz.
-    `drop_env`: variables of this process the teacher does not inherit."""
+    `drop_env`: variables of this process the teacher does not inherit. The teacher requires a token
+    (`EOPD_TEACHER_AUTH_TOKEN_FILE` in `env`, `--auth-token-file` in `extra`) unless `insecure_no_auth`."""
     ports_path = sup.log_dir / f"{name}.ports.json"
     ports_path.parent.mkdir(parents=True, exist_ok=True)
     ports_path.unlink(missing_ok=True)
     args = teacher_args(model, *extra, ports_file=ports_path, grpc_port=grpc_port, http_port=http_port,
-                        command=command)
+                        command=command, insecure_no_auth=insecure_no_auth)
     child = sup.start(name, args, env, hold=hold, kind=kind, drop_env=drop_env)
     child.ports_path = ports_path
     if grpc_port and http_port:  # known already: usable before the teacher has written its file
