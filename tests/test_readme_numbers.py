@@ -1,0 +1,55 @@
+"""The README stays true: its results table is what `python -m scripts.readme_table` lays out from the
+archived runs now, and the first screen's facts about the main job match the preset it runs. Pure
+file reading (a second or so)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from eopd_trainer.config.load import load_config
+
+from scripts import readme_table
+from scripts.doc_blocks import read_block, replace_block, sync
+from tests.procs import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_readme_results_table_is_the_one_the_archived_runs_give():
+    assert read_block(README, readme_table.BLOCK) is not None, "README.md lost its results-table markers"
+    stale = sync(ROOT / "README.md", {readme_table.BLOCK: readme_table.build()}, readme_table.COMMAND, check=True)
+    assert stale == [], "README.md's results table differs from the archived runs: run `python -m scripts.readme_table`"
+
+
+def test_the_table_quotes_each_archived_number(tmp_path):
+    """A changed archive changes the table: EOPD's seed-0 final accuracy moved by one answer."""
+    e2e = json.loads(readme_table.E2E.read_text())
+    initial = json.loads(readme_table.E2E_INITIAL.read_text())
+    facts = readme_table.read_facts(sorted(p for p in readme_table.EXPERIMENT.iterdir()
+                                           if p.name.startswith(("kd-s", "eopd-s0"))))
+    before = readme_table.table(e2e, initial, facts)
+    assert "| **EOPD** (eopd, the default loss) | 0.355 (0.324–0.391) |" in before
+    e2e["summary"]["systems"]["eopd"]["final_avg"][0] += 1 / 256
+    after = readme_table.table(e2e, initial, facts)
+    assert "| **EOPD** (eopd, the default loss) | 0.357 (0.328–0.391) |" in after
+    doc = tmp_path / "README.md"
+    doc.write_text(replace_block(README, readme_table.BLOCK, before, readme_table.COMMAND))
+    assert sync(doc, {readme_table.BLOCK: after}, readme_table.COMMAND, check=True) == [readme_table.BLOCK]
+
+
+def test_a_missing_block_is_named():
+    with pytest.raises(KeyError, match="results-table"):
+        replace_block("# no markers here\n", readme_table.BLOCK, "x", readme_table.COMMAND)
+
+
+def test_the_first_screen_gives_both_commands_and_the_main_jobs_preset_facts():
+    first_screen = "\n".join(README.splitlines()[:30])
+    assert "`bash scripts/main.sh`" in first_screen and "`bash scripts/test.sh`" in first_screen
+    main_row = next(line for line in first_screen.splitlines() if line.startswith("| `bash scripts/main.sh`"))
+    cfg = load_config(ROOT / "configs" / "smollm2-cpu.yaml")
+    assert f"for {cfg.train.iterations} iterations" in main_row
+    assert f"(Avg@{cfg.eval.n_samples}, Pass@{cfg.eval.n_samples})" in main_row
+    # the commands' times are stated once, in that table
+    assert len(re.findall(r"first install", README)) == 1
