@@ -14,7 +14,7 @@ statistics of response token t are the teacher's at context `prefix + response[:
 from __future__ import annotations
 
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .data import DataError, read_records, render_prompt
@@ -43,34 +43,42 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-def fill_template(template: str, record: Mapping, prompt_text: str, where: str) -> str:
-    """`template` filled from `record` (`{prompt}`: `prompt_text`); DataError naming the field
-    and the record (`where`) when the record lacks a field or holds no text for it."""
+def fill_template(template: str, record: Mapping, prompt_text: str, where: str, key: str = "teacher") -> str:
+    """`template` filled from `record` (`{prompt}`: `prompt_text`); DataError naming the field,
+    the record (`where`) and the teacher's section (`key`: `teacher`, `teachers[NAME]`) when the
+    record lacks a field or holds no text for it."""
     values = {PROMPT_FIELD: prompt_text}
     for name in template_fields(template):
         if name == PROMPT_FIELD:
             continue
         if name not in record:
             keys = sorted(k for k in record if not k.startswith("_"))
-            raise DataError(f"{where}: teacher.prompt_template uses {{{name}}} and the record has no field {name!r} "
+            raise DataError(f"{where}: {key}.prompt_template uses {{{name}}} and the record has no field {name!r} "
                             f"(it has {keys})")
         value = record[name]
         if value is None or isinstance(value, (dict, list)):
-            raise DataError(f"{where}: teacher.prompt_template uses {{{name}}} and the record's {name!r} is "
+            raise DataError(f"{where}: {key}.prompt_template uses {{{name}}} and the record's {name!r} is "
                             f"{type(value).__name__}, not text or a number")
         values[name] = str(value)
     return template.format_map(values)
 
 
-def teacher_prompt_texts(template: str, paths: Sequence[Path], prompts: Sequence[str]) -> list[str]:
+def teacher_prompt_texts(template: str, paths: Sequence[Path], prompts: Sequence[str], *,
+                         asks: Callable[[Mapping], bool] | None = None, key: str = "teacher") -> list[str | None]:
     """The teacher's prompt text for every prompt (`prompts`: `data.load_prompts` of the same
-    files, whose order this follows): all filled now, so a record lacking a field fails at start."""
-    out: list[str] = []
+    files, whose order this follows): all filled now, so a record lacking a field fails at start.
+    `asks(record)`: whether this teacher is asked for the record (`RouteConfig.asks`); a record it
+    is not asked for gets None and needs none of the template's fields. `key`: the teacher's
+    section, for the message."""
+    out: list[str | None] = []
     for path in paths:
         for i, rec in enumerate(read_records(path)):
             if len(out) >= len(prompts):
                 raise DataError(f"{path}: more records than prompts read")
-            out.append(fill_template(template, rec, prompts[len(out)], rec.get("_source", f"{path}[{i}]")))
+            if asks is not None and not asks(rec):
+                out.append(None)
+                continue
+            out.append(fill_template(template, rec, prompts[len(out)], rec.get("_source", f"{path}[{i}]"), key))
     if len(out) != len(prompts):
         raise DataError(f"{len(out)} records for {len(prompts)} prompts")
     return out
@@ -79,13 +87,16 @@ def teacher_prompt_texts(template: str, paths: Sequence[Path], prompts: Sequence
 class TeacherPrompts:
     """The token ids the teacher sees before a response, per prompt index: the template's prompt
     rendered (cached) when `teacher.prompt_template` is set, else (`TeacherPrompts()`) the student's
-    own prompt ids."""
+    own prompt ids. `asks` and `key`: as `teacher_prompt_texts` (only the prompts routed to this
+    teacher are filled)."""
 
-    def __init__(self, tokenizer=None, data_cfg=None, template: str | None = None, prompts: Sequence[str] = ()):
+    def __init__(self, tokenizer=None, data_cfg=None, template: str | None = None, prompts: Sequence[str] = (), *,
+                 asks: Callable[[Mapping], bool] | None = None, key: str = "teacher"):
         self.tokenizer = tokenizer
         self.data = data_cfg
         self.template = template
-        self.texts = teacher_prompt_texts(template, data_cfg.train_files, prompts) if template else None
+        self.key = key
+        self.texts = teacher_prompt_texts(template, data_cfg.train_files, prompts, asks=asks, key=key) if template else None
         self._cache: dict[int, list[int]] = {}
 
     @property
@@ -98,6 +109,8 @@ class TeacherPrompts:
             return list(student_prompt_ids)
         ids = self._cache.get(index)
         if ids is None:
+            if self.texts[index] is None:
+                raise ValueError(f"{self.key}.prompt_template: prompt {index} is not routed to this teacher")
             d = self.data
             ids = self._cache[index] = render_prompt(self.tokenizer, self.texts[index], suffix=d.suffix,
                                                      chat_template=d.chat_template)

@@ -39,3 +39,16 @@ def test_unknown_role_and_bad_values_are_refused():
         load_config(ROOT / "configs" / "tiny.yaml", ["threads.learner=-1"])
     with pytest.raises(ConfigError, match="threads.omp_wait_policy"):
         load_config(ROOT / "configs" / "tiny.yaml", ["threads.omp_wait_policy=sleepy"])
+
+
+@pytest.mark.parametrize("role", ["learner", "rollout", "teacher"])
+def test_thread_counts_have_an_upper_bound_naming_the_field(role):
+    """A fixed bound (ThreadsConfig.MAX_THREADS, not this machine's cores: a config is often checked on
+    another machine than the one it runs on); a count above it is refused when the config loads,
+    before eopd run starts a process with a million-thread OpenMP pool."""
+    bound = ThreadsConfig.MAX_THREADS
+    assert getattr(load_config(ROOT / "configs" / "tiny.yaml", [f"threads.{role}={bound}"]).threads, role) == bound
+    with pytest.raises(ConfigError, match=rf"threads\.{role}: Input should be less than or equal to {bound}"):
+        load_config(ROOT / "configs" / "tiny.yaml", [f"threads.{role}={bound + 1}"])
+    with pytest.raises(ConfigError, match=rf"threads\.{role}"):
+        load_config(ROOT / "configs" / "tiny.yaml", [f"threads.{role}=1000000000"])

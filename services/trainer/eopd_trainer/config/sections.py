@@ -18,7 +18,7 @@ import hashlib
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -200,6 +200,10 @@ class EvalConfig(Section):
         "GSM8K flexible-extract). Both are always computed and stored.")
     variants: bool = Field(True, description="Also evaluate the variants set (data.generate.variants) into "
                            "eval-variants.json.")
+    cache: bool = Field(True, description="Reuse an evaluation made before (e.g. the teacher's and the initial "
+                        "student's in every run) when the model's files, the teacher, the data, these settings, "
+                        "the seed and the evaluation code are the same (eval/cache.py, $EOPD_CACHE_DIR/evals); "
+                        "false: always evaluate.")
     models: list[str] = Field(default_factory=lambda: ["teacher", "initial", "final"],
                               description="What `eopd run` evaluates: teacher (the ceiling, once per run), initial "
                               "(student before training), final.")
@@ -214,11 +218,14 @@ class LoggingConfig(Section):
 
 class ThreadsConfig(Section):
     """CPU threads of the processes `eopd run` starts (issue 31, ask 7; job/threads.py). OpenMP reads
-    these once, at a process's start, so they reach a child only through its environment."""
+    these once, at a process's start, so they reach a child only through its environment. A count
+    is at most MAX_THREADS: a fixed bound, not this machine's cores (a config is often validated on
+    another machine than the one it runs on), above the hardware threads of any one node today."""
 
-    learner: int = Field(0, ge=0, description="torch threads of the learner (0: every core the process may use).")
-    rollout: int = Field(0, ge=0, description="torch threads of each rollout worker (0: every core).")
-    teacher: int = Field(0, ge=0, description="torch threads of each teacher `eopd run` starts (0: every core).")
+    MAX_THREADS: ClassVar[int] = 1024
+    learner: int = Field(0, ge=0, le=MAX_THREADS, description="torch threads of the learner (0: every core the process may use; at most 1024).")
+    rollout: int = Field(0, ge=0, le=MAX_THREADS, description="torch threads of each rollout worker (0: every core; at most 1024).")
+    teacher: int = Field(0, ge=0, le=MAX_THREADS, description="torch threads of each teacher `eopd run` starts (0: every core; at most 1024).")
     omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
         "passive", description="OMP_WAIT_POLICY of the children: passive (a waiting OpenMP thread sleeps at once: a "
         "process sharing the CPU with other work is not slowed by threads spinning for preempted ones; the default, "

@@ -136,6 +136,16 @@ class RouteConfig(Section):
         value = record.get(self.field) if self.field else None
         return self.routes.get(str(value), self.default) if value is not None else self.default
 
+    def asks(self, name: str, record: dict) -> bool:
+        """Whether teacher `name` is asked for `record`'s prompt: every teacher of the mixture is,
+        else the one its route names."""
+        return name in self.mixture if self.mixture else self.teacher_of(record) == name
+
+
+def teacher_key(name: str) -> str:
+    """The config key of teacher `name`'s section, for messages: `teacher` or `teachers[NAME]`."""
+    return DEFAULT_TEACHER if name == DEFAULT_TEACHER else f"teachers[{name}]"
+
 
 def check_routes(teacher: TeacherConfig, teachers: list[NamedTeacher], route: RouteConfig, *,
                  teacher_generates: bool = False) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import sys
@@ -40,7 +41,8 @@ from pathlib import Path
 from eopd_common.models import materialise_spec, parse_layer_subset, resolve_spec
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
-from ..data import DataError
+from ..config.teachers import teacher_key
+from ..data import DataError, load_prompts
 from ..teacher_context import teacher_prompt_texts
 from ..problems.generator import write_splits
 
@@ -75,14 +77,41 @@ def validate(cfg: RunConfig, *, local: bool = True, need_teacher: bool = True) -
 
 
 def check_teacher_context(cfg: RunConfig, prompts: list[str]) -> None:
-    """ConfigError naming the record and the field when a training record lacks a field of
-    teacher.prompt_template (checked before any process starts, not by a worker mid-run)."""
-    if not cfg.teacher.prompt_template:
-        return
-    try:
-        teacher_prompt_texts(cfg.teacher.prompt_template, cfg.data.train_files, prompts)
-    except DataError as exc:
-        raise ConfigError(str(exc)) from None
+    """ConfigError naming the record, the teacher's section and the field when a training record
+    lacks a field of the `prompt_template` of a teacher it is routed to (`route.asks`: its route's
+    teacher, or every teacher of route.mixture). `eopd run` checks it before any process starts and
+    `eopd run --validate-only` the same way (`check_data`); the worker fills the same templates."""
+    for name, t in cfg.all_teachers().items():
+        if not t.prompt_template:
+            continue
+        try:
+            teacher_prompt_texts(t.prompt_template, cfg.data.train_files, prompts,
+                                 asks=functools.partial(cfg.route.asks, name), key=teacher_key(name))
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def check_data(cfg: RunConfig) -> str:
+    """`eopd run --validate-only`: what `eopd run` checks of the training data before it starts a
+    process (`check_teacher_context`), on the data it would train on: data.train_files, or
+    data.generate's training split, generated into a temporary directory. ConfigError as `eopd run`
+    gives it; else a note of what was checked."""
+    if not any(t.prompt_template for t in cfg.all_teachers().values()):
+        return "no prompt_template to check against the data"
+    with tempfile.TemporaryDirectory(prefix="eopd-validate-") as tmp:
+        data = cfg.data
+        if data.generate is not None:
+            train, held = _generate_data(cfg, Path(tmp))
+            data = data.model_copy(update={"train_files": [train], "eval_files": [held]})
+        missing = [str(f) for f in data.train_files if not Path(f).is_file()]
+        if missing:
+            return f"the prompt_templates not checked against the data: {', '.join(missing)} not on this machine"
+        try:
+            prompts = load_prompts(data.train_files, data.field)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+        check_teacher_context(cfg.model_copy(update={"data": data}), prompts)
+    return f"every prompt_template checked against the {len(prompts)} training records"
 
 
 @contextlib.contextmanager

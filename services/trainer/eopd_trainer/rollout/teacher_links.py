@@ -13,6 +13,7 @@ from pathlib import Path
 from eopd_teacher.client import AsyncTeacherClient
 
 from ..config import RouteConfig, RunConfig, TeacherConfig
+from ..config.teachers import teacher_key as key_of  # the config key of a teacher's section
 from ..data import read_records
 from ..teacher_context import TeacherPrompts
 from .answers import ScoreAnswers
@@ -37,11 +38,6 @@ def prompt_routes(route: RouteConfig, paths: Sequence[Path], num_prompts: int) -
     if len(names) != num_prompts:
         raise ValueError(f"{len(names)} records for {num_prompts} prompts")
     return names
-
-
-def key_of(name: str) -> str:
-    """The config key of a teacher's section, for messages."""
-    return "teacher" if name == "teacher" else f"teachers[{name}]"
 
 
 @dataclass
@@ -75,10 +71,14 @@ async def connect(name: str, cfg: RunConfig, worker, on_stall: Callable, join: M
     except BaseException:
         await client.close()
         raise
-    prompts = TeacherPrompts(worker.tokenizer, cfg.data, t.prompt_template or None, worker.prompts)
+    # only the prompts routed to this teacher need its template's fields (eopd run checks them before it starts)
+    prompts = TeacherPrompts(worker.tokenizer, cfg.data, t.prompt_template or None, worker.prompts,
+                             asks=lambda rec: cfg.route.asks(name, rec), key=key_of(name))
     if prompts.privileged:
-        log.info("%s.prompt_template: the teacher sees its own prompt, e.g. %r for the student's %r", key_of(name),
-                 prompts.texts[0], worker.prompts[0])
+        first = next((i for i, text in enumerate(prompts.texts) if text is not None), None)
+        if first is not None:
+            log.info("%s.prompt_template: the teacher sees its own prompt, e.g. %r for the student's %r", key_of(name),
+                     prompts.texts[first], worker.prompts[first])
     source = TeacherSource(name, model, TokenRemap.of(t.token_remap))
     # Request ids unique per teacher too: two named teachers may be one server (e.g. with and without a template).
     rid_prefix = worker.worker_id if name == "teacher" else f"{worker.worker_id}-{name}"
