@@ -169,6 +169,141 @@ def far_training(facts: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _by_seed(facts: list[dict], variant: str) -> dict[int, dict]:
+    runs = {f["seed"]: f for f in facts if f["variant"] == variant}
+    if not runs:
+        raise KeyError(f"no archived runs of {variant}")
+    return dict(sorted(runs.items()))
+
+
+def _span(values: list[float]) -> str:
+    """Points, "(min to max)" with true minus signs."""
+    return f"({_points(min(values))} to {_points(max(values))})"
+
+
+def eopd_vs_opd(facts: list[dict]) -> str:
+    """Per seed and on the mean: EOPD's and OPD's final students, their difference in points (range
+    over seeds), Pass@n and the FKL at high-entropy positions. The mean row is bold."""
+    n, tau = _n(facts), _tau(facts)
+    eopd, opd = _by_seed(facts, "eopd"), _by_seed(facts, "opd")
+    lines = [f"| seed | EOPD final | OPD final | EOPD {MINUS} OPD | Pass@{n} EOPD / OPD | FKL(H_T ≥ {tau}) EOPD / OPD |",
+             "|---|---|---|---|---|---|"]
+    cols = {k: ([_final(eopd[s])[k] for s in eopd], [_final(opd[s])[k] for s in eopd]) for k in ("avg", f"pass@{n}", "fkl_high")}
+    for i, seed in enumerate(eopd):
+        (ea, oa), (ep, op), (ef, of) = ((a[i], b[i]) for a, b in cols.values())
+        lines.append(f"| {seed} | {ea:.3f} | {oa:.3f} | {_points(ea - oa)} | {ep:.3f} / {op:.3f} | {ef:.3f} / {of:.3f} |")
+    avg_d = [a - b for a, b in zip(*cols["avg"])]
+    pass_d = [a - b for a, b in zip(*cols[f"pass@{n}"])]
+    spread_of = lambda d: _signed(f"{100 * min(d):.1f}–{100 * max(d):.1f}")  # noqa: E731
+    (ea, oa), (ep, op), (ef, of) = ((_mean(a), _mean(b)) for a, b in cols.values())
+    lines.append(f"| **mean** | **{ea:.3f}** | **{oa:.3f}** | **{_points(_mean(avg_d))}** ({spread_of(avg_d)}) "
+                 f"| **{ep:.3f} / {op:.3f}** ({_points(_mean(pass_d))}; {spread_of(pass_d)}) | **{ef:.3f} / {of:.3f}** |")
+    return "\n".join(lines) + "\n"
+
+
+def warmup(facts: list[dict]) -> str:
+    """EOPD against EOPD after a KD warm-up, per seed and on the mean (bold), Avg@n / Pass@n."""
+    n = _n(facts)
+    eopd, warm = _by_seed(facts, "eopd"), _by_seed(facts, "eopd+warmup4")
+    lines = ["| seed | EOPD | EOPD after 4 KD iterations | difference (points) |", "|---|---|---|---|"]
+    keys = ("avg", f"pass@{n}")
+    for seed in eopd:
+        a, b = _final(eopd[seed]), _final(warm[seed])
+        lines.append(f"| {seed} | {a['avg']:.3f} / {a[keys[1]]:.3f} | {b['avg']:.3f} / {b[keys[1]]:.3f} "
+                     f"| {_points(b['avg'] - a['avg'])} / {_points(b[keys[1]] - a[keys[1]])} |")
+    mean = {k: (_mean([_final(f)[k] for f in eopd.values()]), _mean([_final(f)[k] for f in warm.values()])) for k in keys}
+    diffs = {k: [_final(warm[s])[k] - _final(eopd[s])[k] for s in eopd] for k in keys}
+    lines.append(f"| **mean** | **{mean['avg'][0]:.3f} / {mean[keys[1]][0]:.3f}** | **{mean['avg'][1]:.3f} / "
+                 f"{mean[keys[1]][1]:.3f}** | **" + " / ".join(f"{_points(_mean(d))} {_span(d)}" for d in diffs.values())
+                 + "** |")
+    return "\n".join(lines) + "\n"
+
+
+def teachers(facts: list[dict]) -> str:
+    """Final students per seed (Avg@n / Pass@n) under the plain teacher, the teacher given the answer,
+    self-distillation and two routed teachers, and the variants set; mean (min–max), the mean bold
+    where there are several seeds."""
+    n = _n(facts)
+    plain, priv, self_, routed = (_by_seed(facts, v) for v in ("eopd", "eopd+privileged", "eopd+self", "eopd+routed"))
+    lines = ["| seed | EOPD, plain teacher | EOPD, teacher given the answer | self-distillation (given the answer) "
+             "| routed by kind | variants: plain | variants: given the answer |", "|---|---|---|---|---|---|---|"]
+
+    def both(f: dict | None) -> str:
+        return "–" if f is None else f"{_final(f)['avg']:.3f} / {_final(f)[f'pass@{n}']:.3f}"
+
+    for seed in plain:
+        lines.append(f"| {seed} | {both(plain[seed])} | {both(priv[seed])} | {both(self_[seed])} | {both(routed.get(seed))} "
+                     f"| {_final(plain[seed], 'variants')['avg']:.3f} | {_final(priv[seed], 'variants')['avg']:.3f} |")
+
+    def mean_of(runs: dict, set_name: str = "held-out", with_pass: bool = True) -> str:
+        avg = [_final(f, set_name)["avg"] for f in runs.values()]
+        text = f"{_mean(avg):.3f}" if len(avg) == 1 else f"**{_mean(avg):.3f}** ({min(avg):.3f}–{max(avg):.3f})"
+        return text + (f" / {_mean([_final(f, set_name)[f'pass@{n}'] for f in runs.values()]):.3f}" if with_pass else "")
+
+    lines.append(f"| mean (min–max) | {mean_of(plain)} | {mean_of(priv)} | {mean_of(self_)} | {mean_of(routed)} "
+                 f"| {mean_of(plain, 'variants', False)} | {mean_of(priv, 'variants', False)} |")
+    return "\n".join(lines) + "\n"
+
+
+#: Runs whose times were not a measurement (they shared the machine, as the text under their table says):
+#: their seconds are shown apart, not in the range.
+SHARED_RUNS = frozenset({"gkd0.5-s0"})
+#: What the document adds to a loss's teacher-generated share.
+SHARE_NOTES = {"gkd1.0": " (all on-policy)"}
+
+
+def variants_table(facts: list[dict], names: dict[str, str], *, models: bool, teacher_share: bool) -> str:
+    """The paper's Table 2 layout: per loss, Avg@n mean (min–max), each seed, the mean Pass@k, the
+    Pass@n range, minus EOPD paired by seed (bold: ahead in every seed), [the teacher-generated share],
+    training and whole-run seconds. Bold: the loss with the best mean Avg@n (its name and mean), and
+    the best mean Pass@n. `models` adds the teacher's and the initial student's rows."""
+    n = _n(facts)
+    ks = sorted(int(k.split("@")[1]) for k in _final(facts[0]) if k.startswith("pass@"))
+    groups = _groups(facts, names)
+    eopd = _by_seed(facts, "eopd")
+    extra = " teacher-generated (measured) |" if teacher_share else ""
+    lines = [f"| variant | Avg@{n} mean (min–max) | seeds {' / '.join(map(str, eopd))} | Pass@"
+             + " / @".join(map(str, ks)) + f" (mean) | Pass@{n} (min–max) | {MINUS} EOPD, Avg@{n} / Pass@{n} |"
+             + extra + " training (s) | whole run (s) |", "|---" * (8 + teacher_share) + "|"]
+    if models:
+        held = next(f["sets"]["held-out"] for f in facts if "teacher" in f["sets"]["held-out"])
+        for label, key in (("teacher", "teacher"), ("initial student", "initial")):
+            m = held[key]
+            lines.append(f"| {label} | {m['avg']:.3f} | – | " + " / ".join(f"{m[f'pass@{k}']:.3f}" for k in ks)
+                         + " | – | – | – | – |")
+    best_avg = max(_mean([_final(f)["avg"] for f in runs]) for _, runs in groups)
+    best_pass = max(_mean([_final(f)[f"pass@{n}"] for f in runs]) for _, runs in groups)
+    for (variant, label), (_, runs) in zip(names.items(), groups):
+        avg = [_final(f)["avg"] for f in runs]
+        passes = [_mean([_final(f)[f"pass@{k}"] for f in runs]) for k in ks]
+        pass_text = " / ".join(f"**{p:.3f}**" if k == n and p == best_pass else f"{p:.3f}" for k, p in zip(ks, passes))
+        top = _mean(avg) == best_avg
+        if variant == "eopd":
+            paired = "–"
+        else:
+            cells = []
+            for key in ("avg", f"pass@{n}"):
+                d = [_final(f)[key] - _final(eopd[f["seed"]])[key] for f in runs]
+                text = f"{_points(_mean(d))} {_span(d)}"
+                cells.append(f"**{text}**" if all(x > 0 for x in d) else text)
+            paired = " / ".join(cells)
+        share = ""
+        if teacher_share:
+            values = [f["teacher_share"] or 0.0 for f in runs]
+            share = (f"{min(values):.0%}" if f"{min(values):.0%}" == f"{max(values):.0%}"
+                     else f"{min(values):.0%}–{max(values):.0%}").replace("%–", "–") + SHARE_NOTES.get(variant, "") + " |"
+
+        def took(key: str) -> str:
+            timed = [f[key] for f in runs if Path(f["run"]).name not in SHARED_RUNS]
+            apart = [f[key] for f in runs if Path(f["run"]).name in SHARED_RUNS]
+            return f"{min(timed):.0f}–{max(timed):.0f}" + "".join(f" ({s:.0f} shared)" for s in apart)
+        lines.append(f"| {f'**{label}**' if top else label} | {f'**{_mean(avg):.3f}**' if top else f'{_mean(avg):.3f}'} "
+                     f"({min(avg):.3f}–{max(avg):.3f}) | {' / '.join(f'{a:.3f}' for a in avg)} | {pass_text} "
+                     f"| {min(_final(f)[f'pass@{n}'] for f in runs):.3f}–{max(_final(f)[f'pass@{n}'] for f in runs):.3f} "
+                     f"| {_signed(paired)} |{' ' + share if share else ''} {took('train_s')} | {took('total_s')} |")
+    return "\n".join(lines) + "\n"
+
+
 def _tau(facts: list[dict]) -> str:
     """The evaluation's high-entropy threshold, as the tables print it (e.g. 0.8)."""
     taus = {read_eval(Path(f["run"]))["models"]["final"].get("high_entropy_threshold") for f in facts}
@@ -182,7 +317,16 @@ def blocks() -> dict[str, str]:
     far = read_facts(sorted(RUNS_FAR.iterdir()))
     if far is None:
         raise FileNotFoundError(f"{RUNS_FAR}: a run directory without run.yaml")
-    return {"far-per-run": far_per_run(far), "far-means": far_means(far), "far-paired": far_paired(far),
+    near = read_facts(sorted(RUNS.iterdir()))
+    if near is None:
+        raise FileNotFoundError(f"{RUNS}: a run directory without run.yaml")
+    return {"eopd-vs-opd": eopd_vs_opd(near),
+            "table-2": variants_table(near, {"kd": "KD", "grpo": "GRPO", "opd": "OPD", "eopd": "EOPD"},
+                                      models=True, teacher_share=False),
+            "gkd": variants_table(near, {"gkd0.5": "GKD λ = 0.5", "gkd0.8": "GKD λ = 0.8", "gkd1.0": "GKD λ = 1.0",
+                                         "kd": "KD", "eopd": "EOPD", "opd": "OPD"}, models=False, teacher_share=True),
+            "warmup": warmup(near), "teachers": teachers(near),
+            "far-per-run": far_per_run(far), "far-means": far_means(far), "far-paired": far_paired(far),
             "far-training": far_training(far)}
 
 
