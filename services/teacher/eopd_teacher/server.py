@@ -198,7 +198,8 @@ class TeacherServer:
         opts = grpc_options(s)
         interceptors: list[grpc.aio.ServerInterceptor] = [
             StatusInterceptor(self.metrics, calls=self.state.calls, memory=self.memory, request_bytes=self.state.request_bytes,
-                              receive_timeout_s=s.request_receive_timeout_s, watches=self.state.watches)
+                              receive_timeout_s=s.request_receive_timeout_s, watches=self.state.watches,
+                              identities=self.state.identities)
         ]
         token = s.bearer_token()
         if token:

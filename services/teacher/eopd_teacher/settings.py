@@ -120,10 +120,12 @@ class TeacherSettings(ServiceSettings):
     max_client_share: float = Field(
         0.5, gt=0, le=1,
         description="the largest fraction of each global limit (max_concurrent_calls, max_streams, "
-        "max_inflight_request_bytes, max_queue_tokens as tokens in flight, max_health_watches) one client may hold: "
-        "max(1, floor(limit x this)); beyond, RESOURCE_EXHAUSTED (retryable) naming the client's share, so one client "
-        "cannot take all of a limit. Clients are told apart by peer address (IPv6: its /64), not by the token or "
-        "x-eopd-client, which do not tell callers apart (docs/teacher.md, \"Per-client shares\"). 1: no shares",
+        "max_inflight_request_bytes, max_queue_tokens as tokens in flight, max_health_watches, "
+        "http_max_concurrent_bodies) one client may hold: max(1, floor(limit x this)); beyond, RESOURCE_EXHAUSTED "
+        "(retryable) naming the client's share, so one client cannot take all of a limit. A client is its peer address "
+        "(IPv6: its /64; every loopback address is one client) and, when it authenticated, its identity there (the "
+        "bearer token, or its certificate's name under mutual TLS); never x-eopd-client, which callers choose "
+        "(docs/teacher.md, \"Per-client shares\"). 1: no shares",
     )
     request_receive_timeout_s: float = Field(
         30.0, gt=0,
@@ -158,6 +160,12 @@ class TeacherSettings(ServiceSettings):
     )
     http_body_timeout_s: float = Field(
         30.0, gt=0, description="HTTP side: close a connection whose request body has not all arrived this long after its headers"
+    )
+    http_max_concurrent_bodies: int = Field(
+        64, ge=1,
+        description="HTTP side: requests whose body is still arriving, at once (and one client's max_client_share of "
+        "it); beyond, 429 before the body is read. A budget of its own beside max_concurrent_calls, which a request "
+        "takes only once its body has arrived, so slow bodies cannot hold gRPC's call slots",
     )
     http_max_inflight_body_bytes: int = Field(
         128 * MiB, ge=MiB,

@@ -10,7 +10,7 @@ from eopd_teacher.serving.batcher import Overloaded
 from eopd_teacher.serving.metrics import TeacherMetrics
 from eopd_teacher.serving.resources import ByteBudget
 from eopd_teacher.serving.service import TeacherService
-from eopd_teacher.serving.shares import PerClientLimit, client_share, share_key
+from eopd_teacher.serving.shares import Identities, PerClientLimit, client_share, share_key
 from eopd_teacher.serving.state import ServerState
 from eopd_teacher.settings import TeacherSettings
 
@@ -74,9 +74,25 @@ def test_share_message_names_the_client_the_setting_and_the_numbers():
     ("unix:/tmp/sock", "unix:/tmp/sock"),
     ("unknown", "unknown"),
     ("ipv6:[not-an-address]", "ipv6:[not-an-address]"),
+    ("ipv4:127.0.0.1", "loopback"),  # every loopback address is one client (issue 49)
+    ("ipv4:127.45.6.7", "loopback"),
+    ("ipv6:[::1]", "loopback"),
+    ("ipv6:[::ffff:127.0.0.2]", "loopback"),
+    ("ipv4:not-an-address", "ipv4:not-an-address"),
 ])
-def test_share_key_is_the_address_and_an_ipv6_slash_64(peer, key):
+def test_share_key_is_the_address_an_ipv6_slash_64_or_loopback(peer, key):
     assert share_key(peer) == key
+
+
+def test_identities_key_a_token_holder_apart_from_a_stranger_at_the_same_address():
+    ids = Identities("s3cret")
+    assert ids.key("ipv4:127.0.0.1", "Bearer s3cret") == "token@loopback"
+    assert ids.key("ipv4:127.0.0.9", b"Bearer s3cret") == "token@loopback"  # gRPC metadata may be bytes
+    assert ids.key("ipv4:127.0.0.2", "Bearer wrong") == "loopback"  # a wrong token is no identity
+    assert ids.key("ipv4:127.0.0.3") == "loopback"
+    assert ids.key("ipv4:10.0.0.5", "Bearer s3cret") == "token@ipv4:10.0.0.5"
+    assert ids.key("ipv4:10.0.0.5", None, certificate="worker-1") == "cert:worker-1@ipv4:10.0.0.5"
+    assert Identities(None).key("ipv4:127.0.0.4", "Bearer s3cret") == "loopback"  # no token configured
 
 
 def test_byte_budget_share_per_client():

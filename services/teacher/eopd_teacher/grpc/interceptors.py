@@ -23,7 +23,7 @@ from ..convert import NOT_RETRYABLE_KEY
 from ..serving.batcher import Overloaded
 from ..serving.metrics import TeacherMetrics
 from ..serving.resources import ByteBudget, MemoryReturner
-from ..serving.shares import PerClientLimit
+from ..serving.shares import Identities, PerClientLimit
 from ..serving.status import DeadlinePassed, describe
 from ..validation import InvalidRequest, RequestTooLarge
 from .servicer import SERVICE_NAME, client_share_key
@@ -67,8 +67,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: TeacherMetrics, *, max_concurrent_calls: int | None = None, memory: MemoryReturner | None = None,
                  request_bytes: ByteBudget | None = None, calls: PerClientLimit | None = None,
-                 receive_timeout_s: float | None = None, watches: PerClientLimit | None = None):
+                 receive_timeout_s: float | None = None, watches: PerClientLimit | None = None,
+                 identities: Identities | None = None):
         self.metrics = metrics
+        self.identities = identities or Identities()  # who a call is, for the shares (`servicer.client_share_key`)
         self.request_bytes = request_bytes  # the server-wide budget (unary bodies; streams: stream_session)
         if calls is None:
             calls = PerClientLimit(max_concurrent_calls if max_concurrent_calls is not None else sys.maxsize)
@@ -154,7 +156,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                         respond) -> AsyncIterator[object]:
         """The answers of a call with one request message: admitted (`_admit`), decoded, answered by
         `respond(request, context)`; the call slot and the budget's bytes given back however it ends."""
-        client = client_share_key(context)
+        client = client_share_key(context, self.identities)
         self._take_call(client)
         nbytes = taken = 0
         try:
@@ -234,7 +236,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         watches = self.watches
 
         async def watch(request, context):
-            client = client_share_key(context)
+            client = client_share_key(context, self.identities)
             if not watches.try_take(1, client):
                 if watches.refusal(1, client) == "share":
                     message = watches.share_message("health Watch streams", "max_health_watches", client)

@@ -12,10 +12,11 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from ..convert import STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, info_to_pb, score_request_from_pb, scores_to_pb
+from ..convert import (STREAM_ENDING_KEY, generate_request_from_pb, generation_to_pb, head_to_pb, info_to_pb,
+                       score_request_from_pb, scores_to_pb)
 from ..serving.batcher import Overloaded
 from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
-from ..serving.shares import share_key
+from ..serving.shares import Identities
 from ..validation import GENERATE_FIELDS, SCORE_FIELDS
 from .stream_session import StreamSession
 
@@ -37,9 +38,13 @@ def client_key(context: grpc.aio.ServicerContext) -> str:
     return client_from(given, peer_of(context))
 
 
-def client_share_key(context: grpc.aio.ServicerContext) -> str:
-    """Whose share of the global limits a call counts against (`shares.share_key`: the peer's address)."""
-    return share_key(peer_of(context))
+def client_share_key(context: grpc.aio.ServicerContext, identities: Identities) -> str:
+    """Whose share of the global limits a call counts against (`shares.Identities.key`): its verified
+    client certificate's name or the bearer token it presented, at its address, else its address."""
+    authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    names = (context.auth_context() or {}).get("x509_common_name") or ()
+    certificate = names[0].decode(errors="replace") if names else None
+    return identities.key(peer_of(context), authorization, certificate)
 
 
 class TeacherServicer(pb_grpc.TeacherServiceServicer):
@@ -57,7 +62,8 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         return response
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        return await self._score(request, client_key(context), client_share_key(context), stream=False)
+        share = client_share_key(context, self.service.state.identities)
+        return await self._score(request, client_key(context), share, stream=False)
 
     async def ScoreStream(
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
@@ -71,12 +77,22 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         after the requests already in flight are answered (and, for a client that asked with
         `eopd-stream-ending: 1`, after announcing the end and letting it half-close)."""
         state = self.service.state
-        share = client_share_key(context)
+        share = client_share_key(context, state.identities)
         streams = state.streams
         if not streams.try_take(1, share):
             if streams.refusal(1, share) == "share":
                 raise Overloaded(streams.share_message("streams open", "max_streams", share))
             raise Overloaded(f"{streams.held} streams open, limit {streams.limit}; retry later")
+        slot = streams  # the limit that holds this stream's slot
+
+        def given_up() -> None:
+            """It took no answers for the idle timeout: its `max_streams` slot goes to the pool of
+            given-up streams while gRPC still holds its answer (stream_session's docstring)."""
+            nonlocal slot
+            if state.stalled_streams.try_take(1, share):
+                streams.give(1, share)
+                slot = state.stalled_streams
+
         try:
             client = client_key(context)
 
@@ -84,18 +100,25 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
                 return await self._score(request, client, share, stream=True)
 
             session = StreamSession(score, state.metrics, state.request_bytes, state.settings.stream_idle_timeout_s,
-                                    announce=wants_stream_ending(context), client=share)
+                                    announce=wants_stream_ending(context), client=share, on_stalled=given_up)
             async for response in session.responses(request_iterator):
                 yield response
         finally:
-            streams.give(1, share)
+            slot.give(1, share)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         async for g in self.service.generate(generate_request_from_pb(request), client_key(context), GENERATE_FIELDS, deadline,
-                                             share_key=client_share_key(context)):
+                                             share_key=client_share_key(context, self.service.state.identities)):
             yield generation_to_pb(request.request_id, g)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return info_to_pb(self.service.model_info())
+
+    async def GetOutputHead(self, request: pb.GetOutputHeadRequest, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.OutputHeadChunk]:
+        """The output head in chunks of half the message limit (`convert.head_to_pb`)."""
+        head = self.service.output_head()
+        for chunk in head_to_pb(head, self.service.state.settings.max_message_bytes // 2):
+            yield chunk

@@ -25,11 +25,13 @@ A stream whose client has not taken an answer handed to gRPC for `stream_idle_ti
 stopped reading: the answer waits on HTTP/2 flow control) fails with `StreamStalled`: its requests in
 flight are withdrawn, their bytes given back, its answers not yet handed to gRPC dropped, and it
 reads no more; the call ends with UNAVAILABLE as soon as the client takes the answer gRPC holds (or
-when its connection closes), and its `max_streams` slot is held until then. gRPC's asyncio server
-cannot reset one stream whose client does not read (neither an abort nor cancelling the handler
-reaches such a client), so the slot stays counted against the client's share, which bounds what a
-client that never reads can hold (issue 33, section 2). Each request's bytes count against the stream's client's
-share of the byte budget (`client`, `shares.share_key`).
+when its connection closes). gRPC's asyncio server cannot reset one stream whose client does not read
+(neither an abort nor cancelling the handler reaches such a client), so until then the stream still
+costs the one answer gRPC holds: `on_stalled` is called once it is given up, and the servicer moves
+its slot from `max_streams` to a pool of given-up streams of the same size and share (issue 49:
+streams that take no answers no longer hold the slots other streams need, and what they hold stays
+bounded). Each request's bytes count against the stream's client's share of the byte budget
+(`client`, `shares.Identities`).
 """
 
 from __future__ import annotations
@@ -92,8 +94,10 @@ class StreamSession:
     `idle_timeout_s` fails."""
 
     def __init__(self, score: Callable[[pb.ScoreRequest], Awaitable[pb.ScoreResponse]], metrics: TeacherMetrics,
-                 budget: ByteBudget, idle_timeout_s: float, *, announce: bool = False, client: str | None = None):
+                 budget: ByteBudget, idle_timeout_s: float, *, announce: bool = False, client: str | None = None,
+                 on_stalled: Callable[[], None] | None = None):
         self._score = score
+        self._on_stalled = on_stalled  # called once when the stream is given up (`_stalled`)
         self._client = client  # whose share of the byte budget this stream's requests count against
         self._metrics = metrics
         self._announce = announce
@@ -179,6 +183,8 @@ class StreamSession:
             f"the client took no answer for {self._idle_timeout_s:g}s; stream closed by the server "
             "(stream_idle_timeout_s), re-open it and read its answers"), ""))
         self._out.put_nowait(_FAILED)
+        if self._on_stalled is not None:
+            self._on_stalled()
         return True
 
     def _fail(self, exc: BaseException, request_id: str) -> None:

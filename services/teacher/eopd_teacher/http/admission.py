@@ -1,14 +1,19 @@
 """Admission of `POST /v1/completions` (issue 33, section 1): the same limits as a gRPC unary call,
 taken through the shared objects' public API, and what a request may cost before it is refused.
 
-- Content type: a body declared as anything but JSON (`application/json`, `*/*+json`) is refused
-  with 415 before it is read (no Content-Type at all is taken as JSON, as FastAPI and vLLM do).
-- Calls: each request holds one of the server's `max_concurrent_calls` slots (`ServerState.calls`, a `PerClientLimit` shared
-  with gRPC's unary calls) while it is served, within the caller's per-client share (its address,
-  `shares.share_key`); none free: 429 before the body is read.
-- Bytes: the body's bytes are taken from the server-wide `ByteBudget` (`max_inflight_request_bytes`,
-  shared with gRPC, and the caller's share of it) while the request is served: the declared Content-Length before reading, else
-  each chunk as it arrives; over the budget: 429. The body itself is bounded (`body_limit`; 413).
+- Content type: a body not declared as JSON (`application/json`, `application/*+json`), or declared
+  as nothing, is refused with 415 before it is read: a browser sends a cross-origin POST without a
+  preflight only as text/plain, a form, or with no Content-Type, so none of those reaches the engine
+  (issue 49).
+- Bodies: while its body arrives a request holds one of the HTTP side's own `http_max_concurrent_bodies`
+  slots (`ServerState.http_bodies`, within the caller's share of it; none free: 429 before the body
+  is read) and its bytes count against `http_max_inflight_body_bytes` (`body_budget.BodyBudget`);
+  the body itself is bounded (`body_limit`; 413). Slow bodies therefore hold nothing gRPC needs
+  (issue 49, finding 2: 64 bodies that never finished held every gRPC call slot).
+- Calls and bytes: once its body has arrived, the request holds one of the server's
+  `max_concurrent_calls` slots (`ServerState.calls`, shared with gRPC's unary calls) and its bytes in
+  the server-wide `ByteBudget` (`max_inflight_request_bytes`, shared with gRPC), each within the
+  caller's share, while it is served; either full: 429.
 - Disconnects: the work runs beside a watch of the connection (`until_disconnected`); when the
   client goes away the work is cancelled (a generation stops: the engine is told, as for a gRPC
   caller that cancels). A client that disconnects mid-body costs one short log line at most
@@ -16,7 +21,8 @@ taken through the shared objects' public API, and what a request may cost before
 
 The client identity (x-eopd-client header, else the peer address) is the one gRPC uses
 (`openai_compat._client`), for the batcher's fair queue and the per-client in-flight tokens; the
-per-client shares of the global limits key on the address alone (`peer_share_key`)."""
+per-client shares of the global limits key on who the caller is (`peer_share_key`,
+`shares.Identities`: the bearer token it presented at its address, else its address)."""
 
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from ..serving.shares import share_key
+from ..serving.shares import Identities, peer_name
 from ..serving.state import ServerState
 from .openai_format import CompatError
 
@@ -59,10 +65,10 @@ class AbortLog:
 
 
 def json_content_type(request: Request) -> None:
-    """415 unless the body is declared as JSON (or not declared at all)."""
+    """415 unless the body is declared as JSON (a missing Content-Type included)."""
     declared = request.headers.get("content-type")
     if declared is None:
-        return
+        raise CompatError(415, "content-type: missing; send the body as application/json", "content-type")
     media = declared.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise CompatError(415, f"content-type: {declared[:100]!r}; send the body as application/json", "content-type")
@@ -77,59 +83,65 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def admitted(self, request: Request, body_limit: int) -> AsyncIterator[bytes]:
-        """The request's body, read within `body_limit` (413) and the byte budget (429), with a call
-        slot held (429 when none is free, before reading); all given back when the block ends."""
-        json_content_type(request)
-        calls, budget, key = self.state.calls, self.state.request_bytes, peer_share_key(request)
+        """The request's body (`_body`), then a call slot and its bytes in the shared budget, held
+        while the block runs (429 when either is full); all given back when the block ends."""
+        key = peer_share_key(request, self.state.identities)
+        raw = await self._body(request, body_limit, key)
+        calls, budget = self.state.calls, self.state.request_bytes
         if not calls.try_take(1, key):
             if calls.refusal(1, key) == "share":
                 raise CompatError(429, calls.share_message("calls in progress", "max_concurrent_calls", key))
             raise CompatError(429, f"{calls.held} calls in progress, limit {calls.limit} (max_concurrent_calls); retry later")
-        taken = 0
+        try:
+            if not budget.try_take(len(raw), key):
+                raise CompatError(429, budget.refused_message(len(raw), key, what="this request"))
+            try:
+                yield raw
+            finally:
+                budget.give(len(raw), key)
+        finally:
+            calls.give(1, key)
 
-        def take(nbytes: int) -> None:
-            nonlocal taken
-            if not budget.try_take(nbytes, key):
-                raise CompatError(429, budget.refused_message(nbytes, key, what="this request"))
-            taken += nbytes
-
+    async def _body(self, request: Request, body_limit: int, key: str) -> bytes:
+        """The body, declared as JSON (415) and within `body_limit` (413), read while one of the HTTP
+        side's body slots is held (429 when none is free, before reading)."""
+        json_content_type(request)
+        bodies = self.state.http_bodies
+        if not bodies.try_take(1, key):
+            if bodies.refusal(1, key) == "share":
+                raise CompatError(429, bodies.share_message("request bodies arriving", "http_max_concurrent_bodies", key))
+            raise CompatError(429, f"{bodies.held} request bodies arriving, limit {bodies.limit} "
+                                   "(http_max_concurrent_bodies); retry later")
         try:
             declared = request.headers.get("content-length")
-            declared_n = int(declared) if declared is not None and declared.isdigit() else None
-            if declared_n is not None and declared_n > body_limit:
+            if declared is not None and declared.isdigit() and int(declared) > body_limit:
                 raise CompatError(413, f"body: {declared} bytes exceed the server's limit of {body_limit} bytes")
-            if declared_n is not None:
-                take(declared_n)
             chunks, size = [], 0
             try:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > body_limit:
                         raise CompatError(413, f"body: over the server's limit of {body_limit} bytes")
-                    if declared_n is None:
-                        take(len(chunk))
                     chunks.append(chunk)
             except ClientDisconnect:
                 self.aborts.aborted()
                 raise CompatError(499, "the client disconnected before sending the whole body") from None
-            yield b"".join(chunks)
+            return b"".join(chunks)
         finally:
-            calls.give(1, key)
-            if taken:
-                budget.give(taken, key)
+            bodies.give(1, key)
 
 
 def peer_address(request: Request) -> str:
     """The peer as the gRPC side names it ("ipv4:1.2.3.4", "ipv6:[::1]", "unknown"), without its port."""
     if request.client is None:
         return "unknown"
-    host = request.client.host
-    return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+    return peer_name(request.client.host)
 
 
-def peer_share_key(request: Request) -> str:
-    """Whose share of the global limits a request counts against (`shares.share_key`: its address)."""
-    return share_key(peer_address(request))
+def peer_share_key(request: Request, identities: Identities) -> str:
+    """Whose share of the global limits a request counts against (`shares.Identities.key`: the bearer
+    token it presented at its address, else its address)."""
+    return identities.key(peer_address(request), request.headers.get("authorization"))
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

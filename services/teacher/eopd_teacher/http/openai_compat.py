@@ -194,6 +194,10 @@ class CompletionsRoute:
             return lambda ids: "".join(decode(t) or "" for t in ids)
         return lambda ids: tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _share(self, request: Request) -> str:
+        """Whose share of the global limits the request counts against (`admission.peer_share_key`)."""
+        return peer_share_key(request, self.service.state.identities)
+
     def _eos_id(self) -> int | None:
         return getattr(self._tokenizer(), "eos_token_id", None)
 
@@ -206,7 +210,7 @@ class CompletionsRoute:
                 num_samples=p.n, max_new_tokens=p.max_tokens, temperature=_f32(sample.temperature), top_p=_f32(sample.top_p),
                 stop_token_ids=tuple(sample.stop_token_ids), seed=sample.seed, top_k=max(p.logprobs_k or 0, 1),
                 score_temperature=_f32(p.temperature))
-            answers = [g async for g in self.service.generate(req, _client(request), _GENERATE_NAMES, share_key=peer_share_key(request))]
+            answers = [g async for g in self.service.generate(req, _client(request), _GENERATE_NAMES, share_key=self._share(request))]
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
             err = _compat_error(exc)
             if err.status == 500:
@@ -229,7 +233,7 @@ class CompletionsRoute:
                            temperature=_f32(p.temperature))
         names = FieldNames("prompt", nested=False, positions=index, renamed=_SCORE_RENAMED)
         try:
-            results = await self.service.score(req, _client(request), names, share_key=peer_share_key(request))
+            results = await self.service.score(req, _client(request), names, share_key=self._share(request))
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
             err = _compat_error(exc)
             if err.status == 500:

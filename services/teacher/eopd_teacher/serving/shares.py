@@ -6,25 +6,40 @@ health Watch streams) is also split by client: one client may hold at most
 stays usable by others. `PerClientLimit` is that pure bookkeeping (no asyncio, no gRPC), usable by
 any front end that has a client key.
 
-Which key. Shares key on the peer's network address (`share_key`), never on what a caller says
-about itself: `x-eopd-client` is chosen by the caller, who could name itself anew on every call and
-get a fresh share each time; the bearer token is one secret that every holder presents, so keying on
-it would make the share a cap on every legitimate client together. The address is what an attacker
-cannot forge over TCP; IPv6 addresses count by their /64 prefix (a host usually holds a whole /64).
-Clients behind one NAT or proxy share one share (`max_client_share` 1.0 turns shares off).
+Which key (`Identities.key`). Shares key on who a caller is, as far as the server can tell, never on
+what a caller says about itself: `x-eopd-client` is chosen by the caller, who could name itself anew
+on every call and get a fresh share each time.
+
+- The address (`share_key`) is what an attacker cannot forge over TCP. IPv6 addresses count by their
+  /64 prefix (a host usually holds a whole /64), and every loopback address (127.0.0.0/8, ::1) is one
+  client, `loopback`: any local user can connect from 127.0.0.2, 127.0.0.3, ... and must not get a
+  share per address (issue 49, finding 3). Clients behind one NAT or proxy, and all local clients,
+  share one share (`max_client_share` 1.0 turns shares off).
+- An authenticated caller is keyed by its identity at its address: `cert:<common name>@<address>`
+  under mutual TLS, `token@<address>` for a caller that presented the bearer token. The token is one
+  secret every legitimate client holds, so it names no one client: keyed on the token alone, the
+  share would cap every legitimate client together. What it does tell apart is the holder from a
+  stranger at the same address: a local process without the token (on one host every worker
+  connects from 127.0.0.1) counts against `loopback`, never against the workers' `token@loopback`.
+  A stranger's calls never get that far on a teacher with a token (refused before the body is read);
+  what it can still open (health Watch streams, HTTP connections) counts against its own share.
+
 `x-eopd-client` still keys the batcher's fair queue and `max_inflight_tokens_per_client`, where a
 caller naming itself only shares its own turn.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+
+LOOPBACK = "loopback"  # the one share key of every loopback address
 
 
 def share_key(peer: str) -> str:
     """The share key of a peer given as the front ends name it without its port ("ipv4:1.2.3.4",
-    "ipv6:[2001:db8::1]", "unix:/path", "unknown"): the IPv4 address, the /64 prefix of an IPv6
-    address, else the peer string itself."""
+    "ipv6:[2001:db8::1]", "unix:/path", "unknown"): `LOOPBACK` for any loopback address, the IPv4
+    address, the /64 prefix of an IPv6 address, else the peer string itself."""
     if peer.startswith("ipv6:"):
         host = peer[5:].strip("[]").split("%", 1)[0]
         try:
@@ -32,9 +47,42 @@ def share_key(peer: str) -> str:
         except ValueError:
             return peer
         if addr.ipv4_mapped is not None:
-            return f"ipv4:{addr.ipv4_mapped}"
+            return share_key(f"ipv4:{addr.ipv4_mapped}")
+        if addr.is_loopback:
+            return LOOPBACK
         return f"ipv6:{ipaddress.IPv6Network((addr, 64), strict=False)}"
+    if peer.startswith("ipv4:"):
+        try:
+            if ipaddress.IPv4Address(peer[5:]).is_loopback:
+                return LOOPBACK
+        except ValueError:
+            return peer
     return peer
+
+
+def peer_name(host: str) -> str:
+    """A bare host address ("127.0.0.2", "::1", as ASGI servers give it) named as gRPC names peers."""
+    return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+
+
+class Identities:
+    """The share key of a caller (module docstring): its authenticated identity at its address, or
+    its address alone. `token`: the server's bearer token (None: no caller presents one)."""
+
+    def __init__(self, token: str | None = None):
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    def key(self, peer: str, authorization: str | bytes | None = None, certificate: str | None = None) -> str:
+        """`peer` as the front ends name it (`share_key`); `authorization`: the caller's header, if
+        any; `certificate`: the verified client certificate's common name under mutual TLS, if any."""
+        address = share_key(peer)
+        if certificate:
+            return f"cert:{certificate}@{address}"
+        if self._expected is not None and authorization is not None:
+            given = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
+            if hmac.compare_digest(given, self._expected):
+                return f"token@{address}"
+        return address
 
 
 def client_share(limit: int, fraction: float) -> int:

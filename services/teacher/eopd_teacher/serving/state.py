@@ -14,7 +14,7 @@ from ..types import EngineInfo, ModelInfo
 from .batcher import Draining, DynamicBatcher
 from .metrics import TeacherMetrics
 from .resources import ByteBudget
-from .shares import PerClientLimit
+from .shares import Identities, PerClientLimit
 from .status import NotReady
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class ServerState:
     streams: PerClientLimit = field(init=False)  # max_streams: ScoreStreams open
     tokens: PerClientLimit = field(init=False)  # max_queue_tokens: tokens of requests in flight
     watches: PerClientLimit = field(init=False)  # max_health_watches: grpc.health.v1 Watch streams open
+    stalled_streams: PerClientLimit = field(init=False)  # max_streams again: ScoreStreams given up (never read), their slot freed
+    http_bodies: PerClientLimit = field(init=False)  # http_max_concurrent_bodies: HTTP requests whose body is arriving
+    identities: Identities = field(init=False)  # whose share a caller counts against (`shares.Identities`)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -64,6 +67,9 @@ class ServerState:
         self.streams = PerClientLimit(s.max_streams, share)
         self.tokens = PerClientLimit(s.max_queue_tokens, share)
         self.watches = PerClientLimit(s.max_health_watches, share)
+        self.stalled_streams = PerClientLimit(s.max_streams, share)
+        self.http_bodies = PerClientLimit(s.http_max_concurrent_bodies, share)
+        self.identities = Identities(s.bearer_token())
         for gauge, limit in ((self.metrics.calls_in_progress, self.calls), (self.metrics.open_streams, self.streams),
                              (self.metrics.health_watches, self.watches)):
             gauge.set_function(lambda limit=limit: limit.held)
