@@ -245,6 +245,77 @@ def teachers(facts: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fkl_ablations(facts: list[dict]) -> str:
+    """OPD, EOPD, full_fkl and random_fkl per seed (Avg@n / Pass@n; FKL at high-entropy positions;
+    the share of tokens with H >= 1, the teacher's at the same positions in brackets), the mean, and
+    the differences to OPD and to EOPD paired by seed, in points (range over seeds). Bold: the best
+    Avg@n and the best Pass@n of a row; a difference ahead in every seed on both metrics."""
+    n = _n(facts)
+    order = ("opd", "eopd", "full_fkl", "random_fkl")
+    runs = {v: _by_seed(facts, v) for v in order}
+    seeds = list(runs["opd"])
+    key = f"pass@{n}"
+
+    def pair_text(avg: float, pass_n: float, best_avg: float, best_pass: float) -> str:
+        a, b = f"{avg:.3f}", f"{pass_n:.3f}"
+        if avg == best_avg and pass_n == best_pass:
+            return f"**{a} / {b}**"
+        return f"{f'**{a}**' if avg == best_avg else a} / {f'**{b}**' if pass_n == best_pass else b}"
+
+    lines = ["| seed | OPD | EOPD | full_fkl | random_fkl |", "|---|---|---|---|---|"]
+    for seed in seeds:
+        finals = [_final(runs[v][seed]) for v in order]
+        best_avg, best_pass = max(m["avg"] for m in finals), max(m[key] for m in finals)
+        lines.append(f"| {seed} | " + " | ".join(
+            f"{pair_text(m['avg'], m[key], best_avg, best_pass)}; FKL {m['fkl_high']:.3f}; "
+            f"{m['h1_student']:.0%} ({m['h1_teacher']:.0%})" for m in finals) + " |")
+    means = [{k: _mean([_final(f)[k] for f in runs[v].values()]) for k in ("avg", key, "fkl_high")} for v in order]
+    best_avg, best_pass = max(m["avg"] for m in means), max(m[key] for m in means)
+    lines.append("| mean (min–max) | " + " | ".join(
+        f"{pair_text(m['avg'], m[key], best_avg, best_pass)}; FKL {m['fkl_high']:.3f}" for m in means) + " |")
+
+    def plain(x: float) -> str:
+        return _signed(f"{100 * x:.1f}")
+
+    for reference, skip in (("opd", 1), ("eopd", 2)):
+        cells = ["–"] * skip
+        for v in order[skip:]:
+            d = {k: [_final(runs[v][s])[k] - _final(runs[reference][s])[k] for s in seeds] for k in ("avg", key)}
+            head = f"{_points(_mean(d['avg']))} / {_points(_mean(d[key]))}"
+            ahead = all(x > 0 for values in d.values() for x in values)
+            cells.append(f"{f'**{head}**' if ahead else head} ({plain(min(d['avg']))}–{plain(max(d['avg']))} / "
+                         f"{plain(min(d[key]))}–{plain(max(d[key]))})")
+        lines.append(f"| minus {'OPD' if reference == 'opd' else 'EOPD'}, paired by seed | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def teacher_metrics(facts: list[dict]) -> str:
+    """What the teachers did during training (`train_metrics.jsonl`): the last quarter's mean, as the
+    range over seeds, per run kind; the routed run's per-teacher metrics over the whole run."""
+    lines = ["| run | teacher entropy on the student's tokens | gate ratio (H_T ≥ 0.8) | mean advantage "
+             f"(teacher {MINUS} student log-prob) | student entropy |", "|---|---|---|---|---|"]
+    for variant, label in (("eopd", "EOPD, plain teacher"), ("eopd+privileged", "EOPD, teacher given the answer"),
+                           ("eopd+self", "self-distillation")):
+        rows = [read_iterations(Path(f["run"])) for f in _by_seed(facts, variant).values()]
+
+        def span(key: str, high_first: bool = False) -> str:
+            values = [quarter_mean(r, key) for r in rows]
+            lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+            return _signed(f"{hi} to {lo}" if high_first else f"{lo}–{hi}")
+        lines.append(f"| {label} | {span('teacher_entropy')} | {span('gate_ratio')} | {span('advantage_mean', True)} "
+                     f"| {span('student_entropy')} |")
+    routed = read_iterations(Path(next(iter(_by_seed(facts, "eopd+routed").values()))["run"]))
+
+    def whole(name: str, key: str) -> float:
+        values = [r[f"iter/by_teacher/{name}/{key}"] for r in routed if f"iter/by_teacher/{name}/{key}" in r]
+        return statistics.fmean(values)
+    for name, label in (("teacher", "routed: plain teacher ({share:.0%} of tokens)"),
+                        ("hinted", "routed: teacher given the answer (word problems, {share:.0%} of tokens)")):
+        lines.append(f"| {label.format(share=whole(name, 'token_share'))} | {whole(name, 'teacher_entropy'):.2f} (whole run) "
+                     f"| {whole(name, 'gate_ratio'):.2f} | reverse KL {whole(name, 'reverse_kl'):.2f} | – |")
+    return "\n".join(lines) + "\n"
+
+
 #: Runs whose times were not a measurement (they shared the machine, as the text under their table says):
 #: their seconds are shown apart, not in the range.
 SHARED_RUNS = frozenset({"gkd0.5-s0"})
@@ -320,12 +391,12 @@ def blocks() -> dict[str, str]:
     near = read_facts(sorted(RUNS.iterdir()))
     if near is None:
         raise FileNotFoundError(f"{RUNS}: a run directory without run.yaml")
-    return {"eopd-vs-opd": eopd_vs_opd(near),
+    return {"eopd-vs-opd": eopd_vs_opd(near), "fkl-ablations": fkl_ablations(near),
             "table-2": variants_table(near, {"kd": "KD", "grpo": "GRPO", "opd": "OPD", "eopd": "EOPD"},
                                       models=True, teacher_share=False),
             "gkd": variants_table(near, {"gkd0.5": "GKD λ = 0.5", "gkd0.8": "GKD λ = 0.8", "gkd1.0": "GKD λ = 1.0",
                                          "kd": "KD", "eopd": "EOPD", "opd": "OPD"}, models=False, teacher_share=True),
-            "warmup": warmup(near), "teachers": teachers(near),
+            "warmup": warmup(near), "teachers": teachers(near), "teacher-metrics": teacher_metrics(near),
             "far-per-run": far_per_run(far), "far-means": far_means(far), "far-paired": far_paired(far),
             "far-training": far_training(far)}
 
