@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from scripts import results_tables
+from scripts import results_far, results_layout, results_tables
 from scripts.doc_blocks import read_block, sync
 
 
@@ -19,14 +19,14 @@ def test_every_generated_table_of_results_md_is_the_one_the_archived_runs_give()
 
 def test_paired_differences_are_bold_only_when_ahead_in_every_seed():
     facts = results_tables.read_facts(sorted(results_tables.RUNS_FAR.iterdir()))
-    row = next(r for r in results_tables.far_paired(facts).splitlines() if r.startswith("| KD − EOPD"))
+    row = next(r for r in results_far.far_paired(facts).splitlines() if r.startswith("| KD − EOPD"))
     assert row.split(" | ")[1] == "+1.2 (−0.8, +1.0, +3.3)"  # one seed behind: not bold
     moved = copy.deepcopy(facts)
     kd0 = next(f for f in moved if f["variant"] == "kd" and f["seed"] == 0)
     kd0["sets"]["held-out"]["final"]["avg"] += 0.02  # seed 0 now 1.2 points ahead
-    row = next(r for r in results_tables.far_paired(moved).splitlines() if r.startswith("| KD − EOPD"))
+    row = next(r for r in results_far.far_paired(moved).splitlines() if r.startswith("| KD − EOPD"))
     assert row.split(" | ")[1] == "**+1.8** (+1.2, +1.0, +3.3)"
 
 
 def test_a_mean_exact_in_counts_prints_as_its_exact_value():
-    assert results_tables._range([1 / 320, 6 / 320, 5 / 320]) == "0.013 (0.003-0.019)"
+    assert results_layout.mean_range([1 / 320, 6 / 320, 5 / 320]) == "0.013 (0.003-0.019)"
