@@ -18,6 +18,8 @@ class ScoreItem:
     temperature: float
     # [n, m] int64 per-position candidate ids to score (-1 filler); None: no candidates.
     candidate_ids: np.ndarray | None = None
+    # The dtype of the final hidden states to return ("bfloat16", "float32"); "": none.
+    hidden_dtype: str = ""
 
     @property
     def num_candidates(self) -> int:
@@ -43,6 +45,12 @@ class SequenceScores:
     topk_logprobs: np.ndarray  # [n, k] float32
     # [n, m] float32 log-probs of the request's candidate ids (NaN at -1 filler); None: none asked.
     candidate_logprobs: np.ndarray | None = None
+    # [n, d] final hidden states packed in `hidden_dtype` (`eopd_common.output_head.pack_hidden`),
+    # with the fingerprint of the output head that projects them; None: none asked.
+    hidden_states: bytes | None = None
+    hidden_dtype: str = ""
+    hidden_size: int = 0
+    output_head_fingerprint: str = ""
 
     @property
     def top_k(self) -> int:
@@ -102,6 +110,10 @@ class EngineInfo:
     dtype: str
     engine: str
     tokenizer_fingerprint: str
+    # The final hidden states' width and the output head's fingerprint (GetOutputHead); 0 and ""
+    # when the engine cannot return hidden states.
+    hidden_size: int = 0
+    output_head_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,8 @@ class ModelInfo:
     max_candidates: int = 0
     max_new_tokens: int = 0
     max_generate_samples: int = 0
+    hidden_size: int = 0
+    output_head_fingerprint: str = ""
 
 
 # Requests as the service takes them (`validation.py` validates them):
@@ -150,6 +164,7 @@ class ScoreRequest:
     request_id: str = ""
     top_k: int = 0  # 0: the server's default_top_k
     temperature: float = 0.0  # 0: 1.0
+    hidden_states: str = ""  # "bfloat16" / "float32": return the final hidden states; "": none
 
 
 @dataclass(frozen=True)

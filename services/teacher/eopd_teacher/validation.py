@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from eopd_common.output_head import HIDDEN_DTYPES, hidden_bytes_per_token
+
 from .types import GenerateItem, GenerateRequest, ModelInfo, ScoreItem, ScoreRequest, ScoreSequence
 
 MIN_TEMPERATURE = 1e-4
@@ -22,6 +24,9 @@ MAX_ID_CHARS = 256
 # sample index, the finish reason and the field headers.
 _GENERATED_ID_BYTES = 5
 _GENERATE_OVERHEAD_BYTES = 64
+# Bytes of a SequenceScores' hidden-state fields beyond the packed values: the output head's
+# fingerprint (64 hex characters), the dtype, the size and the field headers.
+_HIDDEN_OVERHEAD_BYTES = 96
 
 
 class InvalidRequest(ValueError):
@@ -169,6 +174,7 @@ def score_items(req: ScoreRequest, info: ModelInfo, names: FieldNames = SCORE_FI
     total = sum(len(s.token_ids) for s in req.sequences)
     if total > info.max_tokens_per_request:
         raise RequestTooLarge(f"{names.items}: {total} tokens exceed the limit of {info.max_tokens_per_request} per request{where}")
+    hidden = _hidden_dtype(req.hidden_states, info, where)
     seen: set[str] = set()
     items = []
     for i, seq in enumerate(req.sequences):
@@ -188,17 +194,32 @@ def score_items(req: ScoreRequest, info: ModelInfo, names: FieldNames = SCORE_FI
         if not 1 <= seq.score_from < n:
             raise InvalidRequest(f"{field}.score_from: {seq.score_from} must be in [1, {n - 1}] for {n} tokens, {label}")
         candidates = _candidates(seq, n - int(seq.score_from), info, field, label)
-        items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature), candidates))
+        items.append(ScoreItem(sid, ids, int(seq.score_from), int(top_k), float(temperature), candidates, hidden))
     if max_response_bytes is not None:
         scored = sum(it.num_scored for it in items)
         bound = response_bytes_bound(scored, top_k, len(items), sum(it.num_scored * it.num_candidates for it in items),
                                      id_bytes=utf8_id_bytes(rid, (it.seq_id for it in items)))
+        if hidden:
+            bound += scored * hidden_bytes_per_token(info.hidden_size, hidden) + len(items) * _HIDDEN_OVERHEAD_BYTES
         if bound > max_response_bytes:
             raise RequestTooLarge(
                 f"{names.items}: {scored} scored positions at {top_k_name} {top_k} make an answer of up to {bound} bytes, over the "
                 f"server's message limit of {max_response_bytes} bytes{where}; split the request"
             )
     return items
+
+
+def _hidden_dtype(value: str, info: ModelInfo, where: str) -> str:
+    """The validated `hidden_states` dtype ("" for none). Raises InvalidRequest naming the field
+    for an unknown value or an engine that cannot return hidden states."""
+    if not value:
+        return ""
+    if value not in HIDDEN_DTYPES:
+        raise InvalidRequest(f"hidden_states: {value!r} is not one of {list(HIDDEN_DTYPES)}{where}")
+    if not info.output_head_fingerprint:
+        raise InvalidRequest(f"hidden_states: not served by this teacher (engine {info.engine!r} cannot return its final "
+                             f"hidden states); ask for the top-k only{where}")
+    return value
 
 
 def _candidates(seq: ScoreSequence, num_scored: int, info: ModelInfo, field: str, label: str) -> np.ndarray | None:

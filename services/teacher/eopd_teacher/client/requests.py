@@ -12,6 +12,8 @@ import numpy as np
 
 from eopd.v1 import teacher_pb2 as pb
 
+from ..convert import HIDDEN_TO_PB
+
 
 @dataclass(frozen=True)
 class SequenceInput:
@@ -33,6 +35,8 @@ class ScoreBatch:
     sequences: Sequence[SequenceInput]
     top_k: int = 0
     temperature: float = 0.0
+    # "bfloat16" / "float32": the answer also carries the final hidden states (SequenceScores.hidden_states).
+    hidden_states: str = ""
 
 
 def _as_input(i: int, s) -> SequenceInput:
@@ -55,14 +59,19 @@ def _sequence_pb(s: SequenceInput) -> pb.Sequence:
     return out
 
 
-def build_request(sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "") -> pb.ScoreRequest:
-    """A ScoreRequest from SequenceInput, (id, token_ids, score_from[, candidate_ids]) tuples or dicts."""
+def build_request(sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "",
+                  hidden_states: str = "") -> pb.ScoreRequest:
+    """A ScoreRequest from SequenceInput, (id, token_ids, score_from[, candidate_ids]) tuples or dicts;
+    `hidden_states` "bfloat16" or "float32" asks for the final hidden states too ("" none)."""
+    if hidden_states not in HIDDEN_TO_PB:
+        raise ValueError(f"hidden_states: {hidden_states!r} is not one of {sorted(HIDDEN_TO_PB)}")
     seqs = [_as_input(i, s) for i, s in enumerate(sequences)]
     return pb.ScoreRequest(
         request_id=request_id,
         top_k=top_k,
         temperature=temperature,
         sequences=[_sequence_pb(s) for s in seqs],
+        hidden_states=HIDDEN_TO_PB[hidden_states],
     )
 
 

@@ -215,7 +215,8 @@ class _StreamRun:
                 rid = batch.request_id or uuid.uuid4().hex
                 if rid in self.inflight:
                     raise ValueError(f"request_id {rid!r} is already in flight on this score_stream; ids must be unique")
-                req = build_request(batch.sequences, top_k=batch.top_k, temperature=batch.temperature, request_id=rid)
+                req = build_request(batch.sequences, top_k=batch.top_k, temperature=batch.temperature, request_id=rid,
+                                    hidden_states=batch.hidden_states)
                 lane = min(self.lanes, key=lambda ln: (len(ln.unanswered), ln.index))
                 self.inflight.add(rid)
                 lane.unanswered[rid] = req

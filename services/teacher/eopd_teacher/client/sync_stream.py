@@ -36,7 +36,8 @@ class _SyncStream:
                 self.call.cancel()
                 return
             self.inflight.add(rid)
-            yield build_request(b.sequences, top_k=b.top_k, temperature=b.temperature, request_id=rid)
+            yield build_request(b.sequences, top_k=b.top_k, temperature=b.temperature, request_id=rid,
+                                hidden_states=b.hidden_states)
 
 
 def sync_score_stream(

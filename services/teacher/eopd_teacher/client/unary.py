@@ -14,7 +14,9 @@ import grpc
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
 
-from ..convert import generation_from_pb, info_from_pb, scores_from_pb
+from eopd_common.output_head import OutputHead
+
+from ..convert import generation_from_pb, head_from_pb, info_from_pb, scores_from_pb
 from ..types import Generation, ModelInfo, SequenceScores
 from . import stream, sync_stream
 from .channel import CallPlan, ChannelClient, StreamTransport
@@ -86,12 +88,21 @@ class TeacherClient(ChannelClient):
                 time.sleep(0.2)
 
     def score(
-        self, sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "", timeout: float | None = None
+        self, sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "", timeout: float | None = None,
+        hidden_states: str = "",
     ) -> list[SequenceScores]:
-        """Scores sequences (SequenceInput, (id, token_ids, score_from) or dicts), in order."""
-        req = build_request(sequences, top_k=top_k, temperature=temperature, request_id=request_id)
+        """Scores sequences (SequenceInput, (id, token_ids, score_from) or dicts), in order;
+        `hidden_states` ("bfloat16", "float32") asks for the final hidden states too."""
+        req = build_request(sequences, top_k=top_k, temperature=temperature, request_id=request_id,
+                            hidden_states=hidden_states)
         resp = self._call(self._stub.Score, req, timeout)
         return [scores_from_pb(r) for r in resp.results]
+
+    def output_head(self, timeout: float | None = None) -> OutputHead:
+        """The teacher's output head (GetOutputHead), its size and fingerprint checked (ValueError
+        otherwise). Retried, the whole stream, as unary calls are."""
+        return head_from_pb(self._call(lambda r, **kw: list(self._stub.GetOutputHead(r, **kw)),
+                                       pb.GetOutputHeadRequest(), timeout))
 
     def generate(
         self, prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -180,11 +191,21 @@ class AsyncTeacherClient(ChannelClient):
         return info_from_pb(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, retry_timeout))
 
     async def score(
-        self, sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "", timeout: float | None = None
+        self, sequences: Iterable, *, top_k: int = 0, temperature: float = 0.0, request_id: str = "", timeout: float | None = None,
+        hidden_states: str = "",
     ) -> list[SequenceScores]:
-        req = build_request(sequences, top_k=top_k, temperature=temperature, request_id=request_id)
+        req = build_request(sequences, top_k=top_k, temperature=temperature, request_id=request_id,
+                            hidden_states=hidden_states)
         resp = await self._call(self._stub.Score, req, timeout)
         return [scores_from_pb(r) for r in resp.results]
+
+    async def output_head(self, timeout: float | None = None) -> OutputHead:
+        """As `TeacherClient.output_head`."""
+
+        async def collect(r, **kw) -> list[pb.OutputHeadChunk]:
+            return [chunk async for chunk in self._stub.GetOutputHead(r, **kw)]
+
+        return head_from_pb(await self._call(collect, pb.GetOutputHeadRequest(), timeout))
 
     async def generate(
         self, prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,

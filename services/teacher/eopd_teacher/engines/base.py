@@ -9,12 +9,15 @@ for a sequence whether it is scored alone or with others.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+from eopd_common.output_head import OutputHead, pack_hidden
 
 from ..settings import EngineSettings
 from ..host_copy import HostStatistics, to_host
@@ -64,6 +67,12 @@ class ScoringEngine(abc.ABC):
         """True when this engine implements `generate` (the server then serves Generate)."""
         return type(self).generate is not ScoringEngine.generate
 
+    def output_head(self) -> OutputHead:
+        """The served model's output projection and logit transforms (GetOutputHead), for clients
+        that ask for hidden states. Engines that cannot return hidden states raise
+        NotImplementedError (their EngineInfo then names no output head)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve its output head")
+
     @abc.abstractmethod
     def health(self) -> bool:
         """True while the engine can score."""
@@ -83,10 +92,12 @@ class PendingScores:
     copy (`host_copy.HostStatistics`) and splits it per sequence. `copy_wait_s` and `split_s`:
     the seconds `result()` spent blocked on the device and splitting (the server's breakdown)."""
 
-    def __init__(self, items: list[ScoreItem], host: HostStatistics | None, scores: list[SequenceScores] | None = None):
+    def __init__(self, items: list[ScoreItem], host: HostStatistics | None, scores: list[SequenceScores] | None = None,
+                 hidden: ItemHidden | None = None):
         self._items = items
         self._host = host
         self._scores = scores
+        self._hidden = hidden
         self.copy_wait_s = 0.0
         self.split_s = 0.0
 
@@ -104,7 +115,7 @@ class PendingScores:
             stats = self._host.wait()
             self.copy_wait_s = self._host.copy_wait_s
             started = time.perf_counter()
-            self._scores = split_scores(self._items, stats)
+            self._scores = split_scores(self._items, stats, self._hidden)
             self.split_s = time.perf_counter() - started
             self._host = None
         return self._scores
@@ -138,9 +149,12 @@ def pending_from_hidden(
     settings: EngineSettings,
     stats_fn: StatsFn,
     logit_factor: float = 1.0,
+    head_fingerprint: str = "",
 ) -> PendingScores:
     """`scores_from_hidden` left on the device (`stats.device_statistics`) with its copy to the
-    host started (`host_copy.to_host`): returns once the work is queued (at once on the CPU)."""
+    host started (`host_copy.to_host`): returns once the work is queued (at once on the CPU). Items
+    that ask for hidden states get their rows of `hidden` packed (`ItemHidden.of`: a copy to the
+    host that waits for the decoder on a GPU), named by `head_fingerprint`."""
     targets, inv_t, candidates = flat_targets(items, logit_factor)
     stats = device_statistics(
         hidden,
@@ -154,7 +168,37 @@ def pending_from_hidden(
         stats_fn=stats_fn,
         candidates=candidates,
     )
-    return PendingScores(items, to_host(stats))
+    return PendingScores(items, to_host(stats), hidden=ItemHidden.of(items, hidden, head_fingerprint))
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemHidden:
+    """The packed hidden states of the items that asked for them (`packed[i]`, None for the
+    others) and the fingerprint of the head that projects them."""
+
+    packed: list[bytes | None]
+    hidden_size: int
+    head_fingerprint: str
+
+    @classmethod
+    def of(cls, items: list[ScoreItem], hidden: torch.Tensor, head_fingerprint: str) -> ItemHidden | None:
+        """From the flat hidden states `[sum(num_scored), d]` of `items` (item order); None when
+        no item asks for them."""
+        if not any(it.hidden_dtype for it in items):
+            return None
+        packed: list[bytes | None] = []
+        offset = 0
+        for it in items:
+            rows = hidden[offset : offset + it.num_scored]
+            packed.append(pack_hidden(rows, it.hidden_dtype) if it.hidden_dtype else None)
+            offset += it.num_scored
+        return cls(packed, int(hidden.shape[1]), head_fingerprint)
+
+    def attach(self, i: int, scores: SequenceScores, item: ScoreItem) -> SequenceScores:
+        if self.packed[i] is None:
+            return scores
+        return dataclasses.replace(scores, hidden_states=self.packed[i], hidden_dtype=item.hidden_dtype,
+                                   hidden_size=self.hidden_size, output_head_fingerprint=self.head_fingerprint)
 
 
 def flat_targets(items: list[ScoreItem], logit_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -175,15 +219,15 @@ def flat_targets(items: list[ScoreItem], logit_factor: float = 1.0) -> tuple[tor
     return targets, inv_t, candidates
 
 
-def split_scores(items: list[ScoreItem], stats: TokenStatistics) -> list[SequenceScores]:
+def split_scores(items: list[ScoreItem], stats: TokenStatistics, hidden: ItemHidden | None = None) -> list[SequenceScores]:
     """Flat statistics of the scored positions of `items` (in item order), per sequence (each with
-    its own top_k and candidates)."""
+    its own top_k and candidates, and its packed hidden states when it asked for them)."""
     lp, ent = stats.token_logprobs.numpy(), stats.entropies.numpy()
     clp = stats.candidate_logprobs.numpy()
     tids, tlp = stats.topk_ids.numpy().astype(np.int32, copy=False), stats.topk_logprobs.numpy()
     out: list[SequenceScores] = []
     offset = 0
-    for it in items:
+    for i, it in enumerate(items):
         sl = slice(offset, offset + it.num_scored)
         out.append(
             SequenceScores(
@@ -195,5 +239,7 @@ def split_scores(items: list[ScoreItem], stats: TokenStatistics) -> list[Sequenc
                 candidate_logprobs=np.ascontiguousarray(clp[sl, : it.num_candidates]) if it.num_candidates else None,
             )
         )
+        if hidden is not None:
+            out[-1] = hidden.attach(i, out[-1], it)
         offset += it.num_scored
     return out

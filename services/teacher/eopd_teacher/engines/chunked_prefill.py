@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from ..settings import EngineSettings
 from ..stats import StatsFn, TokenStatistics, token_statistics
 from ..types import ScoreItem, SequenceScores
-from .base import flat_targets, split_scores
+from .base import ItemHidden, flat_targets, split_scores
 
 
 def score_in_steps(
@@ -36,10 +36,12 @@ def score_in_steps(
     stats_fn: StatsFn,
     logit_factor: float,
     device: str,
+    head_fingerprint: str = "",
 ) -> Iterator[list[SequenceScores] | None]:
     """A generator: each `next()` runs one step (at most `chunk_tokens` padded tokens, at least one
     column) and yields None, except the last, which yields the batch's scores (in item order).
-    Call it under `torch.inference_mode()`; the cache lives in the generator between steps."""
+    Call it under `torch.inference_mode()`; the cache lives in the generator between steps. Items
+    that ask for hidden states get the scored positions' rows, kept on the host between steps."""
     lengths = [it.num_tokens for it in items]
     batch, width = len(items), max(lengths)
     ids = torch.zeros((batch, width), dtype=torch.long)
@@ -56,8 +58,9 @@ def score_in_steps(
     m = 0 if candidates is None else candidates.shape[1]
     out_lp, out_ent = torch.empty(n), torch.empty(n)
     out_ids, out_tlp = torch.empty(n, k, dtype=torch.int32), torch.empty(n, k)
-    out_clp = torch.empty(n, m)
     weight, bias = head.weight, getattr(head, "bias", None)
+    out_clp = torch.empty(n, m)
+    out_h = torch.empty(n, weight.shape[1], dtype=weight.dtype) if any(it.hidden_dtype for it in items) else None
     step = max(1, chunk_tokens // batch)
     cache = DynamicCache()
     # transformers >= 5.2x names the cache argument `cache`, earlier releases (the vLLM venv's 5.19) `past_key_values`.
@@ -77,7 +80,10 @@ def score_in_steps(
             out_lp[sel], out_ent[sel], out_ids[sel], out_tlp[sel] = st.token_logprobs, st.entropies, st.topk_ids, st.topk_logprobs
             if m:
                 out_clp[sel] = st.candidate_logprobs
+            if out_h is not None:
+                out_h[sel] = h.to(device="cpu", dtype=out_h.dtype)
         del hidden
         if stop < width:
             yield None
-    yield split_scores(items, TokenStatistics(out_lp, out_ent, out_ids, out_tlp, out_clp))
+    hidden = None if out_h is None else ItemHidden.of(items, out_h, head_fingerprint)
+    yield split_scores(items, TokenStatistics(out_lp, out_ent, out_ids, out_tlp, out_clp), hidden)

@@ -9,6 +9,10 @@ tensor is ever built. A logit scaling after the projection (Granite's `logits_sc
 `generate_steps` decodes the prompts and samples of a Generate job as one batch, in bounded steps
 (`batched_generation`), and then scores prompt + generated ids with the engine's own scoring, so
 Generate's statistics are Score's.
+
+Asked for hidden states (`ScoreItem.hidden_dtype`), an answer also carries the final hidden states
+at the scored positions, packed; `output_head` is the projection and transforms that turn them
+into the same statistics (`eopd_common.output_head`), fingerprinted once at load.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from eopd_common.logits import scoring_logit_factor
 from eopd_common.models import LoadedModel, eos_token_ids, load_causal_lm, tokenizer_fingerprint
+from eopd_common.output_head import HeadInfo, OutputHead, dtype_name
 
 from ..settings import EngineSettings
 from ..stats import ChunkStats
@@ -43,6 +48,7 @@ class TransformersEngine(ScoringEngine):
         self._logit_factor = 1.0
         self._healthy = False
         self._eos_ids: frozenset[int] = frozenset()
+        self._head: OutputHead | None = None
 
     def load(self) -> EngineInfo:
         s = self.settings
@@ -55,7 +61,13 @@ class TransformersEngine(ScoringEngine):
         self._eos_ids = _eos_ids(lm)
         # Compiled statistics, or the eager path if compiling fails (at the warm-up below or later).
         self._stats_fn = ChunkStats(compile=s.compile_statistics)
-        vocab = self._lm.model.get_output_embeddings().weight.shape[0]
+        head = self._lm.model.get_output_embeddings()
+        vocab, hidden_size = head.weight.shape
+        bias = getattr(head, "bias", None)
+        self._head = OutputHead.of(
+            HeadInfo(model=f"{lm.name}@{lm.revision}", vocab_size=int(vocab), hidden_size=int(hidden_size),
+                     dtype=dtype_name(head.weight.dtype), has_bias=bias is not None, logit_factor=self._logit_factor),
+            head.weight, bias)
         self._healthy = True
         self.info = EngineInfo(
             model_name=self._lm.name,
@@ -65,6 +77,8 @@ class TransformersEngine(ScoringEngine):
             dtype=s.dtype,
             engine="transformers",
             tokenizer_fingerprint=tokenizer_fingerprint(self._lm.tokenizer),
+            hidden_size=int(hidden_size),
+            output_head_fingerprint=self._head.fingerprint,
         )
         if s.compile_statistics:  # compile now, not on the first request
             self.score([ScoreItem("warmup", np.arange(8, dtype=np.int64) % vocab, 1, s.warmup_top_k, 1.0)])
@@ -74,6 +88,10 @@ class TransformersEngine(ScoringEngine):
     def tokenizer(self):
         assert self._lm is not None, "engine not loaded"
         return self._lm.tokenizer
+
+    def output_head(self) -> OutputHead:
+        assert self._head is not None, "engine not loaded"
+        return self._head
 
     def health(self) -> bool:
         return self._healthy and self._lm is not None
@@ -116,7 +134,7 @@ class TransformersEngine(ScoringEngine):
         del hidden
         head = model.get_output_embeddings()
         return pending_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn,
-                                   self._logit_factor)
+                                   self._logit_factor, self._head.fingerprint)
 
     @torch.inference_mode()
     def score_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:
@@ -127,7 +145,8 @@ class TransformersEngine(ScoringEngine):
         model = self._lm.model
         steps = score_in_steps(model.get_decoder(), model.get_output_embeddings(), items,
                                chunk_tokens=self.settings.prefill_chunk_tokens, settings=self.settings,
-                               stats_fn=self._stats_fn, logit_factor=self._logit_factor, device=self._device)
+                               stats_fn=self._stats_fn, logit_factor=self._logit_factor, device=self._device,
+                               head_fingerprint=self._head.fingerprint)
         while True:
             with self._lock:  # per step: another job's steps run in between
                 out = next(steps)
@@ -176,7 +195,7 @@ class TransformersEngine(ScoringEngine):
             model = self._lm.model
             yield from score_in_steps(model.get_decoder(), model.get_output_embeddings(), items, chunk_tokens=chunk,
                                       settings=self.settings, stats_fn=self._stats_fn, logit_factor=self._logit_factor,
-                                      device=self._device)
+                                      device=self._device, head_fingerprint=self._head.fingerprint)
         else:
             yield self._score(items).result()
 

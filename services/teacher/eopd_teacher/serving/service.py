@@ -11,11 +11,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from eopd_common.output_head import OutputHead
+
 from ..types import GenerateItem, GenerateRequest, Generation, ModelInfo, ScoreRequest, SequenceScores
 from ..validation import FieldNames, generate_items, score_items
 from .batcher import DynamicBatcher, Overloaded
 from .state import ServerState
-from .status import DeadlinePassed, NotReady
+from .status import DeadlinePassed, NotReady, OutputHeadNotServed
 
 # The header (gRPC metadata, HTTP header) a caller names itself with, for per-client limits.
 CLIENT_ID_HEADER = "x-eopd-client"
@@ -61,6 +63,15 @@ class TeacherService:
         if self.state.info is None:
             raise NotReady("the model is still loading; retry shortly")
         return self.state.info
+
+    def output_head(self) -> OutputHead:
+        """The served model's output head (NotReady while it loads; OutputHeadNotServed when the
+        engine returns no hidden states)."""
+        info = self.model_info()
+        if not info.output_head_fingerprint:
+            raise OutputHeadNotServed(f"the output head is not served by this teacher (engine {info.engine!r} cannot "
+                                      "return its final hidden states)")
+        return self.state.engine.output_head()
 
     @contextlib.contextmanager
     def _in_flight(self, client: str, tokens: int, share_key: str | None = None) -> Iterator[None]:

@@ -21,6 +21,10 @@ class DeadlinePassed(Exception):
     """The call's deadline passed between Generate's jobs: DEADLINE_EXCEEDED."""
 
 
+class OutputHeadNotServed(Exception):
+    """The engine cannot return hidden states, so serves no output head: UNIMPLEMENTED."""
+
+
 # Exceptions the servicer raises, and the status each maps to.
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -29,6 +33,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     Draining: grpc.StatusCode.UNAVAILABLE,
     NotReady: grpc.StatusCode.UNAVAILABLE,
     GenerateNotServed: grpc.StatusCode.UNIMPLEMENTED,
+    OutputHeadNotServed: grpc.StatusCode.UNIMPLEMENTED,
     DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
     GenerationCancelled: grpc.StatusCode.DEADLINE_EXCEEDED,  # (a cancelled caller hears nothing)
 }
