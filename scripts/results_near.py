@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from eopd_trainer.eval.experiment_table import quarter_mean
-from eopd_trainer.eval.run_files import read_iterations
+from eopd_trainer.eval.run_files import read_eval, read_iterations
 
 from scripts.results_layout import (MINUS, answers_per_problem, exact_mean, final_of, losses_in_order, points,
                                     points_span, runs_by_seed, signed, tau_of)
@@ -206,4 +206,59 @@ def variants_table(facts: list[dict], names: dict[str, str], *, models: bool, te
                      f"({min(avg):.3f}–{max(avg):.3f}) | {' / '.join(f'{a:.3f}' for a in avg)} | {pass_text} "
                      f"| {min(final_of(f)[f'pass@{n}'] for f in runs):.3f}–{max(final_of(f)[f'pass@{n}'] for f in runs):.3f} "
                      f"| {signed(paired)} |{' ' + share if share else ''} {took('train_s')} | {took('total_s')} |")
+    return "\n".join(lines) + "\n"
+
+
+def default_run(facts: list[dict]) -> str:
+    """The EOPD arm at Avg@n: teacher, initial and final students per seed (the teacher and the initial
+    student evaluated once, by seed 0's run), the gain over that initial student, Pass@n and the
+    variants set; the mean row bold."""
+    n = answers_per_problem(facts)
+    eopd = runs_by_seed(facts, "eopd")
+    first = next(f for f in eopd.values() if "initial" in f["sets"]["held-out"])
+    teacher, initial = first["sets"]["held-out"]["teacher"], first["sets"]["held-out"]["initial"]
+    v_teacher, v_initial = first["sets"]["variants"]["teacher"], first["sets"]["variants"]["initial"]
+    key = f"pass@{n}"
+    lines = ["| seed | teacher | initial student | final student | gain (points) | Pass@k initial → final | variants set: final |",
+             "|---|---|---|---|---|---|---|"]
+    gains = []
+    for seed, f in eopd.items():
+        m, gain = final_of(f), final_of(f)["avg"] - initial["avg"]
+        gains.append(gain)
+        if f is first:
+            lines.append(f"| Avg@{n}, this experiment: {seed} | {teacher['avg']:.3f} | {initial['avg']:.3f} | {m['avg']:.3f} "
+                         f"| {points(gain)} | P@{n} {initial[key]:.3f} → {m[key]:.3f} | {final_of(f, 'variants')['avg']:.3f} "
+                         f"(initial {v_initial['avg']:.3f}, teacher {v_teacher['avg']:.3f}) |")
+        else:
+            lines.append(f"| {seed} | – | – | {m['avg']:.3f} | {points(gain)} (vs seed {first['seed']}'s initial) "
+                         f"| → {m[key]:.3f} | {final_of(f, 'variants')['avg']:.3f} |")
+    variants = exact_mean([final_of(f, "variants")["avg"] for f in eopd.values()])
+    lines.append(f"| **mean** | **{teacher['avg']:.3f}** | **{initial['avg']:.3f}** "
+                 f"| **{exact_mean([final_of(f)['avg'] for f in eopd.values()]):.3f}** | **{points(exact_mean(gains))}** "
+                 f"({100 * min(gains):.1f}–{100 * max(gains):.1f}) | P@{n} {initial[key]:.3f} → "
+                 f"{exact_mean([final_of(f)[key] for f in eopd.values()]):.3f} | **{variants:.3f}** "
+                 f"({points(variants - v_initial['avg'])} over the initial) |")
+    return "\n".join(lines) + "\n"
+
+
+#: The held-out problems of the side-by-side table (chosen for the document: right and wrong answers of
+#: every kind), shown with each model's first sample.
+SAMPLE_PROMPTS = ("Compute 8 + 3.", "How much is 2 + 5?", "Calculate 5 - 2.", "How much is 6 * 7?", "Compute 31 + 49.")
+
+
+def samples(facts: list[dict]) -> str:
+    """What the teacher, the initial student and seed 0's EOPD and OPD final students write (their first
+    sample, `samples` of eval.json) on SAMPLE_PROMPTS; ✓/✗ by the headline grading, line breaks as " / "."""
+    eopd, opd = runs_by_seed(facts, "eopd"), runs_by_seed(facts, "opd")
+    seed = min(eopd)
+    columns = [(eopd[seed], "teacher"), (eopd[seed], "initial"), (eopd[seed], "final"), (opd[seed], "final")]
+    by_prompt = [{s["prompt"]: s for s in read_eval(Path(f["run"]))["models"][model]["samples"]} for f, model in columns]
+    lines = ["| problem (answer) | teacher | initial student | EOPD final | OPD final |", "|---|---|---|---|---|"]
+    for prompt in SAMPLE_PROMPTS:
+        cells = []
+        for table in by_prompt:
+            s = table[prompt]
+            cells.append(" / ".join(part.strip() for part in s["response"].splitlines() if part.strip())
+                         + (" ✓" if s["correct"] else " ✗"))
+        lines.append(f"| {prompt} ({by_prompt[0][prompt]['answer']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -23,7 +23,8 @@ from eopd_trainer.eval.experiment_table import read_facts
 
 from scripts.doc_blocks import sync
 from scripts.results_far import far_choice, far_initial, far_means, far_paired, far_per_run, far_training
-from scripts.results_near import eopd_vs_opd, fkl_ablations, teacher_metrics, teachers, variants_table, warmup
+from scripts.results_near import (default_run, eopd_vs_opd, fkl_ablations, samples, teacher_metrics, teachers,
+                                  variants_table, warmup)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"
@@ -47,6 +48,7 @@ def blocks() -> dict[str, str]:
             "gkd": variants_table(near, {"gkd0.5": "GKD λ = 0.5", "gkd0.8": "GKD λ = 0.8", "gkd1.0": "GKD λ = 1.0",
                                          "kd": "KD", "eopd": "EOPD", "opd": "OPD"}, models=False, teacher_share=True),
             "warmup": warmup(near), "teachers": teachers(near), "teacher-metrics": teacher_metrics(near),
+            "default-run": default_run(near), "samples": samples(near),
             "far-choice": far_choice(json.loads(FAR_CHOICE.read_text())),
             "far-initial": far_initial(*(f for f in near + far if f["variant"] == "eopd" and f["seed"] == 0
                                          and "initial" in f["sets"]["held-out"])),
