@@ -6,7 +6,10 @@ what the command would write now (a test runs it that way, so a document cannot 
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -47,3 +50,17 @@ def sync(path: Path, blocks: dict[str, str], command: str, *, check: bool) -> li
     if not check and stale:
         path.write_text(text)
     return stale
+
+
+def main(argv: list[str] | None, path: Path, build: Callable[[], dict[str, str]], command: str) -> int:
+    """The command line of a document's generator: writes the blocks `build()` returns into `path`, or with
+    `--check` writes nothing and exits 1 when one is out of date."""
+    p = argparse.ArgumentParser(prog=command, description=f"Lay out {path.name}'s generated blocks from the archived runs.")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block is out of date")
+    args = p.parse_args(argv)
+    stale = sync(path, build(), command, check=args.check)
+    if stale and args.check:
+        print(f"{path.name}: {', '.join(stale)} differ from the archived runs; run `{command}`", file=sys.stderr)
+        return 1
+    print(f"{path.name}: {', '.join(stale) + ' rewritten' if stale else 'up to date'}")
+    return 0

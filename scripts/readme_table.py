@@ -16,15 +16,13 @@ Sources, one per row (read-only; they are the record):
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from eopd_trainer.eval.experiment_table import read_facts, spread
 
-from scripts.doc_blocks import sync
+from scripts import doc_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -107,15 +105,7 @@ def build() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=COMMAND, description="Lay out the README's results table from the archived runs.")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the README's table is out of date")
-    args = p.parse_args(argv)
-    stale = sync(README, {BLOCK: build()}, COMMAND, check=args.check)
-    if stale and args.check:
-        print(f"README.md: the {BLOCK} block differs from the archived runs; run `{COMMAND}`", file=sys.stderr)
-        return 1
-    print(f"README.md: {BLOCK} {'rewritten' if stale else 'up to date'}")
-    return 0
+    return doc_blocks.main(argv, README, lambda: {BLOCK: build()}, COMMAND)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ in their generic layout.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 from eopd_trainer.eval.experiment_table import read_facts
 
-from scripts.doc_blocks import sync
+from scripts import doc_blocks
 from scripts.results_far import far_choice, far_initial, far_means, far_paired, far_per_run, far_training
 from scripts.results_near import (default_run, eopd_vs_opd, fkl_ablations, samples, teacher_metrics, teachers,
                                   variants_table, warmup)
@@ -57,15 +55,7 @@ def blocks() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=COMMAND, description="Lay out docs/results.md's tables from the archived runs.")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is out of date")
-    args = p.parse_args(argv)
-    stale = sync(DOC, blocks(), COMMAND, check=args.check)
-    if stale and args.check:
-        print(f"docs/results.md: {', '.join(stale)} differ from the archived runs; run `{COMMAND}`", file=sys.stderr)
-        return 1
-    print(f"docs/results.md: {', '.join(stale) + ' rewritten' if stale else 'up to date'}")
-    return 0
+    return doc_blocks.main(argv, DOC, blocks, COMMAND)
 
 
 if __name__ == "__main__":
