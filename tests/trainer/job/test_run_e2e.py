@@ -5,6 +5,7 @@ supervisor's failure path (a child that dies -> exit 1 with the tail of its log)
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -270,16 +271,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.chaos
 def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
-    """`eopd run` SIGKILLed mid-run (the embedded queue dies with it): the kernel sends every child
-    SIGTERM (PR_SET_PDEATHSIG), nothing is left running, the last committed checkpoint stays."""
+    """`eopd run` SIGKILLed mid-run (issue 49): the kernel SIGKILLs every child it started
+    (PR_SET_PDEATHSIG, job/pdeathsig.py): redis-server, teacher, rollout worker and learner are gone
+    within 5 s (with SIGTERM the learner lived ~110 s), the run directory's lock is free at once, and
+    the last committed checkpoint stays."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["OMP_NUM_THREADS"] = "1"
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
-                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval", "queue.backend=embedded",
-                             # short deadlines: teacher and queue die with eopd run; the worker's own
-                             # SIGTERM handling is bounded by rollout.stop_grace_s as well
-                             "teacher.retry_timeout_s=15", "teacher.timeout_s=15"],
+                             f"run_dir={run_dir}", "train.iterations=200", "--no-eval", "queue.backend=redis-server"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[int] = []
     try:
@@ -290,13 +290,16 @@ def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
             assert time.monotonic() < deadline, "no iteration within 180 s"
             time.sleep(0.5)
         children = _children_of(proc.pid)
-        assert len(children) == 3  # teacher, rollout-w0, learner (the queue is a thread of eopd run)
+        names = sorted(open(f"/proc/{c}/comm").read().strip() for c in children)
+        assert len(children) == 4 and "redis-server" in names, names  # redis-server, teacher, rollout-w0, learner
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 120
-        while any(_alive(c) for c in children) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [c for c in children if _alive(c)], "children outlived eopd run"
+        t0 = time.monotonic()
+        while any(_alive(c) for c in children) and time.monotonic() - t0 < 5:
+            time.sleep(0.1)
+        assert not [c for c in children if _alive(c)], "children outlived eopd run by 5 s"
+        with open(run_dir / ".run.lock", "a+") as fh:  # every holder of the run directory's lock is gone
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         for c in children:
             if _alive(c):
@@ -304,10 +307,6 @@ def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
         # A SIGKILLed eopd run cannot release its shared-memory weights: the next `eopd run` of this
         # run directory does (new or --resume); this test has none, so it releases them itself.
         release_shm(run_dir)
-    # The learner got SIGTERM with its queue already gone: it stops or fails on the lost connection;
-    # either way its last committed checkpoint is on disk.
-    learner_log = (run_dir / "logs" / "learner.log").read_text()
-    assert "stopped by a signal" in learner_log or "ConnectionError" in learner_log
     tag = (run_dir / "checkpoints" / "COMMITTED").read_text().strip()
     assert (run_dir / "checkpoints" / tag).is_dir()
 

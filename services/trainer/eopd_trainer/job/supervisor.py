@@ -1,5 +1,5 @@
 """The processes `eopd run` starts: each in its own session with its log in `<run_dir>/logs/`,
-taken down by the kernel if `eopd run` dies (PR_SET_PDEATHSIG), stopped in reverse order.
+killed by the kernel if `eopd run` dies (PR_SET_PDEATHSIG: `pdeathsig.py`), stopped in reverse order.
 
 Processes that touch the run's state (the queue, the rollout worker, the learner) inherit the
 run directory's lock (`resume.RunLock`, passed as `pass_fds`): a `--resume` waits until the last
@@ -12,7 +12,6 @@ import contextlib
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -24,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+
+from .pdeathsig import guarded
 
 if TYPE_CHECKING:
     from .embedded_queue import EmbeddedQueue
@@ -93,16 +94,13 @@ def spawn(name: str, args: Sequence[str], log_path: Path, *, env: dict[str, str]
           cwd: Path | None = None, pass_fds: tuple[int, ...] = (), drop_env: tuple[str, ...] = (),
           pdeathsig: bool = True, kind: type[C] = Child) -> C:
     """Starts `args` in its own session, stdout and stderr appended to `log_path`. With `pdeathsig`,
-    the kernel sends it SIGTERM when this process dies without stopping it (SIGKILL, OOM, a crash):
-    PR_SET_PDEATHSIG, set by util-linux's `setpriv` before it execs the child (so the pid is the
-    child's); without setpriv it would outlive this process. It inherits `pass_fds`."""
+    the kernel SIGKILLs it when this process dies without stopping it (SIGKILL, OOM, a crash):
+    PR_SET_PDEATHSIG, set by `pdeathsig.py` before it execs `args` (so the pid is the child's).
+    Call it from the thread that outlives the child (the main thread). It inherits `pass_fds`."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**{k: v for k, v in os.environ.items() if k not in drop_env}, "PYTHONUNBUFFERED": "1", **(env or {})}
-    args = list(args)
-    setpriv = shutil.which("setpriv") if pdeathsig else None
-    if setpriv:
-        args = [setpriv, "--pdeathsig", "TERM", "--", *args]
+    args = guarded(args) if pdeathsig else list(args)
     with open(log_path, "ab") as fh:
         popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
                                  start_new_session=True, pass_fds=pass_fds)

@@ -19,6 +19,11 @@ the number alone is not enough, stores to a mapping may become visible out of or
 buffer was being (or has been) rewritten and the load is `WeightsUnavailable` (transient: re-read
 the announcement, retry), with the worker's model untouched. So a worker never samples from half-written weights, and the announcement
 (`PolicyVersion`, format `mapped`, `sha256` = "seq:<n>") names exactly one content of the buffer.
+
+Trust: the buffer is the run's user's (0600 in an 0700 directory); the checksum catches a torn copy,
+not a writer, and any process of that user can write both (docs/reliability.md, "The mapped weights
+buffer"). What a worker refuses whoever wrote it: tensors holding a NaN or an infinity
+(`non_finite`; WeightsUnavailable, the model keeps its weights).
 """
 
 from __future__ import annotations
@@ -221,7 +226,26 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
             raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): rewritten while it was read")
     finally:
         mm.close()
-    return tensor_views(data, entries, start)
+    tensors = tensor_views(data, entries, start)
+    bad = non_finite(tensors)
+    if bad:  # a diverged learner, or a process of the run's user writing the buffer (docs/reliability.md)
+        raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): non-finite values (NaN or inf) in "
+                                 f"{len(bad)} tensors ({', '.join(bad[:3])}): refused, the model keeps its weights")
+    return tensors
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors holding a NaN or an infinity. One sum per tensor
+    (about a memory pass, no mask): IEEE arithmetic carries a NaN or an infinity of any element
+    into the sum. fp16 is summed in fp32 (its own range, 65504, a finite tensor's sum may leave);
+    an fp32 or bf16 sum leaves its range (3.4e38) only for weights no model has."""
+    out = []
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel():
+            total = t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
+            if not bool(torch.isfinite(total)):
+                out.append(name)
+    return out
 
 
 def data_start(described_bytes: int) -> int:
