@@ -55,7 +55,7 @@ class Names:
     })
     compose_teacher_services: tuple[str, ...] = ("teacher", "teacher-cpu")
     k8s_overlays: tuple[str, ...] = ("gpu", "cpu-dev")
-    k8s_components: tuple[str, ...] = ("teacher-auth", "teacher-tls", "teacher-mtls")
+    k8s_components: tuple[str, ...] = ("teacher-tls", "teacher-mtls")
     dockerfiles: tuple[str, ...] = (
         "deploy/docker/teacher.Dockerfile", "deploy/docker/teacher-cpu.Dockerfile", "deploy/docker/trainer.Dockerfile",
     )
@@ -197,7 +197,7 @@ def _secret_values() -> dict[str, str]:
     return {
         "base/secrets/redis-password": secrets.token_hex(16),
         "base/secrets/queue-key": secrets.token_hex(32),
-        "components/teacher-auth/secrets/token": secrets.token_hex(16),
+        "base/secrets/teacher-token": secrets.token_hex(16),
         "components/teacher-tls/secrets/tls.crt": "-----BEGIN CERTIFICATE-----\ntest-teacher-cert\n-----END CERTIFICATE-----\n",
         "components/teacher-tls/secrets/tls.key": "-----BEGIN PRIVATE KEY-----\ntest-teacher-key\n-----END PRIVATE KEY-----\n",
         "components/teacher-tls/secrets/ca.crt": "-----BEGIN CERTIFICATE-----\ntest-ca\n-----END CERTIFICATE-----\n",

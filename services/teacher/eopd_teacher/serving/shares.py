@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import urllib.parse
 
 LOOPBACK = "loopback"  # the one share key of every loopback address
 
@@ -40,6 +41,7 @@ def share_key(peer: str) -> str:
     """The share key of a peer given as the front ends name it without its port ("ipv4:1.2.3.4",
     "ipv6:[2001:db8::1]", "unix:/path", "unknown"): `LOOPBACK` for any loopback address, the IPv4
     address, the /64 prefix of an IPv6 address, else the peer string itself."""
+    peer = urllib.parse.unquote(peer)  # gRPC names IPv6 peers "ipv6:%5B::1%5D"
     if peer.startswith("ipv6:"):
         host = peer[5:].strip("[]").split("%", 1)[0]
         try:
