@@ -27,6 +27,9 @@ from eopd_trainer.queue.weights_broadcast import (
 from tests.trainer.queue.test_weights_buffer import Small
 
 
+KEY = b"k" * 64  # the run's message key (queue.auth_key_file)
+
+
 def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +63,7 @@ def told(endpoint: Endpoint, state: str) -> None:
 
 
 def test_every_version_reaches_every_worker_whole_and_in_another_dtype():
-    endpoint = Endpoint(address=free_address(), workers=2, join_timeout_s=30, timeout_s=30)
+    endpoint = Endpoint(address=free_address(), workers=2, join_timeout_s=30, timeout_s=30, key=KEY)
     learner = Small(torch.bfloat16)
     sender = BroadcastSender(endpoint, learner)
     receivers = [BroadcastReceiver(endpoint).start() for _ in range(2)]
@@ -103,7 +106,7 @@ def test_every_version_reaches_every_worker_whole_and_in_another_dtype():
 
 
 def test_a_receiver_past_the_group_size_is_told_full():
-    endpoint = Endpoint(address=free_address(), workers=1, join_timeout_s=30, timeout_s=30)
+    endpoint = Endpoint(address=free_address(), workers=1, join_timeout_s=30, timeout_s=30, key=KEY)
     learner = randomised(Small(), 0)
     sender = BroadcastSender(endpoint, learner)
     first = BroadcastReceiver(endpoint).start()
@@ -119,7 +122,8 @@ def test_a_receiver_past_the_group_size_is_told_full():
 WORKER = textwrap.dedent("""
     import sys, time, torch
     from eopd_trainer.queue.weights_broadcast import BroadcastReceiver, Endpoint
-    r = BroadcastReceiver(Endpoint(address=sys.argv[1], workers=1, join_timeout_s=30, timeout_s=5)).start()
+    r = BroadcastReceiver(Endpoint(address=sys.argv[1], workers=1, join_timeout_s=30, timeout_s=5,
+                                   key=sys.argv[2].encode())).start()
     while r.received == 0:
         time.sleep(0.02)
     print("received", r.ready_header[2], flush=True)
@@ -130,10 +134,11 @@ WORKER = textwrap.dedent("""
 def test_a_dead_worker_ends_the_group_and_the_learner_falls_back():
     """A worker process receives version 0 and is killed; the next publish fails within its timeout,
     returns None (the caller publishes files) and closes the group; a later receiver is told so."""
-    endpoint = Endpoint(address=free_address(), workers=1, join_timeout_s=30, timeout_s=5)
+    endpoint = Endpoint(address=free_address(), workers=1, join_timeout_s=30, timeout_s=5, key=KEY)
     learner = randomised(Small(), 0)
     sender = BroadcastSender(endpoint, learner)
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, endpoint.address], stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, endpoint.address, KEY.decode()], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert sender.publish(learner, 0, 0) is not None
         assert worker.stdout.readline().split() == ["received", "0"]
@@ -151,7 +156,7 @@ def test_a_dead_worker_ends_the_group_and_the_learner_falls_back():
 
 def test_a_restarted_learner_forms_a_new_group_that_the_receivers_join():
     address = free_address()
-    endpoint = Endpoint(address=address, workers=1, join_timeout_s=30, timeout_s=10)
+    endpoint = Endpoint(address=address, workers=1, join_timeout_s=30, timeout_s=10, key=KEY)
     learner = randomised(Small(), 0)
     sender = BroadcastSender(endpoint, learner)
     receiver = BroadcastReceiver(endpoint).start()
@@ -181,19 +186,19 @@ def test_endpoints_are_checked():
         address, workers, backend, join_timeout_s, timeout_s = "", 1, "auto", 1.0, 1.0
 
     with pytest.raises(ValueError, match="empty"):
-        endpoint_of(Section())
+        endpoint_of(Section(), None)
 
 
 def test_nccl_where_it_cannot_run_falls_back_to_files_and_takes_no_rank():
     """backend=nccl with CPU weights and a torch without NCCL (this machine): the learner's first
     publish falls back to files at once, and a CPU worker does not take a rank in an NCCL group."""
-    endpoint = Endpoint(address=free_address(), workers=1, backend="nccl", join_timeout_s=30, timeout_s=5)
+    endpoint = Endpoint(address=free_address(), workers=1, backend="nccl", join_timeout_s=30, timeout_s=5, key=KEY)
     learner = randomised(Small(), 0)
     sender = BroadcastSender(endpoint, learner)
     receiver = BroadcastReceiver(endpoint).start()
     try:
         wait_for(lambda: receiver.state.startswith("unusable: the learner broadcasts over NCCL"), what="the refusal")
-        assert sender.store.add("rank", 0) == 0  # no rank taken
+        assert sender.store.add(sender.session.key("claims"), 0) == 0  # no rank claimed
         assert sender.publish(learner, 0, 0) is None and "NCCL" in sender.failed
     finally:
         receiver.close()

@@ -335,7 +335,8 @@ def test_reload_from_the_broadcast(sampler, student, prompts):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    endpoint = Endpoint(address=address, workers=1, join_timeout_s=60, timeout_s=60)
+    endpoint = Endpoint(address=address, workers=1, join_timeout_s=60, timeout_s=60,
+                        key=b"k" * 64)
     sender = BroadcastSender(endpoint, new_model)
     receiver = BroadcastReceiver(endpoint).start()
     try:

@@ -128,19 +128,32 @@ def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int, *, on_cpu
     return deep_merge(base, t.deepspeed)
 
 
+def loopback_interface() -> str:
+    """The loopback interface's name (lo on Linux, lo0 on macOS)."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
 def init_process_group(backend: str = "") -> tuple[int, int]:
     """Starts torch.distributed through DeepSpeed (env:// rendezvous from torchrun / the deepspeed
-    launcher; a single process gets a private one). Returns (rank, world_size)."""
+    launcher). Returns (rank, world_size).
+
+    A single process (`eopd run`'s learner, one started by hand) is a world of one that listens on
+    nothing reachable (issue 49): its store is in memory (a HashStore, not env://'s TCPStore, which
+    binds every interface), and gloo's and NCCL's sockets are on the loopback unless
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise. Several ranks rendezvous as their launcher
+    says (torchrun's store listens where torchrun puts it); those variables name the interface their
+    collectives use."""
     import deepspeed
 
-    if "RANK" not in os.environ:  # started by hand: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    deepspeed.init_distributed(dist_backend=backend)
+    if "RANK" not in os.environ:  # started by hand: a world of one
+        lo = loopback_interface()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend)  # adopts the group started above, if any
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

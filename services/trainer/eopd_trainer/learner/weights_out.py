@@ -32,7 +32,7 @@ class WeightsOut:
             return self._buffer.publish(model, version, iteration)
         if sync == "broadcast":
             if self._sender is None:
-                self._sender = BroadcastSender(endpoint_of(self.cfg.weight_broadcast), model)
+                self._sender = BroadcastSender(endpoint_of(self.cfg.weight_broadcast, self.cfg.queue.auth_key_file), model)
             pv = self._sender.publish(model, version, iteration)
             if pv is not None:
                 return pv

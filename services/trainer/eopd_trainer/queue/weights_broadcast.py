@@ -19,11 +19,26 @@ being received into. The learner announces a version (`PolicyVersion`, format `b
 "seq:<n>") only after its broadcast has returned, and a worker loads it only when its ready buffer
 holds that sequence number (else `WeightsUnavailable`: retried, as with every other path).
 
-Membership is fixed for the learner's life: W workers, ranks taken from a counter in the store. A
-broadcast that fails (a worker died, a timeout) ends the group: the learner logs it, closes the group
-(`open` = 0 in the store) and publishes every later version as files (`weight_sync: disk`, the
-fallback), which every worker loads. A worker that finds the group full or closed loads files only.
-A restarted learner hosts a new store and group, and the workers' receivers join it again.
+Where it listens (issue 49): the store on the address's host only (`eopd run`: 127.0.0.1; a
+deployment: the learner's address; TCPStore alone binds every interface, so it is handed a socket
+bound there, queue/store_listen.py), gloo's sockets on the same host on the learner and, on a
+worker, on the address it reaches the learner from (the loopback on one node).
+
+Who may join (queue/broadcast_trust.py): only holders of the run's message key
+(`queue.auth_key_file`; without one there is no broadcast, files). Everything in the store is sealed
+under a key derived from it, in a session the learner opens (a random id); ranks are granted by the
+learner to workers' sealed claims (a replayed claim gets no second rank), and once the group has
+formed every rank proves the key over the group's own connections before the first byte of weights.
+Anything that does not verify (a stranger wrote into the session, deleted a key, answered on a
+socket) makes the store untrusted: the learner falls back to files at its next check (every 0.1 s
+while it admits), a worker loads files. The group forms within FORM_S (20 s) of the last grant;
+only the wait for the workers' claims (they load their models first) may take `join_timeout_s`.
+
+Membership is fixed for the learner's life: W workers. A broadcast that fails (a worker died, a
+timeout) ends the group: the learner logs it, closes the group (sealed `state` = closed) and
+publishes every later version as files (`weight_sync: disk`, the fallback), which every worker
+loads. A worker that finds the group full or closed loads files only. A restarted learner hosts a
+new store and session, and the workers' receivers join it again.
 
 A learner that finished its run says goodbye (`BroadcastSender.finish`): one last header with
 sequence number 0, after which each receiver's thread leaves the group and ends, so that no thread
@@ -36,15 +51,32 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .broadcast_trust import (
+    CLOSED,
+    OPEN,
+    GroupStore,
+    NotAdmitted,
+    Untrusted,
+    admit,
+    broadcast_signer,
+    claim_rank,
+    handshake,
+    new_session,
+    open_session,
+)
 from .messages import PolicyVersion, now_ns
+from .signing import load_key
+from .store_listen import gloo_options, is_loopback, local_address_towards, server_store
 from .weights import WeightsUnavailable
 from .weights_buffer import Entry, buffer_end, checksum, data_start, layout_of, parse_layout, tensor_views
 
@@ -55,6 +87,8 @@ MAGIC = 0x454F5044_42433031  # "EOPDBC01"
 HEADER_LEN = 8  # magic, seq, version, iteration, checksum, payload bytes, layout hash (2 x int64)
 GOODBYE = 0  # the sequence number of the learner's last header: the run is over
 REJOIN_S = 2.0  # a receiver whose group ended tries to join a new one this often
+FORM_S = 20.0  # once every worker is admitted: the group forms (and proves the key) within this, else files
+NO_KEY = "no key (weight_sync broadcast needs queue.auth_key_file: eopd run makes one)"
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -71,15 +105,24 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+def usable(backend: str) -> None:
+    """RuntimeError when this process cannot take part in a `backend` group."""
+    if backend == "nccl" and not hasattr(dist, "ProcessGroupNCCL"):
+        raise RuntimeError("weight_broadcast.backend=nccl: this torch has no NCCL")
+
+
+def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float,
+              host: str) -> dist.ProcessGroup:
     """A process group of its own over `store` (not the default group: the learner's DeepSpeed group
-    is that). Blocks until every rank has joined (or `timeout_s`)."""
+    is that), listening on `host` only (gloo's device; NCCL's sockets on the loopback when `host` is
+    one, unless NCCL_SOCKET_IFNAME says otherwise). Blocks until every rank has joined (or `timeout_s`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        return dist.ProcessGroupGloo(store, rank, size, gloo_options(host, timeout_s))
     if backend == "nccl":
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise RuntimeError("weight_broadcast.backend=nccl: this torch has no NCCL")
+        usable(backend)
+        if is_loopback(host):
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -99,29 +142,34 @@ def _payload_bytes(entries: list[Entry], described: bytes) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where the group meets and how: the learner's store (`address`), W workers, the backend."""
+    """Where the group meets and how: the learner's store (`address`), W workers, the backend, and
+    the run's message key (None: no broadcast, files; broadcast_trust.py)."""
 
     address: str
     workers: int
     backend: str = "auto"
     join_timeout_s: float = 600.0
     timeout_s: float = 300.0
+    key: bytes | None = field(default=None, repr=False)
 
 
-def endpoint_of(section) -> Endpoint:
-    """The Endpoint of a run config's `weight_broadcast` section (config/sections.py)."""
+def endpoint_of(section, auth_key_file: str | None) -> Endpoint:
+    """The Endpoint of a run config's `weight_broadcast` section (config/sections.py) and its
+    `queue.auth_key_file` (the run's message key: who holds it may join the group)."""
     if not section.address:
         raise ValueError("weight_broadcast.address: empty (eopd run fills it in; a deployment names the learner's "
                          "host:port)")
     split_address(section.address)
     return Endpoint(address=section.address, workers=section.workers, backend=section.backend,
-                    join_timeout_s=section.join_timeout_s, timeout_s=section.timeout_s)
+                    join_timeout_s=section.join_timeout_s, timeout_s=section.timeout_s,
+                    key=load_key(auth_key_file) if auth_key_file else None)
 
 
 class BroadcastSender:
-    """The learner's side (rank 0 of the learner): hosts the store, forms the group at the first
-    publish, broadcasts every version; `failed` (why) once a broadcast failed, after which `publish`
-    returns None and the caller publishes files."""
+    """The learner's side (rank 0 of the learner): hosts the store on the address's host only, admits
+    the workers and forms the group at the first publish (broadcast_trust.py), broadcasts every
+    version; `failed` (why) once the group could not form or a broadcast failed, after which
+    `publish` returns None and the caller publishes files."""
 
     def __init__(self, endpoint: Endpoint, model: torch.nn.Module):
         self.endpoint = endpoint
@@ -130,18 +178,34 @@ class BroadcastSender:
         device = next(model.parameters()).device
         self.backend = pick_backend(endpoint.backend, device)
         self.device = device if self.backend == "nccl" else torch.device("cpu")
-        host, port = split_address(endpoint.address)
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=endpoint.join_timeout_s))
-        self.store.set("layout", self.described)
-        self.store.set("backend", self.backend)
-        self.store.set("size", str(endpoint.workers + 1))
-        self.store.set("open", "1")
+        self.host, port = split_address(endpoint.address)
         self.group: dist.ProcessGroup | None = None
         self.payload = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.views = tensor_views(self.payload, self.entries, self.start)  # each tensor's place in the payload
         self.seq = 0
         self.failed: str | None = None
+        self.session: GroupStore | None = None
+        if endpoint.key is None:  # nobody could be told apart from a stranger: no store at all
+            self._fail(NO_KEY)
+            return
+        self.signer = broadcast_signer(endpoint.key)
+        try:
+            self.store = server_store(self.host, port, FORM_S)
+        except OSError as exc:  # the port was taken meanwhile, an address not of this machine
+            self._fail(f"cannot listen on {endpoint.address}: {exc}")
+            return
+        self.session, self._written = new_session(GroupStore(self.store, self.signer), {
+            "layout": self.described, "backend": self.backend, "size": str(endpoint.workers + 1)})
+
+    def _form(self) -> dist.ProcessGroup:
+        """Admits the W workers (the store checked every poll), forms the group within FORM_S and
+        runs the handshake over it; Untrusted, TimeoutError or a backend's error otherwise."""
+        size = self.endpoint.workers + 1
+        usable(self.backend)  # before any worker is admitted: no wait for a group that cannot form
+        admit(self.session, self.endpoint.workers, self._written, time.monotonic() + self.endpoint.join_timeout_s)
+        group = new_group(self.session.under("group"), 0, size, self.backend, FORM_S, self.host)
+        handshake(group, 0, size, self.signer, self.session.session, self.device)
+        return group
 
     def publish(self, model: torch.nn.Module, version: int, iteration: int) -> PolicyVersion | None:
         """Broadcasts the model's tensors as `version`; the announcement, or None when the group has
@@ -151,8 +215,7 @@ class BroadcastSender:
         t0 = time.monotonic()
         try:
             if self.group is None:
-                self.group = new_group(dist.PrefixStore("group", self.store), 0, self.endpoint.workers + 1,
-                                       self.backend, self.endpoint.join_timeout_s)
+                self.group = self._form()
                 log.info("weight broadcast group formed (%s, %d workers) in %.1fs", self.backend,
                          self.endpoint.workers, time.monotonic() - t0)
             state = model.state_dict()
@@ -176,9 +239,7 @@ class BroadcastSender:
     def _fail(self, why: str) -> None:
         self.failed = why
         log.warning("weight broadcast failed (%s); publishing files from now on (weight_sync disk)", why)
-        with contextlib.suppress(Exception):
-            self.store.set("open", "0")
-        self.group = None
+        self.close()
 
     def finish(self) -> None:
         """The run is over: a goodbye header (sequence number 0) ends every receiver's thread, then
@@ -193,8 +254,9 @@ class BroadcastSender:
         self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.store.set("open", "0")
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                self.session.put("state", CLOSED)
         self.group = None
 
 
@@ -205,12 +267,13 @@ class BroadcastReceiver:
     def __init__(self, endpoint: Endpoint, device: torch.device | str = "cpu"):
         self.endpoint = endpoint
         self.device = torch.device(device)
+        self.signer = broadcast_signer(endpoint.key) if endpoint.key is not None else None
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.ready: torch.Tensor | None = None
         self.ready_header: list[int] | None = None
         self.views: dict[str, torch.Tensor] = {}
-        self.state = "joining"  # joining, joined, full, closed, failed: <why>
+        self.state = "joining"  # joining, joined, full, closed, untrusted: <why>, unusable: <why>, failed: <why>
         self.rank = 0
         self.received = 0
         self._thread = threading.Thread(target=self._run, name="weight-broadcast", daemon=True)
@@ -258,26 +321,53 @@ class BroadcastReceiver:
                     log.warning("weight broadcast receiver: %s; rejoining", self.state)
             self.stop.wait(REJOIN_S)
 
+    def _admitted(self, store: dist.Store) -> tuple[GroupStore, int, int, str, bytes] | None:
+        """(the session, this worker's rank, the group's size, backend, layout), every value verified
+        under the run's key; None while the learner has not opened a session yet; _GroupEnded when
+        the group takes this worker no more, or the store cannot be trusted."""
+        root = GroupStore(store, self.signer)
+        if not root.has("session"):
+            return None
+        try:
+            session = open_session(root)
+            state = session.text("state")
+            if state != OPEN:
+                raise _GroupEnded(state)  # full, closed
+            size, backend = int(session.text("size")), session.text("backend")
+            if backend == "nccl" and self.device.type != "cuda":  # no rank claimed: the learner falls back to files
+                raise _GroupEnded(f"unusable: the learner broadcasts over NCCL, this worker's device is {self.device}")
+            described = session.read("layout")
+            rank = claim_rank(session, time.monotonic() + self.endpoint.join_timeout_s, self.stop.is_set)
+        except NotAdmitted as exc:
+            raise _GroupEnded(str(exc)) from None
+        except Untrusted as exc:
+            raise _GroupEnded(f"untrusted: {exc}") from None
+        return session, rank, size, backend, described
+
     def _join_and_receive(self) -> None:
+        if self.signer is None:
+            raise _GroupEnded(f"unusable: {NO_KEY}")
         host, port = split_address(self.endpoint.address)
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.endpoint.join_timeout_s))
-        if store.get("open") != b"1":
-            raise _GroupEnded("closed")
-        size = int(store.get("size"))
-        backend = store.get("backend").decode()
-        if backend == "nccl" and self.device.type != "cuda":  # no rank taken: the learner falls back to files
-            raise _GroupEnded(f"unusable: the learner broadcasts over NCCL, this worker's device is {self.device}")
-        rank = store.add("rank", 1)
-        if rank >= size:
-            raise _GroupEnded("full")
-        described = store.get("layout")
+        try:  # a plain connect first: TCPStore's own retries back off for up to FORM_S
+            socket.create_connection((host, port), timeout=FORM_S).close()
+            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=FORM_S))
+        except (OSError, dist.DistNetworkError):  # the learner has not opened its store (yet): files meanwhile
+            raise _GroupEnded("not open yet (no store at the learner's address)") from None
+        admitted = self._admitted(store)
+        if admitted is None:
+            return  # the learner is starting: tried again in REJOIN_S
+        session, rank, size, backend, described = admitted
         entries = parse_layout(described, "the learner's broadcast layout")
         start, nbytes = _payload_bytes(entries, described)
         device = self.device if backend == "nccl" else torch.device("cpu")
         if backend == "nccl" and device.type == "cuda":
             torch.cuda.set_device(device)
         buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        group = new_group(dist.PrefixStore("group", store), rank, size, backend, self.endpoint.join_timeout_s)
+        group = new_group(session.under("group"), rank, size, backend, FORM_S, local_address_towards(host, port))
+        try:
+            handshake(group, rank, size, self.signer, session.session, device)
+        except Untrusted as exc:
+            raise _GroupEnded(f"untrusted: {exc}") from None
         self.rank, self.state = rank, "joined"
         expect = [MAGIC, *_layout_hash(described)]
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)

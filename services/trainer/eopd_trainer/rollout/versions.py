@@ -27,7 +27,7 @@ def start_receiver(cfg) -> BroadcastReceiver | None:
     """The worker's broadcast receiver (`weight_sync: broadcast`), started; None otherwise."""
     if cfg.weight_sync != "broadcast":
         return None
-    return BroadcastReceiver(endpoint_of(cfg.weight_broadcast), torch.device(cfg.student.device)).start()
+    return BroadcastReceiver(endpoint_of(cfg.weight_broadcast, cfg.queue.auth_key_file), torch.device(cfg.student.device)).start()
 
 
 class VersionTracker:
