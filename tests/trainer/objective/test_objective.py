@@ -761,6 +761,7 @@ def test_metrics_on_hand_made_inputs():
         "fkl_loss": fkl0 / 2,
         "entropy_loss": 0.0,
         "topk_rkl_loss": 0.0,
+        "divergence_loss": 0.0,
         "ce": -(ln(0.5) + ln(3 / 8)) / 2,  # mean -log pi_theta(x_t) over the valid tokens
         "clip_frac": 0.5,
         "ratio_mean": (1 + r1) / 2,

@@ -26,12 +26,18 @@ def candidates_for(logits, t_full_logp, m=M, seed=0):
 
 def reference_topk_rkl(logits, t_ids_c, t_lp_c, t_ent, t_ids, t_tlp, mask, cfg, seq_index=None):
     """Written out: per valid token, sum over non-filler candidates of q (log q - log p_te) with q the
-    student's full-vocabulary softmax, + alpha * 1[H >= tau] * FKL (the reference's FKL, pg off)."""
+    student's full-vocabulary softmax, plus the tail outcome q_tail (log q_tail - log p_tail) with
+    q_tail = 1 - sum q, p_tail = 1 - sum p_te over them, + alpha * 1[H >= tau] * FKL (the
+    reference's FKL, pg off)."""
     valid = mask.bool()
     logp_all = torch.log_softmax(logits / cfg.temperature, dim=-1)
     real = t_ids_c >= 0
     lq = logp_all.gather(1, t_ids_c.clamp(min=0))
     rkl = torch.where(real, lq.exp() * (lq - torch.where(real, t_lp_c, 0.0)), 0.0).sum(-1)
+    # the mass outside the candidates is one more outcome on both sides (the tail bucket, issue 48)
+    q_tail = 1 - torch.where(real, lq.exp(), 0.0).sum(-1)
+    p_tail = 1 - torch.where(real, torch.where(real, t_lp_c, 0.0).exp(), 0.0).sum(-1)
+    rkl = rkl + q_tail * (q_tail.log() - p_tail.log())
     fkl_cfg = LossConfig(**{**cfg.model_dump(), "variant": "eopd", "clip_low": 0.0, "clip_high": 0.0})
     # eopd's reference = pg + alpha*gate*fkl; take pg out with zero advantages (t_lp = old)
     zeros = torch.zeros_like(t_ent)

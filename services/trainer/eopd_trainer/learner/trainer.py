@@ -44,7 +44,7 @@ from .weights_out import WeightsOut
 
 log = logging.getLogger("eopd.learner")
 
-LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss", "topk_rkl_loss")
+LOSS_TERMS = ("loss", "pg_loss", "fkl_loss", "entropy_loss", "topk_rkl_loss", "divergence_loss")
 # Token-weighted per-step metrics (the loss's own keys, plus those it adds with vocab metrics).
 STEP_METRIC_KEYS = tuple(k for k in (*METRIC_KEYS, "student_entropy", "topk_overlap") if k not in LOSS_TERMS)
 

@@ -44,9 +44,12 @@ name in `variants`; see its table. The paper's other baselines (app. A, sec. 5.5
 
 kd and gkd take no old log-probs (`old_logprobs=None` is accepted: no ratio, no clip); grpo's four
 teacher inputs may be None and are never read; the variant's `teacher_share` says which share of
-responses the data path has the teacher generate. `eopd_topk_rkl` (beyond the paper) replaces
-OPD_t by the reverse KL summed exactly over the student's top-k ids (`LossInputs.candidate_ids` /
+responses the data path has the teacher generate. `eopd_rkl` (beyond the paper, issue 48) replaces
+OPD_t by the exact reverse KL over `support` (the teacher's top-k or the student's top-k, each with
+the mass outside as one more outcome, or the full vocabulary from `LossInputs.teacher_logits`);
+`eopd_topk_rkl` is it over the student's top-k ids (`LossInputs.candidate_ids` /
 `candidate_logprobs [N, m]`: the teacher's log-probs at them, from per-position candidate scoring).
+gkd takes TRL's generalized JSD with `gkd_beta` over `support` (`dense.py`).
 
 Randomness: `random_fkl` draws its positions from the `generator` argument. Without one the draw
 is a deterministic function of (config.random_seed, number of valid tokens), i.e. the same
@@ -69,6 +72,7 @@ k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 """
 
 from .config import LossConfig
+from .dense import full_vocab_divergence, generalized_jsd, support_divergence
 from .inputs import LossInputs
 from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
 from .rng import step_generator, step_seed
@@ -78,7 +82,6 @@ from .terms import (
     group_advantages,
     shaped_advantages,
     topk_forward_kl,
-    topk_reverse_kl,
 )
 from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
 from .vocab import VocabPlan, vocab_stats
@@ -96,7 +99,9 @@ __all__ = [
     "get_variant",
     "clipped_pg_loss",
     "topk_forward_kl",
-    "topk_reverse_kl",
+    "full_vocab_divergence",
+    "generalized_jsd",
+    "support_divergence",
     "shaped_advantages",
     "group_advantages",
     "aggregation_weights",

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .variants import VARIANTS  # the registry dict itself: variants registered later are seen too
+from .variants import VARIANTS, Support  # the registry dict itself: variants registered later are seen too
 
 Gate = Literal["ge", "gt"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
@@ -24,7 +24,7 @@ class LossConfig(BaseModel):
     variant: str = Field(
         "eopd",
         description="Loss variant, by registered name: opd, eopd, opd_fkl, full_fkl, random_fkl, "
-        "entropy_bonus, advantage_shaping, eopd_topk_rkl, kd, gkd, grpo (see eopd_trainer.objective.variants).",
+        "entropy_bonus, advantage_shaping, eopd_topk_rkl, eopd_rkl, kd, gkd, grpo (see eopd_trainer.objective.variants).",
     )
     tau: float = Field(0.8, ge=0.0, description="Teacher-entropy threshold (nats) of the FKL gate.")
     alpha: float = Field(
@@ -77,6 +77,21 @@ class LossConfig(BaseModel):
         description="gkd: share of on-policy student samples in a batch (Agarwal et al.'s lambda; the "
         "rest are teacher-generated). The paper runs 0.5, 0.8 and 1.0 (sec. 5.5).",
     )
+    gkd_beta: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="gkd: TRL's beta of the generalized JSD (0 forward KL, 1 reverse KL, between the JSD of the "
+        "beta-mixture; GKDTrainer.generalized_jsd_loss). At 0 over support teacher_topk gkd is the paper's "
+        "forward KL against the teacher's renormalised top-k.",
+    )
+    support: Support = Field(
+        "teacher_topk",
+        description="Support of the divergence of gkd and eopd_rkl: teacher_topk (the teacher's top-k ids), "
+        "student_topk (the student's top-candidate_k ids, scored by the teacher as candidates) or full (the whole "
+        "vocabulary: needs the teacher's full-vocabulary logits, from its hidden states). A top-k support keeps the "
+        "mass outside it as one more outcome (tail bucket). Other variants ignore it.",
+    )
     grpo_eps: float = Field(
         1e-4,
         gt=0.0,
@@ -87,8 +102,9 @@ class LossConfig(BaseModel):
         16,
         ge=1,
         le=256,
-        description="eopd_topk_rkl: the student's top-k ids per response position that the rollout worker "
-        "takes from its old-log-prob pass and has the teacher score (per-position candidates).",
+        description="Support student_topk (eopd_topk_rkl; gkd / eopd_rkl with support=student_topk): the student's "
+        "top-k ids per response position that the rollout worker takes from its old-log-prob pass and has the "
+        "teacher score (per-position candidates).",
     )
     chunk_size: int = Field(
         1024,
@@ -112,9 +128,15 @@ class LossConfig(BaseModel):
 
     @property
     def num_candidates(self) -> int:
-        """Per-position candidates the variant needs in each rollout: `candidate_k` for a variant
-        with a top-k reverse KL (eopd_topk_rkl), else 0."""
-        return self.candidate_k if VARIANTS[self.variant].topk_rkl else 0
+        """Per-position candidates the variant needs in each rollout: `candidate_k` for a divergence
+        over the student's top-k (eopd_topk_rkl; gkd / eopd_rkl with support=student_topk), else 0."""
+        return self.candidate_k if VARIANTS[self.variant].needs_candidates(self) else 0
+
+    @property
+    def needs_teacher_logits(self) -> bool:
+        """Whether the loss reads the teacher's full-vocabulary logits (support=full for gkd /
+        eopd_rkl): the teacher must send its final hidden states (`LossInputs.teacher_logits`)."""
+        return VARIANTS[self.variant].needs_teacher_logits(self)
 
     @property
     def teacher_share(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,6 +36,10 @@ class LossInputs:
     candidate_ids          [N, m] long  the student's top-m ids per token, -1 filler (eopd_topk_rkl)
     candidate_logprobs     [N, m]       the teacher's log-probs at candidate_ids (NaN at filler)
     advantages             [N]          per-token advantages, for advantages_from "given" (grpo)
+    teacher_logits         [N, V]       the teacher's full-vocabulary logits (its temperature, soft-capping and
+                                        masking applied; -inf allowed) for support "full" (gkd, eopd_rkl), or a
+                                        function `(rows [c] long, flat indices into N) -> [c, V]` building the
+                                        rows on demand (e.g. from the teacher's hidden states and output head)
 
     Inputs at masked positions are never read (they may hold padding ids, NaN, -inf...).
     """
@@ -50,6 +55,7 @@ class LossInputs:
     candidate_ids: Tensor | None = None
     candidate_logprobs: Tensor | None = None
     advantages: Tensor | None = None
+    teacher_logits: Tensor | Callable[[Tensor], Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,21 +64,22 @@ class LossInputs:
 
     def to(self, device) -> "LossInputs":
         """Every tensor moved to `device` (None stays None)."""
-        return dataclasses.replace(self, **{f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
-                                            for f in dataclasses.fields(self)})
+        return dataclasses.replace(self, **{f.name: t.to(device) if isinstance(t := getattr(self, f.name), Tensor)
+                                            else t for f in dataclasses.fields(self)})
 
     def replace(self, **changes) -> "LossInputs":
         return dataclasses.replace(self, **changes)
 
-    def flatten(self, variant, lead: tuple[int, ...]) -> "LossInputs":
+    def flatten(self, variant, lead: tuple[int, ...], config=None) -> "LossInputs":
         """Checks shapes against the leading shape `lead` ([N] or [B, T]) and flattens to [N]: the
         mask made bool (all True when None), `seq_index` filled in for the batched form.
 
         Raises ValueError naming the field when one the variant needs is missing or misshapen;
         inputs it does not use are dropped unread (teacher scores for grpo, `advantages` for the
         variants that take A from the teacher, candidates for the variants without a top-k RKL
-        are kept but never read)."""
-        return _flatten(variant, lead, self)
+        are kept but never read; `teacher_logits` is required when `config` makes the variant's support
+        "full")."""
+        return _flatten(variant, lead, self, config)
 
 
 def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple[Tensor | None, Tensor | None]:
@@ -89,7 +96,21 @@ def _flatten_candidates(lead: tuple[int, ...], cand_ids, cand_logprobs) -> tuple
     return cand_ids.reshape(-1, m), cand_logprobs.reshape(-1, m)
 
 
-def _flatten(variant, lead: tuple[int, ...], x: LossInputs) -> LossInputs:
+def _flatten_teacher_logits(variant, lead: tuple[int, ...], x: LossInputs, config):
+    if config is None or not variant.needs_teacher_logits(config):
+        return None
+    t = x.teacher_logits
+    if t is None:
+        raise ValueError(f"loss variant {variant.name!r} with loss.support='full' needs teacher_logits (the teacher's "
+                         "full-vocabulary logits, from its final hidden states: hidden-state scores)")
+    if callable(t) and not isinstance(t, Tensor):
+        return t
+    if t.dim() != len(lead) + 1 or tuple(t.shape[:-1]) != lead:
+        raise ValueError(f"teacher_logits must have shape {lead + ('V',)}, got {tuple(t.shape)}")
+    return t.reshape(-1, t.shape[-1])
+
+
+def _flatten(variant, lead: tuple[int, ...], x: LossInputs, config=None) -> LossInputs:
     if len(lead) not in (1, 2):
         raise ValueError(f"expected [N, ...] or [B, T, ...] inputs, got leading shape {lead}")
     name = variant.name
@@ -157,6 +178,7 @@ def _flatten(variant, lead: tuple[int, ...], x: LossInputs) -> LossInputs:
         candidate_ids=cand_ids,
         candidate_logprobs=cand_logprobs,
         advantages=flat(advantages),
+        teacher_logits=_flatten_teacher_logits(variant, lead, x, config),
     )
 
 
@@ -194,11 +216,12 @@ def check_valid_inputs(vocab: int, dtype: torch.dtype, *, sampled: Tensor, per_t
 
 
 def candidates(variant, tokens: LossInputs, valid: Tensor, vocab: int, dtype: torch.dtype,
-               name: str) -> tuple[Tensor, Tensor, Tensor] | None:
-    """For a `topk_rkl` variant: the valid tokens' candidate ids `[M, m]` (filler made 0), the
-    teacher's log-probs there `[M, m]` and which candidates count `[M, m]` (an id, not -1 filler,
-    with a finite teacher log-prob); None for other variants."""
-    if not variant.topk_rkl:
+               config) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For a divergence over the student's top-k (`variant.needs_candidates(config)`): the valid
+    tokens' candidate ids `[M, m]` (filler made 0), the teacher's log-probs there `[M, m]` and which
+    candidates count `[M, m]` (an id, not -1 filler, with a finite teacher log-prob); None otherwise."""
+    name = config.variant
+    if not variant.needs_candidates(config):
         return None
     if tokens.candidate_ids is None:
         raise ValueError(f"loss variant {name!r} needs candidate_ids and candidate_logprobs (the student's top-k "

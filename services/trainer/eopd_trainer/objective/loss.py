@@ -23,6 +23,7 @@ more without grad on the detached statistics.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,8 @@ from torch import Tensor
 
 from .config import LossConfig
 from .inputs import LossInputs, candidates, check_valid_inputs
-from .loss_terms import ForwardKL, TermInputs, mean_or_zero
+from .dense import full_vocab_divergence
+from .loss_terms import Divergence, ForwardKL, TermInputs, mean_or_zero
 from .terms import aggregation_weights, shaped_advantages, topk_forward_kl
 from .variants import PositionContext, get_variant
 from .fused import fused_hidden_loss
@@ -50,6 +52,7 @@ METRIC_KEYS = (
     "fkl_loss",
     "entropy_loss",
     "topk_rkl_loss",
+    "divergence_loss",
     "ce",
     "clip_frac",
     "ratio_mean",
@@ -68,7 +71,7 @@ METRIC_KEYS = (
 
 #: The order of the metrics dict.
 _METRIC_ORDER = (
-    "loss", "pg_loss", "fkl_loss", "entropy_loss", "topk_rkl_loss", "ce", "fkl_ratio", "n_tokens",
+    "loss", "pg_loss", "fkl_loss", "entropy_loss", "topk_rkl_loss", "divergence_loss", "ce", "fkl_ratio", "n_tokens",
     "clip_frac", "ratio_mean", "approx_kl", "approx_kl_k3", "advantage_mean", "advantage_shaped_mean",
     "gate_ratio", "fkl_gated_mean", "teacher_entropy", "teacher_topk_mass", "student_entropy",
     "student_candidate_mass", "topk_overlap",
@@ -155,8 +158,9 @@ def _choose_positions(v: _Valid, tokens: LossInputs, variant, cfg: LossConfig, h
     fkl = variant.fkl_positions(PositionContext(gate=gate, config=cfg, generator=generator))
     apply_fkl = fkl is not None and has_fkl_term
     gathered = (gate | fkl) if apply_fkl else gate  # gated rows are gathered for the metric
-    cand = candidates(variant, tokens, v.rows, vocab, dtype, cfg.variant)
-    if cand is not None:  # the student's top-k is gathered at every row: gather the teacher's there too
+    cand = candidates(variant, tokens, v.rows, vocab, dtype, cfg)
+    if cand is not None or variant.support(cfg) == "teacher_topk":
+        # a divergence over a top-k support reads it at every row: gather the teacher's top-k there too
         gathered = torch.ones_like(gate)
     gather_pos = gathered.nonzero().squeeze(1)  # [G]
     gather_ids = v.topk_ids[gather_pos] if cand is None else torch.cat([v.topk_ids, cand[0]], dim=1)
@@ -192,9 +196,21 @@ def _advantages(v: _Valid, variant) -> Tensor | None:
     return v.teacher_lp - v.old if v.old is not None else None
 
 
+def _support(v: _Valid, p: _Positions, variant, cfg: LossConfig, gather_pos: Tensor, logp_topk: Tensor,
+             logp_cand: Tensor | None, cut) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The student's and teacher's log-probs at the divergence's top-k support and which entries are
+    real: the candidates (student_topk) or the teacher's top-k (teacher_topk, gathered at every row)."""
+    support = variant.support(cfg)
+    if support == "student_topk":
+        return logp_cand, cut(p.cand[1]), cut(p.cand[2])
+    if support == "teacher_topk":
+        return logp_topk, v.topk_lp[gather_pos], v.topk_finite[gather_pos]
+    return None, None, None
+
+
 def _term_inputs(v: _Valid, p: _Positions, variant, cfg: LossConfig, w: Tensor, adv: Tensor | None,
                  logp: Tensor, s_ent: Tensor, logp_topk: Tensor, logp_cand: Tensor | None,
-                 rows: tuple[int, int, int, int] | None = None) -> TermInputs:
+                 rows: tuple[int, int, int, int] | None = None, dense: Tensor | None = None) -> TermInputs:
     """Step 4: the per-token quantities the terms read (the advantage shaped or not, the FKL at the
     gathered rows), for all M valid tokens, or for valid tokens m0..m1 and gathered rows g0..g1
     when `rows = (m0, m1, g0, g1)` (a chunk of the fused hidden-state pass: the loss is a sum of
@@ -205,19 +221,19 @@ def _term_inputs(v: _Valid, p: _Positions, variant, cfg: LossConfig, w: Tensor, 
     adv_used = cut(adv)
     if variant.shape_advantage and adv_used is not None:
         adv_used = shaped_advantages(adv_used, s_ent, cfg.shaping_alpha, cfg.shaping_kappa)
+    s_student, s_teacher, s_ok = _support(v, p, variant, cfg, gather_pos, logp_topk, logp_cand, cut)
     return TermInputs(
         weights=cut(w), logp=logp, student_entropy=s_ent, old_logprobs=cut(v.old), advantages=adv_used,
         fkl_positions=cut(p.fkl), gather_pos=gather_pos - m0,
         fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[gather_pos]),  # [G]
-        candidate_logp=logp_cand, candidate_teacher=None if p.cand is None else cut(p.cand[1]),
-        candidate_ok=None if p.cand is None else cut(p.cand[2]),
+        support_student=s_student, support_teacher=s_teacher, support_ok=s_ok, dense_divergence=cut(dense),
     )
 
 
 def _add_terms(weighted_terms, x: TermInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Step 5: `sum weight * term` in the variant's order; each term's weighted value and metrics."""
     zero = x.weights.new_zeros(())
-    values = {"pg_loss": zero, "fkl_loss": zero, "entropy_loss": zero, "topk_rkl_loss": zero}
+    values = {"pg_loss": zero, "fkl_loss": zero, "entropy_loss": zero, "topk_rkl_loss": zero, "divergence_loss": zero}
     loss = None
     for weight, term in weighted_terms:
         total, metrics = term(x, cfg)
@@ -267,6 +283,31 @@ def _diagnostics(v: _Valid, p: _Positions, x: TermInputs, adv: Tensor | None, s_
     return out
 
 
+def _dense(v: _Valid, tokens: LossInputs, source: dict, cfg: LossConfig, beta: float) -> Tensor:
+    """`[M]` divergence over the full vocabulary at the valid tokens (`dense.full_vocab_divergence`):
+    the student's rows from its logits or from `hidden @ weight.T + bias`, the teacher's from
+    `tokens.teacher_logits` (a tensor, detached, or a function of the rows), one chunk at a time."""
+    rows = v.rows
+    if "logits" in source:
+        logits = source["logits"]
+
+        def student(a: int, b: int) -> Tensor:
+            return logits[rows[a:b]]
+    else:
+        hidden, weight, bias = source["hidden"], source["weight"], source["bias"]
+
+        def student(a: int, b: int) -> Tensor:
+            z = hidden[rows[a:b]] @ weight.T
+            return z if bias is None else z + bias
+    t = tokens.teacher_logits
+
+    def teacher(a: int, b: int) -> Tensor:
+        return t[rows[a:b]].detach() if isinstance(t, Tensor) else t(rows[a:b]).detach()
+
+    return full_vocab_divergence(student, teacher, beta, num_rows=v.m, chunk_size=cfg.chunk_size,
+                                 temperature=cfg.temperature)
+
+
 def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dtype: torch.dtype,
                denominator: float | None, generator: torch.Generator | None) -> tuple[Tensor, dict[str, float]]:
     """The loss core, the same for both sources: the steps of the module docstring."""
@@ -285,6 +326,9 @@ def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dt
         denominator, device=v.rows.device, dtype=dtype,
     )
     adv = _advantages(v, variant)
+    # a divergence over the full vocabulary is its own chunked pass (dense.py), outside the fused loop
+    dense_terms = tuple((wt, t) for wt, t in weighted_terms if isinstance(t, Divergence) and t.support == "full")
+    weighted_terms = tuple((wt, t) for wt, t in weighted_terms if (wt, t) not in dense_terms)
     if "hidden" in source and cfg.fused_backward:  # 3-5 fused: gradients in the forward chunk loop
         def chunk_loss(m0, m1, g0, g1, ls, ent, lg):
             lg_topk, lg_cand = _split_gathered(v, p, lg)
@@ -299,6 +343,11 @@ def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dt
         logp, s_ent, logp_g, s_topk = vocab_stats(plan, **source)  # 3
         x = _term_inputs(v, p, variant, cfg, w, adv, logp, s_ent, *_split_gathered(v, p, logp_g))  # 4
         loss, term_values = _add_terms(weighted_terms, x, cfg)  # 5
+    for weight, term in dense_terms:
+        part = weight * term(dataclasses.replace(x, dense_divergence=_dense(v, tokens, source, cfg, term.beta)),
+                             cfg)[0]
+        loss = loss + part
+        term_values[term.key] = part
     with torch.no_grad():  # 6
         values = {"loss": loss, **_diagnostics(v, p, x, adv, s_topk, need_entropy, cfg, dtype), **term_values}
         values = {key: values[key] for key in _METRIC_ORDER if key in values}
@@ -346,7 +395,7 @@ def compute_loss(
     if student_logits.dim() not in (2, 3):
         raise ValueError(f"student_logits must be [N, V] or [B, T, V], got {tuple(student_logits.shape)}")
     vocab = student_logits.shape[-1]
-    tokens = inputs.flatten(get_variant(config.variant), tuple(student_logits.shape[:-1]))
+    tokens = inputs.flatten(get_variant(config.variant), tuple(student_logits.shape[:-1]), config)
     logits = student_logits.reshape(-1, vocab)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return _objective(tokens, config, {"logits": logits}, vocab, dtype, denominator, generator)
@@ -378,7 +427,7 @@ def compute_loss_from_hidden(
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [N, D] or [B, T, D], got {tuple(hidden.shape)}")
     vocab = weight.shape[0]
-    tokens = inputs.flatten(get_variant(config.variant), tuple(hidden.shape[:-1]))
+    tokens = inputs.flatten(get_variant(config.variant), tuple(hidden.shape[:-1]), config)
     h = hidden.reshape(-1, hidden.shape[-1])
     dtype = torch.float64 if torch.promote_types(h.dtype, weight.dtype) == torch.float64 else torch.float32
     return _objective(tokens, config, {"hidden": h, "weight": weight, "bias": bias}, vocab, dtype,

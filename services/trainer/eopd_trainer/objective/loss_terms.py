@@ -16,8 +16,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .dense import support_divergence
 from .params import LossParams
-from .terms import clipped_pg_loss, topk_reverse_kl
+from .terms import clipped_pg_loss
 
 
 
@@ -38,9 +39,11 @@ class TermInputs:
     fkl_positions      [M]     bool, where the variant applies the forward KL; None: nowhere
     gather_pos         [G]     the rows whose teacher top-k was gathered (FKL positions and gated rows)
     fkl_gathered       [G]     FKL_t at those rows (grad): `terms.topk_forward_kl`
-    candidate_logp     [M, m]  the student's log-probs at the per-position candidates (grad; eopd_topk_rkl)
-    candidate_teacher  [M, m]  the teacher's log-probs there
-    candidate_ok       [M, m]  bool, real candidates with a finite teacher log-prob
+    support_student    [M, s]  the student's log-probs at the divergence's support ids (grad): the
+                               per-position candidates (student_topk) or the teacher's top-k (teacher_topk)
+    support_teacher    [M, s]  the teacher's log-probs there
+    support_ok         [M, s]  bool, real support entries (not filler) with a finite teacher log-prob
+    dense_divergence   [M]     the divergence over the full vocabulary (grad; support "full")
     """
 
     weights: Tensor
@@ -51,9 +54,10 @@ class TermInputs:
     fkl_positions: Tensor | None
     gather_pos: Tensor
     fkl_gathered: Tensor
-    candidate_logp: Tensor | None = None
-    candidate_teacher: Tensor | None = None
-    candidate_ok: Tensor | None = None
+    support_student: Tensor | None = None
+    support_teacher: Tensor | None = None
+    support_ok: Tensor | None = None
+    dense_divergence: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -69,17 +73,32 @@ class PolicyGradient:
 
 
 @dataclass(frozen=True)
-class TopkReverseKL:
-    """The reverse KL summed exactly over the student's top-k candidates (eopd_topk_rkl)."""
+class Divergence:
+    """TRL's generalized JSD (beta 0 forward KL, 1 reverse KL) between student and teacher over a
+    named support (`dense.py`): over a top-k support the k ids plus the mass outside them as one
+    outcome (the tail bucket), so the term is >= 0 and 0 only where the two agree; over the full
+    vocabulary the exact divergence, computed before the terms (`dense_divergence`)."""
 
-    key: ClassVar[str] = "topk_rkl_loss"
-    reads: ClassVar[tuple[str, ...]] = ("weights", "candidate_logp", "candidate_teacher", "candidate_ok")
+    beta: float
+    support: str
+    key: str = "divergence_loss"
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        if self.support == "full":
+            return ("weights", "dense_divergence")
+        return ("weights", "support_student", "support_teacher", "support_ok")
 
     def __call__(self, x: TermInputs, cfg: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
-        rkl_t = topk_reverse_kl(x.candidate_logp, x.candidate_teacher, x.candidate_ok)  # [M]
-        with torch.no_grad():
-            mass = mean_or_zero(torch.where(x.candidate_ok, x.candidate_logp.exp(), 0.0).sum(dim=1))
-        return (x.weights * rkl_t).sum(), {"student_candidate_mass": mass}
+        if self.support == "full":
+            return (x.weights * x.dense_divergence).sum(), {}
+        d_t = support_divergence(x.support_student, x.support_teacher, x.support_ok, self.beta)  # [M]
+        metrics = {}
+        if self.support == "student_topk":
+            with torch.no_grad():
+                mass = torch.where(x.support_ok, x.support_student.exp(), 0.0).sum(dim=1)
+                metrics["student_candidate_mass"] = mean_or_zero(mass)
+        return (x.weights * d_t).sum(), metrics
 
 
 @dataclass(frozen=True)
@@ -118,4 +137,4 @@ class CrossEntropy:
         return (x.weights * -x.logp).sum(), {}
 
 
-LossTerm = PolicyGradient | TopkReverseKL | ForwardKL | StudentEntropy | CrossEntropy
+LossTerm = PolicyGradient | Divergence | ForwardKL | StudentEntropy | CrossEntropy

@@ -25,6 +25,8 @@ class LossParams(Protocol):
     ce_weight: float
     kl_weight: float
     gkd_lambda: float
+    gkd_beta: float
+    support: str
     gate: str
     aggregation: str
     grpo_eps: float

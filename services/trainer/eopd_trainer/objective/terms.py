@@ -66,25 +66,6 @@ def topk_forward_kl(student_logp_topk: Tensor, teacher_topk_logprobs: Tensor) ->
     return terms.sum(dim=-1)
 
 
-def topk_reverse_kl(student_logp: Tensor, teacher_logp: Tensor, valid: Tensor) -> Tensor:
-    """Reverse KL over the student's top-k ids, exact on that support (issue 19, `eopd_topk_rkl`).
-
-    `RKL = sum_{v in S} q(v) * (log q(v) - log p_te(v))` with q the student's full-vocabulary
-    probabilities (not renormalised over S) and p_te the teacher's full-vocabulary log-probs at the
-    same ids.
-
-    Args:
-        student_logp: [M, m] student log-probs at the candidate ids (grad flows).
-        teacher_logp: [M, m] teacher log-probs at them (anything where not `valid`).
-        valid: [M, m] bool: real candidates (not -1 filler) with a finite teacher log-prob.
-    Returns:
-        [M] per-token reverse KL over the candidates (0 for rows without a valid candidate).
-    """
-    t = torch.where(valid, teacher_logp, 0.0)
-    s = torch.where(valid, student_logp, 0.0)
-    return torch.where(valid, s.exp() * (s - t), 0.0).sum(dim=-1)
-
-
 def shaped_advantages(advantages: Tensor, entropy: Tensor, alpha: float, kappa: float) -> Tensor:
     """Entropy advantage shaping (Cheng et al.; paper app. A): `A + min(alpha * H, |A| / kappa)`.
 

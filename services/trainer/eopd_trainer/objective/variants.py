@@ -23,11 +23,14 @@ A is `teacher_logprobs - old_logprobs` (advantages_from "teacher") or the caller
 | entropy_bonus     | yes | teacher | nowhere                         | -         | entropy_coef | 0         | no       | 0               |
 | advantage_shaping | yes | teacher | nowhere                         | -         | 0            | 0         | yes      | 0               |
 | kd                | no  | -       | every valid token               | kl_weight | 0            | ce_weight | no       | 1               |
-| gkd               | no  | -       | every valid token               | 1         | 0            | 0         | no       | 1 - gkd_lambda  |
+| gkd               | no  | -       | every valid token (default)     | 1         | 0            | 0         | no       | 1 - gkd_lambda  |
 | grpo              | yes | given   | nowhere (no teacher scores)     | -         | 0            | 0         | no       | 0               |
 
-(eopd_topk_rkl, beyond the paper: no pg, the exact reverse KL over the student's top-k candidates,
-plus alpha * FKL at gated tokens.) "teacher share" is the expected share of a batch's responses
+Divergences over a named support (issue 48, `dense.py`; `divergence(cfg) -> (beta, support)`):
+gkd with `gkd_beta > 0` or `support` other than teacher_topk replaces its FKL by TRL's generalized
+JSD(gkd_beta) over `support` (a tail bucket for a top-k support); eopd_rkl (no pg) is the exact
+reverse KL over `support` plus alpha * FKL at gated tokens; eopd_topk_rkl is eopd_rkl fixed to the
+student's top-k candidates. "teacher share" is the expected share of a batch's responses
 that the teacher generates instead of the student (`Variant.teacher_share`): kd trains only on
 teacher responses (off-policy, app. A), gkd mixes them with on-policy samples (Agarwal et al.,
 sec. 5.5). For those responses `sampled_ids` are the teacher's tokens; the loss itself does not
@@ -46,8 +49,11 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
-from .loss_terms import CrossEntropy, ForwardKL, LossTerm, PolicyGradient, StudentEntropy, TopkReverseKL
+from .loss_terms import CrossEntropy, Divergence, ForwardKL, LossTerm, PolicyGradient, StudentEntropy
 from .params import LossParams
+
+Support = Literal["teacher_topk", "student_topk", "full"]
+SUPPORTS: tuple[str, ...] = ("teacher_topk", "student_topk", "full")
 
 
 
@@ -110,6 +116,33 @@ def _no_teacher_share(cfg: LossParams) -> float:
     return 0.0
 
 
+def _no_divergence(cfg: LossParams) -> tuple[float, str] | None:
+    return None
+
+
+def _reverse_kl_over_support(cfg: LossParams) -> tuple[float, str]:
+    """eopd_rkl: the exact reverse KL (beta 1) over `loss.support`."""
+    return 1.0, cfg.support
+
+
+def _reverse_kl_over_candidates(cfg: LossParams) -> tuple[float, str]:
+    """eopd_topk_rkl: the exact reverse KL over the student's top-k, whatever `loss.support` says."""
+    return 1.0, "student_topk"
+
+
+def _gkd_divergence(cfg: LossParams) -> tuple[float, str] | None:
+    """gkd: TRL's generalized JSD (gkd_beta) over `loss.support`; None at the default (beta 0 over the
+    teacher's top-k), where gkd keeps the paper's forward KL against the teacher's renormalised top-k
+    (`ForwardKL`, the same as before issue 48)."""
+    if cfg.support == "teacher_topk" and cfg.gkd_beta == 0.0:
+        return None
+    return cfg.gkd_beta, cfg.support
+
+
+def _gkd_fkl_coef(cfg: LossParams) -> float:
+    return 1.0 if _gkd_divergence(cfg) is None else 0.0
+
+
 @dataclass(frozen=True)
 class Variant:
     """A named loss variant; see the module docstring for the formula."""
@@ -121,8 +154,12 @@ class Variant:
     fkl_coef: Callable[[LossParams], float] = _alpha
     entropy_coef: Callable[[LossParams], float] = _no_entropy
     shape_advantage: bool = False
-    # Adds the exact reverse KL over the student's top-k (needs candidate_ids / candidate_logprobs).
-    topk_rkl: bool = False
+    # A divergence over a named support (dense.py): `(beta, support)` under a config, or None. beta 0
+    # forward KL, 1 reverse KL, between TRL's generalized JSD; support "teacher_topk", "student_topk"
+    # (the per-position candidates) or "full" (the teacher's full-vocabulary logits).
+    divergence: Callable[[LossParams], tuple[float, str] | None] = _no_divergence
+    # The metric key of that term's aggregated value.
+    divergence_key: str = "divergence_loss"
     # Weight of the cross-entropy -log pi_theta(x_t) on the response tokens (kd: ce_weight).
     ce_coef: Callable[[LossParams], float] = _no_ce
     # "teacher": A = teacher_logprobs - old_logprobs; "given": the `advantages` argument (grpo).
@@ -135,13 +172,27 @@ class Variant:
     def needs_student_entropy_grad(self, cfg: LossParams) -> bool:
         return self.entropy_coef(cfg) != 0.0
 
+    def support(self, cfg: LossParams) -> str | None:
+        """The support of the variant's divergence term under `cfg`, or None without one."""
+        d = self.divergence(cfg)
+        return None if d is None else d[1]
+
+    def needs_candidates(self, cfg: LossParams) -> bool:
+        """Whether the loss reads per-position candidates (the student's top-k, teacher-scored)."""
+        return self.support(cfg) == "student_topk"
+
+    def needs_teacher_logits(self, cfg: LossParams) -> bool:
+        """Whether the loss reads the teacher's full-vocabulary logits (`LossInputs.teacher_logits`)."""
+        return self.support(cfg) == "full"
+
     def weighted_terms(self, cfg: LossParams) -> tuple[tuple[float, LossTerm], ...]:
         """The variant's loss under `cfg`: `(weight, term)` pairs, in the order they are added up
-        (pg, top-k reverse KL, FKL, entropy, CE). A term whose weight `cfg` makes 0 is left out
-        (e.g. eopd with alpha = 0 is exactly opd)."""
+        (pg, divergence over a support, FKL, entropy, CE). A term whose weight `cfg` makes 0 is left
+        out (e.g. eopd with alpha = 0 is exactly opd)."""
+        d = self.divergence(cfg)
         pairs = (
             (1.0 if self.pg else 0.0, PolicyGradient()),
-            (1.0 if self.topk_rkl else 0.0, TopkReverseKL()),
+            (0.0, None) if d is None else (1.0, Divergence(beta=d[0], support=d[1], key=self.divergence_key)),
             (self.fkl_coef(cfg) if self.fkl_positions is not nowhere else 0.0, ForwardKL()),
             (-self.entropy_coef(cfg), StudentEntropy()),
             (self.ce_coef(cfg), CrossEntropy()),
@@ -161,7 +212,7 @@ def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
     """
     if not isinstance(variant, Variant):
         raise TypeError(f"register_variant expects a Variant, got {type(variant).__name__}")
-    if (not variant.pg and not variant.topk_rkl and variant.fkl_positions is nowhere
+    if (not variant.pg and variant.divergence is _no_divergence and variant.fkl_positions is nowhere
             and variant.entropy_coef is _no_entropy and variant.ce_coef is _no_ce):
         raise ValueError(
             f"loss variant {variant.name!r} has no term: set pg=True, fkl_positions, entropy_coef or ce_coef"
@@ -172,7 +223,7 @@ def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
     if not variant.needs_teacher_scores:
         uses = [name for name, used in (
             ("fkl_positions", variant.fkl_positions is not nowhere),
-            ("topk_rkl", variant.topk_rkl),
+            ("divergence", variant.divergence is not _no_divergence),
             ("pg with advantages_from='teacher'", variant.pg and variant.advantages_from == "teacher"),
         ) if used]
         if uses:
@@ -229,11 +280,22 @@ register_variant(
 register_variant(
     Variant(
         "eopd_topk_rkl",
-        "Reverse KL exactly over the student's top-k (teacher log-probs from candidates) + alpha * FKL at "
-        "tokens with teacher entropy >= tau.",
+        "Reverse KL exactly over the student's top-k (teacher log-probs from candidates) plus the mass outside "
+        "them as one outcome (tail bucket) + alpha * FKL at tokens with teacher entropy >= tau.",
         pg=False,
         fkl_positions=gated,
-        topk_rkl=True,
+        divergence=_reverse_kl_over_candidates,
+        divergence_key="topk_rkl_loss",
+    )
+)
+register_variant(
+    Variant(
+        "eopd_rkl",
+        "EOPD with an exact reverse KL instead of the one-sample estimate: KL(student || teacher) over "
+        "loss.support (tail bucket for a top-k support) + alpha * FKL at tokens with teacher entropy >= tau.",
+        pg=False,
+        fkl_positions=gated,
+        divergence=_reverse_kl_over_support,
     )
 )
 register_variant(
@@ -251,11 +313,13 @@ register_variant(
 register_variant(
     Variant(
         "gkd",
-        "GKD (Agarwal et al.; sec. 5.5): FKL over the teacher's top-k at every token, on a mix of on-policy "
-        "student samples (share gkd_lambda) and teacher-generated responses.",
+        "GKD (Agarwal et al.; sec. 5.5): TRL's generalized JSD (gkd_beta) over loss.support at every token, on a "
+        "mix of on-policy student samples (share gkd_lambda) and teacher-generated responses; at the default "
+        "(beta 0, teacher_topk) the FKL over the teacher's renormalised top-k.",
         pg=False,
         fkl_positions=everywhere,
-        fkl_coef=lambda cfg: 1.0,
+        fkl_coef=_gkd_fkl_coef,
+        divergence=_gkd_divergence,
         teacher_share=lambda cfg: 1.0 - cfg.gkd_lambda,
     )
 )
