@@ -236,8 +236,9 @@ class WeightBroadcastConfig(Section):
     or several; gloo between CPUs)."""
 
     address: str = Field("", description="host:port of the learner's TCPStore, where the group meets (the learner "
-                         "listens there, the workers connect). Empty: `eopd run` picks a free port on 127.0.0.1; a "
-                         "deployment over several nodes names the learner's address.")
+                         "listens there, on that host's interface only, the workers connect). Empty: `eopd run` picks "
+                         "a free port on 127.0.0.1; a deployment over several nodes names the learner's address. Only "
+                         "holders of queue.auth_key_file may join (queue/broadcast_trust.py).")
     workers: int = Field(1, ge=1, description="Rollout workers in the group (the learner waits for all of them to join "
                          "at its first publish).")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL when the learner's weights are on "
