@@ -13,6 +13,7 @@ import time
 
 from eopd_trainer.job import pdeathsig
 from tests.procs import ROOT
+from tests.trainer.job.test_run_e2e import _alive
 
 PARENT = """
 import sys
@@ -24,14 +25,6 @@ b = spawn("stubborn", ["sh", "-c", "trap '' TERM; while :; do sleep 1; done"], l
 print(a.popen.pid, b.popen.pid, flush=True)
 sys.stdin.read()  # until the test kills this process
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_the_children_of_a_killed_parent_are_gone_within_two_seconds(tmp_path):
