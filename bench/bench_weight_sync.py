@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -53,7 +54,8 @@ def measure(model_spec: str, rounds: int) -> dict:
     dirs = {"disk": disk_root / "weights", "shm": ensure_private_dir(shm_root) / "weights",
             "mapped": ensure_private_dir(shm_root / "mapped")}
     buffer = BufferWriter(dirs["mapped"], learner)
-    endpoint = Endpoint(address=f"127.0.0.1:{free_port()}", workers=1, join_timeout_s=120, timeout_s=120)
+    endpoint = Endpoint(address=f"127.0.0.1:{free_port()}", workers=1, join_timeout_s=120, timeout_s=120,
+                        key=secrets.token_hex(32).encode())  # the run's message key (queue.auth_key_file)
     sender = BroadcastSender(endpoint, learner)
     receiver = BroadcastReceiver(endpoint).start()
     dirs["broadcast"] = shm_root / "unused"
