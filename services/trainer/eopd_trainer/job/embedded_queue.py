@@ -10,8 +10,8 @@ What it is not:
 
 - **Not persistent.** Every stream, consumer group, pending list and key lives in the memory of
   the `eopd run` process. If that process dies (SIGKILL, OOM, a crash), the queue is gone; its
-  children get SIGTERM from the kernel (supervisor.py: PR_SET_PDEATHSIG) and stop or fail on the lost
-  connection; the learner's last committed checkpoint stays on disk, but a restarted run starts
+  children are SIGKILLed by the kernel (pdeathsig.py: PR_SET_PDEATHSIG); the learner's last
+  committed checkpoint stays on disk, but a restarted run starts
   from an empty queue. Ctrl-C / SIGTERM are clean: the children are stopped first, the queue last.
 - **Not shared.** It listens on 127.0.0.1 only; processes on other machines cannot use it.
 - **A password of its own, enforced here.** fakeredis 2.40's TCP server accepts `CONFIG SET

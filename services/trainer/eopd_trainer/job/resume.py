@@ -198,8 +198,8 @@ class RunDirBusy(RuntimeError):
 class RunLock:
     """An exclusive flock on `<run_dir>/.run.lock`, held by `eopd run` and inherited by the children
     that touch the run's state (queue, rollout worker, learner: `Supervisor.pass_fds`). It is free
-    only once the last of them has exited, so a `--resume` right after a SIGKILL of `eopd run` (its
-    children get SIGTERM and may take a while) waits for them instead of starting a second
+    only once the last of them has exited, so a `--resume` right after a SIGKILL of `eopd run` (the
+    kernel kills its children, pdeathsig.py: gone within moments) waits for them instead of starting a second
     redis-server on the same append-only file or a second learner. The file names the holders."""
 
     def __init__(self, run_dir: Path):
