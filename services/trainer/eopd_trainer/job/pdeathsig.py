@@ -34,7 +34,10 @@ EXIT_NOT_RUN = 127  # the command could not be executed (as a shell says)
 
 def guarded(args: Sequence[str], parent_pid: int | None = None) -> list[str]:
     """The command line that runs `args` behind the guard, for a child of `parent_pid` (this
-    process by default)."""
+    process by default). PR_SET_PDEATHSIG is Linux's: elsewhere `args` as they are (the child
+    would outlive a killed parent)."""
+    if not sys.platform.startswith("linux"):
+        return list(args)
     parent = os.getpid() if parent_pid is None else parent_pid
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(parent), "--", *args]
 
