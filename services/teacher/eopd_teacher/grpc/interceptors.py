@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import sys
 import time
@@ -260,15 +259,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     EXEMPT = ("/grpc.health.v1.Health/",)
 
     def __init__(self, token: str, metrics: TeacherMetrics, memory: MemoryReturner | None = None):
-        self._expected = f"Bearer {token}".encode()
+        self._identities = Identities(token)
         self.metrics = metrics
         self.memory = memory or MemoryReturner()
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
+                return self._identities.holds_token(value)
         return False
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):

@@ -210,7 +210,8 @@ class CompletionsRoute:
                 num_samples=p.n, max_new_tokens=p.max_tokens, temperature=_f32(sample.temperature), top_p=_f32(sample.top_p),
                 stop_token_ids=tuple(sample.stop_token_ids), seed=sample.seed, top_k=max(p.logprobs_k or 0, 1),
                 score_temperature=_f32(p.temperature))
-            answers = [g async for g in self.service.generate(req, _client(request), _GENERATE_NAMES, share_key=self._share(request))]
+            generations = self.service.generate(req, _client(request), _GENERATE_NAMES, share_key=self._share(request))
+            answers = [g async for g in generations]
         except Exception as exc:  # noqa: BLE001 - every failure is answered in vLLM's shape
             err = _compat_error(exc)
             if err.status == 500:

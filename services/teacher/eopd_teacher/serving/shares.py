@@ -80,11 +80,17 @@ class Identities:
         address = share_key(peer)
         if certificate:
             return f"cert:{certificate}@{address}"
-        if self._expected is not None and authorization is not None:
-            given = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
-            if hmac.compare_digest(given, self._expected):
-                return f"token@{address}"
+        if self.holds_token(authorization):
+            return f"token@{address}"
         return address
+
+    def holds_token(self, authorization: str | bytes | None) -> bool:
+        """Whether an `authorization` header (or gRPC metadata value) is `Bearer <the token>`,
+        compared in constant time."""
+        if self._expected is None or authorization is None:
+            return False
+        given = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
+        return hmac.compare_digest(given, self._expected)
 
 
 def client_share(limit: int, fraction: float) -> int:
