@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from ..learner.alarms import AlarmName
 from ..objective import LossConfig
 from .base import ConfigError, Section
 from .stages import run_needs_teacher_generation
@@ -174,6 +175,11 @@ class TrainConfig(Section):
         "fp32), \"highest\" = full fp32, \"medium\" = bf16 inputs. Not applied on the CPU (fp32 there).")
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config merged over the generated one.")
     dist_backend: str = Field("", description="torch.distributed backend; default gloo on CPU, nccl on GPU.")
+    stop_on: list[AlarmName] = Field(
+        default_factory=list, description="Alarms that stop the run (learner/alarms.py): negative_divergence, "
+        "entropy_band, truncation. Every alarm is shown on the progress line and in the report; one listed here also "
+        "stops the learner at the iteration it fires (exit 7, the reason in its log and train_metrics.jsonl). "
+        "Empty (the default): warn only.")
 
 
 class CheckpointConfig(Section):

@@ -23,6 +23,7 @@ import itertools
 import sys
 from pathlib import Path
 
+from .report_alarms import alarms_section
 from .report_stages import mark_warmup, stages_line, warmup_iterations
 from .report_tables import samples_table, table
 from .run_files import SAMPLE_MODELS, extra_sets, ordered_models, read_eval, read_iterations, run_label
@@ -172,6 +173,7 @@ def render(runs: list[Path]) -> str:
               ".detail{color:#666}</style></head><body>"),
              "<h1>eopd report</h1><p>Runs: " + ", ".join(html.escape(str(r)) for r in runs) + "</p>",
              stages_line(runs),
+             alarms_section(runs),
              "<h2>Held-out evaluation (shaped like the paper's Table 2)</h2>", table(runs), "<h2>Figures</h2>"]
     for title, data in figs:
         parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>")

@@ -353,6 +353,9 @@ class TrainingAttempt:
         if progress.done > first:
             self.record.trained(progress.done, time.monotonic() - t_learn)
         self.progress = None
+        if progress.stopped_by:  # train.stop_on: the learner stopped the run on an alarm
+            self.summary["stopped_by"] = progress.stopped_by
+            raise RunError(f"stopped: {progress.stopped_by}")
         if self.learner.popen.returncode != 0:
             raise self.learner.failure("failed")
         self.summary["train_s"] = time.monotonic() - t_learn

@@ -37,12 +37,15 @@ from ..faults import Faults
 from ..queue.messages import decode_rollout
 from .distributed import broadcast_blobs, broadcast_int
 from .feed import EXIT_LEASE_LOST, Collected, LearnerAbort, RolloutFeed
+from .alarms import stop_reason
 from .metrics import resumed_sink
 from .records import IterationLog
 from .state import LearnerState
 from .trainer import PolicyTrainer
 
 log = logging.getLogger("eopd.learner")
+
+EXIT_ALARM = 7  # train.stop_on: an alarm listed there fired (alarms.py); the reason is in the log and the metrics
 
 
 class LearnerLoop:
@@ -117,10 +120,18 @@ class LearnerLoop:
                 unacked = []
             else:
                 self.publish_weights(iteration)
+            reason = None
             if records is not None:
-                records.log(iteration, steps, {**collected.stats, "checkpoint_s": checkpoint_s}, t_collect,
-                            time.monotonic() - t0,
-                            self.state.optimizer_steps, stage=plan.stage)
+                alarms = records.log(iteration, steps, {**collected.stats, "checkpoint_s": checkpoint_s}, t_collect,
+                                     time.monotonic() - t0,
+                                     self.state.optimizer_steps, stage=plan.stage)
+                reason = stop_reason(alarms, cfg.train.stop_on, iteration)
+                if reason is not None:
+                    records.stopped(iteration, self.state.optimizer_steps, reason)
+            if broadcast_int(1 if reason is not None else 0):  # every rank stops at the same iteration
+                if records is not None:
+                    records.close()
+                raise LearnerAbort(reason or "rank 0 stopped the run (train.stop_on)", EXIT_ALARM)
         if records is not None:
             self._finish(stopped, iteration, records)
         return 0

@@ -8,6 +8,7 @@ import sys
 
 from tqdm import tqdm
 
+from .alarms import Alarm, check_alarms
 from .metrics import MetricsSink
 
 log = logging.getLogger("eopd.learner")
@@ -31,7 +32,8 @@ class IterationLog:
                 t_total: float, optimizer_steps: int, stage: str = "") -> list[tuple[int, dict[str, float], dict]]:
         """(step, values, extra) of every metrics record of an iteration: its steps, then the summary
         (`optimizer_steps`: the run's count after the iteration). `stage` (the iteration's loss
-        variant, or "kd-warmup") goes into every record's extra fields."""
+        variant, or "kd-warmup") goes into every record's extra fields; the summary's extra fields
+        carry `alarms` ({name: message}, `alarms.check_alarms`) when any fired."""
         base = optimizer_steps - len(steps)
         per_step = {k: stats[k] for k in ("queue_backlog", "staleness_mean", "staleness_max")}
         tag = {"stage": stage} if stage else {}
@@ -40,14 +42,21 @@ class IterationLog:
         summary = _summary(steps)
         summary.update(stats, collect_s=t_collect, iteration_s=t_total,
                        idle_frac=stats.get("queue_wait_s", 0.0) / t_total if t_total > 0 else 0.0)
+        alarms = {a.name: a.message for a in check_alarms(summary)}
         out.append((optimizer_steps, {f"iter/{k}": v for k, v in summary.items()},
-                    {"iteration": iteration, "kind": "iteration", **tag}))
+                    {"iteration": iteration, "kind": "iteration", **tag, **({"alarms": alarms} if alarms else {})}))
         return out
 
     def log(self, iteration: int, steps: list[dict[str, float]], stats: dict[str, float], t_collect: float,
-            t_total: float, optimizer_steps: int, stage: str = "") -> None:
+            t_total: float, optimizer_steps: int, stage: str = "") -> list[Alarm]:
+        """Writes the iteration's records and log line; returns the alarms it raised (each also logged
+        as a warning)."""
+        alarms: dict[str, str] = {}
         for step, values, extra in self.records(iteration, steps, stats, t_collect, t_total, optimizer_steps, stage):
             self.metrics.log(step, values, **extra)
+            alarms.update(extra.get("alarms", {}))
+        for name, message in alarms.items():
+            log.warning("iter %d: alarm %s: %s", iteration, name, message)
         summary = _summary(steps)
         msg = (f"iter {iteration}/{self.total_iterations} [{stage or '-'}] loss {summary['loss']:.4f} "
                f"pg {summary['pg_loss']:.4f} "
@@ -56,8 +65,15 @@ class IterationLog:
         log.info(msg)
         if self.progress is not None:
             self.progress.set_postfix(stage=stage or "-", loss=f"{summary['loss']:.4f}", gate=f"{summary.get('gate_ratio', 0):.2f}",
-                                      stale=f"{stats['staleness_mean']:.1f}", backlog=int(stats["queue_backlog"]))
+                                      stale=f"{stats['staleness_mean']:.1f}", backlog=int(stats["queue_backlog"]),
+                                      **({"alarm": ",".join(alarms)} if alarms else {}))
             self.progress.update(1)
+        return [Alarm(name, message) for name, message in alarms.items()]
+
+    def stopped(self, iteration: int, optimizer_steps: int, reason: str) -> None:
+        """The record of a run stopped by `train.stop_on` (kind "stop", its `reason`), for `eopd run`."""
+        self.metrics.log(optimizer_steps, {}, iteration=iteration, kind="stop", reason=reason)
+        log.error("stopping the run: %s", reason)
 
     def close(self) -> None:
         if self.progress is not None:
