@@ -265,3 +265,33 @@ def head_statistics(head: OutputHead, hidden: Tensor, targets: Tensor, inv_tempe
         top = logp.topk(top_k, dim=-1)
         ids[start:stop], tlp[start:stop] = top.indices.cpu(), top.values.cpu()
     return HeadStatistics(lp, ent, ids, tlp)
+
+
+@dataclass(frozen=True)
+class TeacherLogitRows:
+    """The teacher's full-vocabulary logits built on demand from its hidden states, for a loss that
+    reads them a chunk of rows at a time (the learner's `teacher_logits` for support "full"): never
+    `[N, V]` at once.
+
+    Attributes:
+        head: the teacher's output head (its tensors on the device the rows are wanted on).
+        hidden: `[N, d]` the teacher's final hidden states, row i for flat token i.
+        inv_temperature: `[N]` 1 / teacher temperature.
+        perm: `[V]` column order into the student's ids (`vocab_permutation`), or None.
+
+    Called as `rows(indices)` with `indices [c]` long (flat token indices) or as `rows(start, end)`
+    (the rows start..end); returns `[c, V]` float32 (`head_logits`).
+    """
+
+    head: OutputHead
+    hidden: Tensor
+    inv_temperature: Tensor
+    perm: Tensor | None = None
+
+    def __call__(self, rows: Tensor | int, end: int | None = None) -> Tensor:
+        sel = slice(int(rows), int(end)) if end is not None else rows.to(self.hidden.device)
+        return head_logits(self.head, self.hidden[sel], self.inv_temperature[sel], self.perm)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.hidden.shape[0])

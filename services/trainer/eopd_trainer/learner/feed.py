@@ -106,6 +106,11 @@ class RolloutFeed:
         self.limits = RolloutLimits.from_config(cfg)  # bounds on every decoded rollout's fields
         self.published_tasks = 0  # <ns>:tasks:next as this learner last read or wrote it
 
+    def admit_teacher_hidden(self, hidden_size: int) -> None:
+        """Admits rollouts that carry the teacher's hidden states (teacher.hidden_states) of width
+        `hidden_size` (the teacher's output head's): the size limits grow by what they add."""
+        self.limits = RolloutLimits.from_config(self.cfg, hidden_size=hidden_size)
+
     # Set-up ----------------------------------------------------------------------------------
     def acquire_lease(self) -> None:
         """One learner per namespace (rank 0 holds `<ns>:lease`); raises LeaseHeld -> exit 2."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from eopd.v1 import rollout_pb2 as pb
+from eopd_common.output_head import HIDDEN_DTYPES, hidden_bytes_per_token
 from google.protobuf.message import DecodeError
 
 from .mixture import MIN_LOGPROB, TeacherPart, decode_parts, encode_parts
@@ -120,6 +121,13 @@ class Rollout:
     origin: str = ORIGIN_STUDENT
     # The task grader's reward (variant grpo: 1.0 right, 0.0 wrong); None when not graded.
     reward: float | None = None
+    # The teacher's final hidden states at the n response positions (teacher.hidden_states): [n, d]
+    # packed in `teacher_hidden_dtype` (`eopd_common.output_head.pack_hidden`), projected on the
+    # learner by the output head whose fingerprint is `teacher_head_fingerprint`; None: not asked.
+    teacher_hidden: bytes | None = field(default=None, compare=False)
+    teacher_hidden_dtype: str = ""
+    teacher_hidden_size: int = 0
+    teacher_head_fingerprint: str = ""
 
     @property
     def off_policy(self) -> bool:
@@ -172,19 +180,29 @@ class RolloutLimits:
     top_k: int
     top_ks: tuple[int, ...] = ()
     parts: int = 0  # route.mixture: the other teachers' statistics each rollout carries
+    # Bytes of one response position's teacher hidden state (teacher.hidden_states with the
+    # teacher's hidden size, known once its output head is fetched); 0: rollouts carry none.
+    hidden_bytes_per_token: int = 0
 
     @classmethod
-    def from_config(cls, cfg) -> RolloutLimits:
-        ks = tuple(sorted({t.top_k for t in cfg.all_teachers().values()}))
+    def from_config(cls, cfg, *, hidden_size: int = 0) -> RolloutLimits:
+        """The limits of `cfg`'s rollouts; `hidden_size` (the teacher's, from its ModelInfo or output
+        head) admits the hidden states of a teacher with `hidden_states` set."""
+        teachers = cfg.all_teachers().values()
+        ks = tuple(sorted({t.top_k for t in teachers}))
         parts = max(0, len(cfg.route.mixture) - 1)
-        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, ks[-1], ks if len(ks) > 1 else (), parts)
+        hidden = max((hidden_bytes_per_token(hidden_size, t.hidden_states) for t in teachers
+                      if hidden_size and getattr(t, "hidden_states", "none") != "none"), default=0)
+        return cls(cfg.data.max_prompt_length, cfg.rollout.max_response_length, ks[-1], ks if len(ks) > 1 else (), parts,
+                   hidden)
 
     @property
     def max_bytes(self) -> int:
         """The largest serialised entry an honest rollout within these limits can be."""
         per_teacher = 2 + 2 * self.top_k  # log-prob, entropy, top-k ids and log-probs
         values = self.max_prompt_length + self.max_response_length * (2 + (1 + self.parts) * per_teacher)
-        return _BYTES_OVERHEAD + _BYTES_PER_VALUE * values
+        return (_BYTES_OVERHEAD + _BYTES_PER_VALUE * values
+                + self.max_response_length * self.hidden_bytes_per_token)
 
     def check(self, rid: str, *, prompt: int, response: int, top_k: int) -> None:
         """PoisonMessage naming the field that exceeds its bound (top_k 0: a rollout without
@@ -281,7 +299,32 @@ def encode_rollout(r: Rollout) -> bytes:
     msg.teacher_topk_logprobs.extend(np.asarray(r.teacher_topk_logprobs, dtype=np.float32).reshape(-1).tolist())
     _encode_candidates(msg, r)
     encode_parts(msg, r.mixture)
+    if r.teacher_hidden is not None:
+        msg.teacher_hidden_states = r.teacher_hidden
+        msg.teacher_hidden_dtype = r.teacher_hidden_dtype
+        msg.teacher_hidden_size = r.teacher_hidden_size
+        msg.teacher_head_fingerprint = r.teacher_head_fingerprint
     return msg.SerializeToString()
+
+
+def _decode_hidden(msg: pb.ScoredRollout, rid: str, n: int) -> bytes | None:
+    """The rollout's packed teacher hidden states (None without any); PoisonMessage when their
+    dtype, size or head fingerprint is missing or inconsistent with the n response tokens."""
+    data = msg.teacher_hidden_states
+    if not data:
+        if msg.teacher_hidden_dtype or msg.teacher_hidden_size or msg.teacher_head_fingerprint:
+            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher hidden-state fields set without teacher_hidden_states")
+        return None
+    if msg.teacher_hidden_dtype not in HIDDEN_DTYPES:
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_hidden_dtype {msg.teacher_hidden_dtype!r} is not one "
+                            f"of {list(HIDDEN_DTYPES)}")
+    if not msg.teacher_head_fingerprint:
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_hidden_states without teacher_head_fingerprint")
+    want = n * hidden_bytes_per_token(msg.teacher_hidden_size, msg.teacher_hidden_dtype)
+    if msg.teacher_hidden_size < 1 or len(data) != want:
+        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_hidden_states has {len(data)} bytes, expected {want} "
+                            f"({n} response tokens x teacher_hidden_size {msg.teacher_hidden_size} {msg.teacher_hidden_dtype})")
+    return data
 
 
 def _encode_candidates(msg: pb.ScoredRollout, r: Rollout) -> None:
@@ -374,6 +417,7 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
     # -inf marks an unused (dead) entry; +inf, a positive or an absurdly small finite value is corrupt.
     _check_logprobs_or_inf(rid, "teacher_topk_logprobs", tklp)
     cand_ids, cand_lp = _decode_candidates(msg, rid, n, vocab_size)
+    hidden = _decode_hidden(msg, rid, n)
     try:
         mixture = decode_parts(msg, n, vocab_size, None if limits is None else set(limits.top_ks or (limits.top_k,)))
     except ValueError as exc:
@@ -405,6 +449,10 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
         candidate_logprobs=cand_lp,
         origin=origin,
         reward=reward,
+        teacher_hidden=hidden,
+        teacher_hidden_dtype=msg.teacher_hidden_dtype if hidden is not None else "",
+        teacher_hidden_size=int(msg.teacher_hidden_size) if hidden is not None else 0,
+        teacher_head_fingerprint=msg.teacher_head_fingerprint if hidden is not None else "",
     )
 
 

@@ -27,7 +27,9 @@ def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, 
     """A Rollout of `task`'s sample `sample_index`: `response_ids` in the student's ids, the
     teacher's `scores` (a SequenceScores: per-token log-probs, entropies, top-k, and the
     candidates' log-probs when `candidate_ids` were sent; its top-k ids mapped back through
-    `remap`), or None for a graded-only sample (empty teacher arrays, top_k 0)."""
+    `remap`), or None for a graded-only sample (empty teacher arrays, top_k 0). The teacher's packed
+    hidden states, when its answer carries them (teacher.hidden_states), go into the rollout as sent."""
+    hidden = getattr(scores, "hidden_states", None)
     if scores is None:
         t_lp = t_ent = np.zeros(0, dtype=np.float32)
         t_ids, t_tlp = np.zeros((0, 0), dtype=np.int32), np.zeros((0, 0), dtype=np.float32)
@@ -46,6 +48,10 @@ def make_rollout(task: PromptTask, sample_index: int, prompt_ids, response_ids, 
         teacher_model=teacher_model, teacher=teacher, origin=origin, reward=reward, mixture=mixture,
         candidate_ids=candidate_ids,  # student ids (before the remap), scored by the teacher
         candidate_logprobs=scores.candidate_logprobs if candidate_ids is not None else None,
+        teacher_hidden=hidden,
+        teacher_hidden_dtype=scores.hidden_dtype if hidden is not None else "",
+        teacher_hidden_size=scores.hidden_size if hidden is not None else 0,
+        teacher_head_fingerprint=scores.output_head_fingerprint if hidden is not None else "",
     )
 
 

@@ -152,6 +152,8 @@ class RequestShaper:
         self.max_tokens_per_request = max_tokens_per_request
         self.teacher_prompts = teacher_prompts
         self.max_context_length = max_context_length  # the teacher's (0: not known, not checked)
+        # ScoreBatch.hidden_states: the teacher's final hidden states asked for too ("": none).
+        self.hidden_states = "" if teacher.hidden_states == "none" else teacher.hidden_states
         self._seq = 0
         self.contexts: dict[str, list[Pending]] = {}  # request id -> the rollouts it scores
 
@@ -188,7 +190,7 @@ class RequestShaper:
             self.contexts[rid] = [p for p, _ in group]
             seqs = [SequenceInput(p.rollout_id, teacher_tokens(pre, p.response_ids, self.remap), len(pre),
                                   teacher_candidates(p.old_topk_ids, self.remap)) for p, pre in group]
-            out.append(ScoreBatch(rid, seqs, top_k=t.top_k, temperature=t.temperature))
+            out.append(ScoreBatch(rid, seqs, top_k=t.top_k, temperature=t.temperature, hidden_states=self.hidden_states))
         return out, refused
 
     def take(self, request_id: str) -> list[Pending] | None:

@@ -1,0 +1,76 @@
+"""The teacher's exact full-vocabulary distribution on the learner: its output head fetched once
+(`fetch_teacher_head`, TeacherService.GetOutputHead over the run's teacher connection) and the
+hidden states the rollouts carry (`teacher.hidden_states`) turned into logits on demand
+(`teacher_logit_rows`: `eopd_common.output_head.TeacherLogitRows`, a chunk of rows at a time).
+
+Every rollout names the head its hidden states belong to; one naming another head (a teacher
+restarted with other weights, another teacher) is refused with the rollout named, never projected
+with the wrong weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from eopd_common.output_head import OutputHead, TeacherLogitRows, unpack_hidden, vocab_permutation
+
+from ..config import TeacherConfig
+from ..queue.messages import Rollout
+
+
+def fetch_teacher_head(teacher: TeacherConfig, *, client_kwargs: dict | None = None) -> OutputHead:
+    """The output head of the teacher at `teacher.target` (size and fingerprint checked by the
+    client). `client_kwargs`: the TeacherClient's security and retry options (auth, TLS)."""
+    from eopd_teacher.client import TeacherClient
+
+    with TeacherClient(teacher.target, **(client_kwargs or {})) as client:
+        info = client.wait_ready(teacher.ready_timeout_s)
+        if not info.output_head_fingerprint:
+            raise ValueError(f"teacher.hidden_states: the teacher at {teacher.target} (engine {info.engine!r}) serves no "
+                             "output head; use a transformers teacher or hidden_states none")
+        head = client.output_head(timeout=teacher.timeout_s)
+    if head.fingerprint != info.output_head_fingerprint:
+        raise ValueError(f"teacher at {teacher.target}: GetOutputHead sent head {head.fingerprint}, ModelInfo names "
+                         f"{info.output_head_fingerprint} (the teacher changed between the two calls)")
+    return head
+
+
+def rollouts_hidden(rollouts: Sequence[Rollout], head: OutputHead) -> list[torch.Tensor]:
+    """Each rollout's `[n, d]` teacher hidden states (in their wire dtype); ValueError naming the
+    rollout when one carries none or names another head."""
+    out = []
+    for r in rollouts:
+        if r.teacher_hidden is None:
+            raise ValueError(f"rollout {r.rollout_id} carries no teacher hidden states (teacher.hidden_states is none "
+                             "on its worker?)")
+        if r.teacher_head_fingerprint != head.fingerprint:
+            raise ValueError(f"rollout {r.rollout_id}: its hidden states belong to output head {r.teacher_head_fingerprint}, "
+                             f"the learner holds {head.fingerprint} (teacher {head.info.model})")
+        out.append(unpack_hidden(r.teacher_hidden, r.teacher_hidden_size, r.teacher_hidden_dtype, rows=r.num_response_tokens))
+    return out
+
+
+def teacher_logit_rows(rollouts: Sequence[Rollout], head: OutputHead, teacher: TeacherConfig, *,
+                       device: str | torch.device = "cpu", lead: tuple[int, ...] | None = None) -> TeacherLogitRows:
+    """The teacher's logits of the rollouts' response tokens, on demand (`TeacherLogitRows`), in the
+    order the loss flattens them: the rollouts' tokens one after another (flat form), or, with
+    `lead = (B, T)`, rollout b's token t at row b * T + t (rows past a response are zeros, masked
+    by the loss). Applies the teacher's temperature and its token remap (student ids)."""
+    parts = rollouts_hidden(rollouts, head)
+    d = head.info.hidden_size
+    if lead is None:
+        hidden = torch.cat(parts) if parts else torch.empty(0, d)
+    else:
+        b, t = lead
+        if b != len(parts) or any(p.shape[0] > t for p in parts):
+            raise ValueError(f"lead {lead}: {len(parts)} rollouts of up to {max((p.shape[0] for p in parts), default=0)} tokens")
+        hidden = torch.zeros(b, t, d, dtype=parts[0].dtype if parts else torch.float32)
+        for i, p in enumerate(parts):
+            hidden[i, : p.shape[0]] = p
+        hidden = hidden.view(b * t, d)
+    n = hidden.shape[0]
+    on = OutputHead(head.info, head.weight.to(device), None if head.bias is None else head.bias.to(device), head.fingerprint)
+    perm = vocab_permutation(teacher.token_remap, head.info.vocab_size)
+    return TeacherLogitRows(on, hidden.to(device), torch.full((n,), 1.0 / teacher.temperature, device=device), perm)
