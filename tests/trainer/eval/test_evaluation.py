@@ -104,7 +104,7 @@ def test_evaluate_run_loads_the_teacher_once(tmp_path, monkeypatch):
         "teacher:\n  model: tiny-random@0\nstudent:\n  model: tiny-random@1\n"
         f"data:\n  train_files: [{ROOT / 'tests/data/tiny_prompts.jsonl'}]\n"
         f"  eval_files: [{ROOT / 'tests/data/tiny_heldout.jsonl'}]\n  field: prompt\n"
-        "eval:\n  n_samples: 1\n  max_new_tokens: 4\n  max_prompts: 2\n")
+        "eval:\n  n_samples: 1\n  max_new_tokens: 4\n  max_prompts: 2\n  cache: false\n")  # every model evaluated
     loads = []
     real = eopd_common.models.load_causal_lm
     monkeypatch.setattr(eopd_trainer.eval.evaluate, "load_causal_lm", lambda spec, **k: loads.append(spec) or real(spec, **k))

@@ -206,6 +206,10 @@ class EvalConfig(Section):
         "GSM8K flexible-extract). Both are always computed and stored.")
     variants: bool = Field(True, description="Also evaluate the variants set (data.generate.variants) into "
                            "eval-variants.json.")
+    cache: bool = Field(True, description="Reuse an evaluation made before (e.g. the teacher's and the initial "
+                        "student's in every run) when the model's files, the teacher, the data, these settings, "
+                        "the seed and the evaluation code are the same (eval/cache.py, $EOPD_CACHE_DIR/evals); "
+                        "false: always evaluate.")
     models: list[str] = Field(default_factory=lambda: ["teacher", "initial", "final"],
                               description="What `eopd run` evaluates: teacher (the ceiling, once per run), initial "
                               "(student before training), final.")

@@ -25,6 +25,12 @@ lm-evaluation-harness's GSM8K flexible-extract).
 
 Sampling is seeded (`seed + 1234`, per batch), so an evaluation is repeatable. Results are merged
 into `<run_dir>/eval.json` under the model's name.
+
+An evaluation whose model files, teacher, data, eval settings, seed and code are those of one made
+before is reused from the eval cache (`eval.cache`, on by default; `cache.py`, under
+`$EOPD_CACHE_DIR/evals`) instead of being made again: its record says `cache: {key, reused: true}`
+and its summary line "reused from cache KEY". `RunEvaluator` loads the teacher once and each model
+once for all the sets it is evaluated on.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +51,12 @@ from ..config import ConfigError, EvalConfig, RunConfig, load_config
 from ..data import read_records, render_prompt
 from ..rollout.samplers.transformers_sampler import generate
 from ..problems.grading import avg_at_k, extract_last_number, grade, pass_at_k
+from .cache import EvalCache, code_fingerprint, eval_key, file_sha256, key_fields, model_fingerprint
 from .kl import paired_log_probs
 
+#: The eval settings an evaluation's numbers depend on (the `sampling` field of its cache key).
+SAMPLING_SETTINGS = {"n_samples", "temperature", "top_p", "max_new_tokens", "max_prompts", "batch_size",
+                     "high_entropy", "headline"}
 HIST_BINS = np.linspace(0.0, 10.0, 51)  # nats
 
 
@@ -145,6 +156,8 @@ def summary_line(name: str, r: dict) -> str:
         line += f" fkl(H_T>={r.get('high_entropy_threshold', float('nan'))}) {r['fkl_high_entropy']:.3f}"
     if "reverse_kl" in r:
         line += f" reverse KL {r['reverse_kl']:.3f}"
+    if r.get("cache", {}).get("reused"):
+        line += f" [reused from cache {r['cache']['key']}]"
     return line
 
 
@@ -179,44 +192,121 @@ def eval_path(run_dir: Path, set_name: str | None = None) -> Path:
     return Path(run_dir) / ("eval.json" if set_name is None else f"eval-{set_name}.json")
 
 
+@dataclass(frozen=True)
+class EvalSet:
+    """A set evaluated: `name` None for the run's held-out split (`eval.json`), else `eval-<name>.json`."""
+
+    name: str | None
+    files: tuple[Path, ...]
+
+
+class RunEvaluator:
+    """Evaluates models of one run on one or more sets. The teacher is loaded at most once, and only
+    when an evaluation is computed; a model is loaded once for all its sets, and not at all when every
+    one of them is in the eval cache (`eval.cache`, `cache.py`), whose result is then reused, marked
+    `cache: {key, reused: true}`."""
+
+    def __init__(self, run_dir: Path, overrides: list[str] = (), *, cache: EvalCache | None = None):
+        self.run_dir = Path(run_dir)
+        self.cfg = run_config(self.run_dir, overrides)
+        self.cache = cache if cache is not None else (EvalCache() if self.cfg.eval.cache else None)
+        self._teacher = None
+        self._fingerprints: dict[str, str] = {}
+        self._records: dict[EvalSet, list[dict]] = {}
+
+    def records(self, s: EvalSet) -> list[dict]:
+        if s not in self._records:
+            records = [r for f in s.files for r in read_records(f)]
+            if self.cfg.eval.max_prompts:
+                records = records[: self.cfg.eval.max_prompts]
+            if not records or "answer" not in records[0]:
+                raise ConfigError("eval needs held-out records with an `answer` field (data.eval_files)")
+            self._records[s] = records
+        return self._records[s]
+
+    def teacher(self):
+        if self._teacher is None and self.cfg.teacher.model:
+            self._teacher = load_causal_lm(self.cfg.teacher.model)
+        return self._teacher
+
+    def fingerprint(self, spec: str) -> str:
+        if spec not in self._fingerprints:
+            self._fingerprints[spec] = model_fingerprint(spec)
+        return self._fingerprints[spec]
+
+    def key(self, spec: str, s: EvalSet) -> tuple[str, dict]:
+        cfg = self.cfg
+        data = cfg.data
+        fields = key_fields(
+            model=self.fingerprint(spec), teacher=self.fingerprint(cfg.teacher.model) if cfg.teacher.model else None,
+            data_files=[file_sha256(Path(f)) for f in s.files],
+            prompts={"field": data.field, "suffix": data.suffix, "chat_template": data.chat_template,
+                     "max_prompt_length": data.max_prompt_length},
+            sampling=cfg.eval.model_dump(mode="json", include=SAMPLING_SETTINGS), seed=cfg.seed + 1234,
+            code=code_fingerprint())
+        return eval_key(fields), fields
+
+    def evaluate(self, name: str, sets: list[EvalSet], label: str | None = None) -> dict[str | None, dict]:
+        """`name` (final, initial, teacher or a spec) on each set, merged into each set's eval file
+        under `label` (default `name`); returns each set's result."""
+        cfg, label = self.cfg, label or name
+        spec = resolve_model(name, self.run_dir, cfg)
+        results, todo = {}, []
+        for s in sets:
+            self.records(s)  # a set without answers fails before any model is loaded
+            key, fields = self.key(spec, s) if self.cache else (None, None)
+            entry = self.cache.get(key) if self.cache else None
+            if entry is None:
+                todo.append((s, key, fields))
+                continue
+            r = {**entry["result"], "model": spec, "cache": {"key": key, "reused": True, "created": entry["created"]}}
+            self._write(s, label, r)
+            results[s.name] = r
+        if todo:
+            teacher = self.teacher()
+            is_teacher = teacher is not None and (name == "teacher" or spec == cfg.teacher.model)
+            loaded = teacher if is_teacher else load_causal_lm(spec)  # the teacher is loaded (and run) once
+            for s, key, fields in todo:
+                records = self.records(s)
+                prompts = [render_prompt(loaded.tokenizer, r[cfg.data.field], suffix=cfg.data.suffix,
+                                         chat_template=cfg.data.chat_template, max_length=cfg.data.max_prompt_length)
+                           for r in records]
+                t0 = time.monotonic()
+                r = evaluate_model(loaded.model, loaded.tokenizer, teacher.model if teacher else None, prompts,
+                                   [str(r["answer"]) for r in records], cfg.eval, seed=cfg.seed + 1234,
+                                   prompt_texts=[str(r[cfg.data.field]) for r in records])
+                r.update(model=spec, eval_s=time.monotonic() - t0)
+                if self.cache:
+                    self.cache.put(key, fields, r)
+                    r["cache"] = {"key": key, "reused": False}
+                self._write(s, label, r)
+                results[s.name] = r
+        return {s.name: results[s.name] for s in sets}
+
+    def _write(self, s: EvalSet, label: str, r: dict) -> None:
+        path = eval_path(self.run_dir, s.name)
+        result = json.loads(path.read_text()) if path.is_file() else {"models": {}}
+        result["data"] = [str(f) for f in s.files]
+        result["eval"] = self.cfg.eval.model_dump(mode="json")
+        result["models"][label] = r
+        path.write_text(json.dumps(result, indent=1))
+        where = f" [{s.name}]" if s.name else ""
+        print(f"eopd eval{where}: {summary_line(label, r)} ({r['eval_s']:.0f} s)", file=sys.stderr)
+
+
 def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *, names: list[str] | None = None,
                  data_files: list[Path] | None = None, set_name: str | None = None) -> dict:
     """Evaluates `models` on the run's held-out files (or on `data_files`, results then in
     `eval-<set_name>.json`: e.g. an independent held-out set written differently)."""
-    run_dir = Path(run_dir)
-    cfg = run_config(run_dir, overrides)
-    ecfg = cfg.eval
     if (data_files is None) != (set_name is None):
         raise ConfigError("give both a data file and a set name (--data FILE --set NAME), or neither")
     if set_name is not None and (not set_name or not all(c.isalnum() or c in "-_" for c in set_name)):
         raise ConfigError(f"set name {set_name!r}: use letters, digits, '-' and '_'")
-    records = [r for f in (data_files or cfg.data.eval_files) for r in read_records(f)]
-    if ecfg.max_prompts:
-        records = records[: ecfg.max_prompts]
-    if not records or "answer" not in records[0]:
-        raise ConfigError("eval needs held-out records with an `answer` field (data.eval_files)")
-    teacher = load_causal_lm(cfg.teacher.model) if cfg.teacher.model else None
-    path = eval_path(run_dir, set_name)
-    result = json.loads(path.read_text()) if path.is_file() else {"models": {}}
-    result["data"] = [str(f) for f in (data_files or cfg.data.eval_files)]
-    result["eval"] = ecfg.model_dump(mode="json")
+    evaluator = RunEvaluator(run_dir, overrides)
+    s = EvalSet(set_name, tuple(Path(f) for f in (data_files or evaluator.cfg.data.eval_files)))
     for i, name in enumerate(models):
-        label = names[i] if names else name
-        spec = resolve_model(name, run_dir, cfg)
-        is_teacher = teacher is not None and (name == "teacher" or spec == cfg.teacher.model)
-        loaded = teacher if is_teacher else load_causal_lm(spec)  # the teacher is loaded (and run) once
-        tok = loaded.tokenizer
-        prompts = [render_prompt(tok, r[cfg.data.field], suffix=cfg.data.suffix, chat_template=cfg.data.chat_template,
-                                 max_length=cfg.data.max_prompt_length) for r in records]
-        t0 = time.monotonic()
-        r = evaluate_model(loaded.model, tok, teacher.model if teacher else None, prompts,
-                           [str(r["answer"]) for r in records], ecfg, seed=cfg.seed + 1234,
-                           prompt_texts=[str(r[cfg.data.field]) for r in records])
-        r.update(model=spec, eval_s=time.monotonic() - t0)
-        result["models"][label] = r
-        path.write_text(json.dumps(result, indent=1))
-        print(f"eopd eval: {summary_line(label, r)} ({r['eval_s']:.0f} s)", file=sys.stderr)
-    return result
+        evaluator.evaluate(name, [s], label=names[i] if names else name)
+    return json.loads(eval_path(run_dir, set_name).read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,8 @@ def table(runs: list[Path]) -> str:
         for name, m in ordered_models(read_eval(run, set_name)["models"]):
             n = m.get("n_samples")
             where = f"{run_label(run)} / {name}" + (f" [{set_name} set]" if set_name else "")
+            if m.get("cache", {}).get("reused"):  # eval/cache.py: the same evaluation made before
+                where += f" (reused from cache {m['cache'].get('key', '?')})"
             cells = [_text(where), _text(variant if name != "teacher" else "– (teacher)")]
             cells += [fmt(get(m, n)) for _, fmt, get in _COLUMNS]
             rows.append("<tr" + (" class='teacher'" if name == "teacher" else "") + ">"

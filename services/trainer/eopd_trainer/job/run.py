@@ -42,7 +42,7 @@ from pathlib import Path
 from ..config import ConfigError, RunConfig, dump_config, load_config
 from ..config.stages import run_needs_teacher
 from ..data import load_prompts
-from ..eval.evaluate import eval_path, evaluate_run, resolve_model, summary_line
+from ..eval.evaluate import EvalSet, RunEvaluator, eval_path, resolve_model, summary_line
 from ..faults import Faults
 from ..learner.metrics import trim_records
 from .local_queue import QueueChoice, choose_queue, run_key_file
@@ -376,26 +376,26 @@ VARIANTS_FILE = "heldout_variants.jsonl"  # written by data.generate.variants (t
 def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
     """`eopd eval` of `eval.models`, one model at a time, each recorded when done: a run
     interrupted during the evaluation evaluates only the models left when resumed (and a model
-    evaluated already with the same settings is not evaluated again)."""
-    settings = cfg.eval.model_dump(mode="json", exclude={"models", "enabled"})
+    evaluated already with the same settings is not evaluated again). One evaluator for all: the
+    teacher loaded once, each model once for both sets, evaluations in the eval cache reused."""
+    settings = cfg.eval.model_dump(mode="json", exclude={"models", "enabled", "cache"})
     resolved = {m: resolve_model(m, run_dir, cfg) for m in cfg.eval.models}
     todo = record.to_evaluate(cfg.eval.models, resolved, settings)
     done = [m for m in cfg.eval.models if m not in todo]
     if done:
         say(f"evaluation: {', '.join(done)} evaluated already in this run (same model, same eval settings)")
-    faults, result = Faults(cfg.faults), None
+    faults = Faults(cfg.faults)
     gen = cfg.data.generate
-    variants = run_dir / "data" / VARIANTS_FILE if gen is not None and gen.variants and cfg.eval.variants else None
+    sets = [EvalSet(None, tuple(Path(f) for f in cfg.data.eval_files))]
+    if gen is not None and gen.variants and cfg.eval.variants:  # the same family written differently
+        sets.append(EvalSet("variants", (run_dir / "data" / VARIANTS_FILE,)))
+    evaluator = RunEvaluator(run_dir) if todo else None
     for i, name in enumerate(todo):
         faults.hit("run.evaluate", count=i)  # fault point: before the i-th model (tests interrupt the evaluation)
-        result = evaluate_run(run_dir, [name])
-        if variants is not None:  # the same family written differently: eval-variants.json
-            evaluate_run(run_dir, [name], data_files=[variants], set_name="variants")
+        evaluator.evaluate(name, sets)
         record.evaluated(name, resolved[name], settings)
-    if result is None:
-        path = run_dir / "eval.json"
-        result = json.loads(path.read_text()) if path.is_file() else {"models": {}}
-    return result
+    path = run_dir / "eval.json"
+    return json.loads(path.read_text()) if path.is_file() else {"models": {}}
 
 
 def build_parser() -> argparse.ArgumentParser:
