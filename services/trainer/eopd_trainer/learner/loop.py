@@ -86,6 +86,8 @@ class LearnerLoop:
                                     prometheus_port=cfg.logging.prometheus_port, enabled=self.rank == 0)
         if self.rank == 0:
             self.feed.setup_queues(self.state, self.num_prompts, self.trainer.vocab_size)
+            if self.trainer.full_vocab_teacher is not None:  # rollouts carry the teacher's hidden states
+                self.feed.admit_teacher_hidden(self.trainer.full_vocab_teacher.head.info.hidden_size)
 
     # Main loop ---------------------------------------------------------------------------------
     def run(self) -> int:

@@ -74,3 +74,39 @@ def teacher_logit_rows(rollouts: Sequence[Rollout], head: OutputHead, teacher: T
     on = OutputHead(head.info, head.weight.to(device), None if head.bias is None else head.bias.to(device), head.fingerprint)
     perm = vocab_permutation(teacher.token_remap, head.info.vocab_size)
     return TeacherLogitRows(on, hidden.to(device), torch.full((n,), 1.0 / teacher.temperature, device=device), perm)
+
+
+class FullVocabTeacher:
+    """The learner's side of `loss.support: full`: the teacher's output head, fetched once
+    (`load`), and per micro-batch the teacher's logits of its response tokens on demand
+    (`attach`: `LossInputs.teacher_logits`, flat rows in `pack_rollouts`' order)."""
+
+    def __init__(self, cfg):
+        t = cfg.teacher
+        if t.hidden_states == "none":
+            raise ValueError("loss.support: full needs the teacher's hidden states: set teacher.hidden_states to "
+                             "bfloat16 or float32")
+        if len(cfg.all_teachers()) > 1 or cfg.route.mixture:
+            raise ValueError("loss.support: full is served for the run's one teacher (`teacher:`), not with "
+                             "`teachers:` or route.mixture")
+        self.teacher = t
+        self.head: OutputHead | None = None
+
+    @staticmethod
+    def needed(cfg) -> bool:
+        """Whether the run's loss (or its KD warm-up's, which never is) reads full-vocabulary logits."""
+        from ..objective.variants import get_variant
+
+        return get_variant(cfg.loss.variant).needs_teacher_logits(cfg.loss)
+
+    def load(self) -> OutputHead:
+        """Fetches the head (every rank: each projects its own micro-batches)."""
+        t = self.teacher
+        self.head = fetch_teacher_head(t, client_kwargs=dict(timeout=t.timeout_s, retry_timeout=t.retry_timeout_s,
+                                                             security=t.client_security()))
+        return self.head
+
+    def attach(self, loss_inputs, rollouts: Sequence[Rollout], device):
+        """`loss_inputs` with `teacher_logits` built from `rollouts`' hidden states."""
+        assert self.head is not None, "FullVocabTeacher.load() first"
+        return loss_inputs.replace(teacher_logits=teacher_logit_rows(rollouts, self.head, self.teacher, device=device))

@@ -6,6 +6,7 @@ whether the loss takes the fused hidden-state path (`fused_loss_path`), and quie
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from ..batching import (
 )
 from ..config import RunConfig
 from ..faults import Faults
-from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, step_generator
+from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, get_variant, step_generator
 from ..objective.mixture import mixture_loss, per_teacher_keys
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import export_state_dict
@@ -40,6 +41,7 @@ from .distributed import (
     init_process_group,
     lr_scheduler_factory,
 )
+from .teacher_head import FullVocabTeacher
 from .weights_out import WeightsOut
 
 log = logging.getLogger("eopd.learner")
@@ -108,6 +110,12 @@ class PolicyTrainer:
         self.fused_loss, why = fused_loss_path(cfg.train, model)
         if why:
             log.warning("%s", why)
+        # loss.support full: the teacher's logits from the hidden states its rollouts carry (issue 48).
+        self.full_vocab_teacher = FullVocabTeacher(cfg) if FullVocabTeacher.needed(cfg) else None
+        if self.full_vocab_teacher is not None:
+            head = self.full_vocab_teacher.load()
+            log.info("teacher output head %s (%s, [%d, %d] %s) for loss.support full", head.fingerprint[:16],
+                     head.info.model, head.info.vocab_size, head.info.hidden_size, head.info.dtype)
         total_steps = total_iterations * cfg.steps_per_iteration
         ds_config = build_ds_config(cfg, self.world, total_steps, on_cpu=on_cpu)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
@@ -194,6 +202,9 @@ class PolicyTrainer:
             lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
             for micro_index, micro in enumerate(split(local, cfg.train.micro_batch_size)):
                 packed = pack_rollouts(micro, self.pad_id, advantages=advantages)
+                if self.full_vocab_teacher is not None and get_variant(loss_cfg.variant).needs_teacher_logits(loss_cfg):
+                    packed = dataclasses.replace(packed, loss_inputs=self.full_vocab_teacher.attach(
+                        packed.loss_inputs, micro, self.device))
                 # random_fkl's draw: different at every step, rank and micro-batch, the same again
                 # when a resumed run redoes this step.
                 gen = step_generator(loss_cfg.random_seed, iteration, opt_step, self.rank, micro_index)
