@@ -24,6 +24,19 @@ def kinds_file(tmp_path):
     return out, rows
 
 
+def hinted_file(tmp_path):
+    """kinds_file's records with, on the sub records only, a `hint`: the field of HINTED's template
+    (issue 49: a record routed to another teacher needs none of its fields)."""
+    path, _ = kinds_file(tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [{**r, **({"hint": "subtract"} if r["kind"] == "sub" else {})} for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, rows
+
+
+HINTED = "teachers=[{name: minus, model: tiny-random@2, prompt_template: '{prompt} Hint: {hint}'}]"
+
+
 def test_teachers_by_name_and_the_route():
     cfg = load_config(TINY, [MINUS, "route.field=kind", "route.routes={sub: minus}"])
     assert list(cfg.all_teachers()) == ["teacher", "minus"] and cfg.all_teachers()["minus"].model == "tiny-random@2"
@@ -62,16 +75,19 @@ def test_every_prompt_routed_by_its_record(tmp_path):
 def test_two_teachers_routed_by_problem_kind_end_to_end(tmp_path):
     """`eopd run` starts both teachers (teacher.log, teacher-minus.log), the worker connects to both
     and routes each prompt by its record's `kind`; every rollout is trained; the learner records the
-    statistics of each teacher (token shares summing to 1) and `eopd report` draws them."""
-    path, _ = kinds_file(tmp_path)
+    statistics of each teacher (token shares summing to 1) and `eopd report` draws them. `minus` has
+    a prompt_template whose field only its own (sub) records have (issue 49: the add records, routed
+    to `teacher`, need none; the worker used to die on them after start)."""
+    path, _ = hinted_file(tmp_path)
     run_dir = tmp_path / "run"
     res = eopd("run", "--config", str(TINY), f"run_dir={run_dir}", f"data.train_files=[{path}]", "train.iterations=2",
-               MINUS, "route.field=kind", "route.routes={sub: minus}", "eval.models=[final]", timeout=1200)
+               HINTED, "route.field=kind", "route.routes={sub: minus}", "eval.models=[final]", timeout=1200)
     assert res.returncode == 0, res.stderr[-5000:]
     assert "teacher minus: tiny-random@2 starting on 127.0.0.1:" in res.stderr and "teachers ready" in res.stderr
     assert (run_dir / "logs" / "teacher-minus.log").is_file() and (run_dir / "logs" / "teacher.log").is_file()
     worker = (run_dir / "logs" / "rollout-w0.log").read_text()
     assert "teachers[minus] " in worker and "ready" in worker
+    assert "teachers[minus].prompt_template: the teacher sees its own prompt, e.g. 'What is 18 - 34? Hint: subtract'" in worker
     learner = (run_dir / "logs" / "learner.log").read_text()
     assert "training finished: 2 iterations, 16 rollouts trained" in learner and "dead letter" not in learner
     iters = [r for r in map(json.loads, (run_dir / "train_metrics.jsonl").read_text().splitlines())

@@ -7,7 +7,6 @@ field. The worker fills the same templates for the same records (`TeacherPrompts
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
@@ -15,25 +14,11 @@ from eopd_trainer.config import ConfigError, load_config
 from eopd_trainer.data import load_prompts
 from eopd_trainer.job.prepare import check_data, check_teacher_context
 from eopd_trainer.teacher_context import TeacherPrompts
-from tests.trainer.job.test_run_e2e import TINY, eopd
+from tests.trainer.job.test_run_e2e import TINY
+from tests.trainer.job.test_run_teachers import HINTED, hinted_file
 
-MINUS = "teachers=[{name: minus, model: tiny-random@2, prompt_template: '{prompt} Hint: {hint}'}]"
+MINUS = HINTED  # teacher `minus`, template '{prompt} Hint: {hint}'
 ROUTE = ["route.field=kind", "route.routes={sub: minus}"]
-
-
-def hinted_file(tmp_path):
-    """tests/data/tiny_prompts.jsonl with a `kind` (sub for subtraction, else add) and, on the sub
-    records only, a `hint`: the field teacher `minus`'s template needs."""
-    from tests.procs import ROOT
-
-    out = tmp_path / "prompts.jsonl"
-    rows = []
-    for line in (ROOT / "tests" / "data" / "tiny_prompts.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        sub = " - " in r["prompt"]
-        rows.append({**r, "kind": "sub" if sub else "add", **({"hint": "subtract"} if sub else {})})
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out, rows
 
 
 def config(tmp_path, *overrides: str):
