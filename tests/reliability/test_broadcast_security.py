@@ -139,8 +139,8 @@ def test_handshake_macs_bind_the_rank_the_session_and_every_nonce():
 
 
 def test_addresses():
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("10.0.0.1") and not is_loopback("learner.example")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.1") and not is_loopback("::ffff:10.0.0.1") and not is_loopback("learner.example")
     assert local_address_towards("127.0.0.1", 1234) == "127.0.0.1"
 
 
@@ -319,7 +319,7 @@ def test_eopd_run_with_the_broadcast_listens_on_loopback_only_and_survives_a_str
 
     stranger = Stranger(proc.pid).start(store_address)
     try:
-        _, err = proc.communicate(timeout=400)
+        _, err = proc.communicate(timeout=600)
     finally:
         stranger.close()
         if proc.poll() is None:
@@ -340,5 +340,10 @@ def test_eopd_run_with_the_broadcast_listens_on_loopback_only_and_survives_a_str
     # the stranger's claim either came first (the store is untrusted: files from the first publish)
     # or after the group formed (the group is full: ignored)
     assert formed or "Untrusted" in learner_log, learner_log[-3000:]
-    assert wall < 300, f"the attacked run took {wall:.0f} s (the join timeout is 600 s)"
-    print(f"attacked run: {wall:.0f} s, {len(doors)} ports knocked on, broadcast {'kept' if formed else 'dropped'}")
+    # No publish waited for the group (the attack held the first one for the 600 s join timeout): the
+    # worker's claim comes within seconds of the learner's store, the group forms within FORM_S
+    publishes = [float(s) for s in re.findall(r"published policy version \d+ \([\w]+, [\d.]+ MB, ([\d.]+)s\)",
+                                                learner_log)]
+    assert len(publishes) == 5 and max(publishes) < 60, publishes
+    print(f"attacked run: {wall:.0f} s, publishes {publishes} s, {len(doors)} ports knocked on, broadcast "
+          f"{'kept' if formed else 'dropped'}")

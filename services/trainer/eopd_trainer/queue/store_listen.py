@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 
 def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1, their IPv4-mapped form (::ffff:127.0.0.1) and `localhost`."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return host == "localhost"
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
