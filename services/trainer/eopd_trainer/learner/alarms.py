@@ -64,7 +64,7 @@ def check_alarms(summary: dict[str, float]) -> list[Alarm]:
                                            f"around the teacher's {h_t:.3f}"))
     if summary.get("truncated_frac", 0.0) >= TRUNCATED_SHARE:
         out.append(Alarm(TRUNCATION, f"{summary['truncated_frac']:.0%} of the responses ran to the length limit "
-                                     f"(rollout.max_new_tokens; alarm at >= {TRUNCATED_SHARE:.0%})"))
+                                     f"(rollout.max_response_length; alarm at >= {TRUNCATED_SHARE:.0%})"))
     return out
 
 

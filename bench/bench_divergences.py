@@ -1,0 +1,129 @@
+"""Does each divergence member train? A few iterations of `eopd run` per member on a preset, and
+what the alarms watch (issue 48, ask 2 "each member must train"; learner/alarms.py): the student's
+mean entropy per iteration against the band [H_te/2 - 0.5, 2 H_te + 1] around the teacher's, the
+smallest divergence term of any optimizer step (a true divergence never goes below 0), the share
+of truncated answers, and the alarms that fired.
+
+    .venv/bin/python -m bench.bench_divergences                       # smollm2-cpu, 16 iterations per member
+    .venv/bin/python -m bench.bench_divergences --iterations 32 --members eopd_topk_rkl,eopd_rkl_student
+    .venv/bin/python -m bench.bench_divergences --quick               # tiny preset, 1 iteration, 2 members; writes nothing
+
+Members (`MEMBERS`): the paper's eopd (reference), eopd_topk_rkl (the reverse KL over the
+student's top-k, now with its tail bucket), eopd_rkl over each support, and gkd at beta 1
+(TRL's reverse KL) over the student's top-k and the full vocabulary, on-policy (gkd_lambda 1).
+The full-vocabulary members need the teacher's hidden-state scores (issue 48, ask 1); a member
+whose run fails is reported with its error, and the others still run. A full run writes
+bench/results/divergences.json and the "divergences" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.report import markdown_table, measure_and_report
+from eopd_trainer.learner.alarms import DIVERGENCE_TERMS, entropy_band
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: name -> `eopd run` overrides of the loss.
+MEMBERS: dict[str, tuple[str, ...]] = {
+    "eopd": ("loss.variant=eopd",),
+    "eopd_topk_rkl": ("loss.variant=eopd_topk_rkl",),
+    "eopd_rkl_teacher": ("loss.variant=eopd_rkl", "loss.support=teacher_topk"),
+    "eopd_rkl_student": ("loss.variant=eopd_rkl", "loss.support=student_topk"),
+    "eopd_rkl_full": ("loss.variant=eopd_rkl", "loss.support=full"),
+    "gkd_rkl_student": ("loss.variant=gkd", "loss.gkd_lambda=1", "loss.gkd_beta=1", "loss.support=student_topk"),
+    "gkd_rkl_full": ("loss.variant=gkd", "loss.gkd_lambda=1", "loss.gkd_beta=1", "loss.support=full"),
+}
+QUICK_MEMBERS = ("eopd_topk_rkl", "eopd_rkl_teacher")
+
+
+def summarise(metrics_path: Path) -> dict:
+    """The member's numbers from its `train_metrics.jsonl` (pure: reads the file only)."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.is_file() else []
+    steps = [r for r in rows if r.get("kind") == "step"]
+    iters = [r for r in rows if r.get("kind") == "iteration"]
+    per_iter = []
+    for r in iters:
+        h_s, h_t = r.get("iter/student_entropy"), r.get("iter/teacher_entropy")
+        lo, hi = entropy_band(h_t) if h_t is not None else (math.nan, math.nan)
+        per_iter.append({"iteration": r["iteration"], "student_entropy": h_s, "teacher_entropy": h_t,
+                         "band": [lo, hi], "in_band": h_s is not None and h_t is not None and lo <= h_s <= hi,
+                         "loss": r.get("iter/loss"), "truncated_frac": r.get("iter/truncated_frac"),
+                         "alarms": sorted(r.get("alarms", {}))})
+    divergences = [s[k] for s in steps for k in DIVERGENCE_TERMS if s.get(k) not in (None, 0.0)]
+    return {
+        "iterations": len(iters),
+        "per_iteration": per_iter,
+        "all_in_band": bool(per_iter) and all(p["in_band"] for p in per_iter),
+        "min_divergence_term": min(divergences) if divergences else None,
+        "min_loss": min((s["loss"] for s in steps if "loss" in s), default=None),
+        "alarms": sorted({a for p in per_iter for a in p["alarms"]}),
+    }
+
+
+def run_member(name: str, preset: Path, iterations: int, work: Path, seed: int) -> dict:
+    run_dir = work / name
+    args = [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(preset), f"run_dir={run_dir}",
+            f"seed={seed}", *MEMBERS[name], f"train.iterations={iterations}", "eval.enabled=false",
+            "logging.progress=false", "--overwrite"]
+    t0 = time.monotonic()
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    out = {"member": name, "overrides": list(MEMBERS[name]), "wall_s": round(time.monotonic() - t0, 1),
+           **summarise(run_dir / "train_metrics.jsonl")}
+    if proc.returncode != 0:
+        out["error"] = f"exit {proc.returncode}: " + proc.stderr.strip()[-600:]
+    return out
+
+
+def section_text(data: dict) -> str:
+    rows = []
+    for m in data["members"]:
+        last = m["per_iteration"][-1] if m["per_iteration"] else {}
+        rows.append([m["member"], m["iterations"], _f(last.get("student_entropy")), _f(last.get("teacher_entropy")),
+                     "yes" if m["all_in_band"] else "no", _f(m["min_divergence_term"]), _f(m["min_loss"]),
+                     ", ".join(m["alarms"]) or "-", m.get("error", "")[:80] or "-"])
+    table = markdown_table(["member", "iterations", "student H (last)", "teacher H (last)", "in band every iteration",
+                            "min divergence term", "min loss", "alarms", "error"], rows)
+    return (f"Each divergence member for {data['iterations']} iterations of `eopd run --config {data['preset']}` "
+            f"(seed {data['seed']}); band [H_te/2 - 0.5, 2 H_te + 1] nats (learner/alarms.py); load {data.get('load_avg')}."
+            f"\n\n{table}\n")
+
+
+def _f(v):
+    return "-" if v is None else round(float(v), 4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_divergences", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=None, help="config (default configs/smollm2-cpu.yaml; --quick: configs/tiny.yaml)")
+    p.add_argument("--iterations", type=int, default=None, help="per member (default 16; --quick: 1)")
+    p.add_argument("--members", default=None, help=f"comma-separated, of {', '.join(MEMBERS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny preset, 1 iteration, 2 members; writes nothing")
+    p.add_argument("--out", type=Path, default=None, help="with --quick: write the JSON here")
+    args = p.parse_args(argv)
+    preset = Path(args.preset or ROOT / "configs" / ("tiny.yaml" if args.quick else "smollm2-cpu.yaml")).resolve()
+    iterations = args.iterations or (1 if args.quick else 16)
+    members = args.members.split(",") if args.members else list(QUICK_MEMBERS if args.quick else MEMBERS)
+    unknown = [m for m in members if m not in MEMBERS]
+    if unknown:
+        p.error(f"--members: unknown {unknown}; known: {list(MEMBERS)}")
+
+    def measure() -> dict:
+        with tempfile.TemporaryDirectory(prefix="eopd-divergences-") as work:
+            results = [run_member(m, preset, iterations, Path(work), args.seed) for m in members]
+        return {"preset": preset.name, "iterations": iterations, "seed": args.seed, "members": results}
+
+    return measure_and_report("divergences", measure, section_text, quick=args.quick, out=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
