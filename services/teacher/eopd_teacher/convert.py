@@ -59,7 +59,7 @@ def generate_request_from_pb(req: pb.GenerateRequest) -> GenerateRequest:
         max_new_tokens=int(req.max_new_tokens), request_id=req.request_id, num_samples=int(req.num_samples),
         temperature=float(req.temperature), top_p=float(req.top_p), stop_token_ids=tuple(req.stop_token_ids),
         seed=int(req.seed) if req.HasField("seed") else None, top_k=int(req.top_k),
-        score_temperature=float(req.score_temperature),
+        score_temperature=float(req.score_temperature), hidden_states=hidden_dtype_from_pb(req.hidden_states),
     )
 
 

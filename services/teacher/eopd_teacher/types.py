@@ -77,6 +77,7 @@ class GenerateItem:
     top_k: int
     score_temperature: float
     index: int = 0  # position of this prompt in its request (part of the seed)
+    hidden_dtype: str = ""  # as ScoreItem's: the generated positions' final hidden states too
 
 
 @dataclass(frozen=True)
@@ -189,3 +190,4 @@ class GenerateRequest:
     seed: int | None = None
     top_k: int = 0
     score_temperature: float = 0.0
+    hidden_states: str = ""  # as ScoreRequest's

@@ -275,6 +275,7 @@ def _sampling_fields(req: GenerateRequest, info: ModelInfo, names: FieldNames, w
         num_samples=int(num_samples), max_new_tokens=int(req.max_new_tokens), temperature=temperature, top_p=top_p,
         stop_token_ids=tuple(dict.fromkeys(int(t) for t in stop)), seed=None if req.seed is None else int(req.seed),
         top_k=int(top_k), score_temperature=score_temperature,
+        hidden_dtype=_hidden_dtype(req.hidden_states, info, where),
     )
 
 
@@ -316,6 +317,8 @@ def generate_items(req: GenerateRequest, info: ModelInfo, names: FieldNames = GE
         ids = vocab_ids(prompt.token_ids, info.vocab_size, tokens, f" of {names.label(i, pid)}{where}")
         if max_response_bytes is not None:
             bound = generate_response_bytes_bound(max_new, fields["top_k"], len(rid.encode()) + len(pid.encode()))
+            if fields["hidden_dtype"]:
+                bound += max_new * hidden_bytes_per_token(info.hidden_size, fields["hidden_dtype"]) + _HIDDEN_OVERHEAD_BYTES
             if bound > max_response_bytes:
                 raise RequestTooLarge(
                     f"{f('max_new_tokens')}: {max_new} positions at {f('top_k')} {fields['top_k']} make an answer of up to "

@@ -21,7 +21,7 @@ from bench.random_models import TINY, write_random_model
 from eopd_common.output_head import head_statistics, unpack_hidden
 from eopd_teacher.engines.transformers_engine import TransformersEngine
 from eopd_teacher.settings import TeacherSettings
-from eopd_teacher.types import ScoreItem
+from eopd_teacher.types import GenerateItem, ScoreItem
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
 
@@ -107,6 +107,18 @@ def test_chunked_prefill_returns_the_same_hidden_states(models):
         hb = unpack_hidden(b.hidden_states, b.hidden_size, "float32")
         torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-5)
     check_parity(engine, items, stepped)
+
+
+def test_generate_returns_the_generated_positions_hidden_states(engines):
+    engine = engines["tiny-random"]
+    prompt = np.arange(5, 12, dtype=np.int64)
+    item = GenerateItem("p", prompt, num_samples=2, max_new_tokens=6, temperature=1.0, top_p=1.0, stop_token_ids=(),
+                        seed=3, top_k=8, score_temperature=0.9, hidden_dtype="float32")
+    gens = engine.generate([item])
+    assert len(gens) == 2
+    for g in gens:  # the same check as Score's: the generated positions, scored at score_temperature
+        it = ScoreItem(g.prompt_id, np.concatenate([prompt, g.token_ids]), len(prompt), 8, 0.9, hidden_dtype="float32")
+        check_parity(engine, [it], [g.scores])
 
 
 @pytest.mark.slow

@@ -78,6 +78,7 @@ def build_request(sequences: Iterable, *, top_k: int = 0, temperature: float = 0
 def build_generate_request(
     prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
     stop_token_ids=(), seed: int | None = None, top_k: int = 0, score_temperature: float = 1.0, request_id: str = "",
+    hidden_states: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest from `prompts`: a list of token-id lists (ids "0", "1", ...) or a dict
     {prompt id: token ids}. temperature 0 is greedy; the client always sends the values given
@@ -88,6 +89,7 @@ def build_generate_request(
         prompts=[pb.Prompt(id=str(pid), token_ids=np.asarray(ids, dtype=np.int64).tolist()) for pid, ids in pairs],
         num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         stop_token_ids=[int(t) for t in stop_token_ids], top_k=top_k, score_temperature=score_temperature,
+        hidden_states=HIDDEN_TO_PB[hidden_states],
     )
     if seed is not None:
         req.seed = int(seed)

@@ -107,7 +107,7 @@ class TeacherClient(ChannelClient):
     def generate(
         self, prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
         stop_token_ids: Iterable[int] = (), seed: int | None = None, top_k: int = 0, score_temperature: float = 1.0,
-        request_id: str = "", timeout: float | None = None,
+        request_id: str = "", timeout: float | None = None, hidden_states: str = "",
     ) -> list[Generation]:
         """Samples `num_samples` responses per prompt (a list of token-id lists, ids "0", "1", ...,
         or a dict {prompt id: token ids}); returns them by prompt, then sample index, each with
@@ -115,7 +115,8 @@ class TeacherClient(ChannelClient):
         greedy. Retried (the whole call) as unary calls are."""
         req = build_generate_request(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, stop_token_ids=stop_token_ids, seed=seed, top_k=top_k,
-                                     score_temperature=score_temperature, request_id=request_id)
+                                     score_temperature=score_temperature, request_id=request_id,
+                                     hidden_states=hidden_states)
         answers = self._call(lambda r, **kw: list(self._stub.Generate(r, **kw)), req, timeout)
         return _in_request_order(req, answers)
 
@@ -210,12 +211,13 @@ class AsyncTeacherClient(ChannelClient):
     async def generate(
         self, prompts, *, num_samples: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
         stop_token_ids: Iterable[int] = (), seed: int | None = None, top_k: int = 0, score_temperature: float = 1.0,
-        request_id: str = "", timeout: float | None = None,
+        request_id: str = "", timeout: float | None = None, hidden_states: str = "",
     ) -> list[Generation]:
         """As `TeacherClient.generate`."""
         req = build_generate_request(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, stop_token_ids=stop_token_ids, seed=seed, top_k=top_k,
-                                     score_temperature=score_temperature, request_id=request_id)
+                                     score_temperature=score_temperature, request_id=request_id,
+                                     hidden_states=hidden_states)
 
         async def collect(r, **kw) -> list[pb.GenerateResponse]:
             return [answer async for answer in self._stub.Generate(r, **kw)]

@@ -62,7 +62,7 @@ def generate_in_steps(
                                             cancelled=cancelled)
     rows = [(item, j) for item in items for j in range(item.num_samples)]
     score_items = [ScoreItem(item.prompt_id, np.concatenate([item.token_ids, r]), len(item.token_ids), item.top_k,
-                             item.score_temperature) for (item, _), r in zip(rows, responses)]
+                             item.score_temperature, hidden_dtype=item.hidden_dtype) for (item, _), r in zip(rows, responses)]
     scores = None
     for scores in score_steps(score_items):
         if scores is None:

@@ -55,7 +55,8 @@ class TeacherGenerator:
                     temperature=ro.temperature, top_p=ro.top_p, stop_token_ids=self.stop_ids,
                     seed=generation_seed(self.cfg.seed, task.task_seq), top_k=te.top_k,
                     score_temperature=te.temperature, timeout=te.timeout_s,
-                    request_id=f"{self.worker_id}-{task.task_id}")
+                    request_id=f"{self.worker_id}-{task.task_id}",
+                    hidden_states="" if te.hidden_states == "none" else te.hidden_states)
 
     async def generate(self, task: PromptTask, prompt_ids: Sequence[int]) -> list:
         """The teacher's Generations for the task (sample_index 0 .. num_teacher_samples - 1), after
