@@ -173,8 +173,7 @@ def render(runs: list[Path]) -> str:
               ".detail{color:#666}</style></head><body>"),
              "<h1>eopd report</h1><p>Runs: " + ", ".join(html.escape(str(r)) for r in runs) + "</p>",
              stages_line(runs),
-             alarms_section(runs),
-             "<h2>Held-out evaluation (shaped like the paper's Table 2)</h2>", table(runs), "<h2>Figures</h2>"]
+             "<h2>Held-out evaluation (shaped like the paper's Table 2)</h2>", table(runs), alarms_section(runs), "<h2>Figures</h2>"]
     for title, data in figs:
         parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>")
     parts.append("<h2>Sample responses</h2><p>Each model's first sampled response to the first held-out prompts "
