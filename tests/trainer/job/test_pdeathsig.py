@@ -13,7 +13,7 @@ import time
 
 from eopd_trainer.job import pdeathsig
 from tests.procs import ROOT
-from tests.trainer.job.test_run_e2e import _alive
+from tests.trainer.job.test_run_e2e import _alive, survivors_of_a_kill
 
 PARENT = """
 import sys
@@ -39,12 +39,7 @@ def test_the_children_of_a_killed_parent_are_gone_within_two_seconds(tmp_path):
             assert time.monotonic() < deadline, "the children never exec'd their commands"
             time.sleep(0.05)
         assert all(_alive(p) for p in pids)
-        parent.kill()
-        parent.wait(10)
-        t0 = time.monotonic()
-        while any(_alive(p) for p in pids) and time.monotonic() - t0 < 2:
-            time.sleep(0.05)
-        assert not [p for p in pids if _alive(p)], "children outlived their parent by 2 s"
+        assert not survivors_of_a_kill(parent, pids, 2), "children outlived their parent by 2 s"
     finally:
         for p in pids:
             if _alive(p):

@@ -269,6 +269,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def survivors_of_a_kill(proc: subprocess.Popen, pids: list[int], within: float) -> list[int]:
+    """SIGKILLs `proc`, waits up to `within` s for `pids` (its children) to go; those still alive."""
+    proc.kill()
+    proc.wait(10)
+    t0 = time.monotonic()
+    while any(_alive(p) for p in pids) and time.monotonic() - t0 < within:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
 @pytest.mark.chaos
 def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
     """`eopd run` SIGKILLed mid-run (issue 49): the kernel SIGKILLs every child it started
@@ -292,12 +302,7 @@ def test_a_killed_eopd_run_takes_its_children_down(tmp_path):
         children = _children_of(proc.pid)
         names = sorted(open(f"/proc/{c}/comm").read().strip() for c in children)
         assert len(children) == 4 and "redis-server" in names, names  # redis-server, teacher, rollout-w0, learner
-        proc.kill()
-        proc.wait(10)
-        t0 = time.monotonic()
-        while any(_alive(c) for c in children) and time.monotonic() - t0 < 5:
-            time.sleep(0.1)
-        assert not [c for c in children if _alive(c)], "children outlived eopd run by 5 s"
+        assert not survivors_of_a_kill(proc, children, 5), "children outlived eopd run by 5 s"
         with open(run_dir / ".run.lock", "a+") as fh:  # every holder of the run directory's lock is gone
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
