@@ -210,7 +210,7 @@ def _support(v: _Valid, p: _Positions, variant, cfg: LossConfig, gather_pos: Ten
 
 def _term_inputs(v: _Valid, p: _Positions, variant, cfg: LossConfig, w: Tensor, adv: Tensor | None,
                  logp: Tensor, s_ent: Tensor, logp_topk: Tensor, logp_cand: Tensor | None,
-                 rows: tuple[int, int, int, int] | None = None, dense: Tensor | None = None) -> TermInputs:
+                 rows: tuple[int, int, int, int] | None = None) -> TermInputs:
     """Step 4: the per-token quantities the terms read (the advantage shaped or not, the FKL at the
     gathered rows), for all M valid tokens, or for valid tokens m0..m1 and gathered rows g0..g1
     when `rows = (m0, m1, g0, g1)` (a chunk of the fused hidden-state pass: the loss is a sum of
@@ -226,7 +226,7 @@ def _term_inputs(v: _Valid, p: _Positions, variant, cfg: LossConfig, w: Tensor, 
         weights=cut(w), logp=logp, student_entropy=s_ent, old_logprobs=cut(v.old), advantages=adv_used,
         fkl_positions=cut(p.fkl), gather_pos=gather_pos - m0,
         fkl_gathered=topk_forward_kl(logp_topk, v.topk_lp[gather_pos]),  # [G]
-        support_student=s_student, support_teacher=s_teacher, support_ok=s_ok, dense_divergence=cut(dense),
+        support_student=s_student, support_teacher=s_teacher, support_ok=s_ok,
     )
 
 
@@ -343,7 +343,7 @@ def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dt
         logp, s_ent, logp_g, s_topk = vocab_stats(plan, **source)  # 3
         x = _term_inputs(v, p, variant, cfg, w, adv, logp, s_ent, *_split_gathered(v, p, logp_g))  # 4
         loss, term_values = _add_terms(weighted_terms, x, cfg)  # 5
-    for weight, term in dense_terms:
+    for weight, term in dense_terms:  # after the vocabulary pass: its own chunked pass, plain autograd
         part = weight * term(dataclasses.replace(x, dense_divergence=_dense(v, tokens, source, cfg, term.beta)),
                              cfg)[0]
         loss = loss + part
