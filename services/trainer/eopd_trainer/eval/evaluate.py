@@ -291,7 +291,8 @@ class RunEvaluator:
         result["models"][label] = r
         path.write_text(json.dumps(result, indent=1))
         where = f" [{s.name}]" if s.name else ""
-        print(f"eopd eval{where}: {summary_line(label, r)} ({r['eval_s']:.0f} s)", file=sys.stderr)
+        took = "" if r.get("cache", {}).get("reused") else f" ({r['eval_s']:.0f} s)"  # reused: its line says so
+        print(f"eopd eval{where}: {summary_line(label, r)}{took}", file=sys.stderr)
 
 
 def evaluate_run(run_dir: Path, models: list[str], overrides: list[str] = (), *, names: list[str] | None = None,
