@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eopd_teacher.client import TeacherClient
-from tests.procs import ROOT, TeacherProc, restart_port, spawn, wait_teacher_ready
+from tests.procs import ROOT, TeacherProc, restart_port, running_teacher, spawn, wait_teacher_ready
 
 pytestmark = pytest.mark.integration
 
@@ -198,15 +198,18 @@ def _readme_python_blocks(section: str) -> list[str]:
     return [b.split("\n```", 1)[0] for b in blocks]
 
 
-def test_readme_python_examples_run(tiny_teacher, capsys):
-    """The README's Python examples as written (only the address changed), against a real server:
-    the sync score and the async stream with on_error="yield" and two streams."""
+def test_readme_python_examples_run(tmp_path, monkeypatch, capsys):
+    """The README's Python examples as written (only the address changed), against a real server
+    started as the README starts it (`--auth-token-file ~/.eopd-teacher.token --create-token`, HOME
+    a temporary directory): the sync score and the async stream with on_error="yield" and two streams."""
     blocks = _readme_python_blocks("Use the teacher")
     assert len(blocks) == 2, "README's 'Use the teacher' section should hold the sync and the streaming example"
     env: dict = {}
-    for block in blocks:
-        assert "127.0.0.1:50051" in block
-        exec(compile(block.replace("127.0.0.1:50051", tiny_teacher.target), "README.md", "exec"), env)  # noqa: S102
+    with running_teacher("tiny-random", "--auth-token-file", str(tmp_path / ".eopd-teacher.token"), "--create-token") as t:
+        monkeypatch.setenv("HOME", str(tmp_path))  # for the examples' Path.home(), not the teacher's caches
+        for block in blocks:
+            assert "127.0.0.1:50051" in block
+            exec(compile(block.replace("127.0.0.1:50051", t.target), "README.md", "exec"), env)  # noqa: S102
     s = env["s"]
     n = len(env["token_ids"]) - env["prompt_len"]
     assert s.token_logprobs.shape == (n,) and s.entropies.shape == (n,) and s.topk_ids.shape == (n, 16)
