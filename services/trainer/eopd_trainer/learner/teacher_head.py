@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from eopd_common.output_head import OutputHead, TeacherLogitRows, unpack_hidden, vocab_permutation
+from eopd_teacher.client import TeacherClient
 
 from ..config import TeacherConfig
 from ..queue.messages import Rollout
@@ -23,8 +24,6 @@ from ..queue.messages import Rollout
 def fetch_teacher_head(teacher: TeacherConfig, *, client_kwargs: dict | None = None) -> OutputHead:
     """The output head of the teacher at `teacher.target` (size and fingerprint checked by the
     client). `client_kwargs`: the TeacherClient's security and retry options (auth, TLS)."""
-    from eopd_teacher.client import TeacherClient
-
     with TeacherClient(teacher.target, **(client_kwargs or {})) as client:
         info = client.wait_ready(teacher.ready_timeout_s)
         if not info.output_head_fingerprint:
@@ -95,9 +94,7 @@ class FullVocabTeacher:
     @staticmethod
     def needed(cfg) -> bool:
         """Whether the run's loss (or its KD warm-up's, which never is) reads full-vocabulary logits."""
-        from ..objective.variants import get_variant
-
-        return get_variant(cfg.loss.variant).needs_teacher_logits(cfg.loss)
+        return cfg.loss.needs_teacher_logits
 
     def load(self) -> OutputHead:
         """Fetches the head (every rank: each projects its own micro-batches)."""

@@ -27,7 +27,7 @@ from ..batching import (
 )
 from ..config import RunConfig
 from ..faults import Faults
-from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, get_variant, step_generator
+from ..objective import METRIC_KEYS, LossConfig, compute_loss, compute_loss_from_hidden, step_generator
 from ..objective.mixture import mixture_loss, per_teacher_keys
 from ..queue.messages import PolicyVersion, Rollout
 from ..queue.weights import export_state_dict
@@ -202,7 +202,7 @@ class PolicyTrainer:
             lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
             for micro_index, micro in enumerate(split(local, cfg.train.micro_batch_size)):
                 packed = pack_rollouts(micro, self.pad_id, advantages=advantages)
-                if self.full_vocab_teacher is not None and get_variant(loss_cfg.variant).needs_teacher_logits(loss_cfg):
+                if self.full_vocab_teacher is not None and loss_cfg.needs_teacher_logits:
                     packed = dataclasses.replace(packed, loss_inputs=self.full_vocab_teacher.attach(
                         packed.loss_inputs, micro, self.device))
                 # random_fkl's draw: different at every step, rank and micro-batch, the same again

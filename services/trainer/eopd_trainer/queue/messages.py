@@ -14,24 +14,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from eopd.v1 import rollout_pb2 as pb
-from eopd_common.output_head import HIDDEN_DTYPES, hidden_bytes_per_token
+from eopd_common.output_head import hidden_bytes_per_token
 from google.protobuf.message import DecodeError
 
 from .mixture import MIN_LOGPROB, TeacherPart, decode_parts, encode_parts
+from .rollout_fields import PoisonMessage, check_lengths, check_logprobs_or_inf, decode_candidates, decode_hidden
 
 # Bytes a ScoredRollout may take per value of its arrays (a varint int32 takes at most 5, a float
 # 4; 8 is generous) and on top of them (ids, names, timestamps): a larger entry is refused before
 # it is parsed (`RolloutLimits.max_bytes`).
 _BYTES_PER_VALUE = 8
 _BYTES_OVERHEAD = 64 * 1024
-
-
-class PoisonMessage(ValueError):
-    """A message that cannot be used: undecodable or inconsistent. `reason` says why."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 def _parse(message_cls, data: bytes, what: str):
@@ -307,64 +300,12 @@ def encode_rollout(r: Rollout) -> bytes:
     return msg.SerializeToString()
 
 
-def _decode_hidden(msg: pb.ScoredRollout, rid: str, n: int) -> bytes | None:
-    """The rollout's packed teacher hidden states (None without any); PoisonMessage when their
-    dtype, size or head fingerprint is missing or inconsistent with the n response tokens."""
-    data = msg.teacher_hidden_states
-    if not data:
-        if msg.teacher_hidden_dtype or msg.teacher_hidden_size or msg.teacher_head_fingerprint:
-            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher hidden-state fields set without teacher_hidden_states")
-        return None
-    if msg.teacher_hidden_dtype not in HIDDEN_DTYPES:
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_hidden_dtype {msg.teacher_hidden_dtype!r} is not one "
-                            f"of {list(HIDDEN_DTYPES)}")
-    if not msg.teacher_head_fingerprint:
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_hidden_states without teacher_head_fingerprint")
-    want = n * hidden_bytes_per_token(msg.teacher_hidden_size, msg.teacher_hidden_dtype)
-    if msg.teacher_hidden_size < 1 or len(data) != want:
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_hidden_states has {len(data)} bytes, expected {want} "
-                            f"({n} response tokens x teacher_hidden_size {msg.teacher_hidden_size} {msg.teacher_hidden_dtype})")
-    return data
-
-
 def _encode_candidates(msg: pb.ScoredRollout, r: Rollout) -> None:
     if r.candidate_ids is None:
         return
     msg.num_candidates = r.num_candidates
     msg.candidate_ids.extend(np.asarray(r.candidate_ids, dtype=np.int32).reshape(-1).tolist())
     msg.candidate_logprobs.extend(np.asarray(r.candidate_logprobs, dtype=np.float32).reshape(-1).tolist())
-
-
-def _check_logprobs_or_inf(rid: str, name: str, values: np.ndarray) -> None:
-    """PoisonMessage unless every value is a log-prob in [MIN_LOGPROB, 0] (1e-4 of slack) or -inf."""
-    if np.any(values > 1e-4) or np.any(np.isfinite(values) & (values < MIN_LOGPROB)):
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} outside [{MIN_LOGPROB:g}, 0] (or -inf)")
-
-
-def _decode_candidates(msg: pb.ScoredRollout, rid: str, n: int, vocab_size: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The rollout's `[n, m]` candidate ids and teacher log-probs (None, None without any);
-    PoisonMessage when their sizes, ids (in [-1, vocab)) or log-probs (NaN exactly at -1 filler,
-    else in [MIN_LOGPROB, 0] or -inf) are inconsistent."""
-    m = msg.num_candidates
-    if m == 0:
-        if len(msg.candidate_ids) or len(msg.candidate_logprobs):
-            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidates given with num_candidates 0")
-        return None, None
-    for name in ("candidate_ids", "candidate_logprobs"):
-        got = len(getattr(msg, name))
-        if got != n * m:
-            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} has {got} values, expected {n * m} "
-                                f"({n} response tokens, num_candidates {m})")
-    ids = np.asarray(msg.candidate_ids, dtype=np.int32).reshape(n, m)
-    lp = np.asarray(msg.candidate_logprobs, dtype=np.float32).reshape(n, m)
-    if ids.min() < -1 or (vocab_size is not None and ids.max() >= vocab_size):
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_ids outside [-1, {vocab_size}) (-1 is filler)")
-    filler = ids < 0
-    if not np.array_equal(np.isnan(lp), filler):
-        raise PoisonMessage(f"inconsistent ScoredRollout {rid}: candidate_logprobs must be NaN exactly at -1 filler ids")
-    real = lp[~filler]
-    _check_logprobs_or_inf(rid, "candidate_logprobs", real)
-    return ids, lp
 
 
 def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: RolloutLimits | None = None) -> Rollout:
@@ -389,7 +330,7 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
     reward = msg.reward if msg.HasField("reward") else None
     if reward is not None and not math.isfinite(reward):
         raise PoisonMessage(f"inconsistent ScoredRollout {rid}: reward {reward} is not finite")
-    _check_lengths(msg, rid, n, k, origin=origin, graded=reward is not None)
+    check_lengths(msg, rid, n, k, teacher_generated=origin == ORIGIN_TEACHER, graded=reward is not None)
     if limits is not None:  # on the parsed lengths, before any array is built
         limits.check(rid, prompt=p, response=n, top_k=k)
     prompt = np.asarray(msg.prompt_ids, dtype=np.int32)
@@ -415,9 +356,9 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
     if np.any(np.isnan(tklp)):
         raise PoisonMessage(f"inconsistent ScoredRollout {rid}: teacher_topk_logprobs has NaN")
     # -inf marks an unused (dead) entry; +inf, a positive or an absurdly small finite value is corrupt.
-    _check_logprobs_or_inf(rid, "teacher_topk_logprobs", tklp)
-    cand_ids, cand_lp = _decode_candidates(msg, rid, n, vocab_size)
-    hidden = _decode_hidden(msg, rid, n)
+    check_logprobs_or_inf(rid, "teacher_topk_logprobs", tklp)
+    cand_ids, cand_lp = decode_candidates(msg, rid, n, vocab_size)
+    hidden = decode_hidden(msg, rid, n)
     try:
         mixture = decode_parts(msg, n, vocab_size, None if limits is None else set(limits.top_ks or (limits.top_k,)))
     except ValueError as exc:
@@ -454,27 +395,6 @@ def decode_rollout(data: bytes, *, vocab_size: int | None = None, limits: Rollou
         teacher_hidden_size=int(msg.teacher_hidden_size) if hidden is not None else 0,
         teacher_head_fingerprint=msg.teacher_head_fingerprint if hidden is not None else "",
     )
-
-
-def _check_lengths(msg: pb.ScoredRollout, rid: str, n: int, k: int, *, origin: str, graded: bool) -> None:
-    """PoisonMessage unless every per-token array has its length: old_logprobs [n] (or empty for a
-    teacher-generated response), the teacher arrays [n] / [n * k] with k >= 1, or all empty with
-    top_k 0 for a graded rollout (a reward, no teacher scores: variant grpo)."""
-    teacher = ("teacher_logprobs", "teacher_entropies", "teacher_topk_ids", "teacher_topk_logprobs")
-    if k == 0:
-        given = [name for name in teacher if len(getattr(msg, name))]
-        if given or not graded:
-            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: top_k must be >= 1 (top_k 0, no teacher scores, "
-                                f"only for a graded rollout with a reward" + (f"; {given[0]} is set)" if given else ")"))
-    rows = n if k else 0  # graded only: every teacher array empty
-    want = {"teacher_logprobs": rows, "teacher_entropies": rows, "teacher_topk_ids": n * k, "teacher_topk_logprobs": n * k}
-    if not (origin == ORIGIN_TEACHER and len(msg.old_logprobs) == 0):
-        want["old_logprobs"] = n
-    for name, count in want.items():
-        got = len(getattr(msg, name))
-        if got != count:
-            raise PoisonMessage(f"inconsistent ScoredRollout {rid}: {name} has {got} values, expected {count} "
-                                f"({n} response tokens, top_k {k})")
 
 
 # Policy versions ---------------------------------------------------------------------------
