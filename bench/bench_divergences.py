@@ -38,9 +38,10 @@ MEMBERS: dict[str, tuple[str, ...]] = {
     "eopd_topk_rkl": ("loss.variant=eopd_topk_rkl",),
     "eopd_rkl_teacher": ("loss.variant=eopd_rkl", "loss.support=teacher_topk"),
     "eopd_rkl_student": ("loss.variant=eopd_rkl", "loss.support=student_topk"),
-    "eopd_rkl_full": ("loss.variant=eopd_rkl", "loss.support=full"),
+    "eopd_rkl_full": ("loss.variant=eopd_rkl", "loss.support=full", "teacher.hidden_states=bfloat16"),
     "gkd_rkl_student": ("loss.variant=gkd", "loss.gkd_lambda=1", "loss.gkd_beta=1", "loss.support=student_topk"),
-    "gkd_rkl_full": ("loss.variant=gkd", "loss.gkd_lambda=1", "loss.gkd_beta=1", "loss.support=full"),
+    "gkd_rkl_full": ("loss.variant=gkd", "loss.gkd_lambda=1", "loss.gkd_beta=1", "loss.support=full",
+                     "teacher.hidden_states=bfloat16"),
 }
 QUICK_MEMBERS = ("eopd_topk_rkl", "eopd_rkl_teacher")
 
