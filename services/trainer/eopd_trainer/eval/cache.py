@@ -29,6 +29,7 @@ import os
 import time
 from pathlib import Path
 
+from eopd_common import models as common_models
 from eopd_common.models import default_cache_dir, resolve_spec, smollm2_dir, smollm2_gguf_path
 
 #: Bump when grading or the meaning of an evaluation's numbers changes without its code changing
@@ -66,11 +67,9 @@ def dir_sha256(path: Path) -> str:
 
 def model_fingerprint(spec: str) -> str:
     """What identifies a model spec's weights and tokenizer (see the module docstring)."""
-    import eopd_common.models
-
     resolved = resolve_spec(spec)
     if resolved.kind == "preset" and resolved.name.startswith("tiny-random"):
-        code = file_sha256(Path(eopd_common.models.__file__))  # the preset's definition
+        code = file_sha256(Path(common_models.__file__))  # the preset's definition
         return f"tiny-random@{resolved.seed}:code={code}:tokenizer={dir_sha256(smollm2_dir(tokenizer_only=True))}"
     if resolved.kind == "preset":
         return f"{resolved.name}:gguf={file_sha256(smollm2_gguf_path())}"
