@@ -35,3 +35,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh >/dev/null
 export PATH="$VENV/bin:$PATH"
+# DeepSpeed's JIT-built CPU op (the learner's shared-memory comm op) is cached per venv, as
+# vllm_env.sh does for its own: two venvs sharing ~/.cache/torch_extensions rebuild it over each
+# other (their build files differ), and a learner killed mid-build leaves a lock that every later
+# learner waits on for ever.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"

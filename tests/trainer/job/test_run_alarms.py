@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from eopd_trainer.learner.alarms import TRUNCATED_SHARE
+
 from tests.trainer.job.test_run_e2e import TINY, eopd
 
 pytestmark = pytest.mark.integration
@@ -24,7 +26,7 @@ def test_stop_on_stops_a_tiny_run_with_the_alarm_as_the_reason(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "train_metrics.jsonl").read_text().splitlines()]
     iterations = [r for r in rows if r.get("kind") == "iteration"]
     assert [r["iteration"] for r in iterations] == [1]  # stopped before iteration 2
-    assert iterations[0]["iter/truncated_frac"] >= 0.5 and "truncation" in iterations[0]["alarms"]
+    assert iterations[0]["iter/truncated_frac"] >= TRUNCATED_SHARE and "truncation" in iterations[0]["alarms"]
     stop = [r for r in rows if r.get("kind") == "stop"]
     assert len(stop) == 1 and stop[0]["reason"].startswith("train.stop_on: alarm truncation at iteration 1")
     summary = json.loads((run_dir / "run_summary.json").read_text())

@@ -58,9 +58,9 @@ def test_entropy_band_edges(teacher):
         assert (names({"student_entropy": h, "teacher_entropy": teacher}) == ["entropy_band"]) == fires
 
 
-def test_truncation_at_half_the_responses():
-    assert names({"truncated_frac": 0.49}) == []
-    assert names({"truncated_frac": 0.5}) == ["truncation"]
+def test_truncation_when_nearly_every_response_is_cut():
+    assert names({"truncated_frac": 0.81}) == []  # a healthy far-student iteration (docs/results/runs-far/gkd1.0-s2)
+    assert names({"truncated_frac": 0.9}) == ["truncation"]
 
 
 def test_stop_reason_takes_the_first_listed_alarm():
