@@ -20,8 +20,13 @@ import json
 import sys
 from pathlib import Path
 
-from pip._vendor.packaging.requirements import Requirement
-from pip._vendor.packaging.utils import canonicalize_name
+try:  # packaging itself: pip's vendored copy imports the stdlib's distutils, after which setuptools (and
+    # with it torch's cpp_extension: DeepSpeed's JIT ops, torch.compile) cannot be imported in the process
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+except ImportError:  # an interpreter with pip only
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name
 
 
 def target_environment(python: str, platform: str) -> dict[str, str]:
