@@ -30,3 +30,13 @@ def closed_by_server(s: socket.socket) -> bool:
         return False
     except OSError:  # reset
         return True
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this machine can bind ::1."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

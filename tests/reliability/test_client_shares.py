@@ -22,6 +22,8 @@ import urllib.request
 
 import grpc
 import pytest
+
+from tests.os_probes import has_ipv6_loopback
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from eopd.v1 import teacher_pb2 as pb
@@ -38,15 +40,6 @@ ATTACKER = "loopback"
 DEAF_REQUESTS = 8
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 def _own_address() -> str | None:
     """This machine's IPv4 address on its default route (no packet is sent), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -61,7 +54,7 @@ def _own_address() -> str | None:
 @pytest.fixture(scope="module")
 def teacher():
     own = _own_address()
-    if not _has_ipv6_loopback() or own is None:
+    if not has_ipv6_loopback() or own is None:
         pytest.skip("needs the IPv6 loopback (::1) and a non-loopback IPv4 address for the two clients")
     limits = ("--host", "::", "--max-concurrent-calls", str(LIMIT), "--max-streams", str(LIMIT),
               "--max-health-watches", str(LIMIT), "--request-receive-timeout-s", str(RECEIVE_TIMEOUT_S),

@@ -21,6 +21,8 @@ import time
 
 import grpc
 import pytest
+
+from tests.os_probes import has_ipv6_loopback
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -60,17 +62,8 @@ def test_the_opt_out_serves_and_says_so_loudly():
         t.stop()
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 def test_create_token_requires_it_and_keys_its_holder_apart_from_a_stranger(tmp_path):
-    if not _has_ipv6_loopback():
+    if not has_ipv6_loopback():
         pytest.skip("needs the IPv6 loopback (::1) for the stranger's second address")
     token_file = tmp_path / "teacher.token"
     t = start_teacher("tiny-random", "--host", "::", "--auth-token-file", str(token_file), "--create-token",
