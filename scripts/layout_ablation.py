@@ -1,0 +1,212 @@
+"""What the data layout costs each loss (issue 47, ask 1), measured on the TRAINING split only.
+
+Every cell is one `eopd run` of a preset (default smollm2-cpu) with one loss and one layout, then its
+final student evaluated on the first PROBE training problems (Avg@4, the preset's sampling settings);
+the held-out and variants sets are never read. Every layout trains the same number of responses
+(512 = the preset's 32 iterations x 16) in the same 64 optimizer steps of 8 responses at the same
+learning rate, so a difference between two layouts is the layout, not the compute:
+
+    layout          prompts x responses  steps/iteration  iterations  distinct prompts  what it separates
+    preset          8 x 2                2                32          256               (today's preset)
+    p4x2            4 x 2                1                64          256               preset vs p4x2: policy lag
+    trl             8 x 1                1                64          512               TRL's layout
+    trl-256         8 x 1 (256 problems) 1                64          256 (twice)       trl vs trl-256: distinct prompts
+    p2x4            2 x 4                1                64          128               trl / p4x2 / p2x4: responses per prompt
+    p16x1           16 x 1               2                32          512               trl vs p16x1: policy lag at 1 response
+    preset-async    8 x 2, mode async    2                32          256               per-iteration costs hidden
+
+A cell's small files (run.yaml, run_summary.json, train_metrics.jsonl, eval-<probe>.json) are archived
+to ARCHIVE/<loss>-<layout>-s<seed>/ and a cell archived there is never run again, so the grid can be
+run in parts, on several machines, one cell at a time (each uses the whole machine). The run's big
+files are deleted once it is evaluated. The initial student is evaluated once per seed (cell
+`initial-s<seed>`). `--table` only reads the archive and prints / writes the results block of
+docs/results.md.
+
+    .venv/bin/python scripts/layout_ablation.py --losses eopd,gkd --layouts preset,trl --seeds 0
+    .venv/bin/python scripts/layout_ablation.py --dry-run          # the whole grid, in the order it runs
+    .venv/bin/python scripts/layout_ablation.py --table --write    # docs/results.md's block from the archive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from scripts.doc_blocks import replace_block  # noqa: E402
+
+#: loss name -> `eopd run` overrides (gkd: lambda 1, every response the student's own, as TRL's runs).
+LOSSES: dict[str, tuple[str, ...]] = {
+    "eopd": ("loss.variant=eopd",),
+    "opd": ("loss.variant=opd",),
+    "gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
+    "kd": ("loss.variant=kd",),
+}
+#: layout name -> `eopd run` overrides (see the module docstring's table).
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "preset": (),
+    "p4x2": ("rollout.n_samples=2", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
+    "trl": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
+    "trl-256": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64",
+                "data.generate.train=256"),
+    "p2x4": ("rollout.n_samples=4", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
+    "p16x1": ("rollout.n_samples=1", "train.batch_size=16", "train.mini_batch_size=8", "train.iterations=32"),
+    "preset-async": ("mode=async",),
+}
+PROBE = 128  # the first this many training problems
+PROBE_SET = f"train{PROBE}"
+ARCHIVE = ROOT / "docs" / "results" / "layout"
+BLOCK = "layout-ablation"
+COMMAND = "python scripts/layout_ablation.py --table --write"
+SMALL_FILES = ("run.yaml", "run_summary.json", "train_metrics.jsonl", f"eval-{PROBE_SET}.json")
+
+
+def cells(losses: list[str], layouts: list[str], seeds: list[int]) -> list[tuple[str, str, int]]:
+    """The grid in the order it runs: seed by seed, and within a seed the first two layouts for
+    every loss before the others, so that a partial grid answers the main comparison first."""
+    out = []
+    for seed in seeds:
+        for group in (layouts[:2], layouts[2:]):
+            for layout in group:
+                out += [(loss, layout, seed) for loss in losses]
+    return out
+
+
+def cell_name(loss: str, layout: str, seed: int) -> str:
+    return f"{loss}-{layout}-s{seed}"
+
+
+def eopd(*args: str) -> None:
+    exe = Path(sys.executable).parent / "eopd"
+    subprocess.run([str(exe), *args], cwd=ROOT, check=True)
+
+
+def probe_file(run_dir: Path) -> Path:
+    """The first PROBE problems of the run's (first) training file: the same for every layout, as the
+    generator's draws of 256 problems are the first 256 of its 512."""
+    config = yaml.safe_load((run_dir / "run.yaml").read_text())
+    lines = Path(config["data"]["train_files"][0]).read_text().splitlines()[:PROBE]
+    path = run_dir / f"{PROBE_SET}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_cell(preset: Path, loss: str, layout: str, seed: int, work: Path, archive: Path) -> None:
+    name = cell_name(loss, layout, seed)
+    run_dir = work / name
+    t0 = time.monotonic()
+    eopd("run", "--config", str(preset), f"run_dir={run_dir}", f"seed={seed}", *LOSSES[loss], *LAYOUTS[layout],
+         "eval.enabled=false", "logging.progress=false", "--overwrite")
+    probe = probe_file(run_dir)
+    eopd("eval", "--run-dir", str(run_dir), "--model", "final", "--name", "final", "--data", str(probe),
+         "--set", PROBE_SET)
+    initial = archive / f"initial-s{seed}"
+    if not (initial / f"eval-{PROBE_SET}.json").is_file():
+        eopd("eval", "--run-dir", str(run_dir), "--model", "initial", "--name", "initial", "--data", str(probe),
+             "--set", PROBE_SET)
+        initial.mkdir(parents=True, exist_ok=True)
+        shutil.copy(run_dir / f"eval-{PROBE_SET}.json", initial / f"eval-{PROBE_SET}.json")
+        shutil.copy(probe, initial / f"{PROBE_SET}.jsonl")
+    dest = archive / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in SMALL_FILES:
+        shutil.copy(run_dir / f, dest / f)
+    (dest / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed, "preset": preset.name,
+                                                "overrides": [*LOSSES[loss], *LAYOUTS[layout]],
+                                                "wall_s": round(time.monotonic() - t0, 1),
+                                                "load_avg_end": os.getloadavg()}, indent=1) + "\n")
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def read_cell(path: Path) -> dict | None:
+    """A finished cell's numbers from its archived files (pure: reads files only), or None."""
+    evals = path / f"eval-{PROBE_SET}.json"
+    if not (path / "cell.json").is_file() or not evals.is_file():
+        return None
+    cell = json.loads((path / "cell.json").read_text())
+    model = json.loads(evals.read_text())["models"]["final"]
+    summary = json.loads((path / "run_summary.json").read_text())
+    iters = [json.loads(x) for x in (path / "train_metrics.jsonl").read_text().splitlines()]
+    iters = [r for r in iters if r.get("kind") == "iteration"]
+    return {**cell, "avg": model["avg_at_k"], "train_s": summary.get("train_s"), "iterations": len(iters)}
+
+
+def table(archive: Path) -> str:
+    """The results block: per loss x layout, mean Avg@4 on the probe set over the seeds archived,
+    every seed's value, and the mean training seconds."""
+    rows = [c for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
+    initial = {}
+    for p in sorted(archive.glob("initial-s*")):
+        initial[int(p.name.rsplit("-s", 1)[1])] = json.loads((p / f"eval-{PROBE_SET}.json").read_text())["models"]["initial"]["avg_at_k"]
+    if not rows:
+        return "No cell has been measured yet.\n"
+    lines = [f"Avg@4 of the final student on the first {PROBE} *training* problems (the initial student: "
+             + ", ".join(f"seed {s} {v:.3f}" for s, v in sorted(initial.items())) + "); "
+             "each cell 512 responses in 64 optimizer steps of 8. Training seconds were measured on a "
+             "2-core machine, with other work beside some cells (each cell's load average is in its cell.json).",
+             "", "| loss | layout | seeds | Avg@4 mean | per seed | gain over initial (mean) | train s (mean) |",
+             "|---|---|---|---|---|---|---|"]
+    for loss in LOSSES:
+        for layout in LAYOUTS:
+            got = sorted((r for r in rows if r["loss"] == loss and r["layout"] == layout), key=lambda r: r["seed"])
+            if not got:
+                continue
+            avgs = [r["avg"] for r in got]
+            gains = [r["avg"] - initial[r["seed"]] for r in got if r["seed"] in initial]
+            per_seed = ", ".join(f"s{r['seed']} {r['avg']:.3f}" for r in got)
+            lines.append(f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | "
+                         f"{statistics.fmean(gains):+.3f} | {statistics.fmean(r['train_s'] for r in got):.0f} |"
+                         if gains else f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | - | - |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", type=Path, default=ROOT / "configs" / "smollm2-cpu.yaml")
+    p.add_argument("--losses", default=",".join(LOSSES))
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--work", type=Path, default=ROOT / "runs" / "layout")
+    p.add_argument("--archive", type=Path, default=ARCHIVE)
+    p.add_argument("--dry-run", action="store_true", help="print the cells that would run, in order")
+    p.add_argument("--table", action="store_true", help="print the results table from the archive, run nothing")
+    p.add_argument("--write", action="store_true", help="with --table: write it into docs/results.md")
+    args = p.parse_args(argv)
+    if args.table:
+        text = table(args.archive)
+        print(text)
+        if args.write:
+            doc = ROOT / "docs" / "results.md"
+            doc.write_text(replace_block(doc.read_text(), BLOCK, text, COMMAND))
+        return 0
+    losses, layouts = args.losses.split(","), args.layouts.split(",")
+    bad = [x for x in losses if x not in LOSSES] + [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        p.error(f"unknown loss or layout {bad}; losses {list(LOSSES)}, layouts {list(LAYOUTS)}")
+    todo = [c for c in cells(losses, layouts, [int(s) for s in args.seeds.split(",")])
+            if read_cell(args.archive / cell_name(*c)) is None]
+    failed = 0
+    for c in todo:
+        print(("would run " if args.dry_run else "running ") + cell_name(*c), flush=True)
+        if not args.dry_run:
+            try:
+                run_cell(args.preset.resolve(), *c, args.work, args.archive)
+            except subprocess.CalledProcessError as e:  # the others still run; this one is not archived
+                print(f"{cell_name(*c)} failed: {e}", file=sys.stderr, flush=True)
+                failed += 1
+            print(table(args.archive), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
