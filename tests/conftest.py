@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(config, items):
     slow_files = {file_of(item) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: file_of(item) not in slow_files)
 
+def pytest_runtest_logreport(report):
+    """With EOPD_TEST_DURATIONS=DIR, every test phase's seconds are appended to DIR/<pid>.tsv
+    (`python -m scripts.test_durations DIR` sums them per file and per test): where CI's time goes,
+    beyond the 40 slowest phases pytest prints."""
+    out = os.environ.get("EOPD_TEST_DURATIONS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / f"{os.getpid()}.tsv", "a") as f:
+            f.write(f"{report.duration:.3f}\t{report.when}\t{report.nodeid}\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_teacher():
     """A real teacher server (tiny-random model) as a subprocess over TCP, shared by the session."""

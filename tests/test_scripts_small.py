@@ -1,0 +1,46 @@
+"""Pure parts of the measurement scripts: scripts/test_durations.py's per-file sums and
+scripts/layout_ablation.py's grid order and results table (read from archived cells)."""
+
+from __future__ import annotations
+
+import json
+
+from scripts import layout_ablation
+from scripts.test_durations import per_file
+
+
+def test_durations_summed_per_file_slowest_first():
+    lines = ["1.5\tsetup\ttests/a.py::t1", "2.0\tcall\ttests/a.py::t1", "0.5\tcall\ttests/a.py::t2",
+             "3.0\tcall\ttests/b.py::t[x-y]"]
+    assert per_file(lines) == [("tests/a.py", 4.0, "t1", 3.5), ("tests/b.py", 3.0, "t[x-y]", 3.0)]
+
+
+def test_layout_grid_runs_the_first_two_layouts_of_every_loss_first():
+    got = layout_ablation.cells(["eopd", "gkd"], ["preset", "trl", "p4x2"], [0, 1])
+    assert got[:4] == [("eopd", "preset", 0), ("gkd", "preset", 0), ("eopd", "trl", 0), ("gkd", "trl", 0)]
+    assert got[4:6] == [("eopd", "p4x2", 0), ("gkd", "p4x2", 0)] and got[6] == ("eopd", "preset", 1)
+    assert len(got) == 12 and len(set(got)) == 12
+
+
+def _cell(archive, loss, layout, seed, avg, train_s):
+    d = archive / layout_ablation.cell_name(loss, layout, seed)
+    d.mkdir(parents=True)
+    (d / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed}))
+    (d / f"eval-{layout_ablation.PROBE_SET}.json").write_text(json.dumps({"models": {"final": {"avg_at_k": avg}}}))
+    (d / "run_summary.json").write_text(json.dumps({"train_s": train_s}))
+    (d / "train_metrics.jsonl").write_text('{"kind": "iteration"}\n{"kind": "step"}\n')
+
+
+def test_layout_table_means_over_seeds_and_gains_over_the_initial_student(tmp_path):
+    _cell(tmp_path, "eopd", "trl", 0, 0.5, 100.0)
+    _cell(tmp_path, "eopd", "trl", 1, 0.3, 200.0)
+    _cell(tmp_path, "gkd", "preset", 0, 0.25, 50.0)
+    for seed, avg in ((0, 0.1), (1, 0.2)):
+        (tmp_path / f"initial-s{seed}").mkdir()
+        (tmp_path / f"initial-s{seed}" / f"eval-{layout_ablation.PROBE_SET}.json").write_text(
+            json.dumps({"models": {"initial": {"avg_at_k": avg}}}))
+    text = layout_ablation.table(tmp_path)
+    assert "| eopd | trl | 2 | 0.400 | s0 0.500, s1 0.300 | +0.250 | 150 |" in text
+    assert "| gkd | preset | 1 | 0.250 | s0 0.250 | +0.150 | 50 |" in text
+    assert text.index("| eopd | trl") < text.index("| gkd | preset")  # losses in LOSSES' order
+    assert layout_ablation.read_cell(tmp_path / "nothing") is None
