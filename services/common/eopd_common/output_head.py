@@ -113,14 +113,15 @@ class OutputHead:
 
     def payload_parts(self, chunk_bytes: int = 1 << 24) -> Iterator[memoryview]:
         """The payload (weight, then bias) as consecutive little-endian slices of at most
-        `chunk_bytes` (views of CPU copies; no copy of the whole payload as one bytes object)."""
+        `chunk_bytes`. A CPU head's slices are views of it; a device head is copied to the host one
+        slice at a time, so serving it never holds a host copy of the whole head (an 8B teacher's is
+        1.2 GB in bf16) and a second call copies no more than the first."""
         for t in (self.weight, self.bias):
             if t is None:
                 continue
-            raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            view = memoryview(raw)
-            for start in range(0, len(view), chunk_bytes):
-                yield view[start : start + chunk_bytes]
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), chunk_bytes):
+                yield memoryview(flat[start : start + chunk_bytes].to("cpu").numpy())
 
     @classmethod
     def from_payload(cls, info: HeadInfo, payload: bytes | bytearray, fingerprint: str) -> OutputHead:

@@ -15,6 +15,7 @@ from eopd_teacher.engines.transformers_engine import TransformersEngine
 from eopd_teacher.settings import TeacherSettings
 from eopd_teacher.types import ScoreItem
 from eopd_trainer.batching import pack_rollouts
+from eopd_trainer.config.base import ConfigError
 from eopd_trainer.config.load import load_config
 from eopd_trainer.learner.teacher_head import FullVocabTeacher
 from eopd_trainer.objective import compute_loss
@@ -56,7 +57,16 @@ def test_support_full_reads_the_teachers_logits_from_its_hidden_states():
     torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_support_full_is_refused_without_hidden_states_or_with_several_teachers():
-    with pytest.raises(ValueError, match="teacher.hidden_states to bfloat16 or float32"):
-        FullVocabTeacher(load_config("configs/tiny.yaml", FULL[1:]))
+def test_support_full_asks_for_hidden_states_and_is_refused_before_start_where_it_cannot_have_them():
+    # Left unset: bfloat16, the field then written into run.yaml as set (the workers read it from there).
+    cfg = load_config("configs/tiny.yaml", FULL[1:])
+    assert cfg.teacher.hidden_states == "bfloat16" and FullVocabTeacher(cfg).teacher.hidden_states == "bfloat16"
+    assert load_config("configs/tiny.yaml", FULL).teacher.hidden_states == "float32"  # set: kept
+    assert load_config("configs/tiny.yaml", []).teacher.hidden_states == "none"  # top-k losses: nothing extra
+    # Set to none explicitly: refused when the config is read, naming both fields.
+    with pytest.raises(ConfigError, match=r"teacher.hidden_states: none, but loss.support: full \(loss.variant gkd\)"):
+        load_config("configs/tiny.yaml", ["teacher.hidden_states=none", *FULL[1:]])
+    with pytest.raises(ConfigError, match=r"teachers / route.mixture: loss.support: full"):
+        load_config("configs/tiny.yaml", [*FULL, "teachers=[{name: other, model: tiny-random}]", "route.field=kind",
+                                             "route.routes={x: other}"])
     assert not FullVocabTeacher.needed(load_config("configs/tiny.yaml", ["teacher.hidden_states=float32"]))

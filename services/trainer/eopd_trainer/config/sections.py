@@ -334,7 +334,23 @@ class RunConfig(Section):
                 f"rollout.temperature ({self.rollout.temperature}) must equal loss.temperature ({self.loss.temperature}): "
                 "the old log-probs and the ratio must be taken at the same temperature"
             )
-        return self
+        return self._with_full_vocabulary()
+
+    def _with_full_vocabulary(self) -> RunConfig:
+        """A loss over the teacher's full vocabulary (loss.support: full) reads the teacher's hidden
+        states: they are asked for in bfloat16 where `teacher.hidden_states` was left unset, and a
+        config that cannot serve them is refused here, before any process starts."""
+        if not self.loss.needs_teacher_logits:
+            return self
+        what = f"loss.support: full (loss.variant {self.loss.variant}) reads the teacher's full vocabulary"
+        if self.teachers or self.route.mixture:
+            raise ValueError(f"teachers / route.mixture: {what}, served for the run's one teacher (`teacher:`) only")
+        if self.teacher.hidden_states != "none":
+            return self
+        if "hidden_states" in self.teacher.model_fields_set:
+            raise ValueError(f"teacher.hidden_states: none, but {what} from the teacher's hidden states: set "
+                             "bfloat16 (the default for this loss) or float32")
+        return self.model_copy(update={"teacher": self.teacher.model_copy(update={"hidden_states": "bfloat16"})})
 
     def all_teachers(self) -> dict[str, TeacherConfig]:
         """Every teacher by name, `teacher` (the `teacher:` section) first."""

@@ -39,8 +39,9 @@ class TeacherConfig(Section):
     hidden_states: Literal["none", "bfloat16", "float32"] = Field(
         "none", description="Also ask the teacher for its final hidden states at every response position (ScoreRequest."
         "hidden_states) and carry them in each rollout, for losses over the teacher's full vocabulary (the learner "
-        "projects them with the teacher's output head, GetOutputHead). none: top-k only (the default; see "
-        "docs/teacher.md for the bytes per token of each mode).")
+        "projects them with the teacher's output head, GetOutputHead). none: top-k only (the default, except "
+        "that a loss with loss.support full gets bfloat16 when this is left unset; see docs/teacher.md for the "
+        "bytes per token of each mode).")
     check_tokenizer: bool = Field(True, description="Refuse to run when the teacher's tokenizer fingerprint differs from the student's "
                                                   "(a difference of special tokens explained by token_remap is accepted).")
     model: str = Field("", description="Model spec `eopd run` serves as the teacher (and `eopd eval` compares against); "
