@@ -10,6 +10,13 @@ import pytest
 # One cache for the whole run (the smollm2-135m preset is converted from GGUF once, ~20 s).
 os.environ.setdefault("EOPD_CACHE_DIR", str(Path.home() / ".cache" / "eopd"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Teachers the tests start (servers, `eopd run`'s, in-process engines) serve their statistics on the eager
+# path unless a test asks for the compiled one (tests.procs.COMPILED): torch.compile's warm-up adds 3-6 s
+# to every teacher start on 2 cores, and the suite starts well over a hundred. The compiled path stays
+# under test: its numbers against eager and float64 (tests/teacher/test_stats*.py, test_engine.py's
+# "compiled" engines), the session's shared `tiny_teacher`, the server without a compiler
+# (test_no_compiler.py), the README's serve commands and the SmolLM2 main-job test.
+os.environ.setdefault("EOPD_TEACHER_COMPILE_STATISTICS", "false")
 
 
 
@@ -37,9 +44,9 @@ def pytest_runtest_logreport(report):
 @pytest.fixture(scope="session")
 def tiny_teacher():
     """A real teacher server (tiny-random model) as a subprocess over TCP, shared by the session."""
-    from tests.procs import running_teacher
+    from tests.procs import COMPILED, running_teacher
 
-    with running_teacher("tiny-random", "--max-batch-wait-ms", "20") as proc:
+    with running_teacher("tiny-random", "--max-batch-wait-ms", "20", env=COMPILED) as proc:
         yield proc
 
 

@@ -50,6 +50,10 @@ def restart_port() -> int:
 
 Proc = Child
 
+#: The environment of a teacher that compiles its statistics, as it does by default outside the tests
+#: (tests/conftest.py turns the compilation off for the others).
+COMPILED = {"EOPD_TEACHER_COMPILE_STATISTICS": "true"}
+
 
 def spawn(args: list[str], *, env: dict[str, str] | None = None, name: str = "proc") -> Proc:
     """Starts `python -m ...`-style args in ROOT with output to a temp log file."""

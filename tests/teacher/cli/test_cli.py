@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eopd_teacher.client import TeacherClient
-from tests.procs import ROOT, TeacherProc, restart_port, running_teacher, spawn, wait_teacher_ready
+from tests.procs import COMPILED, ROOT, TeacherProc, restart_port, running_teacher, spawn, wait_teacher_ready
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_readme_commands_on_smollm2():
     gp, hp = restart_port(), restart_port()
     base = spawn([exe, "serve", "--model", "smollm2-135m", "--host", "127.0.0.1", "--grpc-port", str(gp), "--http-port", str(hp),
                   "--insecure-no-auth"],
-                 name="teacher-smollm2")
+                 name="teacher-smollm2", env=COMPILED)
     proc = TeacherProc("teacher", base.popen, base.log_path, grpc_port=gp, http_port=hp)
     try:
         wait_teacher_ready(proc, timeout=300)

@@ -13,7 +13,7 @@ import pytest
 
 from eopd_common.models import load_causal_lm
 from eopd_teacher.client import TeacherClient
-from tests.procs import running_teacher
+from tests.procs import COMPILED, running_teacher
 
 from ..reference import assert_topk_match, reference_scores
 
@@ -44,11 +44,12 @@ def test_server_without_cxx_compiler_serves_eager_statistics(tmp_path):
         "PATH": str(empty_bin),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"),
         "TORCH_INDUCTOR_INSTALL_GXX": "",
+        **COMPILED,
     }
     for tool in ("g++", "gcc", "cc", "c++", "clang", "clang++"):
         assert shutil.which(tool, path=env["PATH"]) is None
     ref = load_causal_lm("tiny-random").model
-    with running_teacher("tiny-random", env=env) as proc:  # compile_statistics left at its default (on)
+    with running_teacher("tiny-random", env=env) as proc:  # compile_statistics on, as by default
         status, _, body = _get(proc.http_port, "/readyz")
         assert status == 200 and json.loads(body)["statistics"] == "eager"
         rng = np.random.default_rng(5)

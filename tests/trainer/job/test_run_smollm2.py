@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.procs import ROOT
+from tests.procs import COMPILED, ROOT
 from tests.trainer.job.test_run_e2e import eopd
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -20,7 +20,7 @@ def test_smollm2_cpu_teacher_is_far_above_the_initial_student(tmp_path):
     run_dir = tmp_path / "run"
     res = eopd("run", "--config", str(ROOT / "configs" / "smollm2-cpu.yaml"), f"run_dir={run_dir}",
                "train.iterations=1", "checkpoint.every=1", "data.generate.variants=0", "eval.max_prompts=24",
-               "eval.models=[teacher,initial]", timeout=1200)
+               "eval.models=[teacher,initial]", timeout=1200, env_extra=COMPILED)  # the teacher as users run it
     assert res.returncode == 0, res.stderr[-5000:]
     models = json.loads((run_dir / "eval.json").read_text())["models"]
     teacher, initial = models["teacher"], models["initial"]
