@@ -14,11 +14,14 @@ The task is the default preset's (`configs/smollm2-cpu.yaml`): SmolLM2-135M-Inst
 setting has a counterpart: optimizer (AdamW, lr, betas, eps, no weight decay, gradient clipping 1.0,
 2 warm-up steps then constant), sampling temperature 1, responses per optimizer step (the preset's
 mini-batch, 8) and optimizer steps (the preset's iterations x its steps per iteration, 64), fp32 on
-the CPU, checkpoints at the same share of training. Not matched (listed in the docs section): eopd
-samples 2 responses per prompt (TRL 1 response for each of twice as many prompts), the loss (EOPD /
-OPD's sampled-token PPO surrogate; TRL GKD's full-vocabulary reverse KL, beta 1; TRL server's
-top-1 reverse KL with a tail bucket, beta 1, the only reverse-KL support its server path has), and
-each system's process layout (TRL: one process, or one plus the teacher server).
+the CPU, checkpoints at the same share of training; and, checked against TRL 1.16's code (the docs
+section lists where): the stop token in the loss, the prompt masked by position, training samples at
+top-p 1, the same grading. Not matched (listed in the docs section): eopd samples 2 responses per
+prompt (TRL 1 response for each of twice as many prompts) and trains its second mini-batch on
+samples of the previous policy, the loss (EOPD / OPD's sampled-token PPO surrogate; TRL GKD's
+full-vocabulary reverse KL, beta 1; TRL server's top-1 reverse KL with a tail bucket, beta 1, the only
+reverse-KL support its server path has), TRL GKD's loss scale and the warm-up's first step, and each
+system's process layout (TRL: one process, or one plus the teacher server).
 
 Phases, each resumable (a run whose files are in --out or --archive is not done again):
 `train` (timed, one run at a time: needs an otherwise idle machine), `eval` (`eopd eval` of every
@@ -228,8 +231,22 @@ def section_text(data: dict) -> str:
         "checkpoint writes excluded.", "",
         "Matched: AdamW, lr {lr:g}, betas {b}, eps {eps:g}, no weight decay, gradient clip {gc:g}, {w} warm-up steps then "
         "constant; {bs} responses per optimizer step, {steps} optimizer steps; sampling temperature {temp:g}; fp32. "
+        "Also matched, checked against TRL 1.16's code (`trl/trainer/gkd_trainer.py`, `trl/trainer/utils.py`): the "
+        "student's stop token (`<|im_end|>`, also SmolLM2's pad token) is in the loss in every system (TRL masks a "
+        "generated completion by position after its first EOS, not by token id); the prompt, with the `<|im_end|>` "
+        "tokens of its chat template, is attended to and never scored (TRL masks it by position); training samples "
+        "are drawn at temperature 1, top-p 1, no top-k, up to {mx} tokens, stopping at `<|im_end|>`, in every system; "
+        "grading is the same command for every system (top-p 0.8 there, for all); loss temperature 1, dropout off, "
+        "no gradient accumulation, no prompt truncated. "
         "Not matched: eopd samples {n} responses for each of {p} prompts per iteration (TRL: 1 response for each of "
-        "{bs} prompts per step, so TRL sees twice as many distinct prompts); the loss (eopd EOPD / OPD: the "
+        "{bs} prompts per step, so TRL sees twice as many distinct prompts), and trains the second of its {spi} "
+        "mini-batches per iteration on samples of the policy one step older (TRL samples afresh for every step); "
+        "TRL GKD's loss scale: GKDTrainer divides the batch's summed per-token KL by `num_items_in_batch`, which "
+        "transformers counts from the dataset's labels before the completions are generated (the empty assistant "
+        "turn's 2 tokens per example: 16 for 8 examples), a constant where eopd (and TRL's server trainer) take the "
+        "token mean of the mini-batch, so its gradients are a few times larger (AdamW is indifferent to a constant "
+        "factor; the clip at 1 and each step's weight are not); the warm-up's first step: transformers' "
+        "`constant_with_warmup` gives TRL's first optimizer step lr 0 (steps: 0, lr/2, lr), eopd's lr/2, lr; the loss (eopd EOPD / OPD: the "
         "sampled-token PPO surrogate, EOPD adding forward KL over the teacher's top-16 where its entropy >= 0.8; eopd "
         "GKD: forward KL over the teacher's top-16 at every position of the student's own samples; TRL "
         "GKD: lambda 1 (fully on-policy), beta 1 = the full-vocabulary reverse KL per token; TRL server: beta 1 with "
@@ -237,7 +254,8 @@ def section_text(data: dict) -> str:
         "path allows); the process layout (eopd: teacher service, rollout worker, Redis and learner processes; TRL "
         "GKD: one process; TRL server: the trainer plus the teacher server).".format(
             lr=st["lr"], b=tuple(st["betas"]), eps=st["eps"], gc=st["grad_clip"], w=st["warmup_steps"], bs=st["batch_size"],
-            steps=st["steps"], temp=st["temperature"], n=st["samples_per_prompt"], p=st["prompts_per_iteration"]), "",
+            steps=st["steps"], temp=st["temperature"], n=st["samples_per_prompt"], p=st["prompts_per_iteration"],
+            mx=st["max_new_tokens"], spi=st["steps_per_iteration"]), "",
         f"Initial student: held-out Avg@{k} {s['initial']:.3f}. Target: eopd's (EOPD) final held-out Avg@{k}, mean over "
         f"its seeds: " + ("-" if s["target"] is None else f"{s['target']:.3f}") + ". Three readings of the time to it, each "
         "a ratio to eopd's time paired by seed: the first crossing (interpolated between checkpoints); the time from which "
