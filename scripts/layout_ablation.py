@@ -19,12 +19,12 @@ A cell's small files (run.yaml, run_summary.json, train_metrics.jsonl, eval-<pro
 to ARCHIVE/<loss>-<layout>-s<seed>/ and a cell archived there is never run again, so the grid can be
 run in parts, on several machines, one cell at a time (each uses the whole machine). The run's big
 files are deleted once it is evaluated. The initial student is evaluated once per seed (cell
-`initial-s<seed>`). `--table` only reads the archive and prints / writes the results block of
-docs/results.md.
+`initial-s<seed>`). `--table` only reads the archive and prints the table; `python -m
+scripts.results_tables` writes it into docs/results.md (block `layout-ablation`) with the others.
 
     .venv/bin/python scripts/layout_ablation.py --losses eopd,gkd --layouts preset,trl --seeds 0
     .venv/bin/python scripts/layout_ablation.py --dry-run          # the whole grid, in the order it runs
-    .venv/bin/python scripts/layout_ablation.py --table --write    # docs/results.md's block from the archive
+    .venv/bin/python scripts/layout_ablation.py --table            # the table from the archive
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from scripts.doc_blocks import replace_block  # noqa: E402
 
 #: loss name -> `eopd run` overrides (gkd: lambda 1, every response the student's own, as TRL's runs).
 LOSSES: dict[str, tuple[str, ...]] = {
@@ -66,8 +64,6 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 PROBE = 128  # the first this many training problems
 PROBE_SET = f"train{PROBE}"
 ARCHIVE = ROOT / "docs" / "results" / "layout"
-BLOCK = "layout-ablation"
-COMMAND = "python scripts/layout_ablation.py --table --write"
 SMALL_FILES = ("run.yaml", "run_summary.json", "train_metrics.jsonl", f"eval-{PROBE_SET}.json")
 
 
@@ -180,14 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--archive", type=Path, default=ARCHIVE)
     p.add_argument("--dry-run", action="store_true", help="print the cells that would run, in order")
     p.add_argument("--table", action="store_true", help="print the results table from the archive, run nothing")
-    p.add_argument("--write", action="store_true", help="with --table: write it into docs/results.md")
     args = p.parse_args(argv)
     if args.table:
-        text = table(args.archive)
-        print(text)
-        if args.write:
-            doc = ROOT / "docs" / "results.md"
-            doc.write_text(replace_block(doc.read_text(), BLOCK, text, COMMAND))
+        print(table(args.archive))
         return 0
     losses, layouts = args.losses.split(","), args.layouts.split(",")
     bad = [x for x in losses if x not in LOSSES] + [x for x in layouts if x not in LAYOUTS]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eopd_trainer.eval.experiment_table import read_facts
 
-from scripts import doc_blocks
+from scripts import doc_blocks, layout_ablation
 from scripts.results_far import far_choice, far_initial, far_means, far_paired, far_per_run, far_training
 from scripts.results_near import (default_run, eopd_vs_opd, fkl_ablations, samples, teacher_metrics, teachers,
                                   variants_table, warmup)
@@ -51,7 +51,7 @@ def blocks() -> dict[str, str]:
             "far-initial": far_initial(*(f for f in near + far if f["variant"] == "eopd" and f["seed"] == 0
                                          and "initial" in f["sets"]["held-out"])),
             "far-per-run": far_per_run(far), "far-means": far_means(far), "far-paired": far_paired(far),
-            "far-training": far_training(far)}
+            "far-training": far_training(far), "layout-ablation": layout_ablation.table(layout_ablation.ARCHIVE)}
 
 
 def main(argv: list[str] | None = None) -> int:
