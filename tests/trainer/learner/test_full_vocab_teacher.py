@@ -70,3 +70,14 @@ def test_support_full_asks_for_hidden_states_and_is_refused_before_start_where_i
         load_config("configs/tiny.yaml", [*FULL, "teachers=[{name: other, model: tiny-random}]", "route.field=kind",
                                              "route.routes={x: other}"])
     assert not FullVocabTeacher.needed(load_config("configs/tiny.yaml", ["teacher.hidden_states=float32"]))
+
+
+def test_the_head_is_converted_to_float32_on_the_device_once():
+    from eopd_common.output_head import HeadInfo, OutputHead
+    from eopd_trainer.learner.teacher_head import head_on
+
+    w = torch.randn(32, 8).to(torch.bfloat16)
+    head = OutputHead.of(HeadInfo(model="m@r", vocab_size=32, hidden_size=8, dtype="bfloat16", has_bias=False), w, None)
+    on = head_on(head, "cpu")
+    assert on.weight.dtype == torch.float32 and torch.equal(on.weight, w.float()) and on.fingerprint == head.fingerprint
+    assert head_on(on, "cpu") is on  # kept: nothing converted or copied again
