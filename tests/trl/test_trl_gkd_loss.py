@@ -23,13 +23,14 @@ B, T, V = 3, 7, 53
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 
 
-def batch(seed: int):
+def batch(seed: int, masked: bool = True):
     g = torch.Generator().manual_seed(seed)
     student = (2.5 * torch.randn(B, T, V, generator=g, dtype=torch.float64)).requires_grad_()
     teacher = 2.5 * torch.randn(B, T, V, generator=g, dtype=torch.float64)
     labels = torch.randint(0, V, (B, T), generator=g)
-    labels[0, :2] = -100  # the prompt
-    labels[2, 5:] = -100  # padding
+    if masked:
+        labels[0, :2] = -100  # the prompt
+        labels[2, 5:] = -100  # padding
     return student, teacher, labels
 
 
@@ -48,11 +49,13 @@ def test_full_vocab_divergence_equals_trls_generalized_jsd_loss(beta, temperatur
     torch.testing.assert_close(g_ours, g_trl, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "every-token"])
 @pytest.mark.parametrize("beta", BETAS)
-def test_gkd_variant_at_full_support_is_trls_loss(beta):
+def test_gkd_variant_at_full_support_is_trls_loss(beta, masked):
     """`loss.variant=gkd loss.gkd_lambda=1 loss.gkd_beta=beta loss.support=full`: the loss core on the
-    batched [B, T, V] form, the teacher's logits as LossInputs.teacher_logits."""
-    student, teacher, labels = batch(seed=100 + int(beta * 10))
+    batched [B, T, V] form, the teacher's logits as LossInputs.teacher_logits. With every token valid
+    beta 0 and 1 take the student's gradient written out by hand (objective.dense._DenseKL)."""
+    student, teacher, labels = batch(seed=100 + int(beta * 10), masked=masked)
     trl = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, reduction="batchmean")
     t_logp = torch.log_softmax(teacher, -1)
     sampled = labels.clamp(min=0)

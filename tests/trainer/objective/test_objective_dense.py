@@ -50,6 +50,31 @@ def test_full_vocab_matches_naive_value_and_gradient(beta):
     torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("teacher", ["tensor", "rows"])
+def test_written_out_gradients_of_both_kl_directions(beta, teacher):
+    """Beta 0 and 1 with a constant teacher take the student's gradient written out by hand
+    (dense._DenseKL): the same values and gradients as the autograd path, checked against finite
+    differences too, with ids the teacher masks (-inf) and a teacher given as a row function."""
+    s, t = logits_pair(n=5, v=9, seed=2)
+    if beta == 0.0:  # zero teacher mass adds nothing to the forward KL (the reverse KL would be infinite)
+        t[:, :3] = -torch.inf
+        t[1, 5] = -torch.inf
+    else:  # an id the student masks: zero student mass adds nothing to the reverse KL
+        s = s.detach().clone()
+        s[2, 4] = -torch.inf
+        s.requires_grad_(True)
+    src = t if teacher == "tensor" else (lambda a, b: t[a:b])
+    got = full_vocab_divergence(s, src, beta, chunk_size=3, temperature=0.7, teacher_requires_grad=False)
+    ref = full_vocab_divergence(s, t, beta, chunk_size=3, temperature=0.7)  # the checkpointed autograd path
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+    (g,) = torch.autograd.grad(got.sum(), s)
+    (g_ref,) = torch.autograd.grad(ref.sum(), s)
+    torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda a: full_vocab_divergence(a, src, beta, chunk_size=3, temperature=0.7,
+                                                                    teacher_requires_grad=False), (s,), atol=1e-8)
+
+
 def test_full_vocab_from_row_functions_equals_tensors():
     """The student's logits from hidden states and the teacher's built per chunk (never [N, V])."""
     g = torch.Generator().manual_seed(3)

@@ -133,16 +133,60 @@ def _rows(source: RowSource, start: int, end: int) -> Tensor:
     return source(start, end) if callable(source) else source[start:end]
 
 
-def _chunk_divergence(student: Tensor, teacher: Tensor, beta: float, temperature: float) -> Tensor:
+def _log_probs(student: Tensor, teacher: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
-    ls = torch.log_softmax(student.to(dtype) / temperature, dim=-1)
-    lt = torch.log_softmax(teacher.to(dtype), dim=-1)
+    return torch.log_softmax(student.to(dtype) / temperature, dim=-1), torch.log_softmax(teacher.to(dtype), dim=-1)
+
+
+class _DenseKL(torch.autograd.Function):
+    """KL(p || q) (beta 0) or KL(q || p) (beta 1) per row, `q = softmax(student / T)`, `p =
+    softmax(teacher)`, the teacher's rows given by a function and taken as constants, with the
+    student's gradient written out (`generalized_jsd`'s values at beta 0 / 1):
+
+        beta 1: dD/ds = q ((log q - log p) - D) / T        beta 0: dD/ds = (q - p) / T
+
+    Kept for backward: the student's rows (a view of its logits: nothing new) and D; the teacher's
+    rows are built again in backward. The elementwise form under autograd and checkpointing ran its
+    forward twice and kept a dozen `[rows, V]` temporaries. Zero-mass outcomes (log-prob -inf) add
+    nothing: where a row's plain sum is not finite it is redone with `_kl_sum`'s masking."""
+
+    @staticmethod
+    def forward(ctx, student: Tensor, teacher_rows: Callable[[], Tensor], beta: float, temperature: float) -> Tensor:
+        with torch.no_grad():
+            ls, lt = _log_probs(student, teacher_rows(), temperature)
+            d = (ls.exp() * (ls - lt)).sum(-1) if beta == 1.0 else (lt.exp() * (lt - ls)).sum(-1)
+            # d finite in a row: ls - lt is finite at every id of it, so no masking is needed in backward either
+            ctx.plain = bool(torch.isfinite(d).all())
+            if not ctx.plain:
+                d = _kl_sum(ls, lt, ls > -torch.inf) if beta == 1.0 else _kl_sum(lt, ls, lt > -torch.inf)
+        ctx.save_for_backward(student, d)
+        ctx.teacher_rows, ctx.beta, ctx.temperature = teacher_rows, beta, temperature
+        return d
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        student, d = ctx.saved_tensors
+        with torch.no_grad():
+            ls, lt = _log_probs(student, ctx.teacher_rows(), ctx.temperature)
+            q = ls.exp()
+            if ctx.beta == 1.0:
+                gs = q * (ls - lt - d.unsqueeze(-1))
+                if not ctx.plain:
+                    gs = torch.where(ls > -torch.inf, gs, 0.0)
+            else:
+                gs = q - lt.exp()
+            gs = gs * (grad.unsqueeze(-1) / ctx.temperature)
+        return gs.to(student.dtype), None, None, None
+
+
+def _chunk_divergence(student: Tensor, teacher: Tensor, beta: float, temperature: float) -> Tensor:
+    ls, lt = _log_probs(student, teacher, temperature)
     return generalized_jsd(ls, lt, beta)
 
 
 def full_vocab_divergence(student_logits: RowSource, teacher_logits: RowSource, beta: float, *,
                           num_rows: int | None = None, chunk_size: int = 1024,
-                          temperature: float = 1.0) -> Tensor:
+                          temperature: float = 1.0, teacher_requires_grad: bool = True) -> Tensor:
     """The generalized JSD over the full vocabulary, per row, chunked over rows.
 
     `q = softmax(student_logits / temperature)`, `p = softmax(teacher_logits)`: the teacher's logits
@@ -163,6 +207,8 @@ def full_vocab_divergence(student_logits: RowSource, teacher_logits: RowSource, 
         chunk_size: rows per chunk (> 0).
         temperature: the student's (> 0); TRL's `generalized_jsd_loss(..., temperature=T)` equals
             this with `teacher_logits / T`.
+        teacher_requires_grad: False: the teacher's logits are constants (no gradient to them), which
+            lets beta 0 and 1 over a student tensor take the cheaper `_DenseKL` path.
     Returns:
         [N] the divergence per row, fp32 (fp64 for fp64 student logits); TRL's "batchmean" over
         valid rows is its masked mean.
@@ -180,9 +226,22 @@ def full_vocab_divergence(student_logits: RowSource, teacher_logits: RowSource, 
     for name, s in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
         if isinstance(s, Tensor) and (s.dim() != 2 or s.shape[0] != num_rows):
             raise ValueError(f"{name} must have shape [{num_rows}, V], got {tuple(s.shape)}")
+    # Beta 0 and 1 with the student's logits as a tensor and a constant teacher: `_DenseKL` (its rows
+    # are views; nothing is recomputed but the teacher's rows). Otherwise each chunk is checkpointed.
+    plain = beta in (0.0, 1.0) and isinstance(student_logits, Tensor) and not teacher_requires_grad
     out = []
     for start in range(0, num_rows, chunk_size):
         end = min(start + chunk_size, num_rows)
+        if plain:
+            def teacher_rows(start=start, end=end):
+                t = _rows(teacher_logits, start, end).detach()
+                if t.shape != (end - start, student_logits.shape[1]):
+                    raise ValueError(f"student and teacher logits rows {start}..{end} differ in shape: "
+                                     f"{(end - start, student_logits.shape[1])} vs {tuple(t.shape)}")
+                return t
+
+            out.append(_DenseKL.apply(student_logits[start:end], teacher_rows, beta, temperature))
+            continue
 
         def chunk(start=start, end=end):
             s, t = _rows(student_logits, start, end), _rows(teacher_logits, start, end)

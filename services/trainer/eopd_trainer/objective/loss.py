@@ -288,6 +288,12 @@ def _dense(v: _Valid, tokens: LossInputs, source: dict, cfg: LossConfig, beta: f
     the student's rows from its logits or from `hidden @ weight.T + bias`, the teacher's from
     `tokens.teacher_logits` (a tensor, detached, or a function of the rows), one chunk at a time."""
     rows = v.rows
+    t = tokens.teacher_logits
+    if "logits" in source and v.m == source["logits"].shape[0]:
+        # Every token valid (rows = 0..N-1): the logits themselves, a view per chunk, and the teacher's
+        # rows by position; `full_vocab_divergence` then keeps no copy of either for backward.
+        return full_vocab_divergence(source["logits"], t.detach() if isinstance(t, Tensor) else t, beta, num_rows=v.m,
+                                     chunk_size=cfg.chunk_size, temperature=cfg.temperature, teacher_requires_grad=False)
     if "logits" in source:
         logits = source["logits"]
 
@@ -299,7 +305,6 @@ def _dense(v: _Valid, tokens: LossInputs, source: dict, cfg: LossConfig, beta: f
         def student(a: int, b: int) -> Tensor:
             z = hidden[rows[a:b]] @ weight.T
             return z if bias is None else z + bias
-    t = tokens.teacher_logits
 
     def teacher(a: int, b: int) -> Tensor:
         return t[rows[a:b]].detach() if isinstance(t, Tensor) else t(rows[a:b]).detach()
