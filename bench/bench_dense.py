@@ -11,8 +11,9 @@ eopd's GKD as the presets run it (forward KL over the teacher's top-16 + tail), 
 the same support, and TRL's objective (reverse KL over the full vocabulary) with the teacher's rows
 given two ways: a precomputed `[N, V]` tensor (the divergence alone) and built from bf16 hidden
 states and the teacher's output head on demand, as the learner does (`TeacherLogitRows`: the
-projection is redone for each chunk in backward, not kept). Student logits `[N, V]` require grad in
-every member. A full run writes bench/results/dense_loss.json and the `dense_loss` section of
+projection is redone for each chunk in backward, not kept). The student's side is the learner's
+fused path (`compute_loss_from_hidden`: its hidden states and output projection require grad, its
+`[N, V]` logits are never kept). A full run writes bench/results/dense_loss.json and the `dense_loss` section of
 docs/benchmarks.md.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 from bench.report import markdown_table, measure_and_report
 from eopd_common.output_head import HeadInfo, OutputHead, TeacherLogitRows
-from eopd_trainer.objective import LossConfig, LossInputs, compute_loss
+from eopd_trainer.objective import LossConfig, LossInputs, compute_loss_from_hidden
 
 SHAPES = {"smollm2": {"vocab": 49152, "hidden": 576, "k": 16}, "quick": {"vocab": 4096, "hidden": 64, "k": 16}}
 #: member -> (LossConfig overrides, how the teacher's full-vocabulary rows are given: None, "tensor", "rows")
@@ -53,22 +54,26 @@ def inputs(n: int, shape: dict, seed: int = 0) -> dict:
     rows = TeacherLogitRows(head, hidden, torch.ones(n))
     t_logp = torch.log_softmax(rows(0, n), dim=-1)
     top_lp, top_ids = t_logp.topk(k, dim=-1)
-    student = (t_logp + torch.randn(n, v, generator=g)).detach()
+    # The student: the teacher's head and hidden states perturbed (fp32, as the CPU learner trains)
+    s_hidden = hidden.float() + 0.5 * torch.randn(n, d, generator=g)
+    s_weight = head.weight + 0.02 * torch.randn(v, d, generator=g)
+    student = s_hidden @ s_weight.T
     sampled = torch.multinomial(torch.softmax(student, -1), 1, generator=g).squeeze(-1)
     tok = LossInputs(sampled_ids=sampled, old_logprobs=torch.log_softmax(student, -1).gather(-1, sampled[:, None]).squeeze(-1),
                      teacher_logprobs=t_logp.gather(-1, sampled[:, None]).squeeze(-1),
                      teacher_entropies=-(t_logp.exp() * t_logp).sum(-1), teacher_topk_ids=top_ids,
                      teacher_topk_logprobs=top_lp, mask=torch.ones(n, dtype=torch.bool))
-    return {"student": student, "tok": tok, "rows": rows, "tensor": rows(0, n)}
+    return {"hidden": s_hidden, "weight": s_weight, "tok": tok, "rows": rows, "tensor": rows(0, n)}
 
 
 def run_member(name: str, data: dict, chunk: int) -> float:
     overrides, teacher = MEMBERS[name]
     cfg = LossConfig(**{"tau": 0.8, "chunk_size": chunk, **overrides})
     tok = data["tok"] if teacher is None else data["tok"].replace(teacher_logits=data[teacher])
-    logits = data["student"].clone().requires_grad_(True)
+    hidden = data["hidden"].clone().requires_grad_(True)
+    weight = data["weight"].clone().requires_grad_(True)
     t0 = time.perf_counter()
-    loss, _ = compute_loss(logits, tok, config=cfg)
+    loss, _ = compute_loss_from_hidden(hidden, weight, tok, config=cfg)  # the learner's fused path
     loss.backward()
     return time.perf_counter() - t0
 
@@ -97,7 +102,8 @@ def section_text(data: dict) -> str:
              f"{min(m['all']):.3f}-{max(m['all']):.3f}"] for m in data["members"]]
     return ("## Loss over each support: the learner's cost (`python -m bench.bench_dense`, issue 48)\n\n"
             f"Forward + backward of the loss alone over N = {data['tokens']} response tokens, V {sh['vocab']}, d "
-            f"{sh['hidden']} ({sh['name']}), student logits `[N, V]` requiring grad, {data['threads']} thread(s), "
+            f"{sh['hidden']} ({sh['name']}), the learner's fused path (student hidden states and output projection "
+            f"requiring grad), {data['threads']} thread(s), "
             f"chunks of {data['chunk']} rows; median of {data['reps']} rounds after a warm-up, members interleaved in one "
             f"process (load {data.get('load_avg')}).\n\n"
             + markdown_table(["member", "seconds", "vs eopd", "range"], rows) + "\n")

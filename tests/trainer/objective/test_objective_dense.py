@@ -214,3 +214,34 @@ def test_generalized_jsd_rejects_bad_beta():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="beta"):
         generalized_jsd(x, x, -0.1)
+
+
+@pytest.mark.parametrize("every_token", [True, False])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_support_full_from_hidden_states_equals_from_logits(beta, every_token):
+    """`loss.support: full` on the learner's fused path (hidden states and the output projection;
+    beta 0 and 1 through `dense._DenseKLFromHidden`) gives the loss and gradients of the logits path."""
+    from eopd_trainer.objective import LossConfig, LossInputs, compute_loss, compute_loss_from_hidden
+
+    g = torch.Generator().manual_seed(11)
+    n, d, v = 9, 6, 17
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64)
+    weight, bias = torch.randn(v, d, generator=g, dtype=torch.float64), torch.randn(v, generator=g, dtype=torch.float64)
+    teacher = 2.0 * torch.randn(n, v, generator=g, dtype=torch.float64)
+    t_logp = torch.log_softmax(teacher, -1)
+    sampled = torch.randint(0, v, (n,), generator=g)
+    top = t_logp.topk(4, -1)
+    mask = torch.ones(n, dtype=torch.bool) if every_token else torch.tensor([1, 1, 0, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+    inputs = LossInputs(sampled, teacher_logprobs=t_logp.gather(-1, sampled[:, None]).squeeze(-1),
+                        teacher_entropies=-(t_logp.exp() * t_logp).sum(-1), teacher_topk_ids=top.indices,
+                        teacher_topk_logprobs=top.values, mask=mask, teacher_logits=teacher)
+    cfg = LossConfig(variant="gkd", gkd_lambda=1.0, gkd_beta=beta, support="full", chunk_size=4, temperature=0.8)
+    h, w, b = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    loss_h, _ = compute_loss_from_hidden(h, w, inputs, bias=b, config=cfg)
+    grads_h = torch.autograd.grad(loss_h, [h, w, b])
+    h2, w2, b2 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    loss_z, _ = compute_loss(h2 @ w2.T + b2, inputs, cfg)
+    grads_z = torch.autograd.grad(loss_z, [h2, w2, b2])
+    torch.testing.assert_close(loss_h, loss_z, atol=1e-12, rtol=0)
+    for a, c in zip(grads_h, grads_z, strict=True):
+        torch.testing.assert_close(a, c, atol=1e-12, rtol=0)

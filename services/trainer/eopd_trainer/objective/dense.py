@@ -138,6 +138,10 @@ def _log_probs(student: Tensor, teacher: Tensor, temperature: float) -> tuple[Te
     return torch.log_softmax(student.to(dtype) / temperature, dim=-1), torch.log_softmax(teacher.to(dtype), dim=-1)
 
 
+def _teacher_logp(teacher: Tensor, student: Tensor) -> Tensor:
+    return torch.log_softmax(teacher.to(torch.float64 if student.dtype == torch.float64 else torch.float32), dim=-1)
+
+
 class _DenseKL(torch.autograd.Function):
     """KL(p || q) (beta 0) or KL(q || p) (beta 1) per row, `q = softmax(student / T)`, `p =
     softmax(teacher)`, the teacher's rows given by a function and taken as constants, with the
@@ -153,30 +157,95 @@ class _DenseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student: Tensor, teacher_rows: Callable[[], Tensor], beta: float, temperature: float) -> Tensor:
         with torch.no_grad():
-            ls, lt = _log_probs(student, teacher_rows(), temperature)
-            d = (ls.exp() * (ls - lt)).sum(-1) if beta == 1.0 else (lt.exp() * (lt - ls)).sum(-1)
-            # d finite in a row: ls - lt is finite at every id of it, so no masking is needed in backward either
-            ctx.plain = bool(torch.isfinite(d).all())
-            if not ctx.plain:
-                d = _kl_sum(ls, lt, ls > -torch.inf) if beta == 1.0 else _kl_sum(lt, ls, lt > -torch.inf)
-        ctx.save_for_backward(student, d)
+            d, _ = _kl_and_student_grad(student, _teacher_logp(teacher_rows(), student), beta, temperature)
+        ctx.save_for_backward(student)
         ctx.teacher_rows, ctx.beta, ctx.temperature = teacher_rows, beta, temperature
         return d
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        student, d = ctx.saved_tensors
+        (student,) = ctx.saved_tensors
         with torch.no_grad():
-            ls, lt = _log_probs(student, ctx.teacher_rows(), ctx.temperature)
-            q = ls.exp()
-            if ctx.beta == 1.0:
-                gs = q * (ls - lt - d.unsqueeze(-1))
-                if not ctx.plain:
-                    gs = torch.where(ls > -torch.inf, gs, 0.0)
-            else:
-                gs = q - lt.exp()
-            gs = gs * (grad.unsqueeze(-1) / ctx.temperature)
-        return gs.to(student.dtype), None, None, None
+            _, gs = _kl_and_student_grad(student, _teacher_logp(ctx.teacher_rows(), student), ctx.beta, ctx.temperature)
+        return (gs * grad.unsqueeze(-1)).to(student.dtype), None, None, None
+
+
+def _kl_and_student_grad(z: Tensor, lt: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
+    """(D [rows], dD/dz [rows, V]) of `_DenseKL`'s divergence from the student's logits `z` and the
+    teacher's log-probs `lt` (no autograd)."""
+    ls = torch.log_softmax(z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) / temperature, dim=-1)
+    q = ls.exp()
+    d = (q * (ls - lt)).sum(-1) if beta == 1.0 else (lt.exp() * (lt - ls)).sum(-1)
+    if bool(torch.isfinite(d).all()):
+        gz = q * (ls - lt - d.unsqueeze(-1)) if beta == 1.0 else q - lt.exp()
+    else:  # zero-mass outcomes add nothing (see `_kl_sum`)
+        d = _kl_sum(ls, lt, ls > -torch.inf) if beta == 1.0 else _kl_sum(lt, ls, lt > -torch.inf)
+        gz = torch.where(ls > -torch.inf, q * (ls - lt - d.unsqueeze(-1)), 0.0) if beta == 1.0 else q - lt.exp()
+    return d, gz / temperature
+
+
+class _DenseKLFromHidden(torch.autograd.Function):
+    """`_DenseKL` with the student's rows `hidden @ weight.T + bias` formed inside (the learner's fused
+    path): D and its gradients to hidden, weight and bias, keeping for backward only the chunk's
+    hidden rows `[rows, d]` and D; the logits and the teacher's rows are rebuilt in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, teacher_rows: Callable[[], Tensor],
+                beta: float, temperature: float) -> Tensor:
+        with torch.no_grad():
+            z = torch.nn.functional.linear(hidden, weight, bias)
+            lt = _teacher_logp(teacher_rows(), z)
+            d, _ = _kl_and_student_grad(z, lt, beta, temperature)  # the gradient is formed again in backward
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.teacher_rows, ctx.beta, ctx.temperature = teacher_rows, beta, temperature
+        return d
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, weight, bias = ctx.saved_tensors
+        with torch.no_grad():
+            z = torch.nn.functional.linear(hidden, weight, bias)
+            lt = _teacher_logp(ctx.teacher_rows(), z)
+            _, gz = _kl_and_student_grad(z, lt, ctx.beta, ctx.temperature)
+            gz = (gz * grad.unsqueeze(-1)).to(weight.dtype)
+            gh = gz @ weight if ctx.needs_input_grad[0] else None
+            gw = gz.T @ hidden if ctx.needs_input_grad[1] else None
+            gb = gz.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return gh, gw, gb, None, None, None
+
+
+def full_vocab_divergence_from_hidden(hidden: Tensor, weight: Tensor, bias: Tensor | None, teacher_logits: RowSource,
+                                      beta: float, *, chunk_size: int = 1024, temperature: float = 1.0) -> Tensor:
+    """`full_vocab_divergence` of the student's logits `hidden @ weight.T + bias` against a constant
+    teacher, for beta 0 or 1, chunked over rows (`_DenseKLFromHidden`: neither side's `[N, V]` is
+    ever kept).
+
+    Args:
+        hidden: [N, d] the student's final hidden states (grad flows).
+        weight: [V, d] its output projection (grad flows); bias: [V] or None.
+        teacher_logits: [N, V] or `(start, end) -> [end - start, V]` (taken as constants).
+        beta: 0 (forward KL) or 1 (reverse KL).
+    Returns:
+        [N] fp32 divergence per row.
+    """
+    if beta not in (0.0, 1.0):
+        raise ValueError(f"full_vocab_divergence_from_hidden: beta must be 0 or 1, got {beta} (use "
+                         "full_vocab_divergence with a row function for the mixture)")
+    if not chunk_size > 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    n, v = hidden.shape[0], weight.shape[0]
+    out = []
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+
+        def teacher_rows(start=start, end=end):
+            t = _rows(teacher_logits, start, end).detach()
+            if t.shape != (end - start, v):
+                raise ValueError(f"teacher logits rows {start}..{end}: expected {(end - start, v)}, got {tuple(t.shape)}")
+            return t
+
+        out.append(_DenseKLFromHidden.apply(hidden[start:end], weight, bias, teacher_rows, beta, temperature))
+    return torch.cat(out) if out else torch.zeros(0, device=hidden.device)
 
 
 def _chunk_divergence(student: Tensor, teacher: Tensor, beta: float, temperature: float) -> Tensor:

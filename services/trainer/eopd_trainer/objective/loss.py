@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .config import LossConfig
 from .inputs import LossInputs, candidates, check_valid_inputs
-from .dense import full_vocab_divergence
+from .dense import full_vocab_divergence, full_vocab_divergence_from_hidden
 from .loss_terms import Divergence, ForwardKL, TermInputs, mean_or_zero
 from .terms import aggregation_weights, shaped_advantages, topk_forward_kl
 from .variants import PositionContext, get_variant
@@ -294,6 +294,10 @@ def _dense(v: _Valid, tokens: LossInputs, source: dict, cfg: LossConfig, beta: f
         # rows by position; `full_vocab_divergence` then keeps no copy of either for backward.
         return full_vocab_divergence(source["logits"], t.detach() if isinstance(t, Tensor) else t, beta, num_rows=v.m,
                                      chunk_size=cfg.chunk_size, temperature=cfg.temperature, teacher_requires_grad=False)
+
+    def teacher(a: int, b: int) -> Tensor:
+        return t[rows[a:b]].detach() if isinstance(t, Tensor) else t(rows[a:b]).detach()
+
     if "logits" in source:
         logits = source["logits"]
 
@@ -301,13 +305,13 @@ def _dense(v: _Valid, tokens: LossInputs, source: dict, cfg: LossConfig, beta: f
             return logits[rows[a:b]]
     else:
         hidden, weight, bias = source["hidden"], source["weight"], source["bias"]
+        if beta in (0.0, 1.0):  # the learner's fused path: the projection inside, [M, d] rows kept
+            return full_vocab_divergence_from_hidden(hidden[rows], weight, bias, teacher, beta,
+                                                     chunk_size=cfg.chunk_size, temperature=cfg.temperature)
 
         def student(a: int, b: int) -> Tensor:
             z = hidden[rows[a:b]] @ weight.T
             return z if bias is None else z + bias
-
-    def teacher(a: int, b: int) -> Tensor:
-        return t[rows[a:b]].detach() if isinstance(t, Tensor) else t(rows[a:b]).detach()
 
     return full_vocab_divergence(student, teacher, beta, num_rows=v.m, chunk_size=cfg.chunk_size,
                                  temperature=cfg.temperature)
