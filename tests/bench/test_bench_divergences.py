@@ -12,14 +12,18 @@ pytestmark = pytest.mark.integration
 
 
 def test_divergences_quick_on_the_tiny_preset(tmp_path):
-    from bench.bench_divergences import main
+    """TRL's objective (gkd, beta 1, the full vocabulary) end to end: the workers ask the teacher for its
+    hidden states (bf16, set by the loss alone), the rollouts carry them through Redis, the learner
+    fetches the teacher's output head and projects them."""
+    from bench.bench_divergences import MEMBERS, main
 
+    assert not any(o.startswith("teacher.hidden_states") for o in MEMBERS["gkd_rkl_full"])  # the loss asks for them
     out = tmp_path / "divergences.json"
-    assert main(["--quick", "--members", "eopd_rkl_teacher", "--out", str(out)]) == 0
+    assert main(["--quick", "--members", "gkd_rkl_full", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["preset"] == "tiny.yaml" and data["iterations"] == 1
     (m,) = data["members"]
-    assert m["member"] == "eopd_rkl_teacher" and "error" not in m, m.get("error")
+    assert m["member"] == "gkd_rkl_full" and "error" not in m, m.get("error")
     assert m["iterations"] == 1
     it = m["per_iteration"][0]
     lo, hi = it["band"]
