@@ -133,13 +133,28 @@ def _rows(source: RowSource, start: int, end: int) -> Tensor:
     return source(start, end) if callable(source) else source[start:end]
 
 
+def _work_dtype(student: Tensor) -> torch.dtype:
+    """The divergences' arithmetic: float64 for float64 students, else float32."""
+    return torch.float64 if student.dtype == torch.float64 else torch.float32
+
+
 def _log_probs(student: Tensor, teacher: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
-    return torch.log_softmax(student.to(dtype) / temperature, dim=-1), torch.log_softmax(teacher.to(dtype), dim=-1)
+    return torch.log_softmax(student.to(_work_dtype(student)) / temperature, dim=-1), _teacher_logp(teacher, student)
 
 
 def _teacher_logp(teacher: Tensor, student: Tensor) -> Tensor:
-    return torch.log_softmax(teacher.to(torch.float64 if student.dtype == torch.float64 else torch.float32), dim=-1)
+    return torch.log_softmax(teacher.to(_work_dtype(student)), dim=-1)
+
+
+def _constant_rows(source: RowSource, start: int, end: int, vocab: int) -> Callable[[], Tensor]:
+    """The teacher's rows start..end as a constant, built on each call (forward, then backward)."""
+    def rows() -> Tensor:
+        t = _rows(source, start, end).detach()
+        if t.shape != (end - start, vocab):
+            raise ValueError(f"student and teacher logits rows {start}..{end} differ in shape: "
+                             f"{(end - start, vocab)} vs {tuple(t.shape)}")
+        return t
+    return rows
 
 
 class _DenseKL(torch.autograd.Function):
@@ -149,15 +164,15 @@ class _DenseKL(torch.autograd.Function):
 
         beta 1: dD/ds = q ((log q - log p) - D) / T        beta 0: dD/ds = (q - p) / T
 
-    Kept for backward: the student's rows (a view of its logits: nothing new) and D; the teacher's
-    rows are built again in backward. The elementwise form under autograd and checkpointing ran its
+    Kept for backward: the student's rows (a view of its logits: nothing new); the teacher's rows are
+    built again in backward, and the gradient is formed there only. The elementwise form under autograd and checkpointing ran its
     forward twice and kept a dozen `[rows, V]` temporaries. Zero-mass outcomes (log-prob -inf) add
     nothing: where a row's plain sum is not finite it is redone with `_kl_sum`'s masking."""
 
     @staticmethod
     def forward(ctx, student: Tensor, teacher_rows: Callable[[], Tensor], beta: float, temperature: float) -> Tensor:
         with torch.no_grad():
-            d, _ = _kl_and_student_grad(student, _teacher_logp(teacher_rows(), student), beta, temperature)
+            d, _ = _kl_and_student_grad(student, _teacher_logp(teacher_rows(), student), beta, temperature, grad=False)
         ctx.save_for_backward(student)
         ctx.teacher_rows, ctx.beta, ctx.temperature = teacher_rows, beta, temperature
         return d
@@ -170,18 +185,22 @@ class _DenseKL(torch.autograd.Function):
         return (gs * grad.unsqueeze(-1)).to(student.dtype), None, None, None
 
 
-def _kl_and_student_grad(z: Tensor, lt: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
-    """(D [rows], dD/dz [rows, V]) of `_DenseKL`'s divergence from the student's logits `z` and the
-    teacher's log-probs `lt` (no autograd)."""
-    ls = torch.log_softmax(z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) / temperature, dim=-1)
+def _kl_and_student_grad(z: Tensor, lt: Tensor, beta: float, temperature: float, *,
+                         grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(D [rows], dD/dz [rows, V] or None without `grad`) of `_DenseKL`'s divergence from the
+    student's logits `z` and the teacher's log-probs `lt` (no autograd)."""
+    ls = torch.log_softmax(z.to(_work_dtype(z)) / temperature, dim=-1)
     q = ls.exp()
     d = (q * (ls - lt)).sum(-1) if beta == 1.0 else (lt.exp() * (lt - ls)).sum(-1)
-    if bool(torch.isfinite(d).all()):
-        gz = q * (ls - lt - d.unsqueeze(-1)) if beta == 1.0 else q - lt.exp()
-    else:  # zero-mass outcomes add nothing (see `_kl_sum`)
+    plain = bool(torch.isfinite(d).all())
+    if not plain:  # zero-mass outcomes add nothing (see `_kl_sum`)
         d = _kl_sum(ls, lt, ls > -torch.inf) if beta == 1.0 else _kl_sum(lt, ls, lt > -torch.inf)
-        gz = torch.where(ls > -torch.inf, q * (ls - lt - d.unsqueeze(-1)), 0.0) if beta == 1.0 else q - lt.exp()
-    return d, gz / temperature
+    if not grad:
+        return d, None
+    if beta == 0.0:
+        return d, (q - lt.exp()) / temperature
+    gz = q * (ls - lt - d.unsqueeze(-1))
+    return d, (gz if plain else torch.where(ls > -torch.inf, gz, 0.0)) / temperature
 
 
 class _DenseKLFromHidden(torch.autograd.Function):
@@ -195,7 +214,7 @@ class _DenseKLFromHidden(torch.autograd.Function):
         with torch.no_grad():
             z = torch.nn.functional.linear(hidden, weight, bias)
             lt = _teacher_logp(teacher_rows(), z)
-            d, _ = _kl_and_student_grad(z, lt, beta, temperature)  # the gradient is formed again in backward
+            d, _ = _kl_and_student_grad(z, lt, beta, temperature, grad=False)
         ctx.save_for_backward(hidden, weight, bias)
         ctx.teacher_rows, ctx.beta, ctx.temperature = teacher_rows, beta, temperature
         return d
@@ -237,14 +256,8 @@ def full_vocab_divergence_from_hidden(hidden: Tensor, weight: Tensor, bias: Tens
     out = []
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
-
-        def teacher_rows(start=start, end=end):
-            t = _rows(teacher_logits, start, end).detach()
-            if t.shape != (end - start, v):
-                raise ValueError(f"teacher logits rows {start}..{end}: expected {(end - start, v)}, got {tuple(t.shape)}")
-            return t
-
-        out.append(_DenseKLFromHidden.apply(hidden[start:end], weight, bias, teacher_rows, beta, temperature))
+        out.append(_DenseKLFromHidden.apply(hidden[start:end], weight, bias, _constant_rows(teacher_logits, start, end, v),
+                                            beta, temperature))
     return torch.cat(out) if out else torch.zeros(0, device=hidden.device)
 
 
@@ -302,13 +315,7 @@ def full_vocab_divergence(student_logits: RowSource, teacher_logits: RowSource, 
     for start in range(0, num_rows, chunk_size):
         end = min(start + chunk_size, num_rows)
         if plain:
-            def teacher_rows(start=start, end=end):
-                t = _rows(teacher_logits, start, end).detach()
-                if t.shape != (end - start, student_logits.shape[1]):
-                    raise ValueError(f"student and teacher logits rows {start}..{end} differ in shape: "
-                                     f"{(end - start, student_logits.shape[1])} vs {tuple(t.shape)}")
-                return t
-
+            teacher_rows = _constant_rows(teacher_logits, start, end, student_logits.shape[1])
             out.append(_DenseKL.apply(student_logits[start:end], teacher_rows, beta, temperature))
             continue
 
