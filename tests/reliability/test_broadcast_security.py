@@ -337,9 +337,12 @@ def test_eopd_run_with_the_broadcast_listens_on_loopback_only_and_survives_a_str
     assert "receiver full" not in worker_log and "group full" not in worker_log
     assert all(r.received == 0 for r in stranger.receivers)  # no weights to the stranger
     formed = "weight broadcast group formed" in learner_log
-    # the stranger's claim either came first (the store is untrusted: files from the first publish)
-    # or after the group formed (the group is full: ignored)
-    assert formed or "Untrusted" in learner_log, learner_log[-3000:]
+    # the stranger's claim either came first (the store is untrusted: files from the first publish),
+    # or after the group formed (the group is full: ignored), or its knock (a gloo sequence number, then
+    # junk) reached the learner's gloo listener before the worker and broke the pair as it formed (the
+    # broadcast failed: files from the first publish); never weights to it, never a stalled run
+    dropped = "Untrusted" in learner_log or re.search(r"weight broadcast failed \(RuntimeError: .*Connection closed", learner_log)
+    assert formed or dropped, learner_log[-3000:]
     # No publish waited for the group (the attack held the first one for the 600 s join timeout): the
     # worker's claim comes within seconds of the learner's store, the group forms within FORM_S
     publishes = [float(s) for s in re.findall(r"published policy version \d+ \([\w]+, [\d.]+ MB, ([\d.]+)s\)",

@@ -171,7 +171,6 @@ class StreamSession:
         if self._stall_handled:
             return True
         self._stall_handled = True
-        self._metrics.streams_stalled.inc()
         log.warning("ScoreStream: the client took no answer for %gs (stream_idle_timeout_s); its work is withdrawn",
                     self._idle_timeout_s)
         if self._read_task is not None:
@@ -185,6 +184,8 @@ class StreamSession:
         self._out.put_nowait(_FAILED)
         if self._on_stalled is not None:
             self._on_stalled()
+        # Counted once its slot is freed: a scrape (another thread) never sees it given up yet still open.
+        self._metrics.streams_stalled.inc()
         return True
 
     def _fail(self, exc: BaseException, request_id: str) -> None:
