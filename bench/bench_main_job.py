@@ -1,0 +1,197 @@
+"""The main job as a newcomer runs it (issue 50, asks 2 and 5): `eopd run --config
+configs/smollm2-cpu.yaml` then `eopd report` (what `bash scripts/main.sh` runs after its install),
+timed end to end, with every process's resident memory sampled as the head-to-head samples it.
+
+Reports the wall time of the whole job and its parts (`run_summary.json`: training, evaluation, and
+the rest: data, student build, teacher start), which evaluations came from the eval cache, the final
+held-out and variants numbers, and per process (learner, rollout worker, teacher, eopd run, Redis)
+its peak RSS split at that moment into anonymous memory (heap: weights, optimizer state,
+activations), file-backed pages (mapped files: libraries, mapped weights; reclaimable) and shared
+memory, plus the peak of the sum over all of them.
+
+    .venv/bin/python -m bench.bench_main_job              # warm: the eval cache as this machine has it
+    .venv/bin/python -m bench.bench_main_job --cold       # an empty eval cache: a first run's evaluation
+    .venv/bin/python -m bench.bench_main_job --quick      # the tiny preset, 2 iterations: checks the wiring
+
+Run it alone (each job uses the whole machine). Writes the `main_job` section of docs/benchmarks.md
+and bench/results/main_job.json (not with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.report import ROOT, markdown_table, measure_and_report
+
+SECTION = "main_job"
+PRESETS = {"smollm2-cpu": ROOT / "configs" / "smollm2-cpu.yaml", "tiny": ROOT / "configs" / "tiny.yaml"}
+ROLES = (("learner", "eopd_trainer.learner"), ("rollout", "eopd_trainer.rollout"), ("teacher", "eopd_teacher"),
+         ("eopd run", "eopd_trainer.cli"), ("redis", "redis-server"))
+STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def role_of(cmdline: str) -> str | None:
+    """The job's role of a process from its command line (first match of ROLES), or None."""
+    return next((role for role, needle in ROLES if needle in cmdline), None)
+
+
+def status_mib(text: str) -> dict[str, float]:
+    """STATUS_FIELDS of a /proc/<pid>/status text, in MiB (absent fields left out)."""
+    out = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in STATUS_FIELDS:
+            out[name] = int(rest.split()[0]) / 1024  # kB
+    return out
+
+
+class JobMemory:
+    """Samples the process tree under `root` every `period_s`: per role, the peak RSS and its split
+    (anonymous, file, shared) at that peak; the peak of the sum over the tree."""
+
+    def __init__(self, root: int, period_s: float = 0.5):
+        self.root, self.period_s = root, period_s
+        self.peaks: dict[str, dict[str, float]] = {}
+        self.peak_total_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> JobMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _tree(self) -> list[int]:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+        tree, grew = {self.root}, True
+        while grew:
+            new = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+            tree |= new
+            grew = bool(new)
+        return sorted(tree)
+
+    def sample(self) -> None:
+        total = 0.0
+        for pid in self._tree():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                mib = status_mib(Path(f"/proc/{pid}/status").read_text())
+            except OSError:
+                continue
+            role = role_of(cmd)
+            if role is None or "VmRSS" not in mib:
+                continue
+            total += mib["VmRSS"]
+            if mib["VmRSS"] > self.peaks.get(role, {}).get("VmRSS", 0.0):
+                self.peaks[role] = mib
+        self.peak_total_mib = max(self.peak_total_mib, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+
+def _cold_cache_dir(tmp: Path) -> Path:
+    """An EOPD_CACHE_DIR with no evaluations in it, sharing this machine's converted models."""
+    real = Path(os.environ.get("EOPD_CACHE_DIR", Path.home() / ".cache" / "eopd"))
+    cold = tmp / "cache"
+    cold.mkdir()
+    if real.is_dir():
+        for entry in real.iterdir():
+            if entry.name != "evals":
+                (cold / entry.name).symlink_to(entry.resolve())
+    return cold
+
+
+def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "REDIS_URL")}
+    with tempfile.TemporaryDirectory(prefix="eopd-main-job-") as tmp:
+        if cold:
+            env["EOPD_CACHE_DIR"] = str(_cold_cache_dir(Path(tmp)))
+        eopd = [sys.executable, "-m", "eopd_trainer.cli"]
+        t0 = time.monotonic()
+        proc = subprocess.Popen([*eopd, "run", "--config", str(PRESETS[preset]), "--overwrite", f"run_dir={run_dir}",
+                                 *overrides], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        with JobMemory(proc.pid) as mem:
+            _, err = proc.communicate()
+        run_s = time.monotonic() - t0
+        if proc.returncode != 0:
+            raise SystemExit(f"eopd run failed ({proc.returncode}):\n{err[-4000:]}")
+        report = subprocess.run([*eopd, "report", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True)
+        if report.returncode != 0:
+            raise SystemExit(f"eopd report failed ({report.returncode}):\n{report.stderr[-4000:]}")
+        total_s = time.monotonic() - t0
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    evals = {}
+    for name, path in (("heldout", run_dir / "eval.json"), ("variants", run_dir / "eval_variants.json")):
+        if path.is_file():
+            for model, r in json.loads(path.read_text())["models"].items():
+                evals.setdefault(model, {})[name] = {"avg_at_k": r.get("avg_at_k"), "reused": bool(r.get("cache", {}).get("reused")),
+                                                     "eval_s": r.get("eval_s")}
+    return {"preset": preset, "cold": cold, "overrides": overrides, "total_s": total_s, "run_s": run_s,
+            "train_s": summary.get("train_s"), "eval_s": summary.get("eval_s"), "evals": evals,
+            "memory": {"peak_total_mib": mem.peak_total_mib, "per_role": mem.peaks}}
+
+
+def section_text(data: dict) -> str:
+    r = data["result"]
+    rest = r["total_s"] - (r["train_s"] or 0) - (r["eval_s"] or 0)
+    head = (f"`python -m bench.bench_main_job{' --cold' if r['cold'] else ''}` on {data.get('machine', 'this machine')} "
+            f"(eopd@{data.get('describe', '?')}, load average {data.get('load_avg', '?')}): the `{r['preset']}` preset, "
+            f"`eopd run` then `eopd report`, the eval cache {'empty (a first run)' if r['cold'] else 'as this machine had it'}.")
+    times = markdown_table(["whole job", "training", "evaluation", "the rest (data, student build, teacher start, report)"],
+                           [[f"{r['total_s']:.0f} s ({r['total_s'] / 60:.1f} min)", f"{r['train_s'] or 0:.0f} s",
+                             f"{r['eval_s'] or 0:.0f} s", f"{rest:.0f} s"]])
+    evals = markdown_table(["model", "held-out Avg@k", "variants Avg@k", "evaluated (s) or reused"],
+                           [[m, _num(e.get("heldout", {}).get("avg_at_k")), _num(e.get("variants", {}).get("avg_at_k")),
+                             ", ".join(f"{s}: " + ("reused" if v["reused"] else f"{v['eval_s'] or 0:.0f} s") for s, v in e.items())]
+                            for m, e in r["evals"].items()])
+    memory = markdown_table(["process", "peak RSS GiB", "anonymous", "file-backed", "shared"],
+                            [[role, *(f"{p.get(f, 0) / 1024:.2f}" for f in STATUS_FIELDS)]
+                             for role, p in sorted(r["memory"]["per_role"].items(), key=lambda kv: -kv[1]["VmRSS"])])
+    return "\n".join([
+        head, "", times, "", evals, "",
+        f"Peak memory, the sum over the job's processes: **{r['memory']['peak_total_mib'] / 1024:.2f} GiB**. Each process "
+        "at its own peak (RSS = anonymous + file-backed + shared; file-backed pages are mapped files the kernel can drop):",
+        "", memory]) + "\n"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default="smollm2-cpu")
+    p.add_argument("--cold", action="store_true", help="an empty eval cache (a first run's evaluation)")
+    p.add_argument("--quick", action="store_true", help="the tiny preset, 2 iterations; writes no section")
+    p.add_argument("--out", type=Path, help="with --quick: where to write the JSON")
+    p.add_argument("overrides", nargs="*", help="key=value for eopd run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.overrides = "tiny", ["train.iterations=2", *args.overrides]
+    with tempfile.TemporaryDirectory(prefix="eopd-main-job-run-") as tmp:
+        return measure_and_report(SECTION, lambda: {"result": run_job(args.preset, Path(tmp) / "run", cold=args.cold,
+                                                                      overrides=args.overrides)},
+                                  section_text, quick=args.quick, out=args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

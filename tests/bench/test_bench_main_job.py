@@ -1,0 +1,56 @@
+"""bench/bench_main_job.py's pure parts: which role a process plays, /proc/<pid>/status read in MiB,
+the section rendered from a result (the job itself is run by hand: it takes the whole machine for
+~15 minutes), and the memory sampler on this test's own process tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from bench.bench_main_job import JobMemory, role_of, section_text, status_mib
+
+
+def test_roles_from_command_lines():
+    assert role_of("/x/python -m eopd_trainer.learner --config a") == "learner"
+    assert role_of("/x/python -m eopd_trainer.rollout --worker 0") == "rollout"
+    assert role_of("/x/python -m eopd_teacher.cli serve") == "teacher"
+    assert role_of("/x/python -m eopd_trainer.cli run --config c") == "eopd run"
+    assert role_of("redis-server 127.0.0.1:6379") == "redis"
+    assert role_of("/bin/sh -c sleep") is None
+
+
+def test_status_fields_in_mib():
+    text = "Name:\tpython\nVmRSS:\t  2097152 kB\nRssAnon:\t 1048576 kB\nRssFile:\t  1047552 kB\nRssShmem:\t 1024 kB\nThreads: 4\n"
+    assert status_mib(text) == {"VmRSS": 2048.0, "RssAnon": 1024.0, "RssFile": 1023.0, "RssShmem": 1.0}
+
+
+def test_the_sampler_sees_a_child_under_its_role():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "eopd_trainer.learner"])
+    try:
+        mem = JobMemory(os.getpid())
+        for _ in range(50):
+            mem.sample()
+            if "learner" in mem.peaks:
+                break
+        assert mem.peaks["learner"]["VmRSS"] > 1 and mem.peak_total_mib >= mem.peaks["learner"]["VmRSS"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_section_renders_times_numbers_and_memory():
+    result = {"preset": "smollm2-cpu", "cold": True, "overrides": [], "total_s": 900.0, "run_s": 880.0, "train_s": 650.0,
+              "eval_s": 200.0, "evals": {"teacher": {"heldout": {"avg_at_k": 0.527, "reused": True, "eval_s": None}},
+                                          "final": {"heldout": {"avg_at_k": 0.35, "reused": False, "eval_s": 60.0},
+                                                    "variants": {"avg_at_k": 0.3, "reused": False, "eval_s": 40.0}}},
+              "memory": {"peak_total_mib": 6144.0, "per_role": {
+                  "learner": {"VmRSS": 3072.0, "RssAnon": 2048.0, "RssFile": 1024.0, "RssShmem": 0.0},
+                  "teacher": {"VmRSS": 1024.0, "RssAnon": 1000.0, "RssFile": 24.0, "RssShmem": 0.0}}}}
+    text = section_text({"result": result, "machine": "Test CPU", "describe": "abc1234", "load_avg": "0.1 -> 2.0"})
+    assert "bench_main_job --cold" in text and "Test CPU" in text and "eopd@abc1234" in text
+    assert "| 900 s (15.0 min) | 650 s | 200 s | 50 s |" in text
+    assert "| teacher | 0.527 | - | heldout: reused |" in text
+    assert "| final | 0.350 | 0.300 | heldout: 60 s, variants: 40 s |" in text
+    assert "**6.00 GiB**" in text and "| learner | 3.00 | 2.00 | 1.00 | 0.00 |" in text
+    assert text.index("| learner | 3.00") < text.index("| teacher | 1.00")  # largest first
