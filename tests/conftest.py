@@ -35,7 +35,7 @@ def pytest_runtest_logreport(report):
     (`python -m scripts.test_durations DIR` sums them per file and per test): where CI's time goes,
     beyond the 40 slowest phases pytest prints."""
     out = os.environ.get("EOPD_TEST_DURATIONS")
-    if out:
+    if out and getattr(report, "node", None) is None:  # xdist's controller gets each worker's report again (`node` set)
         Path(out).mkdir(parents=True, exist_ok=True)
         with open(Path(out) / f"{os.getpid()}.tsv", "a") as f:
             f.write(f"{report.duration:.3f}\t{report.when}\t{report.nodeid}\n")
