@@ -13,8 +13,8 @@ memory, plus the peak of the sum over all of them.
     .venv/bin/python -m bench.bench_main_job --cold       # an empty eval cache: a first run's evaluation
     .venv/bin/python -m bench.bench_main_job --quick      # the tiny preset, 2 iterations: checks the wiring
 
-Run it alone (each job uses the whole machine). Writes the `main_job` section of docs/benchmarks.md
-and bench/results/main_job.json (not with --quick).
+Run it alone (each job uses the whole machine). Writes the `main_job` section (`main_job_cold` with
+--cold) of docs/benchmarks.md and bench/results/main_job[_cold].json (not with --quick).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.report import ROOT, markdown_table, measure_and_report
+from eopd_trainer.eval.evaluate import eval_path
 
 SECTION = "main_job"
 PRESETS = {"smollm2-cpu": ROOT / "configs" / "smollm2-cpu.yaml", "tiny": ROOT / "configs" / "tiny.yaml"}
@@ -140,7 +141,7 @@ def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str]) -> 
         total_s = time.monotonic() - t0
     summary = json.loads((run_dir / "run_summary.json").read_text())
     evals = {}
-    for name, path in (("heldout", run_dir / "eval.json"), ("variants", run_dir / "eval_variants.json")):
+    for name, path in (("heldout", eval_path(run_dir)), ("variants", eval_path(run_dir, "variants"))):
         if path.is_file():
             for model, r in json.loads(path.read_text())["models"].items():
                 evals.setdefault(model, {})[name] = {"avg_at_k": r.get("avg_at_k"), "reused": bool(r.get("cache", {}).get("reused")),
@@ -154,7 +155,7 @@ def section_text(data: dict) -> str:
     r = data["result"]
     rest = r["total_s"] - (r["train_s"] or 0) - (r["eval_s"] or 0)
     head = (f"`python -m bench.bench_main_job{' --cold' if r['cold'] else ''}` on {data.get('machine', 'this machine')} "
-            f"(eopd@{data.get('describe', '?')}, load average {data.get('load_avg', '?')}): the `{r['preset']}` preset, "
+            f"(load average {data.get('load_avg', '?')}): the `{r['preset']}` preset, "
             f"`eopd run` then `eopd report`, the eval cache {'empty (a first run)' if r['cold'] else 'as this machine had it'}.")
     times = markdown_table(["whole job", "training", "evaluation", "the rest (data, student build, teacher start, report)"],
                            [[f"{r['total_s']:.0f} s ({r['total_s'] / 60:.1f} min)", f"{r['train_s'] or 0:.0f} s",
@@ -167,6 +168,8 @@ def section_text(data: dict) -> str:
                             [[role, *(f"{p.get(f, 0) / 1024:.2f}" for f in STATUS_FIELDS)]
                              for role, p in sorted(r["memory"]["per_role"].items(), key=lambda kv: -kv[1]["VmRSS"])])
     return "\n".join([
+        f"## The main job end to end{', a first run' if r['cold'] else ''}: time and memory "
+        f"(`python -m bench.bench_main_job{' --cold' if r['cold'] else ''}`, issue 50 asks 2 and 5)", "",
         head, "", times, "", evals, "",
         f"Peak memory, the sum over the job's processes: **{r['memory']['peak_total_mib'] / 1024:.2f} GiB**. Each process "
         "at its own peak (RSS = anonymous + file-backed + shared; file-backed pages are mapped files the kernel can drop):",
@@ -183,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold", action="store_true", help="an empty eval cache (a first run's evaluation)")
     p.add_argument("--quick", action="store_true", help="the tiny preset, 2 iterations; writes no section")
     p.add_argument("--out", type=Path, help="with --quick: where to write the JSON")
+    p.add_argument("--run-dir", type=Path, help="keep the run here (default: a temporary directory, removed)")
     p.add_argument("overrides", nargs="*", help="key=value for eopd run")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.overrides = "tiny", ["train.iterations=2", *args.overrides]
     with tempfile.TemporaryDirectory(prefix="eopd-main-job-run-") as tmp:
-        return measure_and_report(SECTION, lambda: {"result": run_job(args.preset, Path(tmp) / "run", cold=args.cold,
+        run_dir = args.run_dir or Path(tmp) / "run"
+        return measure_and_report(SECTION + ("_cold" if args.cold else ""), lambda: {"result": run_job(args.preset, run_dir, cold=args.cold,
                                                                       overrides=args.overrides)},
                                   section_text, quick=args.quick, out=args.out)
 

@@ -47,8 +47,8 @@ def test_section_renders_times_numbers_and_memory():
               "memory": {"peak_total_mib": 6144.0, "per_role": {
                   "learner": {"VmRSS": 3072.0, "RssAnon": 2048.0, "RssFile": 1024.0, "RssShmem": 0.0},
                   "teacher": {"VmRSS": 1024.0, "RssAnon": 1000.0, "RssFile": 24.0, "RssShmem": 0.0}}}}
-    text = section_text({"result": result, "machine": "Test CPU", "describe": "abc1234", "load_avg": "0.1 -> 2.0"})
-    assert "bench_main_job --cold" in text and "Test CPU" in text and "eopd@abc1234" in text
+    text = section_text({"result": result, "machine": "Test CPU, eopd@abc1234", "load_avg": "0.1 -> 2.0"})
+    assert "bench_main_job --cold" in text and "Test CPU, eopd@abc1234 (load average 0.1 -> 2.0)" in text
     assert "| 900 s (15.0 min) | 650 s | 200 s | 50 s |" in text
     assert "| teacher | 0.527 | - | heldout: reused |" in text
     assert "| final | 0.350 | 0.300 | heldout: 60 s, variants: 40 s |" in text
