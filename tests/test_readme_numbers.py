@@ -53,3 +53,14 @@ def test_the_first_screen_gives_both_commands_and_the_main_jobs_preset_facts():
     assert f"(Avg@{cfg.eval.n_samples}, Pass@{cfg.eval.n_samples})" in main_row
     # the commands' times are stated once, in that table
     assert len(re.findall(r"first install", README)) == 1
+
+
+def test_the_main_jobs_time_is_the_measured_one():
+    """The main job's times in the first screen are bench/bench_main_job.py's archived runs
+    (bench/results/main_job_cold.json: an empty eval cache; main_job.json: the cache as a second run
+    has it), in minutes to one decimal, with their training and evaluation seconds."""
+    main_row = next(line for line in README.splitlines() if line.startswith("| `bash scripts/main.sh`"))
+    for name, label in (("main_job_cold", "a first run"), ("main_job", "a second run")):
+        r = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())["result"]
+        quoted = f"{r['total_s'] / 60:.1f} min {label} ({r['train_s']:.0f} s training + {r['eval_s']:.0f} s evaluation)"
+        assert quoted in main_row, (quoted, main_row)
