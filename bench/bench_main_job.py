@@ -56,12 +56,14 @@ def status_mib(text: str) -> dict[str, float]:
 
 class JobMemory:
     """Samples the process tree under `root` every `period_s`: per role, the peak RSS and its split
-    (anonymous, file, shared) at that peak; the peak of the sum over the tree."""
+    (anonymous, file, shared) at that peak; the peak of the sum over the tree, and each role's RSS at
+    that instant (`at_peak_total`: what the machine had to hold at once)."""
 
     def __init__(self, root: int, period_s: float = 0.5):
         self.root, self.period_s = root, period_s
         self.peaks: dict[str, dict[str, float]] = {}
         self.peak_total_mib = 0.0
+        self.at_peak_total: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -89,7 +91,7 @@ class JobMemory:
         return sorted(tree)
 
     def sample(self) -> None:
-        total = 0.0
+        total, now = 0.0, {}
         for pid in self._tree():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -100,9 +102,11 @@ class JobMemory:
             if role is None or "VmRSS" not in mib:
                 continue
             total += mib["VmRSS"]
+            now[role] = now.get(role, 0.0) + mib["VmRSS"]
             if mib["VmRSS"] > self.peaks.get(role, {}).get("VmRSS", 0.0):
                 self.peaks[role] = mib
-        self.peak_total_mib = max(self.peak_total_mib, total)
+        if total > self.peak_total_mib:
+            self.peak_total_mib, self.at_peak_total = total, now
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -148,7 +152,7 @@ def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str]) -> 
                                                      "eval_s": r.get("eval_s")}
     return {"preset": preset, "cold": cold, "overrides": overrides, "total_s": total_s, "run_s": run_s,
             "train_s": summary.get("train_s"), "eval_s": summary.get("eval_s"), "evals": evals,
-            "memory": {"peak_total_mib": mem.peak_total_mib, "per_role": mem.peaks}}
+            "memory": {"peak_total_mib": mem.peak_total_mib, "per_role": mem.peaks, "at_peak_total": mem.at_peak_total}}
 
 
 def section_text(data: dict) -> str:
@@ -171,7 +175,10 @@ def section_text(data: dict) -> str:
         f"## The main job end to end{', a first run' if r['cold'] else ''}: time and memory "
         f"(`python -m bench.bench_main_job{' --cold' if r['cold'] else ''}`, issue 50 asks 2 and 5)", "",
         head, "", times, "", evals, "",
-        f"Peak memory, the sum over the job's processes: **{r['memory']['peak_total_mib'] / 1024:.2f} GiB**. Each process "
+        f"Peak memory, the sum over the job's processes: **{r['memory']['peak_total_mib'] / 1024:.2f} GiB**"
+        + (" (at that instant: " + ", ".join(f"{role} {mib / 1024:.2f}" for role, mib in
+                                            sorted(r["memory"]["at_peak_total"].items(), key=lambda kv: -kv[1])) + " GiB)"
+           if r["memory"].get("at_peak_total") else "") + ". Each process "
         "at its own peak (RSS = anonymous + file-backed + shared; file-backed pages are mapped files the kernel can drop):",
         "", memory]) + "\n"
 

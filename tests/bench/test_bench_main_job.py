@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench.bench_main_job import JobMemory, role_of, section_text, status_mib
 
 
@@ -34,6 +36,8 @@ def test_the_sampler_sees_a_child_under_its_role():
             if "learner" in mem.peaks:
                 break
         assert mem.peaks["learner"]["VmRSS"] > 1 and mem.peak_total_mib >= mem.peaks["learner"]["VmRSS"]
+        assert mem.at_peak_total["learner"] > 1
+        assert sum(mem.at_peak_total.values()) == pytest.approx(mem.peak_total_mib)
     finally:
         child.kill()
         child.wait()
@@ -46,11 +50,12 @@ def test_section_renders_times_numbers_and_memory():
                                                     "variants": {"avg_at_k": 0.3, "reused": False, "eval_s": 40.0}}},
               "memory": {"peak_total_mib": 6144.0, "per_role": {
                   "learner": {"VmRSS": 3072.0, "RssAnon": 2048.0, "RssFile": 1024.0, "RssShmem": 0.0},
-                  "teacher": {"VmRSS": 1024.0, "RssAnon": 1000.0, "RssFile": 24.0, "RssShmem": 0.0}}}}
+                  "teacher": {"VmRSS": 1024.0, "RssAnon": 1000.0, "RssFile": 24.0, "RssShmem": 0.0}},
+                  "at_peak_total": {"teacher": 1024.0, "learner": 2048.0}}}
     text = section_text({"result": result, "machine": "Test CPU, eopd@abc1234", "load_avg": "0.1 -> 2.0"})
     assert "bench_main_job --cold" in text and "Test CPU, eopd@abc1234 (load average 0.1 -> 2.0)" in text
     assert "| 900 s (15.0 min) | 650 s | 200 s | 50 s |" in text
     assert "| teacher | 0.527 | - | heldout: reused |" in text
     assert "| final | 0.350 | 0.300 | heldout: 60 s, variants: 40 s |" in text
-    assert "**6.00 GiB**" in text and "| learner | 3.00 | 2.00 | 1.00 | 0.00 |" in text
+    assert "**6.00 GiB** (at that instant: learner 2.00, teacher 1.00 GiB)" in text and "| learner | 3.00 | 2.00 | 1.00 | 0.00 |" in text
     assert text.index("| learner | 3.00") < text.index("| teacher | 1.00")  # largest first

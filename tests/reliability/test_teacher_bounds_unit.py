@@ -11,7 +11,7 @@ import time
 import pytest
 
 from eopd_teacher.serving import resources
-from eopd_teacher.serving.resources import LARGE_MESSAGE_BYTES, ByteBudget, MemoryReturner, raise_open_file_limit, resident_bytes
+from eopd_teacher.serving.resources import LARGE_MESSAGE_BYTES, ByteBudget, MemoryReturner, raise_open_file_limit
 from eopd_teacher.server import grpc_options
 from eopd_teacher.settings import MiB, TeacherSettings
 
@@ -101,11 +101,6 @@ def test_open_file_limit_raised_to_the_hard_limit():
     soft, hard = raise_open_file_limit()
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
     assert soft == hard or hard == resource.RLIM_INFINITY
-
-
-def test_resident_bytes_reads_this_process():
-    rss = resident_bytes()
-    assert rss is None or rss > 10 * MiB
 
 
 def test_receive_limit_is_the_smaller_of_the_two():

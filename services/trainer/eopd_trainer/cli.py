@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from eopd_common.memory import return_large_frees
+
 from .config import ConfigError, dump_config, load_config
 
 # The checkout this package is installed from (editable installs): <root>/services/trainer/eopd_trainer/cli.py
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return_large_frees()  # eopd_common.memory: a freed model or batch goes back to the system
     return resolve(argv[0])(argv[1:])
 
 

@@ -101,3 +101,24 @@ def test_deepspeed_engine_follows_the_schedule_and_resumes(zero_stage, process_g
     resumed = [_optimizer_step(engine2, scheduler2, s) for s in (4, 5)]
     assert resumed == pytest.approx(ref[4:], rel=1e-12)
     assert resumed[-1] > 0  # the last step of the run still learns
+
+
+def test_one_process_without_the_allreduce_trains_the_same_bits(process_group):
+    """`skip_lone_allreduce`: one process at ZeRO 0 skips DeepSpeed's gradient all-reduce (a flat copy
+    of every gradient, reduced over a group of one): the weights after four optimizer steps of two
+    micro-batches each are bitwise those of an engine that runs it; ZeRO 1-2 and several ranks keep it."""
+    from eopd_trainer.learner.trainer import skip_lone_allreduce
+
+    assert skip_lone_allreduce(1, 0)
+    assert not any(skip_lone_allreduce(w, z) for w, z in ((2, 0), (1, 1), (1, 2), (1, 3), (4, 2)))
+    cfg = load_config(TINY, ["train.lr=1e-2", "train.warmup_steps=0", "train.mini_batch_size=8",
+                             "train.micro_batch_size=4"])
+    weights = []
+    for skip in (False, True):
+        engine, scheduler = _engine(cfg, 4)
+        assert engine.gradient_accumulation_steps() == 2
+        engine.enable_backward_allreduce = not skip
+        for s in range(4):
+            _optimizer_step(engine, scheduler, s)
+        weights.append([p.detach().clone() for p in engine.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))

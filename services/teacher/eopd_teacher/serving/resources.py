@@ -6,7 +6,7 @@
   also starves the gRPC side and the probes (issue 17, section 3).
 - `MemoryReturner`: glibc keeps freed heap memory in its arenas, so a burst of large requests left
   the process's RSS at its peak for good (issue 17, section 2: 6.5 GB kept after 16 x 63 MiB).
-  At start, large allocations (>= `MMAP_THRESHOLD`) are pinned to mmap (glibc otherwise raises that
+  At start, large allocations (>= `eopd_common.memory.MMAP_THRESHOLD`) are pinned to mmap (glibc otherwise raises that
   threshold dynamically after the first large free, and later large buffers stay on the heap);
   after large messages, a garbage collection frees what reference cycles still hold (an aborted
   call's exception keeps its frames, and so the request, until a full collection, which a process
@@ -22,22 +22,18 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
-import ctypes.util
 import functools
+import gc
 import logging
 import resource
 import time
+
+from eopd_common.memory import libc, resident_bytes, return_large_frees
 
 from .shares import PerClientLimit
 
 log = logging.getLogger("eopd_teacher")
 
-# glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD = -3).
-M_MMAP_THRESHOLD = -3
-# Allocations at least this large are mmapped, so freeing them returns them to the system at once.
-MMAP_THRESHOLD = 1 << 20
 # A request message at least this large schedules a trim once it is done with.
 LARGE_MESSAGE_BYTES = 1 << 20
 # A pass runs once no large message has been done with for this long...
@@ -52,15 +48,6 @@ WATCH_INTERVAL_S = 5.0
 WATCH_GROWTH_BYTES = 32 << 20
 
 
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux: /proc/self/statm), or None elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def raise_open_file_limit() -> tuple[int, int]:
     """Raises the soft open-file limit to the hard one; returns (soft, hard) as they are now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -71,15 +58,6 @@ def raise_open_file_limit() -> tuple[int, int]:
         except (ValueError, OSError) as exc:  # e.g. macOS refuses RLIM_INFINITY: keep the soft limit
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
     return soft, hard
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
 class ByteBudget:
@@ -177,7 +155,7 @@ class MemoryReturner:
     """Returns freed memory to the system after large messages."""
 
     def __init__(self) -> None:
-        self._libc = _libc()
+        self._libc = libc()
         self._timer: asyncio.TimerHandle | None = None
         self._trimming: asyncio.Future | None = None
         self._last_pass = float("-inf")
@@ -188,7 +166,7 @@ class MemoryReturner:
 
     def start(self) -> None:
         """Pins large allocations to mmap and starts the RSS watch (once, on the serving loop)."""
-        if self._libc is not None and not self._libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        if self._libc is not None and not return_large_frees():
             log.warning("mallopt(M_MMAP_THRESHOLD) failed; large buffers may stay on the heap")
         if resident_bytes() is not None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_rss())

@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from eopd_common.memory import release_freed
+
 from ..config import ConfigError, RunConfig, dump_config, load_config
 from ..config.stages import run_needs_teacher
 from ..data import load_prompts
@@ -142,6 +144,8 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
     prompts = load_prompts(cfg.data.train_files, cfg.data.field)
     check_teacher_context(cfg, prompts)  # ConfigError: a record lacks a field of teacher.prompt_template
     total = cfg.total_iterations(len(prompts))
+    del prompts
+    release_freed()  # the student built, the data written: this process only supervises until the evaluation
     check_extent(start, total)
     write_requested(run_dir, requested)
     record = RunRecord(run_dir, keep=start.resumed)

@@ -11,6 +11,8 @@ import logging
 import signal
 import sys
 
+from eopd_common.memory import return_large_frees
+
 from ..config import config_for_process
 from ..queue.lease import LeaseHeld
 from .checkpoint import CheckpointError
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return_large_frees()  # eopd_common.memory: a step's activations and a checkpoint's copies go back
     cfg = config_for_process("eopd-train", args.config, args.overrides, "learner")
     if cfg is None:
         return 2

@@ -30,6 +30,8 @@ import logging
 import time
 from pathlib import Path
 
+from eopd_common.memory import release_freed
+
 from ..config import RunConfig, dump_config
 from ..config.stages import IterationPlan, plan_iteration
 from ..data import load_prompts
@@ -175,6 +177,7 @@ class LearnerLoop:
         self._check_lease()  # fencing: a learner that lost the namespace commits nothing
         t_save = time.monotonic()
         self.trainer.save_checkpoint(iteration, self.state)
+        release_freed()  # the checkpoint's and the export's copies (eopd_common.memory)
         checkpoint_s = time.monotonic() - t_save
         self.faults.hit("learner.after_commit", iteration=iteration)
         self.publish_weights(iteration)

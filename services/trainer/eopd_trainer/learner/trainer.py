@@ -69,6 +69,15 @@ def fused_loss_path(train_cfg, model) -> tuple[bool, str]:
     return True, ""
 
 
+def skip_lone_allreduce(world: int, zero_stage: int) -> bool:
+    """Whether the engine's gradient all-reduce is switched off: one process without ZeRO has
+    nothing to reduce, yet DeepSpeed 0.19 (`buffered_allreduce_fallback`) would still copy every
+    gradient into one flat bucket (the size of the model in float32: 0.5 GB for SmolLM2-135M, at
+    the learner's memory peak), all-reduce it over a group of one and copy it back, every step.
+    ZeRO stages 1-2 reduce through their optimizer and are left alone."""
+    return world == 1 and zero_stage == 0
+
+
 def _quiet_libraries() -> None:
     """No per-file progress bars from transformers / huggingface_hub in the learner's log."""
     transformers.utils.logging.disable_progress_bar()
@@ -121,6 +130,8 @@ class PolicyTrainer:
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
             lr_scheduler=lr_scheduler_factory(cfg, total_steps))
+        if skip_lone_allreduce(self.world, cfg.train.zero_stage):
+            self.engine.enable_backward_allreduce = False
         self.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                       export_hf=cfg.checkpoint.export_hf, rank=self.rank, barrier=barrier,
                                       faults=self.faults)

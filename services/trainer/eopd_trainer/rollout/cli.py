@@ -12,6 +12,8 @@ import signal
 import socket
 import sys
 
+from eopd_common.memory import return_large_frees
+
 from ..config import ConfigError, config_for_process
 from .samplers.base import SamplerUnavailable
 from .teacher_checks import TeacherIncompatible, TokenizerMismatch
@@ -44,6 +46,7 @@ async def _serve(worker: RolloutWorker) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return_large_frees()  # eopd_common.memory: a weight load's copy goes back to the system
     cfg = config_for_process("eopd-rollout", args.config, args.overrides, "rollout")
     if cfg is None:
         return 2
