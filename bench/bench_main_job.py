@@ -12,9 +12,11 @@ memory, plus the peak of the sum over all of them.
     .venv/bin/python -m bench.bench_main_job              # warm: the eval cache as this machine has it
     .venv/bin/python -m bench.bench_main_job --cold       # an empty eval cache: a first run's evaluation
     .venv/bin/python -m bench.bench_main_job --quick      # the tiny preset, 2 iterations: checks the wiring
+    .venv/bin/python -m bench.bench_main_job --cold --label avx2   # another machine, kept beside the others
 
 Run it alone (each job uses the whole machine). Writes the `main_job` section (`main_job_cold` with
---cold) of docs/benchmarks.md and bench/results/main_job[_cold].json (not with --quick).
+--cold, `..._<label>` with --label) of docs/benchmarks.md and bench/results/main_job[_cold][_<label>].json
+(not with --quick).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -158,7 +161,10 @@ def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str]) -> 
 def section_text(data: dict) -> str:
     r = data["result"]
     rest = r["total_s"] - (r["train_s"] or 0) - (r["eval_s"] or 0)
-    head = (f"`python -m bench.bench_main_job{' --cold' if r['cold'] else ''}` on {data.get('machine', 'this machine')} "
+    label = data.get("label")
+    label_title = f" on another machine ({label})" if label else ""
+    command_tail = (" --cold" if r["cold"] else "") + (f" --label {label}" if label else "")
+    head = (f"`python -m bench.bench_main_job{command_tail}` on {data.get('machine', 'this machine')} "
             f"(load average {data.get('load_avg', '?')}): the `{r['preset']}` preset, "
             f"`eopd run` then `eopd report`, the eval cache {'empty (a first run)' if r['cold'] else 'as this machine had it'}.")
     times = markdown_table(["whole job", "training", "evaluation", "the rest (data, student build, teacher start, report)"],
@@ -172,8 +178,8 @@ def section_text(data: dict) -> str:
                             [[role, *(f"{p.get(f, 0) / 1024:.2f}" for f in STATUS_FIELDS)]
                              for role, p in sorted(r["memory"]["per_role"].items(), key=lambda kv: -kv[1]["VmRSS"])])
     return "\n".join([
-        f"## The main job end to end{', a first run' if r['cold'] else ''}: time and memory "
-        f"(`python -m bench.bench_main_job{' --cold' if r['cold'] else ''}`, issue 50 asks 2 and 5)", "",
+        f"## The main job end to end{', a first run' if r['cold'] else ''}{label_title}: time and memory "
+        f"(`python -m bench.bench_main_job{command_tail}`, issue 50 asks 2 and 5)", "",
         head, "", times, "", evals, "",
         f"Peak memory, the sum over the job's processes: **{r['memory']['peak_total_mib'] / 1024:.2f} GiB**"
         + (" (at that instant: " + ", ".join(f"{role} {mib / 1024:.2f}" for role, mib in
@@ -187,6 +193,12 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _label(text: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", text):
+        raise argparse.ArgumentTypeError(f"--label: lower-case letters, digits and '-' (at most 32), not {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="smollm2-cpu")
@@ -194,14 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the tiny preset, 2 iterations; writes no section")
     p.add_argument("--out", type=Path, help="with --quick: where to write the JSON")
     p.add_argument("--run-dir", type=Path, help="keep the run here (default: a temporary directory, removed)")
+    p.add_argument("--label", type=_label, help="another machine's measurement, kept beside the default one: the "
+                   "results go to main_job[_cold]_<label>.json and that section of docs/benchmarks.md")
     p.add_argument("overrides", nargs="*", help="key=value for eopd run")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.overrides = "tiny", ["train.iterations=2", *args.overrides]
     with tempfile.TemporaryDirectory(prefix="eopd-main-job-run-") as tmp:
         run_dir = args.run_dir or Path(tmp) / "run"
-        return measure_and_report(SECTION + ("_cold" if args.cold else ""), lambda: {"result": run_job(args.preset, run_dir, cold=args.cold,
-                                                                      overrides=args.overrides)},
+        name = SECTION + ("_cold" if args.cold else "") + (f"_{args.label}" if args.label else "")
+        return measure_and_report(name, lambda: {"result": run_job(args.preset, run_dir, cold=args.cold,
+                                                                      overrides=args.overrides), "label": args.label},
                                   section_text, quick=args.quick, out=args.out)
 
 

@@ -161,12 +161,22 @@ def header_line(command: str, payload: dict) -> str:
     return f"{command} on {where}, {p['time']}."
 
 
-def write_results(name: str, payload: dict) -> Path:
-    """Writes <results dir>/<name>.json (with the machine, the commit and a timestamp) and returns its path."""
+CHECKOUT_FIELDS = ("commit", "describe", "dirty_files")
+
+
+def write_results(name: str, payload: dict, *, started: dict | None = None) -> Path:
+    """Writes <results dir>/<name>.json (with the machine, the commit and a timestamp) and returns its path.
+    `started`: the provenance taken when the measurement began; its checkout (the code the measured
+    processes loaded) is recorded, and the checkout at the end under `checkout_at_end` if it differs."""
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     prov = provenance()
+    if started is not None:
+        end = {k: prov[k] for k in CHECKOUT_FIELDS}
+        prov = {**prov, **{k: started[k] for k in CHECKOUT_FIELDS}}
+        if end != {k: started[k] for k in CHECKOUT_FIELDS}:
+            prov["checkout_at_end"] = end
     payload = {**payload, "machine": machine_description(prov), **prov,
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
@@ -178,6 +188,7 @@ def measure_and_report(name: str, measure, section_text, *, quick: bool, out: Pa
     prints `section_text(data)`; quick: writes the JSON to `out` (if given) and nothing else; else
     the results file and the `name` section of docs/benchmarks.md. Returns 0."""
     load_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    started = provenance()  # the checkout the measured processes load
     data = measure()
     data["load_avg"] = f"{load_start} -> " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(section_text(data))
@@ -185,7 +196,7 @@ def measure_and_report(name: str, measure, section_text, *, quick: bool, out: Pa
         if out:
             out.write_text(json.dumps(data))
         return 0
-    path = write_results(name, data)
+    path = write_results(name, data, started=started)
     write_section(name, section_text(json.loads(path.read_text())))
     return 0
 

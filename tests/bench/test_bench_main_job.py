@@ -59,3 +59,37 @@ def test_section_renders_times_numbers_and_memory():
     assert "| final | 0.350 | 0.300 | heldout: 60 s, variants: 40 s |" in text
     assert "**6.00 GiB** (at that instant: learner 2.00, teacher 1.00 GiB)" in text and "| learner | 3.00 | 2.00 | 1.00 | 0.00 |" in text
     assert text.index("| learner | 3.00") < text.index("| teacher | 1.00")  # largest first
+
+
+def test_results_record_the_checkout_the_measurement_started_from(monkeypatch, tmp_path):
+    """A long benchmark (the main job: half an hour) records the checkout its processes loaded, the
+    one at its start; a checkout changed during it is recorded beside it, not in its place."""
+    import json
+
+    from bench.report import provenance, write_results
+
+    monkeypatch.setenv("EOPD_BENCH_RESULTS", str(tmp_path))
+    now = provenance()
+    started = {**now, "commit": "0" * 40, "describe": "0000000", "dirty_files": []}
+    written = json.loads(write_results("x", {"result": 1}, started=started).read_text())
+    assert (written["commit"], written["describe"], written["dirty_files"]) == ("0" * 40, "0000000", [])
+    assert written["checkout_at_end"] == {k: now[k] for k in ("commit", "describe", "dirty_files")}
+    assert "eopd@0000000" in written["machine"]
+    same = json.loads(write_results("y", {"result": 1}, started=now).read_text())
+    assert same["commit"] == now["commit"] and "checkout_at_end" not in same
+
+
+def test_a_labelled_machine_gets_its_own_section():
+    """`--label`: another machine's measurement is a section of its own, named in its title and command;
+    a label that is not a plain name is refused."""
+    from bench.bench_main_job import _label, main
+
+    result = {"preset": "smollm2-cpu", "cold": True, "overrides": [], "total_s": 2281.0, "run_s": 2270.0,
+              "train_s": 1312.0, "eval_s": 934.0, "evals": {},
+              "memory": {"peak_total_mib": 6513.0, "per_role": {}, "at_peak_total": {}}}
+    text = section_text({"result": result, "label": "avx2"})
+    assert text.startswith("## The main job end to end, a first run on another machine (avx2): time and memory "
+                           "(`python -m bench.bench_main_job --cold --label avx2`")
+    assert _label("avx2-65gflops") == "avx2-65gflops"
+    with pytest.raises(SystemExit):
+        main(["--label", "../x"])

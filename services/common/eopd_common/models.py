@@ -14,9 +14,11 @@ Nothing is ever downloaded: every spec must resolve to files on this machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib.util
 import json
+import multiprocessing
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,3 +366,13 @@ def materialise_spec(spec: str, out_dir: Path, *, cache_dir: Path | None = None)
         return spec
     base, layers = parsed
     return str(build_layer_subset(base, layers, out_dir, cache_dir=cache_dir))
+
+
+def materialise_spec_apart(spec: str, out_dir: Path, *, cache_dir: Path | None = None) -> str:
+    """`materialise_spec` in a child process when there is a model to load: a long-lived process
+    (`eopd run`'s supervisor) keeps neither the model's freed pages nor the thousand modules loading
+    it imports (about 110 MiB on SmolLM2). Errors are the child's own exceptions, raised here."""
+    if parse_layer_subset(spec) is None:
+        return spec
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(materialise_spec, spec, out_dir, cache_dir=cache_dir).result()

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from eopd_trainer.config import load_config
@@ -78,6 +79,20 @@ def test_layer_subset_student(tmp_path):
     assert torch.equal(sd_sub["model.layers.0.mlp.up_proj.weight"], sd_full["model.layers.1.mlp.up_proj.weight"])
     assert torch.equal(sd_sub["lm_head.weight"], sd_full["lm_head.weight"])
     assert materialise_spec("tiny-random@0[layers=1]", tmp_path / "s") == path  # reused, deterministic
+
+
+def test_layer_subset_built_in_a_child_process_is_the_same_model(tmp_path):
+    """`materialise_spec_apart` (eopd run's supervisor): the child builds the same files, a spec
+    without a subset is returned as is (no child), and the child's error is raised here as itself."""
+    from eopd_common.models import materialise_spec, materialise_spec_apart
+
+    assert materialise_spec_apart("tiny-random@0", tmp_path / "unused") == "tiny-random@0"
+    assert not (tmp_path / "unused").exists()
+    apart = Path(materialise_spec_apart("tiny-random@0[drop=0]", tmp_path / "apart"))
+    here = Path(materialise_spec("tiny-random@0[drop=0]", tmp_path / "here"))
+    assert (apart / "model.safetensors").read_bytes() == (here / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="out of range"):
+        materialise_spec_apart("tiny-random@0[drop=2]", tmp_path / "bad")
 
 
 def test_pruned_student_drops_the_named_layers(tmp_path):

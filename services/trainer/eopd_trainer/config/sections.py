@@ -169,6 +169,7 @@ class TrainConfig(Section):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision (bf16 keeps fp32 master weights).")
     loss_from_hidden: bool = Field(True, description="Use the fused hidden-state loss (no [N, V] logits); ZeRO-3, and students whose logits are transformed after the output projection (Gemma 2 soft-capping, Cohere, Granite), always use the logits.")
+    recompute_mlp: bool = Field(True, description="Gated MLPs (Llama, Qwen, Mistral) keep gate(x) and up(x) for backward and recompute silu(gate) and the product there (learner/swiglu.py): a third of a forward's activations fewer, the same values and gradients. ZeRO-3 keeps the modules' own forward.")
     matmul_precision: Literal["highest", "high", "medium"] = Field(
         "high", description="torch.set_float32_matmul_precision in the learner on CUDA: \"high\" = TF32 matmuls "
         "(10-bit mantissa inputs, fp32 accumulation; the loss and its gradients stay within about 1e-3 relative of "

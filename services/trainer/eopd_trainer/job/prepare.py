@@ -38,7 +38,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from eopd_common.models import materialise_spec, parse_layer_subset, resolve_spec
+from eopd_common.models import materialise_spec, materialise_spec_apart, parse_layer_subset, resolve_spec
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
 from ..config.teachers import teacher_key
@@ -158,7 +158,7 @@ def _generate_data(cfg: RunConfig, data_dir: Path) -> tuple[Path, Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _teacher_spec(cfg: RunConfig, student: str, run_dir: Path) -> str:
+def _teacher_spec(cfg: RunConfig, student: str, run_dir: Path, materialise=materialise_spec) -> str:
     """The teacher spec the teacher process loads: a layer-subset spec is built like the student's
     (`teacher-init/`); the student's own spec is the student's initial weights (`student-init/`:
     self-distillation, usually with teacher.prompt_template)."""
@@ -167,16 +167,18 @@ def _teacher_spec(cfg: RunConfig, student: str, run_dir: Path) -> str:
         return spec
     if spec == cfg.student.model:
         return student
-    return materialise_spec(spec, run_dir / "teacher-init")
+    return materialise(spec, run_dir / "teacher-init")
 
 
-def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = False) -> tuple[RunConfig, dict]:
+def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = False,
+            build_apart: bool = False) -> tuple[RunConfig, dict]:
     """Materialises the run directory; returns the config the processes load (concrete files and
     student directory) and facts for the run's summary. Does not write run.yaml (see
     `prepare_and_write`).
 
     A run directory holding a committed checkpoint: deleted with `overwrite`; else kept with
-    `keep_trained` (`eopd prepare`, `eopd run --resume`); else refused."""
+    `keep_trained` (`eopd prepare`, `eopd run --resume`); else refused. `build_apart`: a layer-subset
+    model is built in a child process (`materialise_spec_apart`; `eopd run`, which lives on)."""
     run_dir = Path(cfg.run_dir).resolve()
     if (run_dir / "checkpoints" / "COMMITTED").exists():
         if overwrite:
@@ -192,8 +194,9 @@ def prepare(cfg: RunConfig, *, overwrite: bool = False, keep_trained: bool = Fal
             train, held = _generate_data(cfg, run_dir / "data")
             data = data.model_copy(update={"train_files": [train], "eval_files": [held]})
             updates["data"] = data
-        student = materialise_spec(cfg.student.model, run_dir / "student-init")
-        teacher = _teacher_spec(cfg, student, run_dir)
+        materialise = materialise_spec_apart if build_apart else materialise_spec
+        student = materialise(cfg.student.model, run_dir / "student-init")
+        teacher = _teacher_spec(cfg, student, run_dir, materialise)
     updates["student"] = cfg.student.model_copy(update={"model": student})
     if teacher != cfg.teacher.model:
         updates["teacher"] = cfg.teacher.model_copy(update={"model": teacher})

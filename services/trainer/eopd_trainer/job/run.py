@@ -140,7 +140,7 @@ def _run(cfg: RunConfig, lock: RunLock, t_start: float, *, overwrite: bool, resu
     if start.note:
         say(start.note)
     requested = cfg
-    cfg, facts = prepare(cfg, keep_trained=start.resumed)
+    cfg, facts = prepare(cfg, keep_trained=start.resumed, build_apart=True)
     prompts = load_prompts(cfg.data.train_files, cfg.data.field)
     check_teacher_context(cfg, prompts)  # ConfigError: a record lacks a field of teacher.prompt_template
     total = cfg.total_iterations(len(prompts))

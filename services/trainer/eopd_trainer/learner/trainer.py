@@ -41,6 +41,7 @@ from .distributed import (
     init_process_group,
     lr_scheduler_factory,
 )
+from .swiglu import recompute_gated_mlps
 from .teacher_head import FullVocabTeacher
 from .weights_out import WeightsOut
 
@@ -116,6 +117,8 @@ class PolicyTrainer:
         model.train()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.step_keys = STEP_METRIC_KEYS + per_teacher_keys(list(cfg.route.mixture))  # route.mixture's per teacher
+        if cfg.train.recompute_mlp and cfg.train.zero_stage < 3:  # ZeRO-3: only a projection's forward gathers it
+            log.info("%d gated MLPs recompute silu(gate) * up in backward (train.recompute_mlp)", recompute_gated_mlps(model))
         self.fused_loss, why = fused_loss_path(cfg.train, model)
         if why:
             log.warning("%s", why)
