@@ -13,6 +13,8 @@ memory, plus the peak of the sum over all of them.
     .venv/bin/python -m bench.bench_main_job --cold       # an empty eval cache: a first run's evaluation
     .venv/bin/python -m bench.bench_main_job --quick      # the tiny preset, 2 iterations: checks the wiring
     .venv/bin/python -m bench.bench_main_job --cold --label avx2   # another machine, kept beside the others
+    .venv/bin/python -m bench.bench_main_job --trace t.json train.iterations=6 checkpoint.every=3 'eval.models=[]'
+                                                          # every 0.5 s sample, for diagnosis (no section)
 
 Run it alone (each job uses the whole machine). Writes the `main_job` section (`main_job_cold` with
 --cold, `..._<label>` with --label) of docs/benchmarks.md and bench/results/main_job[_cold][_<label>].json
@@ -32,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.report import ROOT, markdown_table, measure_and_report
+from bench.report import ROOT, markdown_table, matmul_gflops, measure_and_report
 from eopd_trainer.eval.evaluate import eval_path
 
 SECTION = "main_job"
@@ -62,8 +64,11 @@ class JobMemory:
     (anonymous, file, shared) at that peak; the peak of the sum over the tree, and each role's RSS at
     that instant (`at_peak_total`: what the machine had to hold at once)."""
 
-    def __init__(self, root: int, period_s: float = 0.5):
+    def __init__(self, root: int, period_s: float = 0.5, *, keep_series: bool = False):
         self.root, self.period_s = root, period_s
+        # With keep_series: every sample, {"t": seconds since the start, role: [anonymous, file, shared] MiB}.
+        self.series: list[dict] | None = [] if keep_series else None
+        self._t0 = time.monotonic()
         self.peaks: dict[str, dict[str, float]] = {}
         self.peak_total_mib = 0.0
         self.at_peak_total: dict[str, float] = {}
@@ -94,7 +99,7 @@ class JobMemory:
         return sorted(tree)
 
     def sample(self) -> None:
-        total, now = 0.0, {}
+        total, now, split = 0.0, {}, {}
         for pid in self._tree():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -106,10 +111,13 @@ class JobMemory:
                 continue
             total += mib["VmRSS"]
             now[role] = now.get(role, 0.0) + mib["VmRSS"]
+            split[role] = [a + mib.get(f, 0.0) for a, f in zip(split.get(role, [0.0] * 3), STATUS_FIELDS[1:], strict=True)]
             if mib["VmRSS"] > self.peaks.get(role, {}).get("VmRSS", 0.0):
                 self.peaks[role] = mib
         if total > self.peak_total_mib:
             self.peak_total_mib, self.at_peak_total = total, now
+        if self.series is not None:
+            self.series.append({"t": round(time.monotonic() - self._t0, 2), **{r: [round(x, 1) for x in v] for r, v in split.items()}})
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -128,16 +136,18 @@ def _cold_cache_dir(tmp: Path) -> Path:
     return cold
 
 
-def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str]) -> dict:
+def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str], trace: bool = False) -> dict:
+    """The job, timed, its memory sampled; with `trace`, every sample is kept (`memory.series`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "REDIS_URL")}
     with tempfile.TemporaryDirectory(prefix="eopd-main-job-") as tmp:
         if cold:
             env["EOPD_CACHE_DIR"] = str(_cold_cache_dir(Path(tmp)))
         eopd = [sys.executable, "-m", "eopd_trainer.cli"]
+        speed = matmul_gflops()  # the machine's speed in one number, before the run, on the quiet machine
         t0 = time.monotonic()
         proc = subprocess.Popen([*eopd, "run", "--config", str(PRESETS[preset]), "--overwrite", f"run_dir={run_dir}",
                                  *overrides], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        with JobMemory(proc.pid) as mem:
+        with JobMemory(proc.pid, keep_series=trace) as mem:
             _, err = proc.communicate()
         run_s = time.monotonic() - t0
         if proc.returncode != 0:
@@ -153,9 +163,10 @@ def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str]) -> 
             for model, r in json.loads(path.read_text())["models"].items():
                 evals.setdefault(model, {})[name] = {"avg_at_k": r.get("avg_at_k"), "reused": bool(r.get("cache", {}).get("reused")),
                                                      "eval_s": r.get("eval_s")}
-    return {"preset": preset, "cold": cold, "overrides": overrides, "total_s": total_s, "run_s": run_s,
+    return {"preset": preset, "cold": cold, "overrides": overrides, "matmul_gflops": speed, "total_s": total_s, "run_s": run_s,
             "train_s": summary.get("train_s"), "eval_s": summary.get("eval_s"), "evals": evals,
-            "memory": {"peak_total_mib": mem.peak_total_mib, "per_role": mem.peaks, "at_peak_total": mem.at_peak_total}}
+            "memory": {"peak_total_mib": mem.peak_total_mib, "per_role": mem.peaks, "at_peak_total": mem.at_peak_total,
+                       **({"series": mem.series} if trace else {})}}
 
 
 def section_text(data: dict) -> str:
@@ -164,7 +175,8 @@ def section_text(data: dict) -> str:
     label = data.get("label")
     label_title = f" on another machine ({label})" if label else ""
     command_tail = (" --cold" if r["cold"] else "") + (f" --label {label}" if label else "")
-    head = (f"`python -m bench.bench_main_job{command_tail}` on {data.get('machine', 'this machine')} "
+    speed = f", fp32 1024^3 matmul {r['matmul_gflops']:.0f} GFLOP/s" if r.get("matmul_gflops") else ""
+    head = (f"`python -m bench.bench_main_job{command_tail}` on {data.get('machine', 'this machine')}{speed} "
             f"(load average {data.get('load_avg', '?')}): the `{r['preset']}` preset, "
             f"`eopd run` then `eopd report`, the eval cache {'empty (a first run)' if r['cold'] else 'as this machine had it'}.")
     times = markdown_table(["whole job", "training", "evaluation", "the rest (data, student build, teacher start, report)"],
@@ -208,12 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, help="keep the run here (default: a temporary directory, removed)")
     p.add_argument("--label", type=_label, help="another machine's measurement, kept beside the default one: the "
                    "results go to main_job[_cold]_<label>.json and that section of docs/benchmarks.md")
+    p.add_argument("--trace", type=Path, help="keep every memory sample (each role's anonymous, file-backed and shared "
+                   "MiB every 0.5 s) and write the whole result to this JSON; writes no section (for diagnosis, "
+                   "e.g. with train.iterations=4 'eval.models=[]')")
     p.add_argument("overrides", nargs="*", help="key=value for eopd run")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.overrides = "tiny", ["train.iterations=2", *args.overrides]
     with tempfile.TemporaryDirectory(prefix="eopd-main-job-run-") as tmp:
         run_dir = args.run_dir or Path(tmp) / "run"
+        if args.trace:
+            result = run_job(args.preset, run_dir, cold=args.cold, overrides=args.overrides, trace=True)
+            args.trace.write_text(json.dumps(result) + "\n")
+            mem = result["memory"]
+            print(f"peak of the sum {mem['peak_total_mib']:.0f} MiB: " + ", ".join(
+                f"{role} {mib:.0f}" for role, mib in sorted(mem["at_peak_total"].items(), key=lambda kv: -kv[1])))
+            return 0
         name = SECTION + ("_cold" if args.cold else "") + (f"_{args.label}" if args.label else "")
         return measure_and_report(name, lambda: {"result": run_job(args.preset, run_dir, cold=args.cold,
                                                                       overrides=args.overrides), "label": args.label},

@@ -30,7 +30,7 @@ def test_status_fields_in_mib():
 def test_the_sampler_sees_a_child_under_its_role():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "eopd_trainer.learner"])
     try:
-        mem = JobMemory(os.getpid())
+        mem = JobMemory(os.getpid(), keep_series=True)
         for _ in range(50):
             mem.sample()
             if "learner" in mem.peaks:
@@ -38,6 +38,9 @@ def test_the_sampler_sees_a_child_under_its_role():
         assert mem.peaks["learner"]["VmRSS"] > 1 and mem.peak_total_mib >= mem.peaks["learner"]["VmRSS"]
         assert mem.at_peak_total["learner"] > 1
         assert sum(mem.at_peak_total.values()) == pytest.approx(mem.peak_total_mib)
+        assert len(mem.series) >= 1 and all(s["t"] >= 0 for s in mem.series)
+        anon, file_backed, shared = mem.series[-1]["learner"]  # the child's split, which sums to its RSS
+        assert anon > 0 and anon + file_backed + shared == pytest.approx(mem.peaks["learner"]["VmRSS"], abs=64)
     finally:
         child.kill()
         child.wait()
@@ -84,12 +87,13 @@ def test_a_labelled_machine_gets_its_own_section():
     a label that is not a plain name is refused."""
     from bench.bench_main_job import _label, main
 
-    result = {"preset": "smollm2-cpu", "cold": True, "overrides": [], "total_s": 2281.0, "run_s": 2270.0,
+    result = {"preset": "smollm2-cpu", "cold": True, "overrides": [], "matmul_gflops": 65.4, "total_s": 2281.0, "run_s": 2270.0,
               "train_s": 1312.0, "eval_s": 934.0, "evals": {},
               "memory": {"peak_total_mib": 6513.0, "per_role": {}, "at_peak_total": {}}}
     text = section_text({"result": result, "label": "avx2"})
     assert text.startswith("## The main job end to end, a first run on another machine (avx2): time and memory "
                            "(`python -m bench.bench_main_job --cold --label avx2`")
+    assert "fp32 1024^3 matmul 65 GFLOP/s" in text
     assert _label("avx2-65gflops") == "avx2-65gflops"
     with pytest.raises(SystemExit):
         main(["--label", "../x"])
