@@ -99,7 +99,7 @@ class JobMemory:
         return sorted(tree)
 
     def sample(self) -> None:
-        total, now, split = 0.0, {}, {}
+        total, split = 0.0, {}
         for pid in self._tree():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -110,12 +110,11 @@ class JobMemory:
             if role is None or "VmRSS" not in mib:
                 continue
             total += mib["VmRSS"]
-            now[role] = now.get(role, 0.0) + mib["VmRSS"]
             split[role] = [a + mib.get(f, 0.0) for a, f in zip(split.get(role, [0.0] * 3), STATUS_FIELDS[1:], strict=True)]
             if mib["VmRSS"] > self.peaks.get(role, {}).get("VmRSS", 0.0):
                 self.peaks[role] = mib
         if total > self.peak_total_mib:
-            self.peak_total_mib, self.at_peak_total = total, now
+            self.peak_total_mib, self.at_peak_total = total, {r: sum(v) for r, v in split.items()}  # VmRSS = the three
         if self.series is not None:
             self.series.append({"t": round(time.monotonic() - self._t0, 2), **{r: [round(x, 1) for x in v] for r, v in split.items()}})
 
