@@ -54,8 +54,11 @@ def software() -> dict:
     return out
 
 
-def run(shapes: list[str], batches: list[str], profiles: list[str], clients: int, rounds: int, smoke: bool) -> list[dict]:
-    """Every shape x profile: a random model built on the device (tiny and on the CPU in smoke mode)."""
+def run(shapes: list[str], batches: list[str], profiles: list[str], clients: int, rounds: int, smoke: bool,
+        on_rows=None) -> list[dict]:
+    """Every shape x profile: a random model built on the device (tiny and on the CPU in smoke mode).
+    `on_rows(rows)` is called with the rows so far after each shape x profile (a run cut short by its
+    time limit keeps what it measured)."""
     from bench.bench_teacher import bench_dtype
 
     device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
@@ -74,6 +77,8 @@ def run(shapes: list[str], batches: list[str], profiles: list[str], clients: int
                     r.update(shape=name, profile=profile, params_b=round(shape.params() / 1e9, 2))
                 out += rows
                 _free_cuda()
+                if on_rows is not None:
+                    on_rows(out)
             for f in Path(model_dir).glob("*.safetensors"):  # the disk of a GPU machine is small
                 f.unlink()
     return out
@@ -142,19 +147,30 @@ def main(argv: list[str] | None = None) -> int:
               "`--smoke` runs the same code on the CPU", file=sys.stderr)
         return 0
     t0 = time.perf_counter()
-    rows = run(args.shapes, args.batches, args.profiles, args.clients, args.rounds, args.smoke)
+    planned = len(args.shapes) * len(args.profiles)
+    rows = run(args.shapes, args.batches, args.profiles, args.clients, args.rounds, args.smoke,
+               on_rows=lambda rows: finish(SECTION, rows, args, t0, table, section_text,
+                                           done=len(rows) // len(args.batches), planned=planned))
     return finish(SECTION, rows, args, t0, table, section_text)
 
 
-def finish(section: str, rows: list[dict], args, t0: float, table_fn, section_fn) -> int:
+def finish(section: str, rows: list[dict], args, t0: float, table_fn, section_fn, *, done: int | None = None,
+           planned: int | None = None) -> int:
     """Prints the table; a full (not smoke) run writes bench/results/<section>.json (rows, card,
-    versions, commit) and the docs section rendered from it."""
+    versions, commit) and the docs section rendered from it. `done` of `planned` parts measured so
+    far: written after each part, so that a run its time limit cuts short keeps what it measured
+    (marked incomplete until the last part)."""
     data = {"results": rows, "software": software(), "provenance": provenance(), "minutes": (time.perf_counter() - t0) / 60,
             "args": vars(args)}
-    print(table_fn(rows))
+    if done is not None and planned is not None and done < planned:
+        data["incomplete"] = f"{done} of {planned} planned parts measured (the run stopped or is still going)"
+    print(table_fn(rows), flush=True)
     if not args.smoke:
         path = write_results(section, data)
-        write_section(section, section_fn(json.loads(path.read_text())))
+        text = section_fn(json.loads(path.read_text()))
+        if "incomplete" in data:
+            text += f"\n**Incomplete:** {data['incomplete']}.\n"
+        write_section(section, text)
     return 0
 
 

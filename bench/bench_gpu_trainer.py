@@ -223,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():  # the builders' copies, before the run's processes start
             torch.cuda.empty_cache()
         prompts = write_prompts(tmp / "train.jsonl", max(64, args.batch * args.iterations))
-        rows = [run_once(tmp, run, teacher, student, prompts, args, device) for run in args.runs]
+        rows = []
+        for run in args.runs:  # written after each run: a run cut short by its time limit keeps the earlier ones
+            rows.append(run_once(tmp, run, teacher, student, prompts, args, device))
+            if len(rows) < len(args.runs):
+                finish(SECTION, rows, args, t0, table, section_text, done=len(rows), planned=len(args.runs))
     return finish(SECTION, rows, args, t0, table, section_text)
 
 

@@ -117,9 +117,11 @@ def provenance() -> dict:
         except Exception:  # pragma: no cover
             tv = "no torch"
     dirty = dirty_files()
-    describe = _git("describe", "--always")
+    # a copy of the checkout without its .git (a lent device machine) names its commit in the environment
+    describe = _git("describe", "--always") or os.environ.get("EOPD_DESCRIBE", "")
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv,
-            "commit": _git("rev-parse", "HEAD") or "?", "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
+            "commit": _git("rev-parse", "HEAD") or os.environ.get("EOPD_COMMIT", "?"),
+            "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
             "dirty_files": dirty[:20]}
 
 
