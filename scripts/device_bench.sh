@@ -19,10 +19,11 @@ t0=$SECONDS
 log() { echo "[device_bench $((SECONDS - t0)) s] $*"; }
 
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || log "no nvidia-smi"
-python3 -m venv --system-site-packages /tmp/eopd &&
-  /tmp/eopd/bin/pip install -q --no-index --no-compile --find-links "$WH" -r "$WH/wheelhouse-requirements.txt" &&
-  /tmp/eopd/bin/pip install -q --no-index --no-deps --no-compile "$WH"/eopd-*.whl || { log "install failed"; exit 3; }
-PY=/tmp/eopd/bin/python
+# every carried wheel into a folder of its own, dependencies not resolved (pip in a venv over the system's
+# site-packages did not see the image's numpy); the image's packages stay where they are
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/eopd-site "$WH"/*.whl || { log "install failed"; exit 3; }
+export PYTHONPATH="/tmp/eopd-site${PYTHONPATH:+:$PYTHONPATH}"
+PY=python3
 log "installed; $($PY -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)' 2>&1 | tail -1)"
 
 # shellcheck disable=SC2086

@@ -29,7 +29,7 @@ def _engine(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                           config=build_ds_config(cfg, 1, 8, on_cpu=True),
+                                           config=build_ds_config(cfg, 1, 8),
                                            lr_scheduler=lr_scheduler_factory(cfg, 8))
     return engine
 

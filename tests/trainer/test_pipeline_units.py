@@ -136,7 +136,7 @@ def test_apply_overrides_creates_paths():
 
 def test_ds_config():
     cfg = load_config(TINY, ["train.zero_stage=2", "train.precision=bf16"])
-    ds = build_ds_config(cfg, world_size=2, total_steps=8, on_cpu=True)
+    ds = build_ds_config(cfg, world_size=2, total_steps=8)
     assert ds["train_batch_size"] == 4 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 1 and ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] and ds["optimizer"]["params"]["torch_adam"]

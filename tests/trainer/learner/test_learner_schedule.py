@@ -40,11 +40,11 @@ def test_lr_at_matches_reference(warmup, total, floor):
 
 def test_ds_config_has_no_scheduler_and_refuses_one():
     cfg = load_config(TINY, ["train.zero_stage=2", "train.precision=bf16"])
-    ds = build_ds_config(cfg, world_size=2, total_steps=8, on_cpu=True)
+    ds = build_ds_config(cfg, world_size=2, total_steps=8)
     assert "scheduler" not in ds
     bad = load_config(TINY, ["train.deepspeed={scheduler: {type: WarmupLR}}"])
     with pytest.raises(ValueError, match="train.deepspeed.scheduler"):
-        build_ds_config(bad, world_size=1, total_steps=8, on_cpu=True)
+        build_ds_config(bad, world_size=1, total_steps=8)
 
 
 
@@ -54,7 +54,7 @@ def _engine(cfg, total_steps: int):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=list(model.parameters()), config=build_ds_config(cfg, 1, total_steps, on_cpu=True),
+        model=model, model_parameters=list(model.parameters()), config=build_ds_config(cfg, 1, total_steps),
         lr_scheduler=lr_scheduler_factory(cfg, total_steps))
     return engine, scheduler
 

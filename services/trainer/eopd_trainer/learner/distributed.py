@@ -98,7 +98,7 @@ def lr_scheduler_factory(cfg: RunConfig, total_steps: int):
                                                   total_steps=total_steps, min_ratio=t.min_lr_ratio)
 
 
-def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int, *, on_cpu: bool) -> dict[str, Any]:
+def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int) -> dict[str, Any]:
     """The DeepSpeed config of a run: B_mini rollouts per optimizer step, made of micro-batches
     of `micro_batch_size` per process and gradient accumulation; AdamW. No `scheduler` section:
     the schedule is `lr_scheduler_factory`'s (warm-up + cosine, `lr_at`), and one given in
@@ -111,9 +111,12 @@ def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int, *, on_cpu
     zero: dict[str, Any] = {"stage": t.zero_stage}
     if t.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    optim_params: dict[str, Any] = {"lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay}
-    if on_cpu:
-        optim_params["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA
+    # torch's AdamW on every device. DeepSpeed's FusedAdam is a CUDA op it compiles with nvcc at the first
+    # step (a compiler on every learner host, minutes of start-up), and its builder fails to parse an
+    # arch list such as TORCH_CUDA_ARCH_LIST="9.0a" (int('0a'): the learner died at start on an H200
+    # image that sets it). train.deepspeed.optimizer.params.torch_adam=false asks for FusedAdam.
+    optim_params: dict[str, Any] = {"lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
+                                    "torch_adam": True}
     base = {
         "train_batch_size": t.mini_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

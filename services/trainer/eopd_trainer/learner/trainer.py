@@ -129,7 +129,7 @@ class PolicyTrainer:
             log.info("teacher output head %s (%s, [%d, %d] %s) for loss.support full", head.fingerprint[:16],
                      head.info.model, head.info.vocab_size, head.info.hidden_size, head.info.dtype)
         total_steps = total_iterations * cfg.steps_per_iteration
-        ds_config = build_ds_config(cfg, self.world, total_steps, on_cpu=on_cpu)
+        ds_config = build_ds_config(cfg, self.world, total_steps)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
             lr_scheduler=lr_scheduler_factory(cfg, total_steps))
