@@ -117,11 +117,14 @@ def provenance() -> dict:
         except Exception:  # pragma: no cover
             tv = "no torch"
     dirty = dirty_files()
-    # a copy of the checkout without its .git (a lent device machine) names its commit in the environment
-    describe = _git("describe", "--always") or os.environ.get("EOPD_DESCRIBE", "")
+    if os.environ.get("EOPD_COMMIT"):  # a copy of the checkout whose .git may be stale or absent (a lent
+        # device machine) is named by whoever sent it (scripts/device_bench.sh)
+        return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv,
+                "commit": os.environ["EOPD_COMMIT"], "describe": os.environ.get("EOPD_DESCRIBE") or os.environ["EOPD_COMMIT"][:7],
+                "dirty_files": [], "named_by": "EOPD_COMMIT"}
+    describe = _git("describe", "--always")
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv,
-            "commit": _git("rev-parse", "HEAD") or os.environ.get("EOPD_COMMIT", "?"),
-            "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
+            "commit": _git("rev-parse", "HEAD") or "?", "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
             "dirty_files": dirty[:20]}
 
 

@@ -6,7 +6,7 @@
 # docs/benchmarks.md to $OUT.
 #
 #   (here)   scripts/wheelhouse.sh --python 3.12 --platform manylinux_2_28_x86_64 --out build/wheelhouse-cp312 ...
-#   (device) EOPD_COMMIT=<sha> EOPD_DESCRIBE=<describe> bash scripts/device_bench.sh [TEACHER_S] [TRAINER_S]
+#   (device) EOPD_COMMIT=<sha> bash scripts/device_bench.sh [TEACHER_S] [TRAINER_S]   (commit first: the device copy's .git can be stale)
 #
 # Environment: WHEELHOUSE (default build/wheelhouse-cp312), TEACHER_ARGS, TRAINER_ARGS (extra arguments of
 # each benchmark; the defaults below fit both in about 9 minutes of an H200), OUT (required).

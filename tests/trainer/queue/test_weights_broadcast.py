@@ -22,6 +22,7 @@ from eopd_trainer.queue.weights_broadcast import (
     BroadcastSender,
     Endpoint,
     endpoint_of,
+    indexed,
     split_address,
 )
 from tests.trainer.queue.test_weights_buffer import Small
@@ -203,3 +204,12 @@ def test_nccl_where_it_cannot_run_falls_back_to_files_and_takes_no_rank():
     finally:
         receiver.close()
         sender.close()
+
+
+def test_indexed_device_names_the_current_cuda_device():
+    """A worker configured with student.device=cuda receives on its current CUDA device: NCCL and
+    torch.cuda.set_device need the index (the receiver raised on "cuda" on the first GPU run)."""
+    assert indexed("cuda", current=lambda: 3) == torch.device("cuda", 3)
+    assert indexed(torch.device("cuda", 1), current=lambda: 3) == torch.device("cuda", 1)
+    assert indexed("cpu", current=lambda: 3) == torch.device("cpu")
+

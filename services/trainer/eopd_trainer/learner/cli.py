@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from eopd_common.memory import return_large_frees
 
@@ -20,6 +21,16 @@ from .feed import LearnerAbort
 from .loop import LearnerLoop
 
 log = logging.getLogger("eopd.learner")
+
+
+def raised_outside_eopd(exc: BaseException) -> bool:
+    """Whether the innermost frame of `exc`'s traceback is outside eopd's packages."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return "eopd_" not in Path(tb.tb_frame.f_code.co_filename).as_posix()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             learner.setup()
         except (ValueError, LeaseHeld) as exc:
-            log.error("%s", exc)
+            # eopd's own refusals say what to change; one raised inside a library (DeepSpeed, torch)
+            # keeps its traceback in the log: the message alone ("invalid literal for int() with base
+            # 10: '0a'", the learner's first GPU run) does not say where it came from
+            log.error("%s", exc, exc_info=raised_outside_eopd(exc))
             print(f"eopd-train: {exc}", file=sys.stderr, flush=True)
             return 2
         try:

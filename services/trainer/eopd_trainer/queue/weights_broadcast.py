@@ -105,6 +105,17 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def indexed(device: torch.device | str, current=None) -> torch.device:
+    """`device` with its index: "cuda" names the process's current CUDA device, as `torch.cuda.set_device`
+    and NCCL need (`torch.cuda.set_device(torch.device("cuda"))` raises: the rollout worker's
+    receiver failed so on its first GPU run, student.device=cuda). `current()` gives that index
+    (default `torch.cuda.current_device`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", (current or torch.cuda.current_device)())
+    return device
+
+
 def usable(backend: str) -> None:
     """RuntimeError when this process cannot take part in a `backend` group."""
     if backend == "nccl" and not hasattr(dist, "ProcessGroupNCCL"):
@@ -266,7 +277,7 @@ class BroadcastReceiver:
 
     def __init__(self, endpoint: Endpoint, device: torch.device | str = "cpu"):
         self.endpoint = endpoint
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.signer = broadcast_signer(endpoint.key) if endpoint.key is not None else None
         self.lock = threading.Lock()
         self.stop = threading.Event()
