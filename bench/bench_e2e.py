@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from bench import e2e_report as rep
-from bench.e2e_systems import SYSTEMS, train, trl_python
+from bench.e2e_systems import DEFAULT_SYSTEMS, SYSTEMS, train, trl_python
 from bench.report import ROOT, machine_description, matmul_gflops, provenance, write_results, write_section
 
 SECTION = "e2e_trl"
@@ -305,7 +305,7 @@ def warm_up(systems: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny preset, 2 iterations, seed 0: the wiring; writes no docs")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="smollm2-cpu")
     p.add_argument("--iterations", type=int, default=None, help="default: the preset's")

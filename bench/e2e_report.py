@@ -12,7 +12,9 @@ import statistics
 
 from bench.report import markdown_table
 
-LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, lambda 1)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
+LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, lambda 1)",
+          "eopd-trl-gkd": "eopd (TRL's objective: GKD lambda 1, beta 1, full vocabulary)",
+          "eopd-topk-rkl": "eopd (reverse KL over the student's top-16, tail bucket)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
           "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}
 
 

@@ -34,10 +34,17 @@ from bench.report import ROOT
 # eopd's systems: their loss overrides. `eopd-gkd` is eopd's GKD at lambda 1 (forward KL over the teacher's
 # top-16 on the student's own samples, at every position): the dense-divergence counterpart of TRL's GKD,
 # which separates what the loss does from what the system does.
+# Issue 48's systems (not in the default set, which the vLLM tier's quick run also drives; name them with
+# --systems): `eopd-trl-gkd` is TRL's exact objective trained by eopd (GKD lambda 1, beta 1: the reverse KL
+# over the full vocabulary, the teacher's distributions from its hidden states), what the system alone
+# costs or gains beside `trl-gkd`; `eopd-topk-rkl` the student-top-k reverse KL with its tail bucket.
 EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
-                "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0")}
+                "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
+                "eopd-trl-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full"),
+                "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",)}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
 SYSTEMS = (*EOPD_SYSTEMS, *TRL_SYSTEMS)
+DEFAULT_SYSTEMS = ("eopd", "opd", "eopd-gkd", *TRL_SYSTEMS)
 CLEAN_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "REDIS_URL")  # each system gets what its own defaults say
 
 
