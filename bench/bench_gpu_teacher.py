@@ -148,9 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     planned = len(args.shapes) * len(args.profiles)
-    rows = run(args.shapes, args.batches, args.profiles, args.clients, args.rounds, args.smoke,
-               on_rows=lambda rows: finish(SECTION, rows, args, t0, table, section_text,
-                                           done=len(rows) // len(args.batches), planned=planned))
+
+    def partial(rows: list[dict]) -> None:  # the last part is written once, below
+        done = len(rows) // len(args.batches)
+        if done < planned:
+            finish(SECTION, rows, args, t0, table, section_text, done=done, planned=planned)
+
+    rows = run(args.shapes, args.batches, args.profiles, args.clients, args.rounds, args.smoke, on_rows=partial)
     return finish(SECTION, rows, args, t0, table, section_text)
 
 

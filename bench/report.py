@@ -116,16 +116,16 @@ def provenance() -> dict:
             tv = f"torch {version('torch')}"
         except Exception:  # pragma: no cover
             tv = "no torch"
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv}
+    commit = os.environ.get("EOPD_COMMIT")
+    if commit:  # a copy of the checkout whose .git may be stale or absent (a lent device machine) is named
+        # by whoever sent it (scripts/device_bench.sh)
+        return {**machine, "commit": commit, "describe": os.environ.get("EOPD_DESCRIBE") or commit[:7], "dirty_files": [],
+                "named_by": "EOPD_COMMIT"}
     dirty = dirty_files()
-    if os.environ.get("EOPD_COMMIT"):  # a copy of the checkout whose .git may be stale or absent (a lent
-        # device machine) is named by whoever sent it (scripts/device_bench.sh)
-        return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv,
-                "commit": os.environ["EOPD_COMMIT"], "describe": os.environ.get("EOPD_DESCRIBE") or os.environ["EOPD_COMMIT"][:7],
-                "dirty_files": [], "named_by": "EOPD_COMMIT"}
     describe = _git("describe", "--always")
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv,
-            "commit": _git("rev-parse", "HEAD") or "?", "describe": (describe + ("-dirty" if dirty else "")) if describe else "?",
-            "dirty_files": dirty[:20]}
+    return {**machine, "commit": _git("rev-parse", "HEAD") or "?",
+            "describe": (describe + ("-dirty" if dirty else "")) if describe else "?", "dirty_files": dirty[:20]}
 
 
 def machine_description(prov: dict | None = None) -> str:

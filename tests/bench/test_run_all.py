@@ -160,6 +160,10 @@ def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
     (repo / "src.py").write_text("x = 2\n")
     p = report.provenance()
     assert p["describe"].endswith("-dirty") and p["dirty_files"] == ["src.py"]
+    # A copy sent to a device machine (its .git stale) is named by the sender: scripts/device_bench.sh
+    monkeypatch.setenv("EOPD_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    p = report.provenance()
+    assert (p["commit"], p["describe"], p["dirty_files"]) == ("0123456789abcdef0123456789abcdef01234567", "0123456", [])
     shutil.rmtree(repo)
 
 

@@ -11,10 +11,11 @@ import pytest
 from eopd_trainer.config.load import load_config
 from eopd_trainer.learner.cli import raised_outside_eopd
 from eopd_trainer.learner.distributed import build_ds_config
+from tests.procs import ROOT
 
 
 def test_error_raised_in_eopd_code_is_ours():
-    cfg = load_config("configs/tiny.yaml")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
     cfg.train.deepspeed["scheduler"] = {"type": "WarmupLR"}
     with pytest.raises(ValueError, match="scheduler") as info:
         build_ds_config(cfg, 1, 8)

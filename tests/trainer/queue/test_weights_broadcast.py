@@ -212,4 +212,3 @@ def test_indexed_device_names_the_current_cuda_device():
     assert indexed("cuda", current=lambda: 3) == torch.device("cuda", 3)
     assert indexed(torch.device("cuda", 1), current=lambda: 3) == torch.device("cuda", 1)
     assert indexed("cpu", current=lambda: 3) == torch.device("cpu")
-

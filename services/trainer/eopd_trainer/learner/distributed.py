@@ -112,9 +112,10 @@ def build_ds_config(cfg: RunConfig, world_size: int, total_steps: int) -> dict[s
     if t.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     # torch's AdamW on every device. DeepSpeed's FusedAdam is a CUDA op it compiles with nvcc at the first
-    # step (a compiler on every learner host, minutes of start-up), and its builder fails to parse an
-    # arch list such as TORCH_CUDA_ARCH_LIST="9.0a" (int('0a'): the learner died at start on an H200
-    # image that sets it). train.deepspeed.optimizer.params.torch_adam=false asks for FusedAdam.
+    # step (a compiler on every learner host, minutes of start-up), and its builder cannot parse an arch
+    # list such as TORCH_CUDA_ARCH_LIST="9.0a" (int('0a')). The learner's first GPU run died on that error
+    # with torch's AdamW too: another library parses the list (not yet found; docs/benchmarks.md).
+    # train.deepspeed.optimizer.params.torch_adam=false asks for FusedAdam.
     optim_params: dict[str, Any] = {"lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
                                     "torch_adam": True}
     base = {
