@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -103,6 +104,44 @@ def test_every_version_reaches_every_worker_whole_and_in_another_dtype():
     finally:
         for r in receivers:
             r.close()
+        sender.close()
+
+
+def test_an_announcement_waits_for_the_receiver_still_checking_it(monkeypatch):
+    """The learner announces once its broadcast has gone out; the receiver's thread may still be
+    checking it (or waiting for the GIL). `holding` waits for it (a worker's `gc.collect()` beside
+    the receive made the tiny broadcast run log "cannot load the announced weights" once), and an
+    announcement not held by then is refused as before."""
+    import eopd_trainer.queue.weights_broadcast as wb
+
+    slow = threading.Event()
+    real = wb.checksum
+
+    def slow_checksum(t):
+        if slow.is_set():
+            time.sleep(0.5)
+        return real(t)
+
+    monkeypatch.setattr(wb, "checksum", slow_checksum)
+    endpoint = Endpoint(address=free_address(), workers=1, join_timeout_s=30, timeout_s=30, key=KEY)
+    learner = Small(torch.float32)
+    sender = BroadcastSender(endpoint, learner)
+    receiver = BroadcastReceiver(endpoint).start()
+    try:
+        sender.publish(randomised(learner, 1), version=1, iteration=1)
+        wait_for(lambda: receiver.received == 1, what="version 1")
+        slow.set()
+        pv = sender.publish(randomised(learner, 2), version=2, iteration=2)
+        with pytest.raises(WeightsUnavailable, match="holds sequence 1"):
+            with receiver.holding(pv, arrival_wait_s=0.0):
+                pass
+        with receiver.holding(pv) as tensors:  # waits for the check and the swap
+            assert torch.equal(tensors["scale"], learner.state_dict()["scale"])
+        assert receiver.received == 2
+    finally:
+        slow.clear()
+        sender.finish()
+        receiver.close()
         sender.close()
 
 

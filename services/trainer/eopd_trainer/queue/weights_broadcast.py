@@ -87,6 +87,7 @@ MAGIC = 0x454F5044_42433031  # "EOPDBC01"
 HEADER_LEN = 8  # magic, seq, version, iteration, checksum, payload bytes, layout hash (2 x int64)
 GOODBYE = 0  # the sequence number of the learner's last header: the run is over
 REJOIN_S = 2.0  # a receiver whose group ended tries to join a new one this often
+ARRIVAL_WAIT_S = 5.0  # an announced version still being checked and swapped in by the receiver's thread: waited for this long
 FORM_S = 20.0  # once every worker is admitted: the group forms (and proves the key) within this, else files
 NO_KEY = "no key (weight_sync broadcast needs queue.auth_key_file: eopd run makes one)"
 
@@ -280,6 +281,7 @@ class BroadcastReceiver:
         self.device = indexed(device)
         self.signer = broadcast_signer(endpoint.key) if endpoint.key is not None else None
         self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)  # notified when a version is ready
         self.stop = threading.Event()
         self.ready: torch.Tensor | None = None
         self.ready_header: list[int] | None = None
@@ -301,7 +303,7 @@ class BroadcastReceiver:
             self._thread.join(wait_s)
 
     @contextlib.contextmanager
-    def holding(self, pv: PolicyVersion) -> Iterator[dict[str, torch.Tensor]]:
+    def holding(self, pv: PolicyVersion, arrival_wait_s: float = ARRIVAL_WAIT_S) -> Iterator[dict[str, torch.Tensor]]:
         """The tensors of `pv` (views into the ready buffer; loading copies them out), the lock held
         so that no receive swaps them meanwhile; WeightsUnavailable unless the ready buffer holds the
         announced sequence number and version."""
@@ -309,13 +311,23 @@ class BroadcastReceiver:
         if not want.isdigit():
             raise WeightsUnavailable(f"weight broadcast (version {pv.version}): announcement {pv.sha256!r} names no "
                                      "sequence number")
+        seq = int(want)
         with self.lock:
+            # The learner announces once its broadcast has gone out; this thread may still be
+            # checking and swapping it in (or waiting for the GIL): a joined receiver gets
+            # `arrival_wait_s` to finish before the announcement counts as missed.
+            if self.state == "joined":
+                self.arrived.wait_for(lambda: self._holds_or_passed(seq), timeout=arrival_wait_s)
             header = self.ready_header
-            if header is None or header[1] != int(want) or header[2] != pv.version:
+            if header is None or header[1] != seq or header[2] != pv.version:
                 held = "nothing" if header is None else f"sequence {header[1]} (version {header[2]})"
                 raise WeightsUnavailable(f"weight broadcast: this worker holds {held}, the announcement names sequence "
                                          f"{want} (version {pv.version}) (receiver {self.state})")
             yield self.views
+
+    def _holds_or_passed(self, seq: int) -> bool:
+        """(lock held) The ready buffer holds sequence `seq` or a later one, or the thread left the group."""
+        return (self.ready_header is not None and self.ready_header[1] >= seq) or self.state != "joined"
 
     def _run(self) -> None:
         while not self.stop.is_set():
@@ -402,6 +414,7 @@ class BroadcastReceiver:
                 self.ready_header = got
                 self.views = tensor_views(self.ready, entries, start)
                 self.received += 1
+                self.arrived.notify_all()
 
 
 class _GroupEnded(Exception):
