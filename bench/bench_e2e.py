@@ -5,6 +5,7 @@ in the same process, and TRL's `ServerDistillationTrainer` against eopd-teacher'
 `/v1/completions`, TRL's code unmodified (`bench/e2e_trl.py`, in .venv-vllm where TRL 1.16 is).
 
     .venv/bin/python -m bench.bench_e2e [--seeds 0 1 2] [--systems eopd opd trl-gkd ...] [--phase all]
+    .venv/bin/python -m bench.bench_e2e --layout trl --systems eopd-gkd eopd-trl-gkd --seeds 0  # eopd at TRL's layout
     .venv/bin/python -m bench.bench_e2e --quick [--out FILE]   # tiny preset, minutes: checks the wiring
     eopd bench e2e [--quick]                                  # the same through bench/run_all.py
 
@@ -16,9 +17,10 @@ setting has a counterpart: optimizer (AdamW, lr, betas, eps, no weight decay, gr
 mini-batch, 8) and optimizer steps (the preset's iterations x its steps per iteration, 64), fp32 on
 the CPU, checkpoints at the same share of training; and, checked against TRL 1.16's code (the docs
 section lists where): the stop token in the loss, the prompt masked by position, training samples at
-top-p 1, the same grading. Not matched (listed in the docs section): eopd samples 2 responses per
-prompt (TRL 1 response for each of twice as many prompts) and trains its second mini-batch on
-samples of the previous policy, the loss (EOPD / OPD's sampled-token PPO surrogate; TRL GKD's
+top-p 1, the same grading. Not matched (listed in the docs section): at the preset's layout eopd
+samples 2 responses per prompt (TRL 1 response for each of twice as many prompts) and trains its
+second mini-batch on samples of the previous policy (`--layout trl`: eopd's runs at TRL's layout,
+kept as SYSTEM@trl beside them, issue 47), the loss (EOPD / OPD's sampled-token PPO surrogate; TRL GKD's
 full-vocabulary reverse KL, beta 1; TRL server's top-1 reverse KL with a tail bucket, beta 1, the only
 reverse-KL support its server path has), TRL GKD's loss scale and the warm-up's first step, and each
 system's process layout (TRL: one process, or one plus the teacher server).
@@ -40,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 from bench import e2e_report as rep
-from bench.e2e_systems import DEFAULT_SYSTEMS, SYSTEMS, train, trl_python
+from bench.e2e_systems import DEFAULT_SYSTEMS, LAYOUTS, SYSTEMS, system_key, train, trl_python
 from bench.report import ROOT, machine_description, matmul_gflops, provenance, write_results, write_section
 
 SECTION = "e2e_trl"
@@ -59,9 +61,12 @@ def render_text(tokenizer, text: str, data) -> str:
     return query
 
 
-def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_every: int, quick: bool) -> dict:
+def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_every: int | None, quick: bool,
+                     layout: str = "preset") -> dict:
     """Prepares the shared run directory (data, student) with `eopd prepare` and derives every
-    system's matched settings from the preset's config."""
+    system's matched settings from the preset's config at eopd's `layout` (e2e_systems.LAYOUTS; TRL's
+    settings are the same at every layout: 64 steps of 8 responses). `save_every` (iterations):
+    default a quarter of the run."""
     from eopd_common.model_dirs import materialise_model_dir
     from eopd_common.models import default_cache_dir, load_tokenizer
     from eopd_trainer.config import load_config
@@ -69,13 +74,14 @@ def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_ev
     from eopd_trainer.job.prepare import prepare_and_write
 
     shared = out / "shared"
-    _, cfg = prepare_and_write(load_config(preset, [f"run_dir={shared}"]))
+    _, cfg = prepare_and_write(load_config(preset, [f"run_dir={shared}", *LAYOUTS[layout]]))
     cache = Path(default_cache_dir())
     student = str(materialise_model_dir(cfg.student.model, cache)[0])
     teacher = str(materialise_model_dir(cfg.teacher.model, cache)[0])
     tok = load_tokenizer(student)
     t = cfg.train
     iterations = iterations or t.iterations
+    save_every = save_every or max(1, iterations // 4)
     steps_per_iteration = t.batch_size // t.mini_batch_size
     records = [r for f in cfg.data.train_files for r in read_records(f)]
     steps = iterations * steps_per_iteration
@@ -86,7 +92,7 @@ def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_ev
         if tok(text, add_special_tokens=False)["input_ids"] != want:
             raise RuntimeError(f"the rendered prompt text does not tokenize to eopd's prompt ids: {text[:80]!r}")
     variants = shared / "data" / "heldout_variants.jsonl"
-    return {"preset": preset.stem, "preset_path": str(preset), "shared": str(shared), "student": student, "teacher": teacher,
+    return {"preset": preset.stem, "preset_path": str(preset), "layout": layout, "eopd_overrides": list(LAYOUTS[layout]), "shared": str(shared), "student": student, "teacher": teacher,
             "teacher_dtype": "float32" if cfg.teacher.dtype == "auto" else cfg.teacher.dtype,
             "iterations": iterations, "save_every": save_every, "steps": steps, "steps_per_iteration": steps_per_iteration,
             "save_every_steps": save_every * steps_per_iteration, "batch_size": t.mini_batch_size,
@@ -158,7 +164,7 @@ def run_all(args, settings: dict) -> list[dict]:
     runs = []
     for seed in args.seeds:
         for system in args.systems:
-            name = f"{system}-s{seed}"
+            name = f"{system_key(system, settings['layout'])}-s{seed}"
             run_dir = out / name
             found = _find(f"{name}/trained.json", out, archive)
             if found is None and args.phase in ("all", "train"):
@@ -309,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="smollm2-cpu")
     p.add_argument("--iterations", type=int, default=None, help="default: the preset's")
-    p.add_argument("--save-every", type=int, default=8, help="checkpoint every this many eopd iterations (TRL: the same share)")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="checkpoint every this many eopd iterations (TRL: the same share); default a quarter of the run")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="preset",
+                   help="eopd's data layout (issue 47): the preset's, or TRL's (8 prompts x 1 response per step); its "
+                        "runs are kept as SYSTEM@LAYOUT beside the preset's, TRL's runs are shared")
     p.add_argument("--phase", choices=("all", "train", "eval", "report"), default="all")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "e2e", help="the runs' directories (checkpoints: GBs)")
     p.add_argument("--archive", type=Path, default=ARCHIVE, help="small files of each finished run (resumable across machines)")
@@ -321,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.iterations, args.save_every, args.seeds = "tiny", 2, 1, args.seeds[:1]
         args.runs, args.archive = Path(tempfile.mkdtemp(prefix="eopd-e2e-")), None
     settings = prepare_settings(ROOT / "configs" / f"{args.preset}.yaml", args.runs, iterations=args.iterations,
-                                save_every=args.save_every, quick=args.quick)
+                                save_every=args.save_every, quick=args.quick, layout=args.layout)
     print(f"[e2e] {len(args.systems)} systems x seeds {args.seeds}; {settings['steps']} optimizer steps of "
           f"{settings['batch_size']} responses; TRL runs with {trl_python()}", flush=True)
     if args.phase in ("all", "train") and not args.quick and not args.no_warmup:

@@ -18,6 +18,17 @@ LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, la
           "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}
 
 
+LAYOUT_LABELS = {"trl": "at TRL's layout (8 prompts x 1 response per step)"}
+
+
+def label(system: str) -> str:
+    """A system's name in tables and the figure; an eopd system at another layout says which
+    (`eopd-gkd@trl`, e2e_systems.system_key)."""
+    base, _, layout = system.partition("@")
+    name = LABELS.get(base, base)
+    return f"{name} {LAYOUT_LABELS.get(layout, f'at layout {layout}')}" if layout else name
+
+
 def curve(run: dict, initial: float) -> list[tuple[float, float]]:
     """(training seconds, held-out Avg@k) from time 0 (the initial student) through each checkpoint."""
     return [(0.0, initial)] + [(c["train_s"], c["heldout"]["avg_at_k"]) for c in run["checkpoints"] if "heldout" in c]
@@ -158,7 +169,7 @@ def summary_rows(summary: dict, k: int) -> list[list]:
     for system, s in summary["systems"].items():
         reach = "-" if s["reach_mean_s"] is None else f"{s['reach_mean_s']:.0f} s ({s['reached']} seeds)"
         stay = "-" if s["stay_mean_s"] is None else f"{s['stay_mean_s']:.0f} s ({s['stayed']}), {_ratio_text(s['stay_ratios'], s['stay_mean_s'] is not None)}"
-        rows.append([LABELS.get(system, system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
+        rows.append([label(system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
                      _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
                      reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"] is not None), stay,
                      f"{s['own_reached']} reach it; " + _ratio_text(s["own_ratios"], s["own_mean_s"] is not None),
@@ -181,7 +192,7 @@ def curve_table(runs: list[dict], initial: float) -> str:
         for c in r["checkpoints"]:
             if "heldout" in c:
                 h = c["heldout"]
-                rows.append([LABELS.get(r["system"], r["system"]), r["seed"], c["label"], f"{c['train_s']:.0f}",
+                rows.append([label(r["system"]), r["seed"], c["label"], f"{c['train_s']:.0f}",
                              f"{h['avg_at_k']:.3f}", f"{h['pass_at_k'][max(h['pass_at_k'], key=int)]:.3f}"])
     return markdown_table(["system", "seed", "checkpoint", "training s", "held-out Avg@k", "Pass@k"], rows)
 
@@ -203,7 +214,7 @@ def figure(runs: list[dict], initial: float, target: float | None, path, k: int)
         n = min(len(c) for c in curves)
         ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
         accs = [[c[i][1] for c in curves] for i in range(n)]
-        line, = ax.plot(ts, [statistics.mean(a) for a in accs], marker="o", label=f"{LABELS.get(system, system)} ({len(rs)} seeds)")
+        line, = ax.plot(ts, [statistics.mean(a) for a in accs], marker="o", label=f"{label(system)} ({len(rs)} seeds)")
         if len(rs) > 1:
             ax.fill_between(ts, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.15)
     if target is not None:

@@ -43,6 +43,23 @@ EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-trl-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full"),
                 "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",)}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
+# eopd's data layouts (issue 47): the preset's own (8 prompts x 2 responses, 2 optimizer steps per
+# iteration, 32 iterations) and TRL's (8 distinct prompts x 1 response per optimizer step, one step per
+# iteration, 64 iterations): the same 512 responses in 64 steps of 8. TRL's runs are the same at both.
+LAYOUTS = {"preset": (), "trl": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8",
+                                 "train.iterations=64")}
+
+
+def system_key(system: str, layout: str) -> str:
+    """The name a run is kept under: an eopd system at a layout other than the preset's carries it
+    (`eopd-gkd@trl`); TRL's systems have one layout."""
+    return f"{system}@{layout}" if layout != "preset" and system in EOPD_SYSTEMS else system
+
+
+def base_system(key: str) -> tuple[str, str]:
+    """`system_key`'s inverse: (system, layout)."""
+    system, _, layout = key.partition("@")
+    return system, layout or "preset"
 SYSTEMS = (*EOPD_SYSTEMS, *TRL_SYSTEMS)
 DEFAULT_SYSTEMS = ("eopd", "opd", "eopd-gkd", *TRL_SYSTEMS)
 CLEAN_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "REDIS_URL")  # each system gets what its own defaults say
@@ -241,8 +258,12 @@ def train_trl(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
 
 
 def train(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
+    """One timed run; an eopd system at `settings["layout"]` (its overrides in `settings["eopd_overrides"]`)
+    is kept under `system_key`."""
     if system in EOPD_SYSTEMS:
-        return train_eopd(system, seed, run_dir, settings)
+        trained = train_eopd(system, seed, run_dir, settings)
+        trained.system = system_key(system, settings.get("layout", "preset"))
+        return trained
     if system in TRL_SYSTEMS:
         return train_trl(system, seed, run_dir, settings)
     raise ValueError(f"system {system!r}: one of {SYSTEMS}")

@@ -108,3 +108,43 @@ def test_each_seeds_own_target_gives_every_seed_a_ratio():
     assert e["own_s"] == pytest.approx([200.0, 55.0]) and t["own_s"] == pytest.approx([100.0, 120.0])
     assert t["own_ratios"] == pytest.approx([100 / 200, 120 / 55])
     assert f"{(0.5 + 120 / 55) / 2:.2f}x (0.50-2.18, 2 seeds)" in summary_table(s, 4)
+
+
+def test_an_eopd_system_at_another_layout_is_kept_and_labelled_apart():
+    """`bench_e2e --layout trl` (issue 47/48): eopd's systems at TRL's layout are runs of their own
+    (`eopd-gkd@trl`) beside the preset's; TRL's systems have one layout and keep their names."""
+    from bench.e2e_report import label
+    from bench.e2e_systems import LAYOUTS, base_system, system_key
+
+    assert system_key("eopd-gkd", "trl") == "eopd-gkd@trl" and base_system("eopd-gkd@trl") == ("eopd-gkd", "trl")
+    assert system_key("eopd-gkd", "preset") == "eopd-gkd" and base_system("eopd-gkd") == ("eopd-gkd", "preset")
+    assert system_key("trl-gkd", "trl") == "trl-gkd"
+    assert label("eopd-gkd@trl") == "eopd (GKD, lambda 1) at TRL's layout (8 prompts x 1 response per step)"
+    assert label("eopd-gkd") == "eopd (GKD, lambda 1)"
+    # the same 512 responses in 64 optimizer steps of 8 as the preset's 32 iterations x 16
+    assert LAYOUTS["trl"] == ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64")
+    from scripts.layout_ablation import LAYOUTS as ABLATION_LAYOUTS  # the training-split grid's cell of that name
+
+    assert ABLATION_LAYOUTS["trl"] == LAYOUTS["trl"]
+    runs = [_run("eopd-gkd", 0, [(100, 0.3), (200, 0.4)]), _run("eopd-gkd@trl", 0, [(120, 0.4), (240, 0.5)])]
+    summary = summarise(runs, initial=0.2, reference="eopd-gkd")
+    assert set(summary["systems"]) == {"eopd-gkd", "eopd-gkd@trl"}
+    assert summary["systems"]["eopd-gkd@trl"]["reach_s"] == pytest.approx([120.0])
+    assert "at TRL's layout" in summary_table(summary, 4)
+
+
+def test_the_head_to_head_settings_at_trls_layout(tmp_path):
+    """`bench_e2e --layout trl` on the tiny preset: eopd runs 8 prompts x 1 response, one optimizer step
+    an iteration, for the same 64 steps of 8 responses TRL runs, checkpointed at the same share."""
+    from bench.bench_e2e import prepare_settings
+    from bench.report import ROOT
+
+    preset = ROOT / "configs" / "tiny.yaml"
+    trl = prepare_settings(preset, tmp_path, iterations=None, save_every=None, quick=True, layout="trl")
+    assert (trl["layout"], trl["iterations"], trl["steps_per_iteration"], trl["batch_size"]) == ("trl", 64, 1, 8)
+    assert (trl["steps"], trl["save_every"], trl["save_every_steps"], trl["samples_per_prompt"]) == (64, 16, 16, 1)
+    assert trl["eopd_overrides"] == ["rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8",
+                                     "train.iterations=64"]
+    preset_settings = prepare_settings(preset, tmp_path, iterations=None, save_every=None, quick=True)
+    assert preset_settings["eopd_overrides"] == [] and preset_settings["layout"] == "preset"
+    assert preset_settings["save_every"] == max(1, preset_settings["iterations"] // 4)
