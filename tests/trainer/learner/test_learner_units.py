@@ -295,3 +295,59 @@ def test_metrics_sink_sets_every_gauge_before_the_record_reaches_the_file(tmp_pa
     sink.close()
     assert seen == [{"iter_loss": 1.5, "iter_idle_frac": 0.25}]
     assert '"iter/idle_frac": 0.25' in (tmp_path / "order_check_metrics.jsonl").read_text()
+
+
+class _ArchProbe:
+    """DeepSpeed's own CUDA op builder (never built): its `compute_capability_args` is the parser of
+    TORCH_CUDA_ARCH_LIST that killed the learner on a lent H200 ('0a', from a `9.0a` entry)."""
+
+    @staticmethod
+    def args(monkeypatch, value: str) -> list[str]:
+        from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+        class Probe(CUDAOpBuilder):
+            BUILD_VAR, NAME = "DS_BUILD_EOPD_PROBE", "eopd_probe"
+
+            def __init__(self):
+                super().__init__(name=self.NAME)
+
+            def absolute_name(self):
+                return self.NAME
+
+            def sources(self):
+                return []
+
+        probe = Probe()
+        probe.jit_mode = True
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        return probe.compute_capability_args()
+
+
+@pytest.mark.parametrize("value, want", [
+    ("9.0a", "9.0"), ("8.0 8.6 9.0a", "8.0;8.6;9.0"), ("9.0;9.0a;10.0f+PTX", "9.0;10.0+PTX"),
+    ("12.0a+PTX", "12.0+PTX"), ("8.0;9.0", None), ("7.5 8.0+PTX", None), ("", None),
+])
+def test_the_arch_list_is_cut_to_what_deepspeed_parses(monkeypatch, value, want):
+    from eopd_trainer.learner.distributed import deepspeed_arch_list
+
+    assert deepspeed_arch_list(value) == want
+    if want is not None:
+        with pytest.raises(ValueError, match="invalid literal for int"):  # DeepSpeed 0.19, as on the H200
+            _ArchProbe.args(monkeypatch, value)
+        _ArchProbe.args(monkeypatch, want)  # parses
+
+
+def test_the_learner_start_adapts_the_arch_list(tmp_path):
+    """`init_process_group` (the learner's first step) rewrites a variant list for its own process and says so."""
+    import subprocess
+    import sys
+
+    code = ("import logging, os; logging.basicConfig(level=logging.INFO); "
+            "from eopd_trainer.learner.distributed import init_process_group; "
+            "print(init_process_group('gloo'), os.environ['TORCH_CUDA_ARCH_LIST'])")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    res = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_CUDA_ARCH_LIST": "8.0 9.0a"},
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("(0, 1) 8.0;9.0")
+    assert "TORCH_CUDA_ARCH_LIST '8.0 9.0a' -> '8.0;9.0'" in res.stderr

@@ -5,6 +5,7 @@ bytes from rank 0, and gathering ZeRO-3 parameters for exports."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -14,6 +15,8 @@ import torch
 
 from ..batching import gradient_accumulation_steps
 from ..config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +141,30 @@ def loopback_interface() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
+def deepspeed_arch_list(value: str) -> str | None:
+    """`TORCH_CUDA_ARCH_LIST` as DeepSpeed 0.19 can parse it, or None when it already can.
+
+    CUDA images list architecture variants (`9.0a`, `10.0f`, with or without `+PTX`); DeepSpeed's op
+    builder takes each entry's minor version with `int()` and fails on them ("invalid literal for
+    int() with base 10: '0a'": the learner died at start on a lent H200, docs/benchmarks.md;
+    deepspeedai/DeepSpeed#8619 is the open fix). eopd builds no DeepSpeed ops, so the base
+    architecture is enough: `9.0a` -> `9.0`, `10.0f+PTX` -> `10.0+PTX`, separators `;`, duplicates once."""
+    out: list[str] = []
+    changed = False
+    for entry in value.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        arch, plus, rest = entry.partition("+")
+        major, dot, minor = arch.partition(".")
+        digits = minor.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        if dot and major.isdigit() and digits.isdigit() and digits != minor:
+            entry, changed = f"{major}.{digits}{plus}{rest}", True
+        if entry not in out:
+            out.append(entry)
+    return ";".join(out) if changed else None
+
+
 def init_process_group(backend: str = "") -> tuple[int, int]:
     """Starts torch.distributed through DeepSpeed (env:// rendezvous from torchrun / the deepspeed
     launcher). Returns (rank, world_size).
@@ -148,6 +175,11 @@ def init_process_group(backend: str = "") -> tuple[int, int]:
     GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise. Several ranks rendezvous as their launcher
     says (torchrun's store listens where torchrun puts it); those variables name the interface their
     collectives use."""
+    parsable = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    if parsable is not None:
+        log.info("TORCH_CUDA_ARCH_LIST %r -> %r in the learner: DeepSpeed 0.19 cannot parse architecture variants "
+                 "(deepspeedai/DeepSpeed#8619); eopd builds no DeepSpeed ops", os.environ["TORCH_CUDA_ARCH_LIST"], parsable)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = parsable
     import deepspeed
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
