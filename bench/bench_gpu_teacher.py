@@ -59,7 +59,7 @@ def run(shapes: list[str], batches: list[str], profiles: list[str], clients: int
     """Every shape x profile: a random model built on the device (tiny and on the CPU in smoke mode).
     `on_rows(rows)` is called with the rows so far after each shape x profile (a run cut short by its
     time limit keeps what it measured)."""
-    from bench.bench_teacher import bench_dtype
+    from bench.bench_teacher import bench_dtype, load_engine
 
     device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
     out = []
@@ -70,15 +70,21 @@ def run(shapes: list[str], batches: list[str], profiles: list[str], clients: int
             model_dir = write_random_model(Path(tmp) / name, shape, role="teacher", dtype=dtype, device=device)
             built_s = time.perf_counter() - t0
             print(f"[gpu_teacher] {name}: {shape.params() / 1e9:.2f}B parameters, built and saved in {built_s:.1f} s", flush=True)
-            for profile in profiles:
-                rows = bench_dtype("transformers", dtype, [parse_batch(b) for b in batches], 16, rounds,
-                                   sorted({1, clients}), model=str(model_dir), server_args=PROFILES[profile], device=device)
-                for r in rows:
-                    r.update(shape=name, profile=profile, params_b=round(shape.params() / 1e9, 2))
-                out += rows
+            engine = load_engine("transformers", dtype, str(model_dir), device)  # once for every profile
+            try:
+                for profile in profiles:
+                    rows = bench_dtype("transformers", dtype, [parse_batch(b) for b in batches], 16, rounds,
+                                       sorted({1, clients}), model=str(model_dir), server_args=PROFILES[profile],
+                                       device=device, engine=engine)
+                    for r in rows:
+                        r.update(shape=name, profile=profile, params_b=round(shape.params() / 1e9, 2))
+                    out += rows
+                    _free_cuda()
+                    if on_rows is not None:
+                        on_rows(out)
+            finally:
+                engine.shutdown()
                 _free_cuda()
-                if on_rows is not None:
-                    on_rows(out)
             for f in Path(model_dir).glob("*.safetensors"):  # the disk of a GPU machine is small
                 f.unlink()
     return out

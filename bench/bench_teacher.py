@@ -160,16 +160,26 @@ def breakdown_text(b: dict[str, float]) -> str:
     return " / ".join(f"{100 * b[k]:.1f}%" for k in ("engine", "copy", "split", "encode", "other"))
 
 
-def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, rounds: int, concurrency: list[int],
-                model: str = "smollm2-135m", server_args: tuple[str, ...] = (), device: str = "auto") -> list[dict]:
-    """Every configuration of one engine and dtype: the engine in this process, the server (started
-    with `server_args` more) in a subprocess; `model` any model spec, `device` the engine's."""
+def load_engine(engine_name: str, dtype: str, model: str, device: str = "auto"):
+    """The in-process engine `bench_dtype` measures (loaded; the caller shuts it down)."""
     from eopd_teacher.engines import create_engine
     from eopd_teacher.settings import TeacherSettings
-    from eopd_teacher.types import ScoreItem
 
     eng = create_engine(TeacherSettings(model=model, dtype=dtype, engine=engine_name, device=device))
     eng.load()
+    return eng
+
+
+def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, rounds: int, concurrency: list[int],
+                model: str = "smollm2-135m", server_args: tuple[str, ...] = (), device: str = "auto",
+                engine=None) -> list[dict]:
+    """Every configuration of one engine and dtype: the engine in this process, the server (started
+    with `server_args` more) in a subprocess; `model` any model spec, `device` the engine's. `engine`:
+    one already loaded by `load_engine` (kept open: several server settings measured beside one
+    engine load the model once), else loaded here and shut down at the end."""
+    from eopd_teacher.types import ScoreItem
+
+    eng = engine if engine is not None else load_engine(engine_name, dtype, model, device)
     tokens_per_batch = max(c["sequences"] * c["length"] for c in configs)
     server = _Server(engine_name, dtype, tokens_per_batch, model, ("--device", device, *server_args))
     on_cuda = str(getattr(eng, "_device", "cpu")).startswith("cuda")
@@ -240,7 +250,8 @@ def bench_dtype(engine_name: str, dtype: str, configs: list[dict], top_k: int, r
             print(json.dumps({k: v for k, v in r.items() if k != "rounds"}), flush=True)
     finally:
         server.stop()
-        eng.shutdown()
+        if engine is None:
+            eng.shutdown()
     return out
 
 
