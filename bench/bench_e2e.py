@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 from bench import e2e_report as rep
-from bench.e2e_systems import DEFAULT_SYSTEMS, LAYOUTS, SYSTEMS, system_key, train, trl_python
+from bench.e2e_systems import DEFAULT_SYSTEMS, EOPD_SYSTEMS, LAYOUTS, SYSTEMS, base_system, system_key, train, trl_python
 from bench.report import ROOT, machine_description, matmul_gflops, provenance, write_results, write_section
 
 SECTION = "e2e_trl"
@@ -62,11 +62,12 @@ def render_text(tokenizer, text: str, data) -> str:
 
 
 def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_every: int | None, quick: bool,
-                     layout: str = "preset") -> dict:
+                     layout: str = "preset", eval_samples: int | None = None) -> dict:
     """Prepares the shared run directory (data, student) with `eopd prepare` and derives every
     system's matched settings from the preset's config at eopd's `layout` (e2e_systems.LAYOUTS; TRL's
     settings are the same at every layout: 64 steps of 8 responses). `save_every` (iterations):
-    default a quarter of the run."""
+    default a quarter of the run; `eval_samples`: responses per held-out problem when grading (Avg@k;
+    default the preset's)."""
     from eopd_common.model_dirs import materialise_model_dir
     from eopd_common.models import default_cache_dir, load_tokenizer
     from eopd_trainer.config import load_config
@@ -100,7 +101,8 @@ def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_ev
             "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio, "weight_decay": t.weight_decay,
             "betas": list(t.betas), "eps": t.eps, "grad_clip": t.grad_clip, "max_new_tokens": cfg.rollout.max_response_length,
             "temperature": cfg.rollout.temperature, "prompts": prompts, "n_train_prompts": len(prompts),
-            "eval_overrides": list(QUICK_EVAL) if quick else [], "eval_n": cfg.eval.n_samples if not quick else 2,
+            "eval_overrides": [*(QUICK_EVAL if quick else ()), *([f"eval.n_samples={eval_samples}"] if eval_samples else [])],
+            "eval_n": eval_samples or (2 if quick else cfg.eval.n_samples),
             "variants_file": str(variants) if variants.is_file() else ""}
 
 
@@ -109,6 +111,16 @@ def _find(name: str, out: Path, archive: Path | None) -> Path | None:
         if base is not None and (base / name).is_file():
             return base / name
     return None
+
+
+def check_graded_at(evaluated: Path, k: int) -> None:
+    """An evaluation found in --runs or --archive was graded at `k` samples per problem, or a clear
+    error: runs graded at another Avg@k never enter one table (give them an archive of their own)."""
+    models = json.loads(evaluated.read_text())["models"]
+    other = sorted({m["n_samples"] for m in models.values() if m.get("n_samples") != k})
+    if other:
+        raise SystemExit(f"bench_e2e: {evaluated} was graded at {other} samples per problem, this run grades at {k} "
+                         "(--eval-samples): use another --archive and --runs for it")
 
 
 def _eval_dir(run_dir: Path, settings: dict) -> Path:
@@ -140,6 +152,7 @@ def evaluate_initial(settings: dict, out: Path, archive: Path | None) -> Path:
 
     found = _find("initial/eval.json", archive, None) or _find("initial/eval/eval.json", out, None)
     if found is not None:
+        check_graded_at(found, settings["eval_n"])
         return found
     d = _eval_dir(out / "initial", settings)
     if not (d / "eval.json").is_file():
@@ -183,6 +196,8 @@ def run_all(args, settings: dict) -> list[dict]:
                 continue
             trained = json.loads(found.read_text())
             evaluated = _find(f"{name}/eval.json", out, archive) or _find(f"{name}/eval/eval.json", out, archive)
+            if evaluated is not None:
+                check_graded_at(evaluated, settings["eval_n"])
             if args.phase in ("all", "eval") and (evaluated is None or not _complete(evaluated, trained)):
                 if not all(Path(c["path"]).is_dir() for c in trained["checkpoints"]):
                     print(f"[e2e] {name}: its checkpoints are gone; not evaluated", flush=True)
@@ -221,6 +236,29 @@ def _with_accuracy(trained: dict, evaluated: Path) -> dict:
     return run
 
 
+def layout_text(runs: list[dict], st: dict) -> str:
+    """What the head-to-head says of eopd's data layout, per layout its runs were trained at (each
+    run's own recorded settings: `--layout` changes them; TRL: 1 response to each of 8 prompts per step)."""
+    by_layout: dict[str, dict] = {}
+    for r in runs:
+        system, layout = base_system(r["system"])
+        if system in EOPD_SYSTEMS:
+            by_layout.setdefault(layout, r.get("settings") or st)
+    out = []
+    for layout, rs in sorted(by_layout.items(), key=lambda kv: kv[0] != "preset"):
+        who = "eopd's runs" if layout == "preset" else f"eopd's runs marked @{layout}"
+        n, p, spi, bs = rs["samples_per_prompt"], rs["prompts_per_iteration"], rs["steps_per_iteration"], rs["batch_size"]
+        if n == 1 and spi == 1:
+            out.append(f"Data layout, matched for {who}: 1 response for each of {p} prompts per optimizer step, one step "
+                       "per iteration, a fresh sample for every step, as TRL.")
+        else:
+            out.append(f"Data layout, not matched for {who}: {n} responses for each of {p} prompts per iteration (TRL: 1 "
+                       f"response for each of {bs} prompts per step, so TRL sees {n}x as many distinct prompts), "
+                       f"{'the second' if spi == 2 else f'the last {spi - 1}'} of its {spi} mini-batches per iteration "
+                       "trained on samples of an older policy (TRL samples afresh for every step).")
+    return " ".join(out)
+
+
 def section_text(data: dict) -> str:
     s, k = data["summary"], data["eval_n"]
     st = data["settings"]
@@ -243,11 +281,8 @@ def section_text(data: dict) -> str:
         "tokens of its chat template, is attended to and never scored (TRL masks it by position); training samples "
         "are drawn at temperature 1, top-p 1, no top-k, up to {mx} tokens, stopping at `<|im_end|>`, in every system; "
         "grading is the same command for every system (top-p 0.8 there, for all); loss temperature 1, dropout off, "
-        "no gradient accumulation, no prompt truncated. "
-        "Not matched: eopd samples {n} responses for each of {p} prompts per iteration (TRL: 1 response for each of "
-        "{bs} prompts per step, so TRL sees twice as many distinct prompts), and trains the second of its {spi} "
-        "mini-batches per iteration on samples of the policy one step older (TRL samples afresh for every step); "
-        "TRL GKD's loss scale: GKDTrainer divides the batch's summed per-token KL by `num_items_in_batch`, which "
+        "no gradient accumulation, no prompt truncated. {layout} "
+        "Not matched: TRL GKD's loss scale: GKDTrainer divides the batch's summed per-token KL by `num_items_in_batch`, which "
         "transformers counts from the dataset's labels before the completions are generated (the empty assistant "
         "turn's 2 tokens per example: 16 for 8 examples), a constant where eopd (and TRL's server trainer) take the "
         "token mean of the mini-batch, so its gradients are a few times larger (AdamW is indifferent to a constant "
@@ -260,8 +295,7 @@ def section_text(data: dict) -> str:
         "path allows); the process layout (eopd: teacher service, rollout worker, Redis and learner processes; TRL "
         "GKD: one process; TRL server: the trainer plus the teacher server).".format(
             lr=st["lr"], b=tuple(st["betas"]), eps=st["eps"], gc=st["grad_clip"], w=st["warmup_steps"], bs=st["batch_size"],
-            steps=st["steps"], temp=st["temperature"], n=st["samples_per_prompt"], p=st["prompts_per_iteration"],
-            mx=st["max_new_tokens"], spi=st["steps_per_iteration"]), "",
+            steps=st["steps"], temp=st["temperature"], mx=st["max_new_tokens"], layout=layout_text(data["runs"], st)), "",
         f"Initial student: held-out Avg@{k} {s['initial']:.3f}. Target: eopd's (EOPD) final held-out Avg@{k}, mean over "
         f"its seeds: " + ("-" if s["target"] is None else f"{s['target']:.3f}") + ". Three readings of the time to it, each "
         "a ratio to eopd's time paired by seed: the first crossing (interpolated between checkpoints); the time from which "
@@ -317,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=None, help="default: the preset's")
     p.add_argument("--save-every", type=int, default=None,
                    help="checkpoint every this many eopd iterations (TRL: the same share); default a quarter of the run")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help="responses per held-out problem when grading (Avg@k; default the preset's eval.n_samples)")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="preset",
                    help="eopd's data layout (issue 47): the preset's, or TRL's (8 prompts x 1 response per step); its "
                         "runs are kept as SYSTEM@LAYOUT beside the preset's, TRL's runs are shared")
@@ -331,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.iterations, args.save_every, args.seeds = "tiny", 2, 1, args.seeds[:1]
         args.runs, args.archive = Path(tempfile.mkdtemp(prefix="eopd-e2e-")), None
     settings = prepare_settings(ROOT / "configs" / f"{args.preset}.yaml", args.runs, iterations=args.iterations,
-                                save_every=args.save_every, quick=args.quick, layout=args.layout)
+                                save_every=args.save_every, quick=args.quick, layout=args.layout,
+                                eval_samples=args.eval_samples)
     print(f"[e2e] {len(args.systems)} systems x seeds {args.seeds}; {settings['steps']} optimizer steps of "
           f"{settings['batch_size']} responses; TRL runs with {trl_python()}", flush=True)
     if args.phase in ("all", "train") and not args.quick and not args.no_warmup:

@@ -148,3 +148,26 @@ def test_the_head_to_head_settings_at_trls_layout(tmp_path):
     preset_settings = prepare_settings(preset, tmp_path, iterations=None, save_every=None, quick=True)
     assert preset_settings["eopd_overrides"] == [] and preset_settings["layout"] == "preset"
     assert preset_settings["save_every"] == max(1, preset_settings["iterations"] // 4)
+
+
+def test_the_section_says_each_eopd_layout_and_refuses_another_avg_at_k(tmp_path):
+    """The head-to-head's text names eopd's data layout per layout its runs were trained at (their own
+    recorded settings), and runs graded at another Avg@k never enter one table (`--eval-samples`)."""
+    import json
+
+    from bench.bench_e2e import check_graded_at, layout_text
+
+    preset = {"samples_per_prompt": 2, "prompts_per_iteration": 8, "steps_per_iteration": 2, "batch_size": 8}
+    trl = {"samples_per_prompt": 1, "prompts_per_iteration": 8, "steps_per_iteration": 1, "batch_size": 8}
+    runs = [{"system": "eopd", "settings": preset}, {"system": "eopd-gkd@trl", "settings": trl},
+            {"system": "trl-gkd", "settings": trl}]
+    text = layout_text(runs, preset)
+    assert text.startswith("Data layout, not matched for eopd's runs: 2 responses for each of 8 prompts per iteration")
+    assert "the second of its 2 mini-batches" in text
+    assert "Data layout, matched for eopd's runs marked @trl: 1 response for each of 8 prompts per optimizer step" in text
+    assert layout_text(runs[2:], preset) == ""  # TRL's runs alone: nothing to say of eopd's
+    graded = tmp_path / "eval.json"
+    graded.write_text(json.dumps({"models": {"it8": {"n_samples": 4}, "it16": {"n_samples": 4}}}))
+    check_graded_at(graded, 4)
+    with pytest.raises(SystemExit, match=r"graded at \[4\] samples per problem, this run grades at 8"):
+        check_graded_at(graded, 8)
