@@ -11,7 +11,9 @@ from .load import (
     dump_config,
     env_overrides,
     load_config,
+    loss_defaults_note,
     parse_override,
+    with_loss_defaults,
 )
 from .base import ConfigError
 from .sections import (
@@ -59,5 +61,7 @@ __all__ = [
     "dump_config",
     "env_overrides",
     "load_config",
+    "loss_defaults_note",
     "parse_override",
+    "with_loss_defaults",
 ]

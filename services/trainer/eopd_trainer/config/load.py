@@ -116,8 +116,91 @@ def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{p}: the top level must be a mapping")
         _resolve_paths(loaded, p.resolve().parent)
         data = loaded
-    data = apply_overrides(data, env_overrides() + list(overrides))
-    return config_from_dict(data)
+    overrides = env_overrides() + list(overrides)
+    return config_from_dict(with_loss_defaults(data, overrides))
+
+
+PER_LOSS = "per_loss"
+
+
+def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`data` with the `per_loss` defaults of the run's loss merged in, then `overrides` on top.
+
+    `per_loss: {VARIANT: partial config}` (a preset's section, issue 47) holds what a loss wants other
+    than the preset's general settings, e.g. its data layout: applied when `loss.variant` (after the
+    overrides) names it, over the file's values and under every override, so `loss.variant=gkd` brings
+    gkd's layout and `loss.variant=gkd train.batch_size=16` still trains batches of 16. The section
+    itself is not part of the result (the effective config a run writes is complete without it;
+    `per_loss={}` turns it off). Every entry must be a valid config over the file's, whichever loss runs."""
+    staged = apply_overrides(data, overrides)
+    table = staged.pop(PER_LOSS, None) or {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{PER_LOSS}: a mapping of loss variant -> partial config, got {type(table).__name__}")
+    from ..objective import VARIANTS  # the registry: variants registered by plugins count too
+
+    base = {k: v for k, v in data.items() if k != PER_LOSS}
+    for variant, partial in table.items():
+        if variant not in VARIANTS:
+            raise ConfigError(f"{PER_LOSS}.{variant}: not a loss variant (one of {', '.join(sorted(VARIANTS))})")
+        if not isinstance(partial, dict):
+            raise ConfigError(f"{PER_LOSS}.{variant}: a partial config (a mapping), got {type(partial).__name__}")
+        if "loss" in partial and "variant" in (partial["loss"] or {}):
+            raise ConfigError(f"{PER_LOSS}.{variant}: cannot set loss.variant")
+        try:
+            config_from_dict(_merged(_merged(base, {"loss": {"variant": variant}}), partial))
+        except ConfigError as exc:
+            raise ConfigError(f"{PER_LOSS}.{variant}: {exc}") from None
+    variant = _variant(staged)
+    out = apply_overrides(_merged(base, table.get(variant) or {}), overrides)
+    out.pop(PER_LOSS, None)
+    return out
+
+
+def _variant(data: dict[str, Any]) -> str:
+    from ..objective.config import LossConfig
+
+    return (data.get("loss") or {}).get("variant", LossConfig.model_fields["variant"].default)
+
+
+def loss_defaults_note(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> str | None:
+    """What `load_config(path, overrides)` took from `per_loss`, in a line (None: nothing), e.g.
+    "loss gkd's own settings (per_loss.gkd in the config): rollout.n_samples=1, train.batch_size=8";
+    a key an override also sets is named as overridden."""
+    if path is None or not Path(path).is_file():
+        return None
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    staged = apply_overrides(data, env_overrides() + list(overrides))
+    variant = _variant(staged)
+    partial = (staged.get(PER_LOSS) or {}).get(variant) or {}
+    if not partial:
+        return None
+    final = load_config(path, overrides)
+    flat = _flatten(partial)
+    items = []
+    for key, value in flat.items():
+        node: Any = final
+        for part in key.split("."):
+            node = getattr(node, part, None)
+        items.append(f"{key}={value}" if node == value else f"{key}={value} (overridden: {node})")
+    return f"loss {variant}'s own settings ({PER_LOSS}.{variant} in the config): " + ", ".join(items)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` deep-merged over a copy of `base` (mappings merged key by key, anything else replaced)."""
+    out = _deep_copy(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else _deep_copy(v)
+    return out
 
 
 ENV_PREFIX = "EOPD_RUN_"

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from eopd_common.memory import release_freed
 
-from ..config import ConfigError, RunConfig, dump_config, load_config
+from ..config import ConfigError, RunConfig, dump_config, load_config, loss_defaults_note
 from ..config.stages import run_needs_teacher
 from ..data import load_prompts
 from ..eval.evaluate import EvalSet, RunEvaluator, eval_path, resolve_model, summary_line
@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value overrides before or after the flags
     try:
         cfg = load_config(args.config, args.overrides)
+        note = loss_defaults_note(args.config, args.overrides)
+        if note:
+            say(note)
         if args.validate_only:
             problems = validate(cfg, local=False)
             if problems:
