@@ -101,8 +101,10 @@ def run_cell(preset: Path, loss: str, layout: str, seed: int, work: Path, archiv
     name = cell_name(loss, layout, seed)
     run_dir = work / name
     t0 = time.monotonic()
+    # per_loss={}: a cell's layout is its LAYOUTS entry over the preset's general settings, never a
+    # loss's own (config per_loss), whatever the preset says for that loss
     eopd("run", "--config", str(preset), f"run_dir={run_dir}", f"seed={seed}", *LOSSES[loss], *LAYOUTS[layout],
-         "eval.enabled=false", "logging.progress=false", "--overwrite")
+         "per_loss={}", "eval.enabled=false", "logging.progress=false", "--overwrite")
     probe = probe_file(run_dir)
     eopd("eval", "--run-dir", str(run_dir), "--model", "final", "--name", "final", "--data", str(probe),
          "--set", PROBE_SET)
