@@ -81,6 +81,7 @@ def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_ev
     teacher = str(materialise_model_dir(cfg.teacher.model, cache)[0])
     tok = load_tokenizer(student)
     t = cfg.train
+    given_iterations, given_save_every = iterations, save_every  # eopd's systems: else each its own (e2e_systems.eopd_layout)
     iterations = iterations or t.iterations
     save_every = save_every or max(1, iterations // 4)
     steps_per_iteration = t.batch_size // t.mini_batch_size
@@ -95,7 +96,8 @@ def prepare_settings(preset: Path, out: Path, *, iterations: int | None, save_ev
     variants = shared / "data" / "heldout_variants.jsonl"
     return {"preset": preset.stem, "preset_path": str(preset), "layout": layout, "eopd_overrides": list(LAYOUTS[layout]), "shared": str(shared), "student": student, "teacher": teacher,
             "teacher_dtype": "float32" if cfg.teacher.dtype == "auto" else cfg.teacher.dtype,
-            "iterations": iterations, "save_every": save_every, "steps": steps, "steps_per_iteration": steps_per_iteration,
+            "iterations": iterations, "save_every": save_every, "iterations_given": given_iterations,
+            "save_every_given": given_save_every, "steps": steps, "steps_per_iteration": steps_per_iteration,
             "save_every_steps": save_every * steps_per_iteration, "batch_size": t.mini_batch_size,
             "samples_per_prompt": cfg.rollout.n_samples, "prompts_per_iteration": t.batch_size // cfg.rollout.n_samples,
             "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio, "weight_decay": t.weight_decay,
@@ -237,17 +239,20 @@ def _with_accuracy(trained: dict, evaluated: Path) -> dict:
 
 
 def layout_text(runs: list[dict], st: dict) -> str:
-    """What the head-to-head says of eopd's data layout, per layout its runs were trained at (each
-    run's own recorded settings: `--layout` changes them; TRL: 1 response to each of 8 prompts per step)."""
-    by_layout: dict[str, dict] = {}
-    for r in runs:
-        system, layout = base_system(r["system"])
-        if system in EOPD_SYSTEMS:
-            by_layout.setdefault(layout, r.get("settings") or st)
+    """What the head-to-head says of eopd's data layout, per layout its systems were trained at (each
+    run's own record: `--layout` and a preset's `per_loss` change it; TRL: 1 response to each of 8
+    prompts per step)."""
+    groups: dict[tuple, list[str]] = {}
+    for r in sorted(runs, key=lambda r: r["system"]):
+        if base_system(r["system"])[0] not in EOPD_SYSTEMS:
+            continue
+        rs = r.get("layout") or r.get("settings") or st
+        key = (rs["samples_per_prompt"], rs["prompts_per_iteration"], rs["steps_per_iteration"], rs["batch_size"])
+        if rep.label(r["system"]) not in groups.setdefault(key, []):
+            groups[key].append(rep.label(r["system"]))
     out = []
-    for layout, rs in sorted(by_layout.items(), key=lambda kv: kv[0] != "preset"):
-        who = "eopd's runs" if layout == "preset" else f"eopd's runs marked @{layout}"
-        n, p, spi, bs = rs["samples_per_prompt"], rs["prompts_per_iteration"], rs["steps_per_iteration"], rs["batch_size"]
+    for (n, p, spi, bs), systems in groups.items():
+        who = "; ".join(systems)
         if n == 1 and spi == 1:
             out.append(f"Data layout, matched for {who}: 1 response for each of {p} prompts per optimizer step, one step "
                        "per iteration, a fresh sample for every step, as TRL.")

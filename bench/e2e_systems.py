@@ -149,10 +149,12 @@ class Trained:
     wall_s: float = 0.0
     teacher_start_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    layout: dict = field(default_factory=dict)  # eopd's: `eopd_layout` (TRL's is the matched settings')
 
     def to_json(self) -> dict:
         return {"system": self.system, "seed": self.seed, "checkpoints": self.checkpoints, "memory": self.memory,
-                "wall_s": round(self.wall_s, 1), "teacher_start_s": round(self.teacher_start_s, 1), "notes": self.notes}
+                "wall_s": round(self.wall_s, 1), "teacher_start_s": round(self.teacher_start_s, 1), "notes": self.notes,
+                **({"layout": self.layout} if self.layout else {})}
 
 
 def eopd_checkpoints(run_dir: Path, launched: float) -> list[dict]:
@@ -170,12 +172,27 @@ def eopd_checkpoints(run_dir: Path, launched: float) -> list[dict]:
     return out
 
 
+def eopd_layout(system: str, settings: dict) -> dict:
+    """The data layout `eopd run` trains `system` at: the preset with the system's loss (its `per_loss`
+    entry included) and the run's layout overrides; iterations and checkpoints as given to bench_e2e,
+    else the config's iterations, a checkpoint every quarter."""
+    from eopd_trainer.config import load_config
+
+    cfg = load_config(settings["preset_path"], [*EOPD_SYSTEMS[system], *settings.get("eopd_overrides", ())])
+    iterations = settings.get("iterations_given") or cfg.train.iterations
+    return {"samples_per_prompt": cfg.rollout.n_samples, "prompts_per_iteration": cfg.train.batch_size // cfg.rollout.n_samples,
+            "steps_per_iteration": cfg.train.batch_size // cfg.train.mini_batch_size, "batch_size": cfg.train.mini_batch_size,
+            "iterations": iterations, "save_every": settings.get("save_every_given") or max(1, iterations // 4)}
+
+
 def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
-    """`eopd run` of the preset with `EOPD_SYSTEMS[system]`'s loss, checkpoints every `save_every` iterations."""
+    """`eopd run` of the preset with `EOPD_SYSTEMS[system]`'s loss at its layout (`eopd_layout`),
+    a checkpoint every `save_every` iterations."""
+    layout = eopd_layout(system, settings)
     args = [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(settings["preset_path"]), f"run_dir={run_dir}",
             f"seed={seed}", *EOPD_SYSTEMS[system], f"student.model={settings['student']}",
-            f"train.iterations={settings['iterations']}", f"checkpoint.every={settings['save_every']}",
-            f"checkpoint.keep={settings['iterations']}", "eval.enabled=false", "logging.progress=false",
+            f"train.iterations={layout['iterations']}", f"checkpoint.every={layout['save_every']}",
+            f"checkpoint.keep={layout['iterations']}", "eval.enabled=false", "logging.progress=false",
             *settings.get("eopd_overrides", ()), "--overwrite"]
     mem = TreeMemory()
     launched = time.time()
@@ -188,7 +205,7 @@ def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained
     memory = mem.stop()
     if rc != 0:
         raise RuntimeError(f"{system} seed {seed}: eopd run failed (exit {rc}); log {log}:\n{log.read_text()[-3000:]}")
-    return Trained(system, seed, eopd_checkpoints(run_dir, launched), memory, wall)
+    return Trained(system, seed, eopd_checkpoints(run_dir, launched), memory, wall, layout=layout)
 
 
 def trl_spec(system: str, seed: int, out: Path, settings: dict, teacher_url: str = "") -> dict:

@@ -161,13 +161,37 @@ def test_the_section_says_each_eopd_layout_and_refuses_another_avg_at_k(tmp_path
     trl = {"samples_per_prompt": 1, "prompts_per_iteration": 8, "steps_per_iteration": 1, "batch_size": 8}
     runs = [{"system": "eopd", "settings": preset}, {"system": "eopd-gkd@trl", "settings": trl},
             {"system": "trl-gkd", "settings": trl}]
+    runs.append({"system": "eopd-gkd", "settings": preset, "layout": trl})  # a preset's per_loss gave it TRL's layout
     text = layout_text(runs, preset)
-    assert text.startswith("Data layout, not matched for eopd's runs: 2 responses for each of 8 prompts per iteration")
+    assert text.startswith("Data layout, not matched for eopd (EOPD): 2 responses for each of 8 prompts per iteration")
     assert "the second of its 2 mini-batches" in text
-    assert "Data layout, matched for eopd's runs marked @trl: 1 response for each of 8 prompts per optimizer step" in text
-    assert layout_text(runs[2:], preset) == ""  # TRL's runs alone: nothing to say of eopd's
+    assert ("Data layout, matched for eopd (GKD, lambda 1); eopd (GKD, lambda 1) at TRL's layout (8 prompts x 1 response "
+            "per step): 1 response for each of 8 prompts per optimizer step") in text
+    assert layout_text(runs[2:3], preset) == ""  # TRL's runs alone: nothing to say of eopd's
     graded = tmp_path / "eval.json"
     graded.write_text(json.dumps({"models": {"it8": {"n_samples": 4}, "it16": {"n_samples": 4}}}))
     check_graded_at(graded, 4)
     with pytest.raises(SystemExit, match=r"graded at \[4\] samples per problem, this run grades at 8"):
         check_graded_at(graded, 8)
+
+
+def test_each_eopd_system_trains_at_its_losss_own_layout(tmp_path):
+    """A preset's `per_loss` entry gives one eopd system its own layout and run length in the
+    head-to-head (iterations and checkpoints follow it unless bench_e2e is given them)."""
+    import yaml
+
+    from bench.e2e_systems import eopd_layout
+    from bench.report import ROOT
+
+    data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    data["per_loss"] = {"gkd": {"rollout": {"n_samples": 1}, "train": {"batch_size": 8, "mini_batch_size": 8, "iterations": 64}}}
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump(data))
+    settings = {"preset_path": str(preset), "eopd_overrides": []}
+    own = eopd_layout("eopd-gkd", settings)
+    assert own == {"samples_per_prompt": 1, "prompts_per_iteration": 8, "steps_per_iteration": 1, "batch_size": 8,
+                   "iterations": 64, "save_every": 16}
+    general = eopd_layout("eopd", settings)
+    assert (general["samples_per_prompt"], general["iterations"]) == (data["rollout"]["n_samples"], data["train"]["iterations"])
+    quick = eopd_layout("eopd-gkd", {**settings, "iterations_given": 2, "save_every_given": 1})
+    assert (quick["iterations"], quick["save_every"]) == (2, 1)
