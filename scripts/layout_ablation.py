@@ -139,6 +139,54 @@ def read_cell(path: Path) -> dict | None:
     return {**cell, "avg": model["avg_at_k"], "train_s": summary.get("train_s"), "iterations": len(iters)}
 
 
+def trained_prompts(config: dict) -> set[int] | None:
+    """The training problems (indices into the run's training file) a cell's run sampled: task
+    number s trains prompt `prompt_index(s)` (eopd_trainer.data), iterations x prompts per iteration
+    tasks (a task dropped as stale and replaced is not counted); None when the run.yaml does not say
+    how many problems the file held (`data.generate.train`)."""
+    from eopd_trainer.data import prompt_index
+
+    data, train, rollout = config.get("data") or {}, config.get("train") or {}, config.get("rollout") or {}
+    num = (data.get("generate") or {}).get("train")
+    if not num or not train.get("iterations"):
+        return None
+    tasks = train["iterations"] * (train["batch_size"] // rollout.get("n_samples", 1))
+    return {prompt_index(s, num, seed=config.get("seed", 0), shuffle=data.get("shuffle", True)) for s in range(tasks)}
+
+
+def seen_split(path: Path) -> dict | None:
+    """A cell's Avg@4 on the probe problems its run trained on and on those it never saw (needs the
+    evaluation's `correct_per_prompt`, recorded since 2026-12-04), or None."""
+    final = json.loads((path / f"eval-{PROBE_SET}.json").read_text())["models"]["final"]
+    per_prompt, n = final.get("correct_per_prompt"), final.get("n_samples")
+    seen = trained_prompts(yaml.safe_load((path / "run.yaml").read_text())) if (path / "run.yaml").is_file() else None
+    if per_prompt is None or seen is None:
+        return None
+    inside = [c / n for i, c in enumerate(per_prompt) if i in seen]
+    outside = [c / n for i, c in enumerate(per_prompt) if i not in seen]
+    return {"seen_n": len(inside), "seen_avg": statistics.fmean(inside) if inside else None,
+            "unseen_n": len(outside), "unseen_avg": statistics.fmean(outside) if outside else None}
+
+
+def seen_table(archive: Path) -> str:
+    """Per cell with per-prompt results: Avg@4 on the probe problems its run trained on, and on the
+    others (the probe is part of the training split: a layout that trains on more of it is favoured
+    by memorising, not only by learning)."""
+    rows = []
+    for p in sorted(archive.glob("*-s*")):
+        cell = read_cell(p)
+        split = seen_split(p) if cell else None
+        if split:
+            f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            rows.append(f"| {cell['loss']} | {cell['layout']} | {cell['seed']} | {cell['avg']:.3f} | "
+                        f"{f(split['seen_avg'])} ({split['seen_n']}) | {f(split['unseen_avg'])} ({split['unseen_n']}) |")
+    if not rows:
+        return ""
+    return "\n".join(["Avg@4 on the probe problems each run trained on and on those it never sampled (problem counts "
+                      "in brackets):", "", "| loss | layout | seed | Avg@4 (all) | trained on | never sampled |",
+                      "|---|---|---|---|---|---|", *rows]) + "\n"
+
+
 def table(archive: Path) -> str:
     """The results block: per loss x layout, mean Avg@4 on the probe set over the seeds archived,
     every seed's value, and the mean training seconds."""
@@ -181,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.table:
         print(table(args.archive))
+        print(seen_table(args.archive))
         return 0
     losses, layouts = args.losses.split(","), args.layouts.split(",")
     bad = [x for x in losses if x not in LOSSES] + [x for x in layouts if x not in LAYOUTS]

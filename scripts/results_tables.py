@@ -51,7 +51,8 @@ def blocks() -> dict[str, str]:
             "far-initial": far_initial(*(f for f in near + far if f["variant"] == "eopd" and f["seed"] == 0
                                          and "initial" in f["sets"]["held-out"])),
             "far-per-run": far_per_run(far), "far-means": far_means(far), "far-paired": far_paired(far),
-            "far-training": far_training(far), "layout-ablation": layout_ablation.table(layout_ablation.ARCHIVE)}
+            "far-training": far_training(far), "layout-ablation": "\n".join(x for x in (layout_ablation.table(layout_ablation.ARCHIVE),
+                                                        layout_ablation.seen_table(layout_ablation.ARCHIVE)) if x)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,3 +44,31 @@ def test_layout_table_means_over_seeds_and_gains_over_the_initial_student(tmp_pa
     assert "| gkd | preset | 1 | 0.250 | s0 0.250 | +0.150 | 50 |" in text
     assert text.index("| eopd | trl") < text.index("| gkd | preset")  # losses in LOSSES' order
     assert layout_ablation.read_cell(tmp_path / "nothing") is None
+
+
+def test_a_cell_splits_the_probe_into_problems_its_run_trained_on_and_the_others(tmp_path):
+    """The probe is the first 128 training problems: the trl layout samples all 512 problems once,
+    the preset's a seeded half of them twice, so each cell's per-prompt results split into the
+    problems it trained on and those it never sampled."""
+    import yaml
+
+    from eopd_trainer.data import prompt_index
+
+    trl = {"seed": 1, "data": {"generate": {"train": 512}}, "rollout": {"n_samples": 1},
+           "train": {"iterations": 64, "batch_size": 8}}
+    preset = {"seed": 1, "data": {"generate": {"train": 512}}, "rollout": {"n_samples": 2},
+              "train": {"iterations": 32, "batch_size": 16}}
+    assert layout_ablation.trained_prompts(trl) == set(range(512))
+    half = layout_ablation.trained_prompts(preset)
+    assert half == {prompt_index(s, 512, seed=1) for s in range(256)} and len(half) == 256
+    assert layout_ablation.trained_prompts({"train": {"iterations": 4}}) is None  # the file's size unknown
+    _cell(tmp_path, "eopd", "preset", 1, 0.5, 100.0)
+    d = tmp_path / "eopd-preset-s1"
+    (d / "run.yaml").write_text(yaml.safe_dump(preset))
+    per_prompt = [4 if i in half else 0 for i in range(128)]
+    (d / f"eval-{layout_ablation.PROBE_SET}.json").write_text(json.dumps(
+        {"models": {"final": {"avg_at_k": 0.5, "n_samples": 4, "correct_per_prompt": per_prompt}}}))
+    split = layout_ablation.seen_split(d)
+    seen = len(half & set(range(128)))
+    assert split == {"seen_n": seen, "seen_avg": 1.0, "unseen_n": 128 - seen, "unseen_avg": 0.0}
+    assert f"| eopd | preset | 1 | 0.500 | 1.000 ({seen}) | 0.000 ({128 - seen}) |" in layout_ablation.seen_table(tmp_path)

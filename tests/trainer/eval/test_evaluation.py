@@ -40,6 +40,8 @@ def test_both_gradings_and_the_headline(monkeypatch, headline):
     assert r["headline"] == headline
     assert (r["avg_at_k"], r["pass_at_k"]) == (r[headline]["avg_at_k"], r[headline]["pass_at_k"])
     assert r["number_frac"] == 0.75 and r["boxed_frac"] == 0.25
+    # per prompt, in order, the headline's correct responses out of n: a reader can split the set
+    assert r["correct_per_prompt"] == {"strict": [1, 0], "flexible": [2, 0]}[headline]
     assert r["samples"] == [
         {"prompt": "What is 7 + 5?", "answer": "12", "response": RESPONSES[0], "correct": True,
          "correct_strict": True, "correct_flexible": True},

@@ -114,6 +114,9 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
         "boxed_frac": boxed_frac,
         "samples": shown,
         "examples": [{k: s[k] for k in ("response", "answer", "correct")} for s in shown[:3]],
+        # per prompt, in the data's order: how many of its n responses are correct (headline grading);
+        # lets a reader split the set (e.g. problems a run trained on or not, scripts/layout_ablation.py)
+        "correct_per_prompt": [int(sum(g[head] for g in grades[i : i + n])) for i in range(0, len(grades), n)],
     }
     if teacher is None:
         return out
