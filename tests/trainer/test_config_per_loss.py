@@ -78,3 +78,15 @@ def test_every_entry_is_checked_whichever_loss_runs(preset, entry, message):
     with pytest.raises(ConfigError) as exc:
         load_config(preset)  # the default loss: the entry is checked all the same
     assert message in str(exc.value)
+
+
+def test_an_entry_is_checked_with_what_the_overrides_give(preset):
+    """A file valid only with its overrides (here a batch that the mini-batch does not divide until
+    overridden) does not make a valid entry an error."""
+    data = yaml.safe_load(preset.read_text())
+    data["train"]["batch_size"] = 6
+    data["per_loss"] = {"opd": {"train": {"iterations": 3}}}
+    preset.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="must be a multiple"):
+        load_config(preset)
+    assert load_config(preset, ["train.batch_size=8", "loss.variant=opd"]).train.iterations == 3

@@ -146,8 +146,8 @@ def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, 
             raise ConfigError(f"{PER_LOSS}.{variant}: a partial config (a mapping), got {type(partial).__name__}")
         if "loss" in partial and "variant" in (partial["loss"] or {}):
             raise ConfigError(f"{PER_LOSS}.{variant}: cannot set loss.variant")
-        try:
-            config_from_dict(_merged(_merged(base, {"loss": {"variant": variant}}), partial))
+        try:  # over the file with the overrides (what else the run is given), under the entry
+            config_from_dict(_merged(_merged(staged, {"loss": {"variant": variant}}), partial))
         except ConfigError as exc:
             raise ConfigError(f"{PER_LOSS}.{variant}: {exc}") from None
     variant = _variant(staged)
