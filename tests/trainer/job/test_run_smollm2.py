@@ -1,25 +1,30 @@
-"""The default preset on the real models (slow tier), one uninterrupted run shared by two claims
-(issue 50: each claim started its own SmolLM2 job before):
+"""The default preset (slow tier), its two claims each on what it needs (issue 50 ask 3: CI time):
 
-- the premise: the teacher and the initial student evaluated on the same held-out problems, the
-  teacher far above the student it distils into (a change of task, prompt or student that breaks
-  this makes the main job unable to show any distillation);
-- exact resume on this preset (SmolLM2-135M teacher, its pruned 29-layer student, the lr schedule
-  with warm-up): every process killed during iteration 2 (committed: 1), resumed, evaluated; the
-  weights are those of the uninterrupted run (the tiny preset's kill points:
-  test_run_resume.py).
+- the premise, on the real models: the teacher and the initial student evaluated on the same
+  held-out problems, the teacher far above the student it distils into (a change of task, prompt
+  or student that breaks this makes the main job unable to show any distillation). It needs no
+  training: `eopd prepare` writes the preset's data and builds its pruned 29-layer student, then
+  `eopd eval` grades both (the main job's own commands);
+- exact resume on this preset's mechanics (the lr schedule with warm-up, the generated data, a
+  pruned `student-init` built from its spec, `checkpoint.keep: 1`), on tiny random models of the
+  same tokenizer (the claim is about the run's state, not about SmolLM2's weights): every process
+  killed during iteration 2 (committed: 1), resumed, evaluated; the weights are those of the
+  uninterrupted run (the tiny preset's kill points: test_run_resume.py).
 
 Two iterations of half the preset's batch (4 prompts x 2 samples, still two optimizer steps per
-iteration), committed one by one: the runs' cost is mostly the real models, not the batch. The
-teacher serves eager statistics here (tests/conftest.py); the compiled path on SmolLM2 is the
-README's serve commands' test (tests/teacher/cli/test_cli.py)."""
+iteration), committed one by one. The compiled statistics path on SmolLM2 is the README's serve
+commands' test (tests/teacher/cli/test_cli.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.procs import ROOT
 from tests.trainer.job.test_run_resume import WEIGHTS_ATOL, Run, max_weight_difference
@@ -31,21 +36,34 @@ PRESET = ROOT / "configs" / "smollm2-cpu.yaml"
 # No variants set: the generated training split then excludes the held-out problems only, the same in every run.
 COMMON = ("train.iterations=2", "checkpoint.every=1", "train.batch_size=8", "train.mini_batch_size=4",
           "train.micro_batch_size=4", "data.generate.variants=0")
+# The resume claim's models: SmolLM2's tokenizer (every preset model shares it), the student pruned
+# from its spec into student-init as the preset's is (tiny-random has 2 layers: one dropped).
+TINY_MODELS = ("teacher.model=tiny-random@0", "student.model=tiny-random@1[drop=1]")
 PREMISE_PROMPTS = 24
 
 
+def _eopd(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    return subprocess.run([sys.executable, "-m", "eopd_trainer.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The uninterrupted run, then the teacher and the initial student on 24 held-out problems x 4 samples."""
-    run_dir = tmp_path_factory.mktemp("smollm2") / "reference"
-    r = Run(run_dir, *COMMON, "eval.models=[teacher,initial]", f"eval.max_prompts={PREMISE_PROMPTS}", "eval.n_samples=4",
-            name="reference", config=PRESET)
-    assert r.wait(1200) == 0, r.stderr()[-4000:]
-    return run_dir
+def premise(tmp_path_factory) -> Path:
+    """The preset prepared (data, the pruned student), then the teacher and the initial student on
+    24 held-out problems x 4 samples: the eval.json of that run directory."""
+    run_dir = tmp_path_factory.mktemp("smollm2") / "premise"
+    res = _eopd("prepare", "--config", str(PRESET), f"run_dir={run_dir}", "data.generate.variants=0", timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    res = _eopd("eval", "--run-dir", str(run_dir), "--model", "teacher", "--model", "initial",
+                f"eval.max_prompts={PREMISE_PROMPTS}", "eval.n_samples=4", "eval.cache=false", timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return run_dir / "eval.json"
 
 
-def test_smollm2_cpu_teacher_is_far_above_the_initial_student(uninterrupted):
-    models = json.loads((uninterrupted / "eval.json").read_text())["models"]
+@pytest.mark.timeout(1800)  # its fixture: two SmolLM2 evaluations, minutes on a loaded 2-core machine
+def test_smollm2_cpu_teacher_is_far_above_the_initial_student(premise):
+    models = json.loads(premise.read_text())["models"]
     teacher, initial = models["teacher"], models["initial"]
     assert teacher["headline"] == "flexible" and teacher["prompts"] == PREMISE_PROMPTS and teacher["n_samples"] == 4
     # Measured (24 prompts x 4 samples): teacher ~0.6, initial student ~0.15.
@@ -54,26 +72,36 @@ def test_smollm2_cpu_teacher_is_far_above_the_initial_student(uninterrupted):
     assert set(models) == {"teacher", "initial"}
     # The teacher answers in the prompt's format and the student is fluent: numbers in nearly every answer.
     assert teacher["number_frac"] >= 0.9 and initial["number_frac"] >= 0.8
+    # ... and the student graded is the preset's: pruned to 29 of SmolLM2's 30 layers
+    student = json.loads((premise.parent / "student-init" / "config.json").read_text())
+    assert student["num_hidden_layers"] == 29
 
 
 @pytest.mark.chaos
-def test_smollm2_cpu_sigkilled_mid_iteration_then_resumed(tmp_path, uninterrupted):
+def test_smollm2_cpu_sigkilled_mid_iteration_then_resumed(tmp_path):
     evals = ("eval.models=[final]", "eval.max_prompts=4", "eval.n_samples=2")
+    reference = tmp_path / "reference"
+    r = Run(reference, *COMMON, *TINY_MODELS, "eval.enabled=false", name="reference", config=PRESET)
+    assert r.wait(900) == 0, r.stderr()[-4000:]
     run_dir = tmp_path / "run"
-    r = Run(run_dir, *COMMON, *evals, "faults=[{point: learner.after_step, iteration: 2, step: 1, action: hang}]",
-            name="1", config=PRESET)
+    r = Run(run_dir, *COMMON, *TINY_MODELS, *evals,
+            "faults=[{point: learner.after_step, iteration: 2, step: 1, action: hang}]", name="1", config=PRESET)
     r.wait_for("injected fault hang at learner.after_step", r.learner, timeout=600)
     r.kill_all()
     assert committed_state(run_dir)["iteration"] == 1
-    r = Run(run_dir, *COMMON, *evals, "--resume", name="2", config=PRESET)
+    r = Run(run_dir, *COMMON, *TINY_MODELS, *evals, "--resume", name="2", config=PRESET)
     assert r.wait(900) == 0, r.stderr()[-4000:]
     assert "queue recovered (redis-server): 0 tasks and 8 scored rollouts" in r.stderr()
     state = committed_state(run_dir)
     ids = trained_ids(state)
     assert state["iteration"] == 2 and [list(ids.values()).count(i) for i in (1, 2)] == [8, 8]
-    assert set(ids) == set(trained_ids(committed_state(uninterrupted)))
+    assert set(ids) == set(trained_ids(committed_state(reference)))
     assert state["optimizer_steps"] == state["global_steps"] == 4
-    difference = max_weight_difference(run_dir, uninterrupted)
-    print(f"smollm2-cpu: max |weights - uninterrupted weights| = {difference:.3g}")
+    # the preset's mechanics, not the tiny preset's: warm-up over 2 steps, the pruned student, keep 1
+    run = yaml.safe_load((run_dir / "run.yaml").read_text())
+    assert run["train"]["warmup_steps"] == 2 and run["checkpoint"]["keep"] == 1 and run["data"]["generate"]["train"] == 512
+    assert json.loads((run_dir / "student-init" / "config.json").read_text())["num_hidden_layers"] == 1
+    difference = max_weight_difference(run_dir, reference)
+    print(f"smollm2-cpu preset, tiny models: max |weights - uninterrupted weights| = {difference:.3g}")
     assert difference <= WEIGHTS_ATOL
     assert set(json.loads((run_dir / "eval.json").read_text())["models"]) == {"final"}
