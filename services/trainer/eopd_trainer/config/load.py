@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from eopd_common.cpu_threads import cpu_threads_note
 
+from ..objective.config import LossConfig  # it knows the registered loss variants (plugins' too)
 from .sections import ConfigError, RunConfig
 
 _PATH_FIELDS = (("run_dir",), ("data", "train_files"), ("data", "eval_files"), ("queue", "auth_key_file"))
@@ -136,12 +137,13 @@ def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, 
     table = staged.pop(PER_LOSS, None) or {}
     if not isinstance(table, dict):
         raise ConfigError(f"{PER_LOSS}: a mapping of loss variant -> partial config, got {type(table).__name__}")
-    from ..objective import VARIANTS  # the registry: variants registered by plugins count too
-
     base = {k: v for k, v in data.items() if k != PER_LOSS}
     for variant, partial in table.items():
-        if variant not in VARIANTS:
-            raise ConfigError(f"{PER_LOSS}.{variant}: not a loss variant (one of {', '.join(sorted(VARIANTS))})")
+        try:
+            LossConfig(variant=variant)
+        except ValidationError as exc:
+            why = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{PER_LOSS}.{variant}: not a loss variant ({why})") from None
         if not isinstance(partial, dict):
             raise ConfigError(f"{PER_LOSS}.{variant}: a partial config (a mapping), got {type(partial).__name__}")
         if "loss" in partial and "variant" in (partial["loss"] or {}):
@@ -157,8 +159,6 @@ def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, 
 
 
 def _variant(data: dict[str, Any]) -> str:
-    from ..objective.config import LossConfig
-
     return (data.get("loss") or {}).get("variant", LossConfig.model_fields["variant"].default)
 
 
