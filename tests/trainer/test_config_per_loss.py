@@ -58,8 +58,9 @@ def test_the_written_config_is_complete_without_it(preset, tmp_path):
 
 
 def test_the_run_says_what_it_took(preset):
-    assert loss_defaults_note(preset) is None
-    note = loss_defaults_note(preset, ["loss.variant=gkd", "train.iterations=48"])
+    assert loss_defaults_note(preset, [], load_config(preset)) is None
+    given = ["loss.variant=gkd", "train.iterations=48"]
+    note = loss_defaults_note(preset, given, load_config(preset, given))
     assert note == ("loss gkd's own settings (per_loss.gkd in the config): rollout.n_samples=1, train.batch_size=8, "
                     "train.iterations=64 (overridden: 48), train.mini_batch_size=8")  # the file's order (sorted here)
 

@@ -149,11 +149,11 @@ def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, 
         if "loss" in partial and "variant" in (partial["loss"] or {}):
             raise ConfigError(f"{PER_LOSS}.{variant}: cannot set loss.variant")
         try:  # over the file with the overrides (what else the run is given), under the entry
-            config_from_dict(_merged(_merged(staged, {"loss": {"variant": variant}}), partial))
+            config_from_dict(deep_merge(deep_merge(staged, {"loss": {"variant": variant}}), partial))
         except ConfigError as exc:
             raise ConfigError(f"{PER_LOSS}.{variant}: {exc}") from None
     variant = _variant(staged)
-    out = apply_overrides(_merged(base, table.get(variant) or {}), overrides)
+    out = apply_overrides(deep_merge(base, table.get(variant) or {}), overrides)
     out.pop(PER_LOSS, None)
     return out
 
@@ -162,8 +162,8 @@ def _variant(data: dict[str, Any]) -> str:
     return (data.get("loss") or {}).get("variant", LossConfig.model_fields["variant"].default)
 
 
-def loss_defaults_note(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> str | None:
-    """What `load_config(path, overrides)` took from `per_loss`, in a line (None: nothing), e.g.
+def loss_defaults_note(path: Path | str | None, overrides: list[str] | tuple[str, ...], final: RunConfig) -> str | None:
+    """What `final = load_config(path, overrides)` took from `per_loss`, in a line (None: nothing), e.g.
     "loss gkd's own settings (per_loss.gkd in the config): rollout.n_samples=1, train.batch_size=8";
     a key an override also sets is named as overridden."""
     if path is None or not Path(path).is_file():
@@ -174,7 +174,6 @@ def loss_defaults_note(path: Path | str | None, overrides: list[str] | tuple[str
     partial = (staged.get(PER_LOSS) or {}).get(variant) or {}
     if not partial:
         return None
-    final = load_config(path, overrides)
     flat = _flatten(partial)
     items = []
     for key, value in flat.items():
@@ -195,11 +194,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """`extra` deep-merged over a copy of `base` (mappings merged key by key, anything else replaced)."""
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` deep-merged over a copy of `base` (mappings merged key by key, anything else replaced);
+    neither input is modified (also the learner's user DeepSpeed config over the generated one)."""
     out = _deep_copy(base)
     for k, v in extra.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else _deep_copy(v)
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else _deep_copy(v)
     return out
 
 

@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value overrides before or after the flags
     try:
         cfg = load_config(args.config, args.overrides)
-        note = loss_defaults_note(args.config, args.overrides)
+        note = loss_defaults_note(args.config, args.overrides, cfg)
         if note:
             say(note)
         if args.validate_only:

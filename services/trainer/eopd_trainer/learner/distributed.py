@@ -15,15 +15,9 @@ import torch
 
 from ..batching import gradient_accumulation_steps
 from ..config import RunConfig
+from ..config.load import deep_merge
 
 log = logging.getLogger(__name__)
-
-
-def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def lr_at(step: int, *, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
