@@ -25,9 +25,13 @@ import numpy as np
 from bench.report import machine_description, markdown_table, write_results, write_section
 
 
-# Resident memory swings by 100-250 MiB within a second as score chunks are allocated and freed; four
-# samples a second see the troughs between chunks, where a leak would show (tests/load/test_load.py).
+# Resident memory swings by 100-250 MiB within a second as score chunks are allocated and freed, so
+# growth under load is read at rest, before and after the phase (tests/load/test_load.py); during
+# it, four samples a second bound the peak.
 RSS_INTERVAL_S = 0.25
+# Before the measured phase, a warm-up of the same load: the allocator's arenas and gRPC's buffers
+# grow in the first seconds, which is not a leak.
+WARMUP_S = 5.0
 
 
 def rss_mib(pid: int) -> float:
@@ -87,6 +91,25 @@ class PhaseResult:
             "rss_mib_end": self.rss[-1] if self.rss else None,
             "rss_mib_series": [round(x, 1) for x in self.rss],
         }
+
+
+def rss_at_rest_mib(target: str, pid: int, seconds: float = 1.0) -> tuple[float, float]:
+    """The server's resident memory with nothing in flight, and how long one normal request took.
+    The request goes first: it queues behind whatever a phase left admitted, so once it is
+    answered the server is idle. Then the median of samples over `seconds` (a chunk freed just
+    before leaves its pages for a moment)."""
+    from eopd_teacher.client import TeacherClient
+
+    t = time.perf_counter()
+    with TeacherClient(target, retry_timeout=0) as c:
+        c.score([("after", list(range(1, 65)), 16)])
+    request_s = time.perf_counter() - t
+    samples = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        samples.append(rss_mib(pid))
+        time.sleep(RSS_INTERVAL_S)
+    return float(np.median(samples)), request_s
 
 
 def _sequences(rng: np.random.Generator, n_seqs: int, length: int) -> list[tuple[str, list[int], int]]:
@@ -176,21 +199,28 @@ async def _drive(target: str, pid: int, clients: int, seconds: float, n_seqs: in
     return res
 
 
+def _phase(target: str, pid: int, clients: int, seconds: float, n_seqs: int, length: int) -> dict:
+    """A warm-up of the same load, the server's memory at rest, the measured phase, and its memory
+    at rest again (`rss_mib_at_rest`: before, after). The request that settles the server after
+    the phase is the recovery request: after an overload it must be served promptly."""
+    warm = asyncio.run(_drive(target, pid, clients, WARMUP_S, n_seqs, length, retry=False))
+    before, _ = rss_at_rest_mib(target, pid)
+    out = asyncio.run(_drive(target, pid, clients, seconds, n_seqs, length, retry=False)).summary()
+    after, out["recovery_request_s"] = rss_at_rest_mib(target, pid)
+    out["rss_mib_at_rest"] = [round(before, 1), round(after, 1)]
+    out["warmup_codes"] = dict(warm.codes)
+    # The bound on the peak counts from the cold server, over the warm-up and the phase.
+    out["rss_mib_start"], out["rss_mib_max"] = warm.rss[0], max(warm.rss + [out["rss_mib_max"]])
+    return out
+
+
 def run_load(target: str, pid: int, *, clients: int, seconds: float, n_seqs: int = 2, length: int = 64) -> dict:
-    return asyncio.run(_drive(target, pid, clients, seconds, n_seqs, length, retry=False)).summary()
+    return _phase(target, pid, clients, seconds, n_seqs, length)
 
 
 def run_overload(target: str, pid: int, *, clients: int, seconds: float) -> dict:
     """Many clients with large requests and no client retries against a small queue."""
-    over = asyncio.run(_drive(target, pid, clients, seconds, n_seqs=8, length=256, retry=False)).summary()
-    # Recovery: once the load is gone, a normal request is served promptly.
-    from eopd_teacher.client import TeacherClient
-
-    t = time.perf_counter()
-    with TeacherClient(target, retry_timeout=0) as c:
-        c.score([("after", list(range(1, 65)), 16)])
-    over["recovery_request_s"] = time.perf_counter() - t
-    return over
+    return _phase(target, pid, clients, seconds, n_seqs=8, length=256)
 
 
 @contextlib.contextmanager
@@ -208,6 +238,12 @@ def running_teacher(model: str, *extra: str, timeout: float = 180.0) -> Iterator
         sup.stop_all()
 
 
+def rss_text(r: dict) -> str:
+    """Cold -> at rest after the warm-up -> the peak -> at rest after the phase, MiB."""
+    before, after = r["rss_mib_at_rest"]
+    return f"{r['rss_mib_start']:.0f} -> {before:.0f} -> {r['rss_mib_max']:.0f} -> {after:.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=64)
@@ -222,19 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"load": load, "overload": over}, indent=2))
     rows = [
         ["sustained", args.clients, f"{load['seconds']:.0f}", f"{load['requests_per_s']:.1f}", f"{load['scored_tokens_per_s']:.0f}",
-         f"{load['p50_ms']:.0f}", f"{load['p99_ms']:.0f}", json.dumps(load["codes"]), f"{load['rss_mib_start']:.0f} -> {load['rss_mib_max']:.0f}"],
+         f"{load['p50_ms']:.0f}", f"{load['p99_ms']:.0f}", json.dumps(load["codes"]), rss_text(load)],
         ["overload", args.clients, f"{over['seconds']:.0f}", f"{over['requests_per_s']:.1f}", f"{over['scored_tokens_per_s']:.0f}",
-         f"{over['p50_ms']:.0f}", f"{over['p99_ms']:.0f}", json.dumps(over["codes"]), f"{over['rss_mib_start']:.0f} -> {over['rss_mib_max']:.0f}"],
+         f"{over['p50_ms']:.0f}", f"{over['p99_ms']:.0f}", json.dumps(over["codes"]), rss_text(over)],
     ]
     for row, r in zip(rows, (load, over), strict=True):
         row.insert(8, f"{r['requests_by_mode']['unary']} / {r['requests_by_mode']['stream']}")
-    table = markdown_table(["phase", "clients", "s", "req/s", "scored tok/s", "p50 ms", "p99 ms", "answers", "unary / stream answered", "server RSS MiB"], rows)
+    table = markdown_table(["phase", "clients", "s", "req/s", "scored tok/s", "p50 ms", "p99 ms", "answers", "unary / stream answered", "server RSS MiB (cold -> rest -> peak -> rest)"], rows)
     write_results("load", {"load": load, "overload": over, "model": args.model})
     write_section("load", f"""## Teacher under load (issue 8)
 
 `.venv/bin/python -m bench.load_test --clients {args.clients} --seconds {args.seconds:.0f}` on {machine_description()}.
 Model {args.model}; half the clients unary, half streaming (2 in flight each; a stream that fails is re-opened with backoff); sustained: 2 x 64-token sequences per
-request, client retries off (every error counts); overload: 8 x 256-token sequences against a 16k-token queue and a 4k
+request, client retries off (every error counts); each phase after a {WARMUP_S:.0f} s warm-up of the same load; overload: 8 x 256-token sequences against a 16k-token queue and a 4k
 per-client limit, no retries; recovery time of a normal request afterwards: {over['recovery_request_s'] * 1000:.0f} ms.
 
 {table}

@@ -86,6 +86,6 @@ fi
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests/teacher/engines/test_vllm_engine.py tests/teacher/engines/test_vllm_generate.py tests/trainer/rollout/test_vllm_rollout.py \
+exec "$VENV/bin/python" -m pytest tests/teacher/engines/test_vllm_generate.py tests/teacher/engines/test_vllm_engine.py tests/trainer/rollout/test_vllm_rollout.py \
   tests/bench/test_bench_rollout.py tests/bench/test_trl_own_server.py tests/teacher/http/test_openai_compat_vllm.py \
   tests/trl "$@"

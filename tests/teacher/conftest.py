@@ -35,3 +35,18 @@ def engines():
     e = _Engines()
     yield e
     e.close()
+
+
+# The environment of the vLLM tier's teacher subprocesses: the engine core in-process (starts in
+# seconds), quieter logs.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@pytest.fixture(scope="session")
+def vllm_server():
+    """One `eopd-teacher serve --engine vllm` subprocess of tiny-random over TCP, shared by the tests
+    that score and generate through it (what they check is the server's answers, not its start)."""
+    from tests.procs import running_teacher
+
+    with running_teacher("tiny-random", "--engine", "vllm", "--vllm-kv-cache-gib", "0.5", env=VLLM_ENV, timeout=300) as proc:
+        yield proc

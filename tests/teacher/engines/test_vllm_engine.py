@@ -31,7 +31,6 @@ from eopd_teacher.engines.vllm_engine import VllmEngine  # noqa: E402
 from eopd_teacher.settings import TeacherSettings  # noqa: E402
 from eopd_teacher.serving.state import served_info  # noqa: E402
 from eopd_teacher.types import ScoreItem, SequenceScores  # noqa: E402
-from tests.procs import running_teacher  # noqa: E402
 
 from ..reference import reference_scores  # noqa: E402
 from .test_logit_transforms import save_tiny_model  # noqa: E402
@@ -42,7 +41,6 @@ PARITY_ATOL = 1e-3  # the issue's bound on log-probs and entropies, fp32
 TIE_ATOL = 1e-5  # top-k ids may differ only where probabilities tie within this
 BATCH_ATOL = 1e-5  # alone vs in a batch (vLLM's CPU kernels are not bit-identical across batch shapes)
 BATCH_RTOL = 1e-6  # ... and the fp32 rounding scales with the magnitude (a log-prob of -38 moves by ~1e-5)
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 @pytest.fixture(scope="module")
@@ -180,22 +178,21 @@ def test_shared_prefixes_and_duplicates_do_not_change_results(engines):
     np.testing.assert_allclose(rb.entropies[:n], ra.entropies, atol=BATCH_ATOL, rtol=BATCH_RTOL)
 
 
-def test_server_subprocess_with_vllm_engine_over_tcp(engines):
+def test_server_subprocess_with_vllm_engine_over_tcp(engines, vllm_server):
     eng = engines.get("tiny-random")
     items = _items(eng.info.vocab_size, seed=5, lengths=(9, 33, 4), top_ks=(16, 16, 16), temps=(0.7, 0.7, 0.7))
     expected = eng.score(items)
-    with running_teacher("tiny-random", "--engine", "vllm", "--vllm-kv-cache-gib", "0.5", env=VLLM_ENV, timeout=300) as proc:
-        with TeacherClient(proc.target, timeout=60) as client:
-            info = client.info()
-            assert info.engine == "vllm" and info.tokenizer_fingerprint == eng.info.tokenizer_fingerprint
-            got = client.score([(it.seq_id, it.token_ids, it.score_from) for it in items], top_k=16, temperature=0.7)
-            for g, e in zip(got, expected, strict=True):  # the server compiles its statistics: same numbers
-                assert_parity(g, e, atol=BATCH_ATOL, rtol=BATCH_RTOL)
-            # Validation happens before the engine, as with the transformers engine.
-            with pytest.raises(grpc.RpcError) as err:
-                client.score([("bad", [1, info.vocab_size + 5, 3], 1)])
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert len(client.score([("ok", [1, 2, 3], 1)])) == 1
+    with TeacherClient(vllm_server.target, timeout=60) as client:
+        info = client.info()
+        assert info.engine == "vllm" and info.tokenizer_fingerprint == eng.info.tokenizer_fingerprint
+        got = client.score([(it.seq_id, it.token_ids, it.score_from) for it in items], top_k=16, temperature=0.7)
+        for g, e in zip(got, expected, strict=True):  # the server compiles its statistics: same numbers
+            assert_parity(g, e, atol=BATCH_ATOL, rtol=BATCH_RTOL)
+        # Validation happens before the engine, as with the transformers engine.
+        with pytest.raises(grpc.RpcError) as err:
+            client.score([("bad", [1, info.vocab_size + 5, 3], 1)])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(client.score([("ok", [1, 2, 3], 1)])) == 1
 
 
 # -- teachers with a logit transform (replaces the tiny engine) ----------------------------------

@@ -123,21 +123,18 @@ def test_eos_ids_include_the_tokenizers(eng):
     assert eng.tokenizer.eos_token_id in ids
 
 
-def test_server_subprocess_generates_with_vllm_over_tcp(eng):
+def test_server_subprocess_generates_with_vllm_over_tcp(eng, vllm_server):
     """`eopd-teacher serve --engine vllm`: Generate over TCP gives the in-process engine's greedy
     tokens and statistics (the same engine code; the server compiles its statistics)."""
     from eopd_teacher.client import TeacherClient
-    from tests.procs import running_teacher
 
     items = _items(temperature=0.0, seed=None, n=1, max_new=6, top_k=8)
     expected = eng.generate(items)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with running_teacher("tiny-random", "--engine", "vllm", "--vllm-kv-cache-gib", "0.5", env=env, timeout=300) as proc:
-        with TeacherClient(proc.target, timeout=120) as client:
-            info = client.info()
-            assert info.engine == "vllm" and info.max_new_tokens > 0 and info.max_generate_samples > 0
-            got = client.generate({it.prompt_id: it.token_ids.tolist() for it in items}, max_new_tokens=6, temperature=0.0,
-                                  top_k=8)
+    with TeacherClient(vllm_server.target, timeout=120) as client:
+        info = client.info()
+        assert info.engine == "vllm" and info.max_new_tokens > 0 and info.max_generate_samples > 0
+        got = client.generate({it.prompt_id: it.token_ids.tolist() for it in items}, max_new_tokens=6, temperature=0.0,
+                              top_k=8)
     for g, e in zip(got, expected, strict=True):
         assert (g.prompt_id, g.sample_index, g.finish_reason) == (e.prompt_id, e.sample_index, e.finish_reason)
         np.testing.assert_array_equal(g.token_ids, e.token_ids)
