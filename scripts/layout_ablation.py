@@ -22,9 +22,9 @@ files are deleted once it is evaluated. The initial student is evaluated once pe
 `initial-s<seed>`). `--table` only reads the archive and prints the table; `python -m
 scripts.results_tables` writes it into docs/results.md (block `layout-ablation`) with the others.
 
-    .venv/bin/python scripts/layout_ablation.py --losses eopd,gkd --layouts preset,trl --seeds 0
-    .venv/bin/python scripts/layout_ablation.py --dry-run          # the whole grid, in the order it runs
-    .venv/bin/python scripts/layout_ablation.py --table            # the table from the archive
+    .venv/bin/python -m scripts.layout_ablation --losses eopd,gkd --layouts preset,trl --seeds 0
+    .venv/bin/python -m scripts.layout_ablation --dry-run          # the whole grid, in the order it runs
+    .venv/bin/python -m scripts.layout_ablation --table            # the table from the archive
 """
 
 from __future__ import annotations
@@ -98,8 +98,12 @@ def probe_file(run_dir: Path) -> Path:
 
 
 def run_cell(preset: Path, loss: str, layout: str, seed: int, work: Path, archive: Path) -> None:
+    from bench.report import matmul_gflops, provenance
+
     name = cell_name(loss, layout, seed)
     run_dir = work / name
+    # the machine, for the training seconds: cells run on several machines (the grid runs in parts)
+    prov, gflops, load_start = provenance(), matmul_gflops(), os.getloadavg()
     t0 = time.monotonic()
     # per_loss={}: a cell's layout is its LAYOUTS entry over the preset's general settings, never a
     # loss's own (config per_loss), whatever the preset says for that loss
@@ -122,6 +126,9 @@ def run_cell(preset: Path, loss: str, layout: str, seed: int, work: Path, archiv
     (dest / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed, "preset": preset.name,
                                                 "overrides": [*LOSSES[loss], *LAYOUTS[layout]],
                                                 "wall_s": round(time.monotonic() - t0, 1),
+                                                "cpu": prov["cpu"], "boot_id": prov.get("boot_id"),
+                                                "matmul_gflops": gflops, "commit": prov["commit"], "describe": prov["describe"],
+                                                "load_avg_start": load_start,
                                                 "load_avg_end": os.getloadavg()}, indent=1) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -187,6 +194,28 @@ def seen_table(archive: Path) -> str:
                       "|---|---|---|---|---|---|", *rows]) + "\n"
 
 
+def machine_of(cell: dict) -> tuple[str, str]:
+    """A cell's machine: its CPU model and the kernel's boot id (two machines can share a CPU name;
+    the matmul probe varies by a few percent from one cell to the next on one machine), or its
+    recorded probe where the boot id was not recorded."""
+    return cell.get("cpu", "?"), cell.get("boot_id") or f"{float(cell.get('matmul_gflops') or 0.0):.0f}"
+
+
+def machine_legend(rows: list[dict]) -> dict[tuple[str, str], str]:
+    """Each machine the cells ran on -> a letter, in the order of the cells' names."""
+    legend: dict[tuple[str, str], str] = {}
+    for r in rows:
+        legend.setdefault(machine_of(r), "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(legend) % 26])
+    return legend
+
+
+def machine_text(rows: list[dict], key: tuple[str, str]) -> str:
+    """'CPU, fp32 1024^3 matmul N GFLOP/s' (or 'N-M' over the machine's cells)."""
+    probes = sorted(float(r.get("matmul_gflops") or 0.0) for r in rows if machine_of(r) == key)
+    speed = f"{probes[0]:.0f}" if round(probes[0]) == round(probes[-1]) else f"{probes[0]:.0f}-{probes[-1]:.0f}"
+    return f"{key[0]}, fp32 1024^3 matmul {speed} GFLOP/s"
+
+
 def table(archive: Path) -> str:
     """The results block: per loss x layout, mean Avg@4 on the probe set over the seeds archived,
     every seed's value, and the mean training seconds."""
@@ -196,11 +225,12 @@ def table(archive: Path) -> str:
         initial[int(p.name.rsplit("-s", 1)[1])] = json.loads((p / f"eval-{PROBE_SET}.json").read_text())["models"]["initial"]["avg_at_k"]
     if not rows:
         return "No cell has been measured yet.\n"
+    machines = machine_legend(rows)
     lines = [f"Avg@4 of the final student on the first {PROBE} *training* problems (the initial student: "
              + ", ".join(f"seed {s} {v:.3f}" for s, v in sorted(initial.items())) + "); "
-             "each cell 512 responses in 64 optimizer steps of 8. Training seconds were measured on a "
-             "2-core machine, with other work beside some cells (each cell's load average is in its cell.json).",
-             "", "| loss | layout | seeds | Avg@4 mean | per seed | gain over initial (mean) | train s (mean) |",
+             "each cell 512 responses in 64 optimizer steps of 8. Training seconds are per seed, with the machine "
+             "the cell ran on (the grid runs in parts, on several 2-core machines): compare seconds within one machine.",
+             "", "| loss | layout | seeds | Avg@4 mean | per seed | gain over initial (mean) | train s per seed (machine) |",
              "|---|---|---|---|---|---|---|"]
     for loss in LOSSES:
         for layout in LAYOUTS:
@@ -210,9 +240,13 @@ def table(archive: Path) -> str:
             avgs = [r["avg"] for r in got]
             gains = [r["avg"] - initial[r["seed"]] for r in got if r["seed"] in initial]
             per_seed = ", ".join(f"s{r['seed']} {r['avg']:.3f}" for r in got)
-            lines.append(f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | "
-                         f"{statistics.fmean(gains):+.3f} | {statistics.fmean(r['train_s'] for r in got):.0f} |"
-                         if gains else f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | - | - |")
+            seconds = ", ".join(f"s{r['seed']} {r['train_s']:.0f}{'*' if r.get('beside') else ''} ({machines[machine_of(r)]})"
+                                for r in got)
+            gain = f"{statistics.fmean(gains):+.3f}" if gains else "-"
+            lines.append(f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | {gain} | {seconds} |")
+    lines += ["", "Machines: " + "; ".join(f"{letter} = {machine_text(rows, key)}" for key, letter in machines.items()) + "."]
+    if any(r.get("beside") for r in rows):
+        lines.append("\\* Other work ran beside this cell's training (its cell.json says what): its seconds are not comparable.")
     return "\n".join(lines) + "\n"
 
 

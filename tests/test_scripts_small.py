@@ -22,26 +22,32 @@ def test_layout_grid_runs_the_first_two_layouts_of_every_loss_first():
     assert len(got) == 12 and len(set(got)) == 12
 
 
-def _cell(archive, loss, layout, seed, avg, train_s):
+def _cell(archive, loss, layout, seed, avg, train_s, **machine):
     d = archive / layout_ablation.cell_name(loss, layout, seed)
     d.mkdir(parents=True)
-    (d / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed}))
+    (d / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed, **machine}))
     (d / f"eval-{layout_ablation.PROBE_SET}.json").write_text(json.dumps({"models": {"final": {"avg_at_k": avg}}}))
     (d / "run_summary.json").write_text(json.dumps({"train_s": train_s}))
     (d / "train_metrics.jsonl").write_text('{"kind": "iteration"}\n{"kind": "step"}\n')
 
 
 def test_layout_table_means_over_seeds_and_gains_over_the_initial_student(tmp_path):
-    _cell(tmp_path, "eopd", "trl", 0, 0.5, 100.0)
-    _cell(tmp_path, "eopd", "trl", 1, 0.3, 200.0)
-    _cell(tmp_path, "gkd", "preset", 0, 0.25, 50.0)
+    """Seconds stay per seed with the machine each cell ran on (cells of one grid run on several
+    machines: one boot of one machine is one machine, whatever its probe says from cell to cell; a
+    cell without a boot id is told apart by its probe), and a cell with other work beside it is starred."""
+    xeon, epyc = {"cpu": "Xeon", "boot_id": "b1"}, {"cpu": "EPYC", "matmul_gflops": 122.0}
+    _cell(tmp_path, "eopd", "trl", 0, 0.5, 100.0, **xeon, matmul_gflops=168.0)
+    _cell(tmp_path, "eopd", "trl", 1, 0.3, 200.0, **epyc, beside="tests")
+    _cell(tmp_path, "gkd", "preset", 0, 0.25, 50.0, **xeon, matmul_gflops=171.0)
     for seed, avg in ((0, 0.1), (1, 0.2)):
         (tmp_path / f"initial-s{seed}").mkdir()
         (tmp_path / f"initial-s{seed}" / f"eval-{layout_ablation.PROBE_SET}.json").write_text(
             json.dumps({"models": {"initial": {"avg_at_k": avg}}}))
     text = layout_ablation.table(tmp_path)
-    assert "| eopd | trl | 2 | 0.400 | s0 0.500, s1 0.300 | +0.250 | 150 |" in text
-    assert "| gkd | preset | 1 | 0.250 | s0 0.250 | +0.150 | 50 |" in text
+    assert "| eopd | trl | 2 | 0.400 | s0 0.500, s1 0.300 | +0.250 | s0 100 (A), s1 200* (B) |" in text
+    assert "| gkd | preset | 1 | 0.250 | s0 0.250 | +0.150 | s0 50 (A) |" in text
+    assert "A = Xeon, fp32 1024^3 matmul 168-171 GFLOP/s; B = EPYC, fp32 1024^3 matmul 122 GFLOP/s." in text
+    assert "Other work ran beside this cell's training" in text
     assert text.index("| eopd | trl") < text.index("| gkd | preset")  # losses in LOSSES' order
     assert layout_ablation.read_cell(tmp_path / "nothing") is None
 
