@@ -210,8 +210,11 @@ def machine_legend(rows: list[dict]) -> dict[tuple[str, str], str]:
 
 
 def machine_text(rows: list[dict], key: tuple[str, str]) -> str:
-    """'CPU, fp32 1024^3 matmul N GFLOP/s' (or 'N-M' over the machine's cells)."""
-    probes = sorted(float(r.get("matmul_gflops") or 0.0) for r in rows if machine_of(r) == key)
+    """'CPU, fp32 1024^3 matmul N GFLOP/s' (or 'N-M' over the machine's cells; a cell whose probe was
+    not taken on an idle machine records none)."""
+    probes = sorted(float(r["matmul_gflops"]) for r in rows if machine_of(r) == key and r.get("matmul_gflops"))
+    if not probes:
+        return f"{key[0]}, no matmul probe recorded"
     speed = f"{probes[0]:.0f}" if round(probes[0]) == round(probes[-1]) else f"{probes[0]:.0f}-{probes[-1]:.0f}"
     return f"{key[0]}, fp32 1024^3 matmul {speed} GFLOP/s"
 
