@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import statistics
+import string
 import subprocess
 import sys
 import time
@@ -205,7 +206,7 @@ def machine_legend(rows: list[dict]) -> dict[tuple[str, str], str]:
     """Each machine the cells ran on -> a letter, in the order of the cells' names."""
     legend: dict[tuple[str, str], str] = {}
     for r in rows:
-        legend.setdefault(machine_of(r), "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(legend) % 26])
+        legend.setdefault(machine_of(r), string.ascii_uppercase[len(legend) % 26])
     return legend
 
 
@@ -221,7 +222,7 @@ def machine_text(rows: list[dict], key: tuple[str, str]) -> str:
 
 def table(archive: Path) -> str:
     """The results block: per loss x layout, mean Avg@4 on the probe set over the seeds archived,
-    every seed's value, and the mean training seconds."""
+    every seed's value, and each seed's training seconds with the letter of the machine it ran on."""
     rows = [c for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
     initial = {}
     for p in sorted(archive.glob("initial-s*")):
