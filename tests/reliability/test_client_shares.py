@@ -28,6 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_teacher.convert import STREAM_ENDING_KEY
+from eopd_teacher.grpc.stream_session import STREAM_ENDING_GRACE_S
 from tests.procs import running_teacher
 
 pytestmark = pytest.mark.integration
@@ -106,6 +108,32 @@ async def never_ends(stop: asyncio.Event):
     await stop.wait()
     return
     yield  # pragma: no cover
+
+
+async def refusals_are_announced(stub) -> grpc.aio.StreamStreamCall:
+    """With the attacker at its share of streams: streams it opens asking for the in-band end
+    (`eopd-stream-ending: 1`, as eopd's asyncio client does) and writes to at once (the race of
+    grpc/grpc#36066) are told the share refusal in band first, then get it as their status, whether
+    they half-close or not (the server waits STREAM_ENDING_GRACE_S at most). At most the attacker's
+    share of such refusals wait at once (`refusing_streams`): one more, opened while they wait, gets
+    the status alone. Returns the refused stream that never half-closes, its status still to come."""
+    refusal = share_refusal("streams open", "max_streams")
+    announced = []
+    for i in range(SHARE):
+        call = stub.ScoreStream(timeout=60, metadata=((STREAM_ENDING_KEY, "1"),))
+        await call.write(score_request(f"r{i}"))
+        first = await asyncio.wait_for(call.read(), 30)
+        assert first.HasField("ending") and not first.request_id, first
+        assert (first.ending.code, first.ending.message) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], refusal)
+        announced.append(call)
+    beyond = stub.ScoreStream(timeout=60, metadata=((STREAM_ENDING_KEY, "1"),))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(beyond.read(), 30)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    for call in announced[1:]:  # the first never half-closes (the caller awaits its status after the grace)
+        await call.done_writing()
+        assert (await asyncio.wait_for(call.code(), 30), await call.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    return announced[0]
 
 
 def test_calls_an_attacker_holds_its_share_the_victim_is_served_unsent_bodies_time_out(teacher):
@@ -199,9 +227,13 @@ def test_streams_an_attacker_holds_its_share_and_a_stream_that_never_reads_is_gi
             assert len(held) == SHARE, refused
             assert refused == [(grpc.StatusCode.RESOURCE_EXHAUSTED, share_refusal("streams open", "max_streams"))] * (LIMIT - SHARE)
             await victim_is_served(victim)
+            lingering = await refusals_are_announced(stubs[0])
             for call in held:
                 await call.done_writing()
             assert [await c.code() for c in held] == [grpc.StatusCode.OK] * SHARE
+            # The refused stream that never half-closed gets its status once the grace is over.
+            assert (await asyncio.wait_for(lingering.code(), STREAM_ENDING_GRACE_S + 30), await lingering.details()) == \
+                (grpc.StatusCode.RESOURCE_EXHAUSTED, share_refusal("streams open", "max_streams"))
             await asyncio.to_thread(wait_gauge, t, "eopd_teacher_open_streams", 0)
 
             # Never reads: 8 requests of ~130 KB answers each, on a channel whose HTTP/2 window stays

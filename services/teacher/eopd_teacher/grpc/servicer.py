@@ -18,7 +18,7 @@ from ..serving.batcher import Overloaded
 from ..serving.service import CLIENT_ID_HEADER, TeacherService, client_from
 from ..serving.shares import Identities
 from ..validation import GENERATE_FIELDS, SCORE_FIELDS
-from .stream_session import StreamSession
+from .stream_session import StreamSession, announced_refusal
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TeacherService"].full_name
 
@@ -81,8 +81,18 @@ class TeacherServicer(pb_grpc.TeacherServiceServicer):
         streams = state.streams
         if not streams.try_take(1, share):
             if streams.refusal(1, share) == "share":
-                raise Overloaded(streams.share_message("streams open", "max_streams", share))
-            raise Overloaded(f"{streams.held} streams open, limit {streams.limit}; retry later")
+                refused = Overloaded(streams.share_message("streams open", "max_streams", share))
+            else:
+                refused = Overloaded(f"{streams.held} streams open, limit {streams.limit}; retry later")
+            # Announced in band like any stream-level end, while the waits for the half-close stay
+            # bounded (`refusing_streams`: max_streams and its shares again); beyond, the status alone.
+            if wants_stream_ending(context) and state.refusing_streams.try_take(1, share):
+                try:
+                    async for ending in announced_refusal(refused, request_iterator):
+                        yield ending
+                finally:
+                    state.refusing_streams.give(1, share)
+            raise refused
         slot = streams  # the limit that holds this stream's slot
 
         def given_up() -> None:

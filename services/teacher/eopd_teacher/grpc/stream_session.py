@@ -88,6 +88,23 @@ def in_band_error(metrics: TeacherMetrics, request_id: str, exc: BaseException) 
     return pb.ScoreResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message, retryable=False))
 
 
+async def announced_refusal(exc: BaseException, requests: AsyncIterator[pb.ScoreRequest],
+                            grace_s: float = STREAM_ENDING_GRACE_S) -> AsyncIterator[pb.ScoreResponse]:
+    """A ScoreStream refused as it opens (`exc`: over `max_streams` or the client's share of it), for
+    a client that asked with `eopd-stream-ending: 1`: the StreamEnding first, then what the client
+    still sends is read and dropped until it half-closes (at most `grace_s`), so that no write of the
+    client races the status the caller raises next (grpc/grpc#36066)."""
+    code, message = describe(exc)
+    yield pb.ScoreResponse(ending=pb.StreamEnding(code=code.value[0], message=message))
+
+    async def drain() -> None:
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(Exception):  # the grace ran out, or the request stream broke: the status follows
+        await asyncio.wait_for(drain(), grace_s)
+
+
 class StreamSession:
     """The loop of one ScoreStream call: `score` answers one request (the servicer's Score for
     this call's client); `budget` is the server's request-byte budget; a stream idle for

@@ -56,6 +56,7 @@ class ServerState:
     tokens: PerClientLimit = field(init=False)  # max_queue_tokens: tokens of requests in flight
     watches: PerClientLimit = field(init=False)  # max_health_watches: grpc.health.v1 Watch streams open
     stalled_streams: PerClientLimit = field(init=False)  # max_streams again: ScoreStreams given up (never read), their slot freed
+    refusing_streams: PerClientLimit = field(init=False)  # max_streams again: ScoreStreams refused at open, announcing it in band
     http_bodies: PerClientLimit = field(init=False)  # http_max_concurrent_bodies: HTTP requests whose body is arriving
     identities: Identities = field(init=False)  # whose share a caller counts against (`shares.Identities`)
 
@@ -68,6 +69,7 @@ class ServerState:
         self.tokens = PerClientLimit(s.max_queue_tokens, share)
         self.watches = PerClientLimit(s.max_health_watches, share)
         self.stalled_streams = PerClientLimit(s.max_streams, share)
+        self.refusing_streams = PerClientLimit(s.max_streams, share)
         self.http_bodies = PerClientLimit(s.http_max_concurrent_bodies, share)
         self.identities = Identities(s.bearer_token())
         for gauge, limit in ((self.metrics.calls_in_progress, self.calls), (self.metrics.open_streams, self.streams),
