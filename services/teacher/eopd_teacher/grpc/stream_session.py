@@ -88,14 +88,20 @@ def in_band_error(metrics: TeacherMetrics, request_id: str, exc: BaseException) 
     return pb.ScoreResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message, retryable=False))
 
 
+def stream_ending(exc: BaseException, request_id: str = "") -> pb.ScoreResponse:
+    """The in-band announcement that a ScoreStream ends with `exc` (met by `request_id`; empty for a
+    stream refused as it opens)."""
+    code, message = describe(exc)
+    return pb.ScoreResponse(ending=pb.StreamEnding(request_id=request_id, code=code.value[0], message=message))
+
+
 async def announced_refusal(exc: BaseException, requests: AsyncIterator[pb.ScoreRequest],
                             grace_s: float = STREAM_ENDING_GRACE_S) -> AsyncIterator[pb.ScoreResponse]:
     """A ScoreStream refused as it opens (`exc`: over `max_streams` or the client's share of it), for
     a client that asked with `eopd-stream-ending: 1`: the StreamEnding first, then what the client
     still sends is read and dropped until it half-closes (at most `grace_s`), so that no write of the
     client races the status the caller raises next (grpc/grpc#36066)."""
-    code, message = describe(exc)
-    yield pb.ScoreResponse(ending=pb.StreamEnding(code=code.value[0], message=message))
+    yield stream_ending(exc)
 
     async def drain() -> None:
         async for _ in requests:
@@ -308,8 +314,7 @@ class StreamSession:
                 yield item
         exc, request_id = self._failure[0]
         if self._announce and not self._read_all.is_set():
-            code, message = describe(exc)
-            yield pb.ScoreResponse(ending=pb.StreamEnding(request_id=request_id, code=code.value[0], message=message))
+            yield stream_ending(exc, request_id)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._read_all.wait(), STREAM_ENDING_GRACE_S)
         raise exc
