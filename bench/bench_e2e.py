@@ -43,7 +43,7 @@ from pathlib import Path
 
 from bench import e2e_report as rep
 from bench.e2e_systems import DEFAULT_SYSTEMS, EOPD_SYSTEMS, LAYOUTS, SYSTEMS, base_system, system_key, train, trl_python
-from bench.report import ROOT, machine_description, matmul_gflops, provenance, write_results, write_section
+from bench.report import ROOT, machine_description, provenance, timing_machine, write_results, write_section
 
 SECTION = "e2e_trl"
 FIGURE = ROOT / "docs" / "figures" / "e2e_trl.png"
@@ -175,7 +175,6 @@ def archive_run(run_dir: Path, archive: Path | None) -> None:
 def run_all(args, settings: dict) -> list[dict]:
     """Train, then evaluate, every (seed, system) not done yet; the runs as e2e_report reads them."""
     out, archive = args.runs, args.archive
-    machine = provenance()
     runs = []
     for seed in args.seeds:
         for system in args.systems:
@@ -184,11 +183,10 @@ def run_all(args, settings: dict) -> list[dict]:
             found = _find(f"{name}/trained.json", out, archive)
             if found is None and args.phase in ("all", "train"):
                 print(f"[e2e] training {name}", flush=True)
-                speed = matmul_gflops()  # before the run, on the quiet machine
+                machine = timing_machine()  # before the run, on the quiet machine: its seconds are this machine's
                 trained = train(system, seed, run_dir, settings).to_json()
                 trained["settings"] = {k: v for k, v in settings.items() if k != "prompts"}
-                # its seconds are this machine's: the boot id tells apart machines of one CPU name, the matmul speed how far apart
-                trained["machine"] = {k: machine[k] for k in ("cpu", "cores", "mem_gib", "boot_id")} | {"matmul_gflops": speed}
+                trained["machine"] = machine
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "trained.json").write_text(json.dumps(trained, indent=1))
                 archive_run(run_dir, archive)

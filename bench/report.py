@@ -84,6 +84,16 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
     return round(2 * n**3 / best / 1e9, 1)
 
 
+def timing_machine() -> dict:
+    """The machine a timing is recorded on, measured now (call it on the quiet machine, just before
+    the timed run): CPU model, cores, memory, the kernel's boot id (tells apart machines of one CPU
+    name) and the matmul probe (how far apart they are). Stored beside every training time that will
+    be compared across machines (the head-to-head's runs, the layout grid's cells)."""
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(),
+            "matmul_gflops": matmul_gflops()}
+
+
 # What the benchmarks write: a run rewrites them section by section, so a change there is not a
 # change to what the numbers were measured with (else every section after the first of an
 # `eopd bench all` run would call its checkout dirty). Figures are written before the results JSON.

@@ -99,12 +99,12 @@ def probe_file(run_dir: Path) -> Path:
 
 
 def run_cell(preset: Path, loss: str, layout: str, seed: int, work: Path, archive: Path) -> None:
-    from bench.report import matmul_gflops, provenance
+    from bench.report import provenance, timing_machine
 
     name = cell_name(loss, layout, seed)
     run_dir = work / name
     # the machine, for the training seconds: cells run on several machines (the grid runs in parts)
-    prov, gflops, load_start = provenance(), matmul_gflops(), os.getloadavg()
+    prov, machine, load_start = provenance(), timing_machine(), os.getloadavg()
     t0 = time.monotonic()
     # per_loss={}: a cell's layout is its LAYOUTS entry over the preset's general settings, never a
     # loss's own (config per_loss), whatever the preset says for that loss
@@ -127,8 +127,8 @@ def run_cell(preset: Path, loss: str, layout: str, seed: int, work: Path, archiv
     (dest / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed, "preset": preset.name,
                                                 "overrides": [*LOSSES[loss], *LAYOUTS[layout]],
                                                 "wall_s": round(time.monotonic() - t0, 1),
-                                                "cpu": prov["cpu"], "boot_id": prov.get("boot_id"),
-                                                "matmul_gflops": gflops, "commit": prov["commit"], "describe": prov["describe"],
+                                                **{k: machine[k] for k in ("cpu", "boot_id", "matmul_gflops")},
+                                                "commit": prov["commit"], "describe": prov["describe"],
                                                 "load_avg_start": load_start,
                                                 "load_avg_end": os.getloadavg()}, indent=1) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -206,8 +206,18 @@ def machine_legend(rows: list[dict]) -> dict[tuple[str, str], str]:
     """Each machine the cells ran on -> a letter, in the order of the cells' names."""
     legend: dict[tuple[str, str], str] = {}
     for r in rows:
-        legend.setdefault(machine_of(r), string.ascii_uppercase[len(legend) % 26])
+        legend.setdefault(machine_of(r), machine_letter(len(legend)))
     return legend
+
+
+def machine_letter(i: int) -> str:
+    """The i-th machine's name, spreadsheet-style: A..Z, then AA, AB, ... (never two machines alike)."""
+    name = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        name = string.ascii_uppercase[r] + name
+    return name
 
 
 def machine_text(rows: list[dict], key: tuple[str, str]) -> str:

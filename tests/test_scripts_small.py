@@ -78,3 +78,10 @@ def test_a_cell_splits_the_probe_into_problems_its_run_trained_on_and_the_others
     seen = len(half & set(range(128)))
     assert split == {"seen_n": seen, "seen_avg": 1.0, "unseen_n": 128 - seen, "unseen_avg": 0.0}
     assert f"| eopd | preset | 1 | 0.500 | 1.000 ({seen}) | 0.000 ({128 - seen}) |" in layout_ablation.seen_table(tmp_path)
+
+
+def test_machine_letters_never_repeat_past_z():
+    """The 27th machine is AA, not A again (the legend named two machines alike after 26)."""
+    names = [layout_ablation.machine_letter(i) for i in range(26 * 27 + 1)]
+    assert names[:3] == ["A", "B", "C"] and names[25:28] == ["Z", "AA", "AB"] and names[26 * 27] == "AAA"
+    assert len(set(names)) == len(names)

@@ -129,6 +129,16 @@ def test_targets_and_projection_from_json(tmp_path):
     assert nodata == {} and "Not computed" in empty
 
 
+def test_a_timing_names_its_machine_and_how_fast_it_is():
+    """One record, used by the head-to-head's runs and the layout grid's cells: the machine's name,
+    its boot (two machines share a CPU name) and its measured speed."""
+    from bench.report import timing_machine
+
+    m = timing_machine()
+    assert set(m) == {"cpu", "cores", "mem_gib", "boot_id", "matmul_gflops"}
+    assert m["cpu"] and m["cores"] >= 1 and m["mem_gib"] >= 1 and m["boot_id"] and m["matmul_gflops"] > 0
+
+
 def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
     """A run writes docs/benchmarks.md and bench/results/ section by section: that alone must not
     make the next section's checkout `-dirty`; any other tracked change must (and is listed)."""
