@@ -314,14 +314,15 @@ def section_text(data: dict) -> str:
     return "\n".join(lines)
 
 
-def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool, json_out: Path | None) -> dict:
+def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool, json_out: Path | None,
+           archive: Path | None = ARCHIVE) -> dict:
     initial = json.loads(initial_eval.read_text())["models"]["initial"]["avg_at_k"]
     summary = rep.summarise(runs, initial)
     data = {"summary": summary, "runs": runs, "settings": {k: v for k, v in settings.items() if k != "prompts"},
             "eval_n": settings["eval_n"], "machine": machine_description(provenance()),
             "trl_python": str(trl_python())}
-    reading = ROOT / "bench" / "results" / "e2e" / "reading.md"
-    if write and reading.is_file():
+    reading = archive / "reading.md" if archive is not None else None  # the archive's own: not another's runs
+    if write and reading is not None and reading.is_file():
         data["reading"] = reading.read_text().strip()
     print(rep.summary_table(summary, data["eval_n"]))
     if json_out is not None:
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.archive is not None and not (args.archive / "initial" / "eval.json").is_file():
             (args.archive / "initial").mkdir(parents=True, exist_ok=True)
             shutil.copy(initial, args.archive / "initial" / "eval.json")
-        report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.out)
+        report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.out,
+               archive=args.archive)
     if args.quick:
         shutil.rmtree(args.runs, ignore_errors=True)
     return 0
