@@ -89,9 +89,14 @@ def timing_machine() -> dict:
     the timed run): CPU model, cores, memory, the kernel's boot id (tells apart machines of one CPU
     name) and the matmul probe (how far apart they are). Stored beside every training time that will
     be compared across machines (the head-to-head's runs, the layout grid's cells)."""
+    return machine_facts() | {"matmul_gflops": matmul_gflops()}
+
+
+def machine_facts() -> dict:
+    """CPU model, cores, memory (GiB) and the kernel's boot id: what provenance and timing_machine
+    both record."""
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(),
-            "matmul_gflops": matmul_gflops()}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id()}
 
 
 # What the benchmarks write: a run rewrites them section by section, so a change there is not a
@@ -115,7 +120,6 @@ def provenance() -> dict:
     a CPU name), torch, `git describe --always` (with
     `-dirty` when tracked files other than the benchmarks' outputs are changed, which are listed
     in `dirty_files`) and the full commit hash. Stored in every results JSON."""
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     if "torch" in sys.modules:  # the benchmark ran torch: its version and thread count
         torch = sys.modules["torch"]
         tv = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -126,7 +130,7 @@ def provenance() -> dict:
             tv = f"torch {version('torch')}"
         except Exception:  # pragma: no cover
             tv = "no torch"
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gib": round(mem_gib), "boot_id": boot_id(), "torch": tv}
+    machine = machine_facts() | {"torch": tv}
     commit = os.environ.get("EOPD_COMMIT")
     if commit:  # a copy of the checkout whose .git may be stale or absent (a lent device machine) is named
         # by whoever sent it (scripts/device_bench.sh)
