@@ -89,10 +89,13 @@ class RolloutConfig(Section):
         "auto", description="The transformers sampler's KV cache: static (preallocated to prompt + max_response_length; "
         "transformers then compiles the decode step on CUDA) or dynamic (grown per token). auto: static on CUDA, "
         "dynamic on CPU.")
-    old_logprobs: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Where old log-probs come from: a transformers forward pass over the sampled sequence "
-        "(what the learner's ratio is computed against), or, with engine=vllm, vLLM's log-prob of each sampled token "
-        "(no second forward pass; agrees to 1e-5..1e-4 in fp32, not in bf16; needs top_p=1).")
+    old_logprobs: Literal["auto", "generate", "transformers", "vllm"] = Field(
+        "auto", description="Where old log-probs come from: `generate` (engine transformers): recorded from generate's "
+        "raw logits of each step while sampling (no second forward pass; a probe at start checks they agree with the "
+        "forward pass, ~1e-5 in fp32); `transformers`: a transformers forward pass over the sampled sequence (exactly "
+        "what the learner's ratio is computed against); `vllm` (engine vllm): vLLM's log-prob of each sampled token (no "
+        "second forward pass; agrees to 1e-5..1e-4 in fp32, not in bf16; needs top_p=1). auto: generate with the "
+        "transformers engine and an fp32 student where the probe agrees, else transformers.")
     vllm: VllmRolloutConfig = Field(default_factory=VllmRolloutConfig, description="vLLM settings (engine=vllm).")
     n_samples: int = Field(1, ge=1, description="Responses sampled per prompt (paper: 1).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0); old log-probs use it too.")
@@ -116,6 +119,9 @@ class RolloutConfig(Section):
         if self.old_logprobs == "vllm" and self.engine == "transformers":
             raise ValueError("rollout.old_logprobs=vllm needs rollout.engine=vllm or auto on a CUDA host with vLLM (only "
                              "vLLM returns its own log-probs)")
+        if self.old_logprobs == "generate" and self.engine == "vllm":
+            raise ValueError("rollout.old_logprobs=generate needs the transformers sampler (rollout.engine=transformers or "
+                             "auto on CPU); with vLLM use old_logprobs=vllm or transformers")
         if self.old_logprobs == "vllm" and self.top_p < 1.0:
             raise ValueError(
                 f"rollout.old_logprobs=vllm needs rollout.top_p=1.0 (got {self.top_p}): vLLM's log-probs are renormalised "

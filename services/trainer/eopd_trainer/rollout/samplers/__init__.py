@@ -1,15 +1,17 @@
 """The samplers of the rollout worker (`make_sampler(cfg)` picks one by `rollout.engine`; `auto`:
 vLLM where the student's device is CUDA and vLLM is installed, else transformers, `resolve_engine`).
 
-Old log-probs come from a separate forward pass of the sampling policy over the full sequence
-(prompt + response), at the sampling temperature, never from generation scores: generation may
-use kernels, caches or processors (top-p) that make its scores differ from the distribution the
-learner's ratio is taken against.
+Old log-probs (`rollout.old_logprobs`) are the sampling policy's log-prob of each sampled token at
+the sampling temperature over the whole vocabulary, never after top-p: recorded from the raw
+logits of generate's steps (`generate`, the CPU default where a start-up probe agrees with the
+forward pass), from a separate forward pass over the full sequence (`transformers`: exactly the
+learner's computation), or vLLM's own (`vllm`, top-p 1 only).
 
 The rollout worker talks to a `Sampler` (`base.py`):
 
 - `TransformersSampler` (`transformers`, the default on CPU; `transformers_sampler.py`): `generate` with
-  transformers, old log-probs from `sequence_logprobs` (decoder body once, then the output
+  transformers, old log-probs recorded while sampling (`step_logprobs.py`) or from
+  `sequence_logprobs` (decoder body once, then the output
   projection in chunks of `rollout.logprob_chunk_size` response positions: no
   `[batch, seq, vocab]` logits), weights reloaded into the module in place;
 - `VllmSampler` (`vllm`, in `vllm_sampler.py`, which imports vLLM only when the engine starts):
@@ -56,8 +58,12 @@ def make_sampler(cfg: RunConfig) -> Sampler:
     if cfg.rollout.old_logprobs == "vllm" and engine != "vllm":
         raise SamplerUnavailable(f"rollout.old_logprobs=vllm needs vLLM, but rollout.engine={cfg.rollout.engine} resolved to "
                                  f"{engine} (student.device={cfg.student.device}, vLLM installed: {installed})")
+    if cfg.rollout.old_logprobs == "generate" and engine != "transformers":
+        raise SamplerUnavailable(f"rollout.old_logprobs=generate needs the transformers sampler, but rollout.engine="
+                                 f"{cfg.rollout.engine} resolved to {engine}; use old_logprobs=vllm or transformers")
     if engine == "vllm":
         return VllmSampler.from_config(cfg)
     return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device,
                                logprob_chunk_size=cfg.rollout.logprob_chunk_size,
-                               kv_cache=resolve_kv_cache(cfg.rollout.kv_cache, cfg.student.device))
+                               kv_cache=resolve_kv_cache(cfg.rollout.kv_cache, cfg.student.device),
+                               old_logprobs=cfg.rollout.old_logprobs, candidates=cfg.loss.num_candidates)

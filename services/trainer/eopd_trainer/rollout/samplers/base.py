@@ -21,8 +21,12 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     truncated: bool
-    # The sampler's own log-prob of each response token (vLLM with rollout.old_logprobs=vllm); None otherwise.
+    # The sampler's own log-prob of each response token (vLLM, and transformers with
+    # rollout.old_logprobs generate); None otherwise.
     logprobs: np.ndarray | None = None
+    # The policy's top-k ids [n, k] at each response token, recorded while sampling (transformers with
+    # rollout.old_logprobs generate and a loss with per-position candidates); None otherwise.
+    top_ids: np.ndarray | None = None
 
 
 def stop_ids(model, tokenizer) -> set[int]:

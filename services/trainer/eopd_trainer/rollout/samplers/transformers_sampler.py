@@ -1,12 +1,15 @@
-"""The transformers sampler: the student as a transformers module samples (`generate`), and the
-behaviour ("old") log-probs come from `sequence_logprobs`.
+"""The transformers sampler: the student as a transformers module samples (`generate`), with the
+behaviour ("old") log-probs of each sampled token.
 
-Old log-probs come from a separate forward pass of the sampling policy over the full sequence
-(prompt + response), at the sampling temperature, never from generation scores: generation may
-use kernels, caches or processors (top-p) that make its scores differ from the distribution the
-learner's ratio is taken against. `sequence_logprobs` runs the decoder body once, then the output
-projection in chunks of `rollout.logprob_chunk_size` response positions: no `[batch, seq, vocab]`
-logits. Published weights are reloaded into the module in place."""
+Old log-probs come, by `rollout.old_logprobs`, from `generate` itself (`generate`: `StepLogprobs`
+records each step's raw logits before the sampling warpers, no second pass) or from a separate
+forward pass of the sampling policy over the full sequence (`transformers`: `sequence_logprobs`,
+exactly as the learner computes them). `auto` records them while sampling where the student is
+fp32 and a probe shows the two agree (`check_step_logprobs`: decode steps with a KV cache match
+a full forward pass to ~1e-5 in fp32, not in bf16), and takes the forward pass otherwise.
+`sequence_logprobs` runs the decoder body once, then the output projection in chunks of
+`rollout.logprob_chunk_size` response positions: no `[batch, seq, vocab]` logits. Published
+weights are reloaded into the module in place."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from transformers import LogitsProcessorList
 
 from eopd_common.logits import LOGIT_TRANSFORMS, final_logits
 from eopd_common.models import load_causal_lm, pad_token_id
@@ -22,6 +26,7 @@ from eopd_common.models import load_causal_lm, pad_token_id
 from ...batching import pack_sequences
 from ...queue.policy_load import load_policy
 from ...queue.weights import load_tensors
+from .step_logprobs import StepLogprobs
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 
 log = logging.getLogger(__name__)
@@ -29,10 +34,13 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature: float, top_p: float,
-             max_new_tokens: int, seed: int, kv_cache: str = "dynamic") -> list[Sample]:
+             max_new_tokens: int, seed: int, kv_cache: str = "dynamic", record_logprobs: bool = False,
+             top_k_ids: int = 0) -> list[Sample]:
     """One sampled response per prompt (repeat a prompt for several samples). `kv_cache` "static":
     a KV cache preallocated to prompt + `max_new_tokens` (transformers then compiles the decode
-    step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token."""
+    step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token.
+    `record_logprobs`: each Sample carries the log-prob at `temperature` of each response token
+    under the step's raw logits (`StepLogprobs`), and with `top_k_ids` > 0 the step's top-k ids."""
     device = next(model.parameters()).device
     pad = pad_token_id(tokenizer)
     L = max(len(p) for p in prompts)
@@ -42,18 +50,26 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
         ids[i, L - len(p):] = torch.tensor(list(p), dtype=torch.long)
         mask[i, L - len(p):] = 1
     stop = stop_ids(model, tokenizer)
+    rec = StepLogprobs(temperature, top_k_ids) if record_logprobs else None
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
         top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, pad_token_id=pad,
         eos_token_id=sorted(stop) if stop else None, **({"cache_implementation": "static"} if kv_cache == "static" else {}),
+        **({"logits_processor": LogitsProcessorList([rec])} if rec is not None else {}),
     )
+    if rec is not None:
+        rec.finish(out)
     samples = []
     for i, p in enumerate(prompts):
         response, truncated = cut_response(out[i, L:].tolist(), stop, max_new_tokens)
         if not response:  # cannot happen with max_new_tokens >= 1, kept for safety
             response, truncated = [pad], True
-        samples.append(Sample(list(map(int, p)), response, truncated))
+        lp = top = None
+        if rec is not None:
+            lp = rec.logprobs[i, : len(response)].copy()
+            top = rec.top_ids[i, : len(response)].copy() if top_k_ids else None
+        samples.append(Sample(list(map(int, p)), response, truncated, lp, top))
     return samples
 
 
@@ -126,16 +142,39 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     return out
 
 
+@torch.no_grad()
+def check_step_logprobs(model, tokenizer, *, probe_tokens: int = 6) -> float:
+    """The largest difference between the log-probs `generate` records (`StepLogprobs`) and the
+    forward pass's (`sequence_logprobs`) on a probe: two prompts of different lengths (left
+    padding), `probe_tokens` sampled tokens each, temperature 1."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompts = [[int(t) for t in (torch.arange(1, n + 1) * 7919 % vocab)] for n in (5, 9)]
+    samples = generate(model, tokenizer, prompts, temperature=1.0, top_p=1.0, max_new_tokens=probe_tokens, seed=0,
+                       record_logprobs=True)
+    want = sequence_logprobs(model, prompts, [s.response_ids for s in samples], temperature=1.0,
+                             pad_id=pad_token_id(tokenizer))
+    return max(float(np.abs(s.logprobs - w).max()) for s, w in zip(samples, want, strict=True))
+
+
+#: the largest probe difference (`check_step_logprobs`) at which generate's log-probs are taken
+STEP_LOGPROBS_TOLERANCE = 1e-3
+
+
 class TransformersSampler:
-    """The student as a transformers module: `generate` to sample, `sequence_logprobs` for old
-    log-probs, published weights loaded into the module in place."""
+    """The student as a transformers module: `generate` to sample, old log-probs recorded while
+    sampling or from `sequence_logprobs` (`old_logprobs`: generate, transformers, or auto),
+    published weights loaded into the module in place. `candidates` > 0: the policy's top-k ids
+    per response position are wanted too (eopd_topk_rkl), recorded with the log-probs."""
 
     engine = "transformers"
 
     def __init__(self, spec: str, *, dtype: str = "float32", device: str = "cpu", model=None, tokenizer=None,
-                 logprob_chunk_size: int = 1024, kv_cache: str = "dynamic"):
+                 logprob_chunk_size: int = 1024, kv_cache: str = "dynamic", old_logprobs: str = "transformers",
+                 candidates: int = 0):
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be dynamic or static, got {kv_cache!r}")
+        if old_logprobs not in ("auto", "generate", "transformers"):
+            raise ValueError(f"the transformers sampler's old_logprobs is auto, generate or transformers, got {old_logprobs!r}")
         self.kv_cache = kv_cache
         if model is None:
             loaded = load_causal_lm(spec, dtype=dtype, device=device)
@@ -144,19 +183,52 @@ class TransformersSampler:
         self.pad_id = pad_token_id(tokenizer)
         self.stop = stop_ids(self.model, tokenizer)  # the student's EOS ids (the teacher's Generate stops on them too)
         self.logprob_chunk_size = logprob_chunk_size
+        self.candidates = candidates
+        self._sampled_at: float | None = None
         check_head_reproduces_logits(self.model)  # the old-log-prob pass projects hidden states itself
+        self.old_logprobs_from = self._resolve_old_logprobs(old_logprobs)
+
+    def _resolve_old_logprobs(self, wanted: str) -> str:
+        """"generate" or "transformers": `wanted` made concrete, checked on a probe."""
+        fp32 = next(self.model.parameters()).dtype == torch.float32
+        if wanted == "transformers" or (wanted == "auto" and not fp32):
+            return "transformers"
+        err = check_step_logprobs(self.model, self.tokenizer)
+        if err <= STEP_LOGPROBS_TOLERANCE:
+            log.info("old log-probs recorded while sampling (rollout.old_logprobs=%s; probe difference to the "
+                     "forward pass %.2g)", wanted, err)
+            return "generate"
+        why = (f"generate's log-probs differ from the forward pass's by {err:.3g} on a probe "
+               f"(> {STEP_LOGPROBS_TOLERANCE})")
+        if wanted == "generate":
+            raise SamplerUnavailable(f"rollout.old_logprobs=generate: {why}; use rollout.old_logprobs=transformers")
+        log.warning("rollout.old_logprobs=auto: %s; old log-probs come from a forward pass", why)
+        return "transformers"
 
     def sample(self, prompts, seeds, *, temperature, top_p, max_new_tokens) -> list[Sample]:
+        self._sampled_at = temperature  # the temperature of the log-probs recorded with these samples
         return generate(self.model, self.tokenizer, prompts, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens, seed=int(seeds[0]), kv_cache=self.kv_cache)
+                        max_new_tokens=max_new_tokens, seed=int(seeds[0]), kv_cache=self.kv_cache,
+                        record_logprobs=self.old_logprobs_from == "generate", top_k_ids=self.candidates)
+
+    def _recorded(self, samples, temperature: float, k: int = 0) -> bool:
+        """Whether every sample carries the log-probs at `temperature` (and top-`k` ids) recorded
+        while sampling."""
+        return self.old_logprobs_from == "generate" and self._sampled_at == temperature and all(
+            s.logprobs is not None and len(s.logprobs) == len(s.response_ids)
+            and (not k or (s.top_ids is not None and s.top_ids.shape[-1] == k)) for s in samples)
 
     def old_logprobs(self, samples, *, temperature) -> list[np.ndarray]:
+        if self._recorded(samples, temperature):
+            return [s.logprobs for s in samples]
         return sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size)
 
     def old_logprobs_topk(self, samples, *, temperature, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """`old_logprobs` plus the policy's top-`k` ids at each response position (`[n, k]`), from
-        the same forward pass."""
+        the same pass (recorded while sampling, or the forward pass)."""
+        if self._recorded(samples, temperature, k):
+            return [s.logprobs for s in samples], [s.top_ids for s in samples]
         top: list[np.ndarray] = []
         lps = sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                 temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size,
