@@ -314,6 +314,13 @@ def section_text(data: dict) -> str:
     return "\n".join(lines)
 
 
+def archive_reading(archive: Path | None) -> str | None:
+    """The reading of the runs kept in `archive` (its reading.md, stripped), None without one: a
+    report of one archive never publishes another archive's reading."""
+    path = archive / "reading.md" if archive is not None else None
+    return path.read_text().strip() if path is not None and path.is_file() else None
+
+
 def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool, json_out: Path | None,
            archive: Path | None = ARCHIVE) -> dict:
     initial = json.loads(initial_eval.read_text())["models"]["initial"]["avg_at_k"]
@@ -321,9 +328,9 @@ def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool,
     data = {"summary": summary, "runs": runs, "settings": {k: v for k, v in settings.items() if k != "prompts"},
             "eval_n": settings["eval_n"], "machine": machine_description(provenance()),
             "trl_python": str(trl_python())}
-    reading = archive / "reading.md" if archive is not None else None  # the archive's own: not another's runs
-    if write and reading is not None and reading.is_file():
-        data["reading"] = reading.read_text().strip()
+    reading = archive_reading(archive) if write else None
+    if reading:
+        data["reading"] = reading
     print(rep.summary_table(summary, data["eval_n"]))
     if json_out is not None:
         json_out.write_text(json.dumps(data, indent=1))

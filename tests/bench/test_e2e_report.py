@@ -195,3 +195,17 @@ def test_each_eopd_system_trains_at_its_losss_own_layout(tmp_path):
     assert (general["samples_per_prompt"], general["iterations"]) == (data["rollout"]["n_samples"], data["train"]["iterations"])
     quick = eopd_layout("eopd-gkd", {**settings, "iterations_given": 2, "save_every_given": 1})
     assert (quick["iterations"], quick["save_every"]) == (2, 1)
+
+
+def test_the_published_reading_is_the_reports_own_archives(tmp_path):
+    """`--phase report --archive A` publishes A's reading.md, never bench/results/e2e's (the Avg@8
+    archive's report once carried the Avg@4 runs' reading)."""
+    from bench.bench_e2e import ARCHIVE, archive_reading
+
+    avg8 = tmp_path / "e2e-avg8"
+    avg8.mkdir()
+    assert archive_reading(avg8) is None and archive_reading(None) is None
+    (avg8 / "reading.md").write_text("\n**Reading.** Avg@8 runs, three seeds.\n\n")
+    assert archive_reading(avg8) == "**Reading.** Avg@8 runs, three seeds."
+    if (ARCHIVE / "reading.md").is_file():
+        assert archive_reading(avg8) != archive_reading(ARCHIVE)
