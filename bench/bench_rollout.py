@@ -9,7 +9,10 @@ Runs inside the vLLM environment (bash scripts/vllm_env.sh --setup-only). Paths,
 worker's own sampler class (`eopd_trainer.rollout.samplers`) in its own process:
 
 * transformers: `TransformersSampler` - `model.generate` with a dynamic KV cache, then a
-  transformers forward for the old log-probs (`rollout.engine: transformers`, the default on CPU);
+  transformers forward for the old log-probs (`rollout.engine: transformers`,
+  `rollout.old_logprobs: transformers`);
+* transformers_generate: the same sampler recording the old log-probs from generate's raw logits
+  while it samples (`rollout.old_logprobs: generate`, the CPU default through `auto`): no second pass;
 * transformers_static: the same with `rollout.kv_cache: static` (preallocated to prompt + length
   cap; transformers compiles its decode step on CUDA only: the CUDA default, measured here on CPU);
 * vllm: `VllmSampler` - vLLM samples, the transformers copy computes the old log-probs
@@ -40,12 +43,13 @@ from pathlib import Path
 
 from bench.child import ChildProc, cpu_seconds, rotated, serve, status_mib
 
-PATHS = ("transformers", "transformers_static", "vllm", "vllm_own_logprobs")
+PATHS = ("transformers", "transformers_generate", "transformers_static", "vllm", "vllm_own_logprobs")
 PRESET_CONFIG = "smollm2-cpu.yaml"  # prompts (generator, suffix, chat template) and the preset student
 WORKLOADS = {
     "full": {
-        "preset": {"student": "smollm2-135m[layers=0:30:3]", "prompts": 16, "max_new_tokens": 48,
-                   "what": "the smollm2-cpu preset: its 10-layer student, B = 16 rollouts of <= 48 tokens"},
+        "preset": {"student": "smollm2-135m[drop=14]", "prompts": 16, "max_new_tokens": 16,
+                   "what": "the smollm2-cpu preset's round: its student (SmolLM2-135M without decoder layer 14, 29 "
+                           "layers), 16 rollouts of <= 16 tokens (rollout.generation_batch_size, max_response_length)"},
         "smollm2": {"student": "smollm2-135m", "prompts": 8, "max_new_tokens": 64,
                     "what": "SmolLM2-135M-Instruct whole (30 layers), 8 rollouts of <= 64 tokens"},
     },
@@ -64,7 +68,7 @@ def _config(student: str, path: str, dtype: str, max_new_tokens: int):
     from eopd_trainer.config import load_config
 
     engine = "transformers" if path.startswith("transformers") else "vllm"
-    old = "vllm" if path == "vllm_own_logprobs" else "transformers"
+    old = {"vllm_own_logprobs": "vllm", "transformers_generate": "generate"}.get(path, "transformers")
     kv_cache = "static" if path == "transformers_static" else "dynamic"
     return load_config(Path(__file__).resolve().parents[1] / "configs" / PRESET_CONFIG,
                        [f"student.model={student}", f"student.dtype={dtype}", f"rollout.engine={engine}",
@@ -231,7 +235,11 @@ def render(data: dict) -> str:
     for wl in data["workloads"]:
         by = {r["path"]: r for r in rows if r["workload"] == wl["workload"]}
         t, v, o = by.get("transformers"), by.get("vllm"), by.get("vllm_own_logprobs")
-        st = by.get("transformers_static")
+        st, g = by.get("transformers_static"), by.get("transformers_generate")
+        if t and g:
+            reading.append(f"- {wl['workload']}: recording the old log-probs while `generate` samples (`rollout.old_logprobs: "
+                           f"generate`, the CPU default) drops the forward pass, {100 * t['logprob_share']:.0f}% of the "
+                           f"transformers rollout: {g['rollout_vs_transformers']:.2f}x (paired).")
         if t and st:
             ratio = st["rollout_vs_transformers"]
             verdict = ("no gain on this CPU (compare the rounds' spread), so `rollout.kv_cache: auto` keeps the dynamic "
@@ -263,7 +271,8 @@ def render(data: dict) -> str:
         "",
         wl_lines,
         "",
-        "- **transformers**: `rollout.engine: transformers` (`model.generate` with a dynamic KV cache, then a transformers forward for the old log-probs; the CPU default);",
+        "- **transformers**: `rollout.engine: transformers`, `rollout.old_logprobs: transformers` (`model.generate` with a dynamic KV cache, then a transformers forward for the old log-probs);",
+        "- **transformers_generate**: the same sampler with `rollout.old_logprobs: generate` (the old log-probs recorded from generate's raw logits while it samples, no second pass; the CPU default through `auto`);",
         "- **transformers_static**: the same with `rollout.kv_cache: static` (preallocated cache; transformers compiles its decode step on CUDA only, where it is the default);",
         "- **vllm**: `rollout.engine: vllm` (vLLM samples; its transformers copy computes the old log-probs exactly as the learner does);",
         "- **vllm_own_logprobs**: `rollout.engine: vllm`, `rollout.old_logprobs: vllm` (the log-prob vLLM returns with each token; "

@@ -1,5 +1,6 @@
 """`bench_rollout --quick` in the vLLM environment (part of the vLLM tier, scripts/vllm_env.sh):
-the worker's real samplers (transformers, vLLM, vLLM with its own log-probs) on the tiny random
+the worker's real samplers (transformers with the old log-probs from a forward pass or recorded while
+sampling, vLLM, vLLM with its own log-probs) on the tiny random
 student, each in its own process, plus in-place weight reloads; and the section rendered from
 the measured JSON."""
 
@@ -29,8 +30,10 @@ def test_rollout_quick_measures_every_sampler_and_renders(tmp_path, monkeypatch)
             assert r["sample_s"] > 0 and r["logprob_s"] >= 0
         assert all(x > 0 for x in p["reloads"]) and p["peak_rss_mib"] > 0
     # vLLM with its own log-probs does no second forward pass: its old log-prob time is ~0.
-    own = wl["paths"]["vllm_own_logprobs"]["rounds"]
-    assert all(r["logprob_s"] < 0.05 * r["sample_s"] for r in own), own
+    # Nor does the transformers sampler recording them while it samples (rollout.old_logprobs: generate).
+    for path in ("vllm_own_logprobs", "transformers_generate"):
+        own = wl["paths"][path]["rounds"]
+        assert all(r["logprob_s"] < 0.05 * r["sample_s"] for r in own), (path, own)
 
     rows = bench_rollout.summarise(data)
     assert {r["path"] for r in rows} == set(bench_rollout.PATHS)
