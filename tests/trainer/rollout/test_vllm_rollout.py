@@ -67,7 +67,7 @@ def test_rollout_engine_config_fields_and_validation():
     # auto (issue 31): vLLM on a CUDA student with vLLM installed, else transformers (this CPU preset)
     from eopd_trainer.rollout.samplers import resolve_engine
 
-    assert cfg.rollout.engine == "auto" and cfg.rollout.old_logprobs == "transformers"
+    assert cfg.rollout.engine == "auto" and cfg.rollout.old_logprobs == "auto"
     assert resolve_engine(cfg.rollout.engine, cfg.student.device, vllm_installed=True) == "transformers"
     cfg = load_config(TINY, ["rollout.engine=vllm", "rollout.vllm.max_model_len=512", "rollout.vllm.dtype=bfloat16",
                              "rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.tensor_parallel_size=2",
