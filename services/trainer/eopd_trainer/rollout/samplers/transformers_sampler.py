@@ -26,8 +26,8 @@ from eopd_common.models import load_causal_lm, pad_token_id
 from ...batching import pack_sequences
 from ...queue.policy_load import load_policy
 from ...queue.weights import load_tensors
-from .step_logprobs import StepLogprobs
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
+from .step_logprobs import StepLogprobs
 
 log = logging.getLogger(__name__)
 
