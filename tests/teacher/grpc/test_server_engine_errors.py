@@ -8,6 +8,7 @@ has no fault-injection setting; the engine is passed through TeacherServer's `en
 from __future__ import annotations
 
 import asyncio
+import threading
 import urllib.error
 import urllib.request
 
@@ -33,7 +34,12 @@ LIMITS = dict(default_top_k=4, max_top_k=8, max_sequences_per_request=16, max_to
 
 class FlakyEngine(ScoringEngine):
     """Scores anything (constant numbers) except a batch holding a sequence whose id starts with
-    'boom', which raises."""
+    'boom', which raises. A sequence whose id starts with 'hold' sets `holding` and blocks the
+    engine's thread until `release` is set (at most 30 s): a request the test knows is in flight."""
+
+    def __init__(self):
+        self.holding = threading.Event()
+        self.release = threading.Event()
 
     def load(self) -> EngineInfo:
         return EngineInfo(
@@ -44,6 +50,9 @@ class FlakyEngine(ScoringEngine):
     def score(self, items: list[ScoreItem]) -> list[SequenceScores]:
         if any(it.seq_id.startswith("boom") for it in items):
             raise RuntimeError("engine exploded")
+        if any(it.seq_id.startswith("hold") for it in items):
+            self.holding.set()
+            self.release.wait(30)
         out = []
         for it in items:
             n = it.num_scored
@@ -69,7 +78,8 @@ def _metrics(port: int) -> str:
 async def test_engine_exception_is_internal_and_server_keeps_serving():
     settings = TeacherSettings(host="127.0.0.1", grpc_port=0, http_port=0, max_batch_wait_ms=1, grace_seconds=5,
                                **LIMITS, insecure_no_auth=True)
-    server = TeacherServer(settings, engine=FlakyEngine())
+    engine = FlakyEngine()
+    server = TeacherServer(settings, engine=engine)
     await server.start()
     try:
         async with asyncio.timeout(30):
@@ -114,7 +124,10 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
                 answers = [r.request_id async for r in stub.ScoreStream(iter([_req("after", "b")]), timeout=10)]
                 assert answers == ["after"]
 
-                # A stream the client cancels is counted too (code CANCELLED), not silently dropped.
+                # A stream the client cancels while a request of it is in flight is counted too
+                # (code CANCELLED), not silently dropped. (A stream cancelled with nothing in flight
+                # looks to the server like a half-close: gRPC's server sees the end of the requests
+                # before the cancel, so if nothing is left to answer, the call may end OK.)
                 queue2: asyncio.Queue = asyncio.Queue()
 
                 async def requests2():
@@ -124,12 +137,17 @@ async def test_engine_exception_is_internal_and_server_keeps_serving():
                 call = stub.ScoreStream(requests2(), timeout=30)
                 queue2.put_nowait(_req("c1", "c"))
                 assert (await call.read()).request_id == "c1"
+                queue2.put_nowait(_req("c2", "hold-c"))
+                assert await asyncio.to_thread(engine.holding.wait, 10), "the held request never reached the engine"
                 call.cancel()
-                for _ in range(100):
-                    if 'eopd_teacher_requests_total{code="CANCELLED",method="ScoreStream"} 1.0' in await asyncio.to_thread(
-                            _metrics, server.http_port):
-                        break
-                    await asyncio.sleep(0.05)
+                try:
+                    for _ in range(200):
+                        if 'eopd_teacher_requests_total{code="CANCELLED",method="ScoreStream"} 1.0' in await asyncio.to_thread(
+                                _metrics, server.http_port):
+                            break
+                        await asyncio.sleep(0.05)
+                finally:
+                    engine.release.set()
         metrics = await asyncio.to_thread(_metrics, server.http_port)
         assert 'eopd_teacher_requests_total{code="INTERNAL",method="Score"} 1.0' in metrics
         assert 'eopd_teacher_stream_requests_total{code="INTERNAL"} 1.0' in metrics
