@@ -4,8 +4,9 @@ vLLM where the student's device is CUDA and vLLM is installed, else transformers
 Old log-probs (`rollout.old_logprobs`) are the sampling policy's log-prob of each sampled token at
 the sampling temperature over the whole vocabulary, never after top-p: recorded from the raw
 logits of generate's steps (`generate`, the CPU default in sync mode where a start-up probe agrees
-with the forward pass; async mode keeps the forward pass unless `generate` is asked for), from a separate forward pass over the full sequence (`transformers`: exactly the
-learner's computation), or vLLM's own (`vllm`, top-p 1 only).
+with the forward pass; async mode keeps the forward pass unless `generate` is asked for), from a
+separate forward pass over the full sequence (`transformers`: exactly the learner's computation),
+or vLLM's own (`vllm`, top-p 1 only).
 
 The rollout worker talks to a `Sampler` (`base.py`):
 
