@@ -138,8 +138,6 @@ def test_config_old_logprobs():
     assert load_config(TINY).rollout.old_logprobs == "auto"
     assert make_sampler(load_config(TINY)).old_logprobs_from == "generate"  # CPU, fp32: recorded while sampling
     assert make_sampler(load_config(TINY, ["rollout.old_logprobs=transformers"])).old_logprobs_from == "transformers"
-    # async mode: auto keeps the forward pass (recording is measured in sync mode only); generate asked is kept
-    assert make_sampler(load_config(TINY, ["mode=async"])).old_logprobs_from == "transformers"
-    assert make_sampler(load_config(TINY, ["mode=async", "rollout.old_logprobs=generate"])).old_logprobs_from == "generate"
+    assert make_sampler(load_config(TINY, ["mode=async"])).old_logprobs_from == "generate"  # either mode
     with pytest.raises(ConfigError, match="rollout.old_logprobs=generate needs the transformers sampler"):
         load_config(TINY, ["rollout.engine=vllm", "rollout.old_logprobs=generate"])

@@ -95,8 +95,7 @@ class RolloutConfig(Section):
         "forward pass, ~1e-5 in fp32); `transformers`: a transformers forward pass over the sampled sequence (exactly "
         "what the learner's ratio is computed against); `vllm` (engine vllm): vLLM's log-prob of each sampled token (no "
         "second forward pass; agrees to 1e-5..1e-4 in fp32, not in bf16; needs top_p=1). auto: generate with the "
-        "transformers engine, an fp32 student and mode sync where the probe agrees, else transformers (async mode: "
-        "not yet measured with recorded values).")
+        "transformers engine and an fp32 student where the probe agrees, else transformers.")
     vllm: VllmRolloutConfig = Field(default_factory=VllmRolloutConfig, description="vLLM settings (engine=vllm).")
     n_samples: int = Field(1, ge=1, description="Responses sampled per prompt (paper: 1).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0); old log-probs use it too.")

@@ -3,10 +3,9 @@ vLLM where the student's device is CUDA and vLLM is installed, else transformers
 
 Old log-probs (`rollout.old_logprobs`) are the sampling policy's log-prob of each sampled token at
 the sampling temperature over the whole vocabulary, never after top-p: recorded from the raw
-logits of generate's steps (`generate`, the CPU default in sync mode where a start-up probe agrees
-with the forward pass; async mode keeps the forward pass unless `generate` is asked for), from a
-separate forward pass over the full sequence (`transformers`: exactly the learner's computation),
-or vLLM's own (`vllm`, top-p 1 only).
+logits of generate's steps (`generate`, the CPU default where a start-up probe agrees with the
+forward pass), from a separate forward pass over the full sequence (`transformers`: exactly the
+learner's computation), or vLLM's own (`vllm`, top-p 1 only).
 
 The rollout worker talks to a `Sampler` (`base.py`):
 
@@ -22,14 +21,11 @@ The rollout worker talks to a `Sampler` (`base.py`):
 from __future__ import annotations
 
 import importlib.util
-import logging
 from typing import TYPE_CHECKING
 
 from .base import Sampler, SamplerUnavailable
 from .transformers_sampler import TransformersSampler
 from .vllm_sampler import VllmSampler  # imports vLLM itself only when the engine starts
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -70,16 +66,4 @@ def make_sampler(cfg: RunConfig) -> Sampler:
     return TransformersSampler(cfg.student.model, dtype=cfg.student.dtype, device=cfg.student.device,
                                logprob_chunk_size=cfg.rollout.logprob_chunk_size,
                                kv_cache=resolve_kv_cache(cfg.rollout.kv_cache, cfg.student.device),
-                               old_logprobs=transformers_old_logprobs(cfg), candidates=cfg.loss.num_candidates)
-
-
-def transformers_old_logprobs(cfg: RunConfig) -> str:
-    """The transformers sampler's `old_logprobs`: `auto` records them while sampling only in sync
-    mode, where it was measured (the whole job's A/B, the first step's importance ratio of 1); in
-    async mode it keeps the forward pass: the async end-to-end test's student moved away from its
-    teacher with the recorded values on a 2-core Xeon (reverse KL 14.02 -> 14.20, against 13.55 with
-    the forward pass), not yet understood. `generate` asked explicitly is kept in either mode."""
-    if cfg.rollout.old_logprobs == "auto" and cfg.mode == "async":
-        log.info("rollout.old_logprobs=auto in async mode: old log-probs come from a forward pass")
-        return "transformers"
-    return cfg.rollout.old_logprobs
+                               old_logprobs=cfg.rollout.old_logprobs, candidates=cfg.loss.num_candidates)
