@@ -29,7 +29,9 @@ Phases, each resumable (a run whose files are in --out or --archive is not done 
 `train` (timed, one run at a time: needs an otherwise idle machine), `eval` (`eopd eval` of every
 checkpoint on the held-out set, the last also on the variants set; the time does not matter, the
 checkpoints are deleted afterwards unless --keep-checkpoints), `report` (docs/benchmarks.md section
-`e2e_trl` and docs/figures/e2e_trl.png). `--phase all` does the three.
+`e2e_trl` and docs/figures/e2e_trl.png). `--phase all` does the three. `retime` (timed, like
+`train`) trains archived runs again on this machine for their seconds alone, so that systems timed
+on a later machine still pair with them (bench/e2e_timing.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import tempfile
 from pathlib import Path
 
 from bench import e2e_report as rep
+from bench import e2e_timing
 from bench.e2e_systems import DEFAULT_SYSTEMS, EOPD_SYSTEMS, LAYOUTS, SYSTEMS, base_system, system_key, train, trl_python
 from bench.report import ROOT, machine_description, provenance, timing_machine, write_results, write_section
 
@@ -172,6 +175,33 @@ def archive_run(run_dir: Path, archive: Path | None) -> None:
             shutil.copy(run_dir / name, dest / Path(name).name)
 
 
+def retime_all(args, settings: dict) -> None:
+    """`--phase retime`: every (seed, system) trained again on this machine, timed like `train`, and
+    kept as a re-timing (`<archive>/timing/<name>@<boot>/trained.json`, e2e_timing) unless this
+    machine has one already; never evaluated, its checkpoints deleted. The report pairs it with the
+    runs timed on this machine; its accuracies are the archived run's."""
+    if args.archive is None:
+        raise SystemExit("bench_e2e: --phase retime keeps its runs in --archive (timing/); give one")
+    for seed in args.seeds:
+        for system in args.systems:
+            name = f"{system_key(system, settings['layout'])}-s{seed}"
+            machine = timing_machine()  # before the run, on the quiet machine
+            dest = args.archive / e2e_timing.TIMING_DIR / e2e_timing.timing_name(name, machine)
+            if (dest / "trained.json").is_file():
+                print(f"[e2e] {dest.name}: timed on this machine already", flush=True)
+                continue
+            print(f"[e2e] re-timing {name} on this machine", flush=True)
+            run_dir = args.runs / dest.name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            trained = train(system, seed, run_dir, settings).to_json()
+            trained["settings"] = {k: v for k, v in settings.items() if k != "prompts"}
+            trained["machine"] = machine
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / "trained.json").write_text(json.dumps(trained, indent=1))
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"[e2e] {dest.name}: {[(c['label'], round(c['train_s'])) for c in trained['checkpoints']]}", flush=True)
+
+
 def run_all(args, settings: dict) -> list[dict]:
     """Train, then evaluate, every (seed, system) not done yet; the runs as e2e_report reads them."""
     out, archive = args.runs, args.archive
@@ -265,12 +295,14 @@ def layout_text(runs: list[dict], st: dict) -> str:
 def section_text(data: dict) -> str:
     s, k = data["summary"], data["eval_n"]
     st = data["settings"]
+    ref, ref_s, ref_loss = rep.reference_names(s.get("reference", "eopd"))
     lines = [
         "## Head to head with TRL: accuracy against training time (`python -m bench.bench_e2e`, issue 34)", "",
         f"Report written on {data['machine']}. Every run was timed alone on its machine, one run at a time, nothing "
-        f"else running: {rep.machines_line(data['runs'])}. The ratios to eopd are paired within a seed and a machine "
+        f"else running: {rep.machines_line(data['runs'])}. The ratios to {ref} are paired within a seed and a machine "
         f"(the CPU's name and, where recorded, the kernel's boot id: two machines called AMD EPYC ran 1.4-1.9x apart); a "
-        f"run timed on another machine than its seed's eopd run gives accuracy but no ratio. Task: the `{st['preset']}` preset "
+        f"run timed on another machine than its seed's {ref} run gives accuracy but no ratio{rep.retimings_text(data.get('retimings', []))}. "
+        f"Task: the `{st['preset']}` preset "
         f"(SmolLM2-135M-Instruct teacher, `smollm2-135m[drop=14]` student, generated arithmetic and word problems, "
         f"{st['max_new_tokens']}-token answers); every student graded by `eopd eval` on the same held-out set "
         f"(Avg@{k}, Pass@{k}, temperature 1, top-p 0.8) and, at the end, on the variants set. Training seconds run from "
@@ -299,12 +331,12 @@ def section_text(data: dict) -> str:
         "GKD: one process; TRL server: the trainer plus the teacher server).".format(
             lr=st["lr"], b=tuple(st["betas"]), eps=st["eps"], gc=st["grad_clip"], w=st["warmup_steps"], bs=st["batch_size"],
             steps=st["steps"], temp=st["temperature"], mx=st["max_new_tokens"], layout=layout_text(data["runs"], st)), "",
-        f"Initial student: held-out Avg@{k} {s['initial']:.3f}. Target: eopd's (EOPD) final held-out Avg@{k}, mean over "
+        f"Initial student: held-out Avg@{k} {s['initial']:.3f}. Target: {ref_s} final held-out Avg@{k}, mean over "
         f"its seeds: " + ("-" if s["target"] is None else f"{s['target']:.3f}") + ". Three readings of the time to it, each "
-        "a ratio to eopd's time paired by seed: the first crossing (interpolated between checkpoints); the time from which "
+        f"a ratio to {ref}'s time paired by seed: the first crossing (interpolated between checkpoints); the time from which "
         "a system stays at or above it through its last checkpoint (a chance crossing that falls back does not count); "
-        "and the first crossing of EOPD's final accuracy in the same seed (" + ", ".join(
-            f"seed {k}: {v:.3f}" for k, v in sorted(s.get("seed_targets", {}).items())) + "), which every seed of eopd "
+        f"and the first crossing of {ref_loss}'s final accuracy in the same seed (" + ", ".join(
+            f"seed {k}: {v:.3f}" for k, v in sorted(s.get("seed_targets", {}).items())) + f"), which every seed of {ref} "
         "reaches, where a seed that ends below the mean never reaches the mean target.", "",
         rep.summary_table(s, k), "",
         f"![accuracy against training time](figures/{FIGURE.name})", "",
@@ -322,10 +354,12 @@ def archive_reading(archive: Path | None) -> str | None:
 
 
 def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool, json_out: Path | None,
-           archive: Path | None = ARCHIVE) -> dict:
+           archive: Path | None = ARCHIVE, reference: str = "eopd") -> dict:
     initial = json.loads(initial_eval.read_text())["models"]["initial"]["avg_at_k"]
-    summary = rep.summarise(runs, initial)
-    data = {"summary": summary, "runs": runs, "settings": {k: v for k, v in settings.items() if k != "prompts"},
+    retimings = e2e_timing.retimed_runs(runs, e2e_timing.load_timings(archive))
+    summary = rep.summarise(runs, initial, reference=reference, retimings=retimings)
+    data = {"summary": summary, "runs": runs, "retimings": retimings,
+            "settings": {k: v for k, v in settings.items() if k != "prompts"},
             "eval_n": settings["eval_n"], "machine": machine_description(provenance()),
             "trl_python": str(trl_python())}
     reading = archive_reading(archive) if write else None
@@ -336,7 +370,7 @@ def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool,
         json_out.write_text(json.dumps(data, indent=1))
     if write and runs:
         FIGURE.parent.mkdir(parents=True, exist_ok=True)
-        rep.figure(runs, initial, summary["target"], FIGURE, data["eval_n"])
+        rep.figure(runs, initial, summary["target"], FIGURE, data["eval_n"], reference=reference)
         path = write_results(SECTION, data)
         write_section(SECTION, section_text(json.loads(path.read_text())))
     return data
@@ -367,10 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="preset",
                    help="eopd's data layout (issue 47): the preset's, or TRL's (8 prompts x 1 response per step); its "
                         "runs are kept as SYSTEM@LAYOUT beside the preset's, TRL's runs are shared")
-    p.add_argument("--phase", choices=("all", "train", "eval", "report"), default="all")
+    p.add_argument("--phase", choices=("all", "train", "eval", "report", "retime"), default="all",
+                   help="retime: train again on this machine for the ratios only, kept in <archive>/timing/")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "e2e", help="the runs' directories (checkpoints: GBs)")
     p.add_argument("--archive", type=Path, default=ARCHIVE, help="small files of each finished run (resumable across machines)")
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--reference", choices=SYSTEMS, default="eopd",
+                   help="the system whose final accuracy is the target and whose seconds the ratios divide by")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny run of each system before the timed ones")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here too (with --quick: only here)")
     args = p.parse_args(argv)
@@ -382,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
                                 eval_samples=args.eval_samples)
     print(f"[e2e] {len(args.systems)} systems x seeds {args.seeds}; {settings['steps']} optimizer steps of "
           f"{settings['batch_size']} responses; TRL runs with {trl_python()}", flush=True)
-    if args.phase in ("all", "train") and not args.quick and not args.no_warmup:
+    if args.phase in ("all", "train", "retime") and not args.quick and not args.no_warmup:
         warm_up(args.systems)
+    if args.phase == "retime":
+        retime_all(args, settings)
+        return 0
     runs = run_all(args, settings)
     initial = evaluate_initial(settings, args.runs, args.archive) if args.phase != "train" else None
     if initial is not None:
@@ -391,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.archive / "initial").mkdir(parents=True, exist_ok=True)
             shutil.copy(initial, args.archive / "initial" / "eval.json")
         report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.out,
-               archive=args.archive)
+               archive=args.archive, reference=args.reference)
     if args.quick:
         shutil.rmtree(args.runs, ignore_errors=True)
     return 0

@@ -1,5 +1,6 @@
 """The head-to-head benchmark's numbers (`bench/bench_e2e.py`), pure: accuracy against training time
-per system, the time each system needs to reach eopd's final accuracy, the docs section and the figure.
+per system, the time each system needs to reach the reference's final accuracy (eopd's, or another
+system's: `summarise(reference=...)`), the docs section and the figure.
 
 A *run* here is one system and seed: `{"system", "seed", "checkpoints": [{"label", "step", "train_s",
 "heldout": {"avg_at_k", "pass_at_k"}, ...}], "final_variants": {...} | None, "memory", "wall_s", ...}`,
@@ -19,6 +20,16 @@ LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, la
 
 
 LAYOUT_LABELS = {"trl": "at TRL's layout (8 prompts x 1 response per step)"}
+
+# How the report names its reference (`summarise(reference=...)`: the system whose final accuracy is
+# the target and whose seconds the ratios divide by): short, and with its loss.
+REFERENCE_NAMES = {"eopd": ("eopd", "eopd's (EOPD)", "EOPD"), "trl-gkd": ("TRL", "TRL GKDTrainer's", "TRL GKDTrainer")}
+
+
+def reference_names(reference: str) -> tuple[str, str, str]:
+    """(short name, possessive with its loss, the loss's name) of a reference system, e.g. ("eopd",
+    "eopd's (EOPD)", "EOPD"); a system without its own names is called by its key."""
+    return REFERENCE_NAMES.get(reference, (reference, f"{reference}'s", reference))
 
 
 def label(system: str) -> str:
@@ -91,7 +102,19 @@ def machines_line(runs: list[dict]) -> str:
         for m, seeds in sorted(by_machine.items(), key=lambda kv: (min(kv[1]), kv[0])))
 
 
-def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict:
+def retimings_text(retimings: list[dict]) -> str:
+    """The report's words on its re-timings ("" without any): which runs, on which machines."""
+    if not retimings:
+        return ""
+    by_machine: dict[str, list[str]] = {}
+    for r in retimings:
+        by_machine.setdefault(machine_of(r), []).append(f"{r['system']} seed {r['seed']}")
+    return ("; re-timed (trained again on a later machine for the seconds alone, never evaluated: its accuracies are "
+            "the archived run's, which every re-run so far reproduced exactly), and paired there: " +
+            "; ".join(f"{m}: {', '.join(sorted(rs))}" for m, rs in sorted(by_machine.items())))
+
+
+def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimings: list[dict] = ()) -> dict:
     """Per system: final held-out accuracy over seeds, training seconds, time to reach the target (the
     mean final Avg@k of `reference` over its seeds) per seed, and its ratio to the reference's, paired
     by seed: a system's time over the reference's time in the same seed, on the same machine
@@ -99,7 +122,12 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
     mean of those ratios. The same for the time from which it stays at or above
     the target (`time_to_stay`), and for the time to reach the reference's final accuracy in the same
     seed (`own_s`, `seed_targets`: every seed of the reference gives a ratio, where the mean over seeds
-    is out of reach of the seeds that end below it). Memory."""
+    is out of reach of the seeds that end below it). Memory.
+
+    `retimings`: runs of `runs` timed again on other machines (`e2e_timing.retimed`: the same
+    accuracies, another machine's seconds). They add machines to pair on (`timed`: per seed, each
+    machine's seconds, the run's own machine first); a seed's ratio takes the first machine, in that
+    order, on which the reference was timed too. Every other number is the runs' own."""
     by_system: dict[str, list[dict]] = {}
     for r in runs:
         by_system.setdefault(r["system"], []).append(r)
@@ -123,18 +151,27 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd") -> dict
             "own_s": [time_to_reach(curve(r, initial), seed_target[r["seed"]]) if r["seed"] in seed_target else None for r in rs],
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
-    ref_system = out["systems"].get(reference, {})
-    ref_by_seed, stay_by_seed, own_by_seed = (
-        {seed: (t, m) for seed, t, m in zip(ref_system.get("seeds", []), ref_system.get(key, []), ref_system.get("machines", []))}
-        for key in ("reach_s", "stay_s", "own_s"))
+    timed: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in [*runs, *retimings]:  # the runs' own machines first
+        if r["checkpoints"]:
+            points = curve(r, initial)
+            timed.setdefault((r["system"], r["seed"]), {}).setdefault(machine_of(r), {
+                "train_s": r["checkpoints"][-1]["train_s"],
+                "reach_s": time_to_reach(points, target) if target is not None else None,
+                "stay_s": time_to_stay(points, target) if target is not None else None,
+                "own_s": time_to_reach(points, seed_target[r["seed"]]) if r["seed"] in seed_target else None})
+    for system, s in out["systems"].items():
+        s["timed"] = {seed: timed.get((system, seed), {}) for seed in s["seeds"]}
+    ref_timed = out["systems"].get(reference, {}).get("timed", {})
     for s in out["systems"].values():
         s["reached"], s["reach_mean_s"] = _count_and_mean(s["reach_s"])
-        s["reach_ratios"] = _paired_ratios(s, "reach_s", ref_by_seed)
+        s["reach_ratios"] = _paired_ratios(s, "reach_s", ref_timed)
         s["reach_ratio"] = statistics.mean(s["reach_ratios"]) if s["reach_ratios"] else None
         s["stayed"], s["stay_mean_s"] = _count_and_mean(s["stay_s"])
-        s["stay_ratios"] = _paired_ratios(s, "stay_s", stay_by_seed)
+        s["stay_ratios"] = _paired_ratios(s, "stay_s", ref_timed)
         s["own_reached"], s["own_mean_s"] = _count_and_mean(s["own_s"])
-        s["own_ratios"] = _paired_ratios(s, "own_s", own_by_seed)
+        s["own_ratios"] = _paired_ratios(s, "own_s", ref_timed)
+        s["train_ratios"] = _paired_ratios(s, "train_s", ref_timed)
     return out
 
 
@@ -144,24 +181,38 @@ def _count_and_mean(times: list[float | None]) -> tuple[str, float | None]:
     return f"{len(got)}/{len(times)}", (statistics.mean(got) if got else None)
 
 
-def _paired_ratios(s: dict, key: str, ref_by_seed: dict) -> list[float]:
-    """A system's `key` seconds over the reference's in the same seed, where both have one and the same machine timed them."""
+def _paired_ratios(s: dict, key: str, ref_timed: dict) -> list[float]:
+    """Per seed, a system's `key` seconds over the reference's in that seed on the first machine
+    (`timed`: the run's own first, then its re-timings) that timed both; a seed with no such machine,
+    or where either did not reach the target, gives no ratio."""
     out = []
-    for seed, t, m in zip(s["seeds"], s[key], s["machines"]):
-        ref_t, ref_m = ref_by_seed.get(seed, (None, None))
-        if t is not None and ref_t and ref_m == m:
-            out.append(t / ref_t)
+    for seed, machines in s["timed"].items():
+        ref = ref_timed.get(seed, {})
+        common = [m for m in machines if m in ref]
+        if common:
+            t, ref_t = machines[common[0]][key], ref[common[0]][key]
+            if t is not None and ref_t:
+                out.append(t / ref_t)
     return out
 
 
 def _ratio_text(ratios: list[float], reached: bool) -> str:
     if not reached:
         return "never"
-    if not ratios:  # reached, but in no seed timed on the same machine as eopd's run
+    if not ratios:  # reached, but in no seed timed on the same machine as the reference's run
         return "no seed paired"
     if len(ratios) == 1:
         return f"{ratios[0]:.2f}x (1 seed)"
     return f"{statistics.mean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} seeds)"
+
+
+def _train_text(s: dict) -> str:
+    """Mean training seconds over the seeds (machines mixed), then the ratio to the reference's,
+    paired by seed and machine (`train_ratios`), where any seed pairs."""
+    if not s["train_s"]:
+        return "-"
+    mean = f"{statistics.mean(s['train_s']):.0f}"
+    return f"{mean}; {_ratio_text(s['train_ratios'], True)}" if s.get("train_ratios") else mean
 
 
 def summary_rows(summary: dict, k: int) -> list[list]:
@@ -170,7 +221,7 @@ def summary_rows(summary: dict, k: int) -> list[list]:
         reach = "-" if s["reach_mean_s"] is None else f"{s['reach_mean_s']:.0f} s ({s['reached']} seeds)"
         stay = "-" if s["stay_mean_s"] is None else f"{s['stay_mean_s']:.0f} s ({s['stayed']}), {_ratio_text(s['stay_ratios'], s['stay_mean_s'] is not None)}"
         rows.append([label(system), len(s["seeds"]), _spread(s["final_avg"]), _spread(s["final_pass"]),
-                     _spread(s["final_variants_avg"]), f"{statistics.mean(s['train_s']):.0f}" if s["train_s"] else "-",
+                     _spread(s["final_variants_avg"]), _train_text(s),
                      reach, _ratio_text(s["reach_ratios"], s["reach_mean_s"] is not None), stay,
                      f"{s['own_reached']} reach it; " + _ratio_text(s["own_ratios"], s["own_mean_s"] is not None),
                      f"{max(s['peak_mb']) / 1024:.1f}" if s["peak_mb"] else "-"])
@@ -178,10 +229,11 @@ def summary_rows(summary: dict, k: int) -> list[list]:
 
 
 def summary_table(summary: dict, k: int) -> str:
+    r = reference_names(summary.get("reference", "eopd"))[0]
     return markdown_table(["system", "seeds", f"held-out Avg@{k} at the end", f"Pass@{k}", f"variants Avg@{k}",
-                           "training s", "time to eopd's final accuracy", "ratio to eopd",
+                           f"training s; ratio to {r}", f"time to {r}'s final accuracy", f"ratio to {r}",
                            "time from which it stays at or above it, ratio",
-                           "ratio to eopd, target eopd's final accuracy in the same seed", "peak GiB (all processes)"],
+                           f"ratio to {r}, target {r}'s final accuracy in the same seed", "peak GiB (all processes)"],
                           summary_rows(summary, k))
 
 
@@ -197,9 +249,9 @@ def curve_table(runs: list[dict], initial: float) -> str:
     return markdown_table(["system", "seed", "checkpoint", "training s", "held-out Avg@k", "Pass@k"], rows)
 
 
-def figure(runs: list[dict], initial: float, target: float | None, path, k: int) -> None:
+def figure(runs: list[dict], initial: float, target: float | None, path, k: int, reference: str = "eopd") -> None:
     """Held-out Avg@k against training seconds: per system the mean over seeds at each checkpoint
-    (times averaged), the seeds' min-max shaded; eopd's final accuracy as a dashed line."""
+    (times averaged), the seeds' min-max shaded; the reference's final accuracy as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,7 +270,7 @@ def figure(runs: list[dict], initial: float, target: float | None, path, k: int)
         if len(rs) > 1:
             ax.fill_between(ts, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.15)
     if target is not None:
-        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="eopd's final accuracy (mean)")
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"{reference_names(reference)[0]}'s final accuracy (mean)")
     ax.set_xlabel("training seconds (checkpoint writes excluded)")
     ax.set_ylabel(f"held-out Avg@{k}")
     ax.grid(alpha=0.3)
