@@ -138,7 +138,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimin
     for system, rs in by_system.items():
         rs = sorted(rs, key=lambda r: r["seed"])
         finals = [r["checkpoints"][-1] for r in rs if r["checkpoints"]]
-        reach = [time_to_reach(curve(r, initial), target) if target is not None else None for r in rs]
+        times = [_times(r, initial, target, seed_target) for r in rs]
         out["systems"][system] = {
             "seeds": [r["seed"] for r in rs],
             "machines": [machine_of(r) for r in rs],
@@ -146,20 +146,16 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimin
             "final_pass": [c["heldout"]["pass_at_k"][max(c["heldout"]["pass_at_k"], key=int)] for c in finals if "heldout" in c],
             "final_variants_avg": [r["final_variants"]["avg_at_k"] for r in rs if r.get("final_variants")],
             "train_s": [c["train_s"] for c in finals],
-            "reach_s": reach,
-            "stay_s": [time_to_stay(curve(r, initial), target) if target is not None else None for r in rs],
-            "own_s": [time_to_reach(curve(r, initial), seed_target[r["seed"]]) if r["seed"] in seed_target else None for r in rs],
+            "reach_s": [t["reach_s"] for t in times],
+            "stay_s": [t["stay_s"] for t in times],
+            "own_s": [t["own_s"] for t in times],
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
     timed: dict[tuple[str, int], dict[str, dict]] = {}
     for r in [*runs, *retimings]:  # the runs' own machines first
         if r["checkpoints"]:
-            points = curve(r, initial)
-            timed.setdefault((r["system"], r["seed"]), {}).setdefault(machine_of(r), {
-                "train_s": r["checkpoints"][-1]["train_s"],
-                "reach_s": time_to_reach(points, target) if target is not None else None,
-                "stay_s": time_to_stay(points, target) if target is not None else None,
-                "own_s": time_to_reach(points, seed_target[r["seed"]]) if r["seed"] in seed_target else None})
+            timed.setdefault((r["system"], r["seed"]), {}).setdefault(
+                machine_of(r), {"train_s": r["checkpoints"][-1]["train_s"], **_times(r, initial, target, seed_target)})
     for system, s in out["systems"].items():
         s["timed"] = {seed: timed.get((system, seed), {}) for seed in s["seeds"]}
     ref_timed = out["systems"].get(reference, {}).get("timed", {})
@@ -173,6 +169,15 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimin
         s["own_ratios"] = _paired_ratios(s, "own_s", ref_timed)
         s["train_ratios"] = _paired_ratios(s, "train_s", ref_timed)
     return out
+
+
+def _times(run: dict, initial: float, target: float | None, seed_target: dict) -> dict:
+    """One run's seconds to the mean target (`reach_s`, `stay_s`) and to its seed's target (`own_s`);
+    None where there is no target or the run does not get there."""
+    points = curve(run, initial)
+    return {"reach_s": time_to_reach(points, target) if target is not None else None,
+            "stay_s": time_to_stay(points, target) if target is not None else None,
+            "own_s": time_to_reach(points, seed_target[run["seed"]]) if run["seed"] in seed_target else None}
 
 
 def _count_and_mean(times: list[float | None]) -> tuple[str, float | None]:
