@@ -50,6 +50,13 @@ LOSSES: dict[str, tuple[str, ...]] = {
     "opd": ("loss.variant=opd",),
     "gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
     "kd": ("loss.variant=kd",),
+    # EOPD's family (issue 48, asks 2 and 3): the paper's gated forward KL on top of an exact reverse KL
+    # instead of the one-sample estimate, over the full vocabulary (the teacher's hidden states), the
+    # teacher's top-k or the student's top-k, each with its tail bucket: which member is "eopd's best
+    # EOPD-family loss" is chosen on this split, at the preset's layout
+    "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full"),
+    "eopd-rkl-ttopk": ("loss.variant=eopd_rkl", "loss.support=teacher_topk"),
+    "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
 }
 #: layout name -> `eopd run` overrides (see the module docstring's table).
 LAYOUTS: dict[str, tuple[str, ...]] = {
