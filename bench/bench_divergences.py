@@ -7,6 +7,8 @@ of truncated answers, and the alarms that fired.
     .venv/bin/python -m bench.bench_divergences                       # smollm2-cpu, 16 iterations per member
     .venv/bin/python -m bench.bench_divergences --iterations 32 --members eopd_topk_rkl,eopd_rkl_student
     .venv/bin/python -m bench.bench_divergences --quick               # tiny preset, 1 iteration, 2 members; writes nothing
+    .venv/bin/python -m bench.bench_divergences --from-runs docs/results/layout/eopd-rkl-full-preset-s0 ...
+                                                                      # runs already made: read, not run again
 
 Members (`MEMBERS`): the paper's eopd (reference), eopd_topk_rkl (the reverse KL over the
 student's top-k, now with its tail bucket), eopd_rkl over each support, and gkd at beta 1
@@ -15,6 +17,10 @@ The full-vocabulary members read the teacher's hidden states (issue 48, ask 1: a
 the loss's support alone); a member
 whose run fails is reported with its error, and the others still run. A full run writes
 bench/results/divergences.json and the "divergences" section of docs/benchmarks.md.
+
+`--from-runs DIR ...` summarises runs made elsewhere instead (each DIR holds the run's `run.yaml`
+and `train_metrics.jsonl`, as `scripts/layout_ablation.py` archives its cells): each run's member
+is the one whose loss overrides its run.yaml carries, and its own iteration count and seed are kept.
 """
 
 from __future__ import annotations
@@ -70,6 +76,48 @@ def summarise(metrics_path: Path) -> dict:
     }
 
 
+def _override_value(text: str):
+    """An override's value as the run.yaml would hold it ("1" -> 1, "full" -> "full")."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def member_of(config: dict) -> str | None:
+    """The member whose loss overrides `config` (a run.yaml) carries, or None (pure). Numbers compare as
+    numbers (`loss.gkd_lambda=1` matches 1.0); the first member that matches wins, so a run of the
+    preset's eopd is "eopd" even though its support field holds the default."""
+    loss = config.get("loss") or {}
+    for name, overrides in MEMBERS.items():
+        ok = True
+        for o in overrides:
+            key, _, value = o.partition("=")
+            got, want = loss.get(key.removeprefix("loss.")), _override_value(value)
+            same = (float(got) == float(want)) if isinstance(want, (int, float)) and isinstance(got, (int, float)) \
+                else got == want
+            if not same:
+                ok = False
+                break
+        if ok:
+            return name
+    return None
+
+
+def from_run(run_dir: Path) -> dict:
+    """A member's entry from a run already made (`run.yaml`, `train_metrics.jsonl`): what
+    `run_member` gives, without running it; `error` when the run's loss is no member's."""
+    import yaml
+
+    config = yaml.safe_load((run_dir / "run.yaml").read_text())
+    name = member_of(config)
+    out = {"member": name or "?", "run": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
+           "seed": config.get("seed"), "overrides": list(MEMBERS.get(name, ())),
+           **summarise(run_dir / "train_metrics.jsonl")}
+    if name is None:
+        out["error"] = f"loss {config.get('loss', {}).get('variant')!r} is no member's ({', '.join(MEMBERS)})"
+    return out
+
+
 def run_member(name: str, preset: Path, iterations: int, work: Path, seed: int) -> dict:
     run_dir = work / name
     args = [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(preset), f"run_dir={run_dir}",
@@ -93,8 +141,13 @@ def section_text(data: dict) -> str:
                      ", ".join(m["alarms"]) or "-", m.get("error", "")[:80] or "-"])
     table = markdown_table(["member", "iterations", "student H (last)", "teacher H (last)", "in band every iteration",
                             "min divergence term", "min loss", "alarms", "error"], rows)
+    band = "band [H_te/2 - 0.5, 2 H_te + 1] nats (learner/alarms.py)"
+    if data.get("from_runs"):
+        runs = "; ".join(f"{m['member']}: `{m['run']}` (seed {m['seed']})" for m in data["members"])
+        return (f"Each divergence member's own run of `eopd run --config {data['preset']}`, read back "
+                f"(`--from-runs`: runs made by other benchmarks, not run again): {runs}; {band}.\n\n{table}\n")
     return (f"Each divergence member for {data['iterations']} iterations of `eopd run --config {data['preset']}` "
-            f"(seed {data['seed']}); band [H_te/2 - 0.5, 2 H_te + 1] nats (learner/alarms.py); load {data.get('load_avg')}."
+            f"(seed {data['seed']}); {band}; load {data.get('load_avg')}."
             f"\n\n{table}\n")
 
 
@@ -110,7 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny preset, 1 iteration, 2 members; writes nothing")
     p.add_argument("--out", type=Path, default=None, help="with --quick: write the JSON here")
+    p.add_argument("--from-runs", nargs="+", type=Path, default=None, metavar="DIR",
+                   help="summarise these runs (run.yaml + train_metrics.jsonl each) instead of running members")
     args = p.parse_args(argv)
+    if args.from_runs:
+        missing = [str(d) for d in args.from_runs if not (d / "run.yaml").is_file()]
+        if missing:
+            p.error(f"--from-runs: no run.yaml in {missing}")
+        members = [from_run(d.resolve()) for d in args.from_runs]
+        data = {"preset": args.preset or "configs/smollm2-cpu.yaml", "from_runs": True, "members": members,
+                "iterations": max(m["iterations"] for m in members), "seed": None}
+        return measure_and_report("divergences", lambda: data, section_text, quick=args.quick, out=args.out)
     preset = Path(args.preset or ROOT / "configs" / ("tiny.yaml" if args.quick else "smollm2-cpu.yaml")).resolve()
     iterations = args.iterations or (1 if args.quick else 16)
     members = args.members.split(",") if args.members else list(QUICK_MEMBERS if args.quick else MEMBERS)
