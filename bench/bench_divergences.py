@@ -142,11 +142,12 @@ def section_text(data: dict) -> str:
     table = markdown_table(["member", "iterations", "student H (last)", "teacher H (last)", "in band every iteration",
                             "min divergence term", "min loss", "alarms", "error"], rows)
     band = "band [H_te/2 - 0.5, 2 H_te + 1] nats (learner/alarms.py)"
+    head = "## Does each divergence member train? (`python -m bench.bench_divergences`, issue 48 ask 2)\n\n"
     if data.get("from_runs"):
         runs = "; ".join(f"{m['member']}: `{m['run']}` (seed {m['seed']})" for m in data["members"])
-        return (f"Each divergence member's own run of `eopd run --config {data['preset']}`, read back "
+        return (f"{head}Each divergence member's own run of `eopd run --config {data['preset']}`, read back "
                 f"(`--from-runs`: runs made by other benchmarks, not run again): {runs}; {band}.\n\n{table}\n")
-    return (f"Each divergence member for {data['iterations']} iterations of `eopd run --config {data['preset']}` "
+    return (f"{head}Each divergence member for {data['iterations']} iterations of `eopd run --config {data['preset']}` "
             f"(seed {data['seed']}); {band}; load {data.get('load_avg')}."
             f"\n\n{table}\n")
 
