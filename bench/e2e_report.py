@@ -15,7 +15,8 @@ from bench.report import markdown_table
 
 LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, lambda 1)",
           "eopd-trl-gkd": "eopd (TRL's objective: GKD lambda 1, beta 1, full vocabulary)",
-          "eopd-topk-rkl": "eopd (reverse KL over the student's top-16, tail bucket)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
+          "eopd-topk-rkl": "eopd (reverse KL over the student's top-16, tail bucket)",
+          "eopd-rkl-full": "eopd (EOPD with the exact full-vocabulary reverse KL)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
           "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}
 
 

@@ -37,11 +37,15 @@ from bench.report import ROOT
 # Issue 48's systems (not in the default set, which the vLLM tier's quick run also drives; name them with
 # --systems): `eopd-trl-gkd` is TRL's exact objective trained by eopd (GKD lambda 1, beta 1: the reverse KL
 # over the full vocabulary, the teacher's distributions from its hidden states), what the system alone
-# costs or gains beside `trl-gkd`; `eopd-topk-rkl` the student-top-k reverse KL with its tail bucket.
+# costs or gains beside `trl-gkd`; `eopd-topk-rkl` the student-top-k reverse KL with its tail bucket;
+# `eopd-rkl-full` EOPD's family member with the exact reverse KL over the full vocabulary (the teacher's hidden
+# states) in place of the one-sample estimate, plus the gated forward KL: the family's best on the training
+# split (scripts/layout_ablation.py's family rows, docs/results.md).
 EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
                 "eopd-trl-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full"),
-                "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",)}
+                "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
+                "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
 # eopd's data layouts (issue 47): the preset's own (8 prompts x 2 responses, 2 optimizer steps per
 # iteration, 32 iterations) and TRL's (8 distinct prompts x 1 response per optimizer step, one step per
