@@ -151,7 +151,9 @@ def read_cell(path: Path) -> dict | None:
     summary = json.loads((path / "run_summary.json").read_text())
     iters = [json.loads(x) for x in (path / "train_metrics.jsonl").read_text().splitlines()]
     iters = [r for r in iters if r.get("kind") == "iteration"]
-    return {**cell, "avg": model["avg_at_k"], "train_s": summary.get("train_s"), "iterations": len(iters)}
+    started = next((r["time"] for r in iters if "time" in r), None)  # when the cell's run trained
+    return {**cell, "avg": model["avg_at_k"], "train_s": summary.get("train_s"), "iterations": len(iters),
+            "started": started}
 
 
 def trained_prompts(config: dict) -> set[int] | None:
@@ -210,9 +212,12 @@ def machine_of(cell: dict) -> tuple[str, str]:
 
 
 def machine_legend(rows: list[dict]) -> dict[tuple[str, str], str]:
-    """Each machine the cells ran on -> a letter, in the order of the cells' names."""
+    """Each machine the cells ran on -> a letter, in the order the machines first ran a cell (a cell's
+    first iteration's time; cells without one after those with, in the order of their names): a
+    machine keeps its letter when later machines add cells, so prose that names a letter stays true."""
     legend: dict[tuple[str, str], str] = {}
-    for r in rows:
+    timed = sorted((r for r in rows if r.get("started") is not None), key=lambda r: r["started"])
+    for r in [*timed, *(r for r in rows if r.get("started") is None)]:
         legend.setdefault(machine_of(r), machine_letter(len(legend)))
     return legend
 

@@ -22,13 +22,14 @@ def test_layout_grid_runs_the_first_two_layouts_of_every_loss_first():
     assert len(got) == 12 and len(set(got)) == 12
 
 
-def _cell(archive, loss, layout, seed, avg, train_s, **machine):
+def _cell(archive, loss, layout, seed, avg, train_s, started=None, **machine):
     d = archive / layout_ablation.cell_name(loss, layout, seed)
     d.mkdir(parents=True)
     (d / "cell.json").write_text(json.dumps({"loss": loss, "layout": layout, "seed": seed, **machine}))
     (d / f"eval-{layout_ablation.PROBE_SET}.json").write_text(json.dumps({"models": {"final": {"avg_at_k": avg}}}))
     (d / "run_summary.json").write_text(json.dumps({"train_s": train_s}))
-    (d / "train_metrics.jsonl").write_text('{"kind": "iteration"}\n{"kind": "step"}\n')
+    first = {"kind": "iteration"} if started is None else {"kind": "iteration", "time": started}
+    (d / "train_metrics.jsonl").write_text(json.dumps(first) + '\n{"kind": "step"}\n')
 
 
 def test_layout_table_means_over_seeds_and_gains_over_the_initial_student(tmp_path):
@@ -85,3 +86,14 @@ def test_machine_letters_never_repeat_past_z():
     names = [layout_ablation.machine_letter(i) for i in range(26 * 27 + 1)]
     assert names[:3] == ["A", "B", "C"] and names[25:28] == ["Z", "AA", "AB"] and names[26 * 27] == "AAA"
     assert len(set(names)) == len(names)
+
+
+def test_machine_letters_follow_when_each_machine_first_ran_a_cell(tmp_path):
+    """A machine that joins the grid later gets the next letter even when its cells' names sort first:
+    the letters the docs' prose names do not move."""
+    _cell(tmp_path, "kd", "preset", 0, 0.5, 100.0, started=1000.0, cpu="Xeon", boot_id="b1")
+    _cell(tmp_path, "gkd", "preset", 0, 0.5, 100.0, started=2000.0, cpu="EPYC", boot_id="b2")
+    _cell(tmp_path, "eopd", "preset", 0, 0.5, 100.0, started=3000.0, cpu="EPYC", boot_id="b3")
+    _cell(tmp_path, "eopd", "trl", 0, 0.5, 100.0, cpu="Xeon", boot_id="b4")  # no time: after the others
+    legend = layout_ablation.machine_legend([layout_ablation.read_cell(p) for p in sorted(tmp_path.glob("*-s*"))])
+    assert legend == {("Xeon", "b1"): "A", ("EPYC", "b2"): "B", ("EPYC", "b3"): "C", ("Xeon", "b4"): "D"}
