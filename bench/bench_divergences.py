@@ -136,7 +136,8 @@ def section_text(data: dict) -> str:
     rows = []
     for m in data["members"]:
         last = m["per_iteration"][-1] if m["per_iteration"] else {}
-        rows.append([m["member"], m["iterations"], _f(last.get("student_entropy")), _f(last.get("teacher_entropy")),
+        name = f"{m['member']} (seed {m['seed']})" if data.get("from_runs") else m["member"]
+        rows.append([name, m["iterations"], _f(last.get("student_entropy")), _f(last.get("teacher_entropy")),
                      "yes" if m["all_in_band"] else "no", _f(m["min_divergence_term"]), _f(m["min_loss"]),
                      ", ".join(m["alarms"]) or "-", m.get("error", "")[:80] or "-"])
     table = markdown_table(["member", "iterations", "student H (last)", "teacher H (last)", "in band every iteration",
