@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from bench.report import markdown_table, measure_and_report
 from eopd_trainer.learner.alarms import DIVERGENCE_TERMS, entropy_band
 
@@ -76,38 +78,27 @@ def summarise(metrics_path: Path) -> dict:
     }
 
 
-def _override_value(text: str):
-    """An override's value as the run.yaml would hold it ("1" -> 1, "full" -> "full")."""
-    import yaml
-
-    return yaml.safe_load(text)
+def _carries(loss: dict, override: str) -> bool:
+    """Whether a run.yaml's `loss` section holds what `override` ("loss.key=value") sets; numbers compare
+    as numbers ("1" matches 1.0), the value parsed the way the run.yaml holds it."""
+    key, _, text = override.partition("=")
+    got, want = loss.get(key.removeprefix("loss.")), yaml.safe_load(text)
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)):
+        return float(got) == float(want)
+    return got == want
 
 
 def member_of(config: dict) -> str | None:
-    """The member whose loss overrides `config` (a run.yaml) carries, or None (pure). Numbers compare as
-    numbers (`loss.gkd_lambda=1` matches 1.0); the first member that matches wins, so a run of the
-    preset's eopd is "eopd" even though its support field holds the default."""
+    """The member whose loss overrides `config` (a run.yaml) carries, or None (pure). The first member
+    that matches wins, so a run of the preset's eopd is "eopd" even though its support field holds the
+    default."""
     loss = config.get("loss") or {}
-    for name, overrides in MEMBERS.items():
-        ok = True
-        for o in overrides:
-            key, _, value = o.partition("=")
-            got, want = loss.get(key.removeprefix("loss.")), _override_value(value)
-            same = (float(got) == float(want)) if isinstance(want, (int, float)) and isinstance(got, (int, float)) \
-                else got == want
-            if not same:
-                ok = False
-                break
-        if ok:
-            return name
-    return None
+    return next((name for name, overrides in MEMBERS.items() if all(_carries(loss, o) for o in overrides)), None)
 
 
 def from_run(run_dir: Path) -> dict:
     """A member's entry from a run already made (`run.yaml`, `train_metrics.jsonl`): what
     `run_member` gives, without running it; `error` when the run's loss is no member's."""
-    import yaml
-
     config = yaml.safe_load((run_dir / "run.yaml").read_text())
     name = member_of(config)
     out = {"member": name or "?", "run": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
