@@ -42,21 +42,23 @@ from pathlib import Path
 
 import yaml
 
+from bench.bench_divergences import MEMBERS
+from bench.e2e_systems import EOPD_SYSTEMS
+
 ROOT = Path(__file__).resolve().parents[1]
 
-#: loss name -> `eopd run` overrides (gkd: lambda 1, every response the student's own, as TRL's runs).
+#: loss name -> `eopd run` overrides, the head-to-head's and the divergence benchmark's own (one source:
+#: bench/e2e_systems.py, bench/bench_divergences.py); gkd at lambda 1, every response the student's own,
+#: as TRL's runs. EOPD's family (issue 48, asks 2 and 3): the paper's gated forward KL on top of an exact
+#: reverse KL instead of the one-sample estimate, over the full vocabulary (the teacher's hidden states),
+#: the teacher's top-k or the student's top-k, each with its tail bucket: which member is "eopd's best
+#: EOPD-family loss" is chosen on this split, at the preset's layout.
 LOSSES: dict[str, tuple[str, ...]] = {
-    "eopd": ("loss.variant=eopd",),
-    "opd": ("loss.variant=opd",),
-    "gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
+    **{name: EOPD_SYSTEMS[system] for name, system in (("eopd", "eopd"), ("opd", "opd"), ("gkd", "eopd-gkd"))},
     "kd": ("loss.variant=kd",),
-    # EOPD's family (issue 48, asks 2 and 3): the paper's gated forward KL on top of an exact reverse KL
-    # instead of the one-sample estimate, over the full vocabulary (the teacher's hidden states), the
-    # teacher's top-k or the student's top-k, each with its tail bucket: which member is "eopd's best
-    # EOPD-family loss" is chosen on this split, at the preset's layout
-    "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full"),
-    "eopd-rkl-ttopk": ("loss.variant=eopd_rkl", "loss.support=teacher_topk"),
-    "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
+    "eopd-rkl-full": EOPD_SYSTEMS["eopd-rkl-full"],
+    "eopd-rkl-ttopk": MEMBERS["eopd_rkl_teacher"],
+    "eopd-topk-rkl": EOPD_SYSTEMS["eopd-topk-rkl"],
 }
 #: layout name -> `eopd run` overrides (see the module docstring's table).
 LAYOUTS: dict[str, tuple[str, ...]] = {
