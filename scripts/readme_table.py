@@ -5,11 +5,13 @@ fails (exit 1) when the README's table differs from what the archives say now.
 
 Sources, one per row (read-only; they are the record):
 
-- EOPD, OPD, GKD (lambda 1) and TRL's GKDTrainer: the head-to-head benchmark's report,
-  `bench/results/e2e_trl.json` (`python -m bench.bench_e2e`; per-run files in `bench/results/e2e/`):
-  the same task, 32 iterations, the same optimizer steps, each final student on the held-out and the
-  variants set at Avg@4.
-- The teacher and the starting student on the held-out set: that benchmark's `initial/eval.json`.
+- EOPD, EOPD with the exact full-vocabulary reverse KL, OPD, GKD (lambda 1), eopd on TRL's objective
+  and TRL's GKDTrainer: the head-to-head benchmark's report, `bench/results/e2e_trl.json`
+  (`python -m bench.bench_e2e --phase report --reference trl-gkd --archive bench/results/e2e-avg8`;
+  per-run files in `bench/results/e2e-avg8/`): the same task, the same optimizer steps, each final
+  student on the held-out and the variants set at Avg@8.
+- The teacher and the starting student on the held-out set: that archive's `initial/eval.json`
+  (graded with as many answers per problem as the report: checked).
 - KD, and the teacher's and starting student's variants set: the 24-iteration experiment of
   docs/results.md (`docs/results/runs/`, Avg@8; KD is not in the head-to-head), marked as such.
 """
@@ -27,13 +29,16 @@ from scripts import doc_blocks
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 E2E = ROOT / "bench" / "results" / "e2e_trl.json"
-E2E_INITIAL = ROOT / "bench" / "results" / "e2e" / "initial" / "eval.json"
+E2E_INITIAL = ROOT / "bench" / "results" / "e2e-avg8" / "initial" / "eval.json"
 EXPERIMENT = ROOT / "docs" / "results" / "runs"
 COMMAND = "python -m scripts.readme_table"
 BLOCK = "results-table"
 #: The head-to-head's systems in the table, in order, with the README's names.
-E2E_ROWS = (("eopd", "**EOPD** (eopd, the default loss)"), ("opd", "OPD (eopd)"),
-            ("eopd-gkd", "GKD, λ 1 (eopd)"), ("trl-gkd", "TRL's GKDTrainer"))
+E2E_ROWS = (("eopd-rkl-full", "**EOPD with the exact reverse KL** (eopd's default loss: `eopd_rkl`, full vocabulary)"),
+            ("eopd", "EOPD, the paper's loss (eopd, `loss.variant=eopd`)"),
+            ("opd", "OPD (eopd)"), ("eopd-gkd", "GKD, λ 1 (eopd; forward KL over the teacher's top-16)"),
+            ("eopd-trl-gkd", "TRL's objective in eopd (GKD, λ 1, β 1, `loss.support=full`)"),
+            ("trl-gkd", "TRL's GKDTrainer (λ 1, β 1)"))
 
 
 def _seconds(values: list[float]) -> str:
@@ -42,6 +47,14 @@ def _seconds(values: list[float]) -> str:
         return "–"
     mean = statistics.fmean(values)
     return f"{mean:.0f}" if len(values) == 1 else f"{mean:.0f} ({min(values):.0f}–{max(values):.0f})"
+
+
+def _ratio(values: list[float]) -> str:
+    """Mean (min–max) of the training-time ratios to TRL's GKDTrainer, paired by seed and machine, or ""."""
+    if not values:
+        return ""
+    mean = statistics.fmean(values)
+    return f"; {mean:.2f}x TRL's" + ("" if len(values) == 1 else f" ({min(values):.2f}–{max(values):.2f})")
 
 
 def _accuracy(values: list[float | None], note: str = "") -> str:
@@ -55,6 +68,9 @@ def table(e2e: dict, initial_eval: dict, experiment: list[dict]) -> str:
     `experiment` `read_facts` of the 24-iteration runs (KD's, and one run that evaluated the teacher and
     the starting student on the variants set)."""
     k, systems = e2e["eval_n"], e2e["summary"]["systems"]
+    if e2e["summary"]["reference"] != "trl-gkd":
+        raise ValueError(f"{E2E}: the report's reference is {e2e['summary']['reference']}; the table divides by TRL's "
+                         "GKDTrainer (`bench.bench_e2e --phase report --reference trl-gkd`)")
     missing = [name for name, _ in E2E_ROWS if name not in systems]
     if missing:
         raise KeyError(f"{E2E}: summary.systems has no {', '.join(missing)}")
@@ -68,11 +84,16 @@ def table(e2e: dict, initial_eval: dict, experiment: list[dict]) -> str:
         return [f["sets"]["variants"][model]["avg"] for f in experiment if model in f["sets"].get("variants", {})]
 
     models = initial_eval["models"]
+    graded = {m["n_samples"] for m in models.values() if "n_samples" in m}
+    if graded != {k}:
+        raise ValueError(f"{E2E_INITIAL}: the teacher and the starting student were graded with {sorted(graded)} answers "
+                         f"per problem, the head-to-head's report with {k}: not one archive's")
     rows = [("teacher (SmolLM2-135M-Instruct; one evaluation)", spread([models["teacher"]["avg_at_k"]]),
              _accuracy(variants_of("teacher")[:1], other), "–")]
     for name, label in E2E_ROWS:
         s = systems[name]
-        rows.append((label, spread(s["final_avg"]), spread(s["final_variants_avg"]), _seconds(s["train_s"]) + "¹"))
+        ratio = _ratio(s.get("train_ratios", [])) if name != e2e["summary"]["reference"] else ""
+        rows.append((label, spread(s["final_avg"]), spread(s["final_variants_avg"]), _seconds(s["train_s"]) + "¹" + ratio))
         if name == "eopd-gkd":  # KD after the other eopd losses
             rows.append(("KD (eopd)²", _accuracy([f["sets"]["held-out"]["final"]["avg"] for f in kd], f", Avg@{n}"),
                          "not evaluated", _seconds([f["train_s"] for f in kd if f["train_s"] is not None])))
@@ -80,13 +101,15 @@ def table(e2e: dict, initial_eval: dict, experiment: list[dict]) -> str:
                  _accuracy(variants_of("initial")[:1], other), "–"))
     machines = sorted({m for name, _ in E2E_ROWS for m in systems[name]["machines"]})
     settings = e2e["settings"]
-    lines = [f"| three seeds each: mean (min–max) | held-out Avg@{k} | variants set Avg@{k} | training (s) |",
+    lines = [f"| three seeds each: mean (min–max) | held-out Avg@{k} | variants set Avg@{k} | training (s); time over TRL's, "
+             "paired by seed and machine |",
              "|---|---|---|---|", *(f"| {' | '.join(r)} |" for r in rows), "",
              f"¹ The head-to-head ([docs/benchmarks.md](docs/benchmarks.md#head-to-head-with-trl-accuracy-against-"
              f"training-time-python--m-benchbench_e2e-issue-34), `python -m bench.bench_e2e`): the same task, "
-             f"{settings['iterations']} iterations ({settings['steps']} optimizer steps of {settings['batch_size']} "
-             f"responses), {k} answers per problem. Its runs were timed on {len(machines)} machines "
-             f"({'; '.join(machines)}), so a time range mixes machines; that page pairs times by machine.",
+             f"{settings['steps']} optimizer steps of {settings['batch_size']} responses for every system, each eopd "
+             f"loss at its own default layout, {k} answers per problem. Its runs were timed on {len(machines)} machines "
+             f"({'; '.join(machines)}), so a time range mixes machines; the ratio divides each run's time by TRL GKDTrainer's of the same seed "
+             f"timed on the same machine.",
              f"² KD is not in the head-to-head: its row, and the variants cells marked ², come from the experiment of "
              f"[docs/results.md](docs/results.md) (24 iterations, {n} answers per problem, another day's machine).",
              ]

@@ -24,16 +24,20 @@ def test_the_readme_results_table_is_the_one_the_archived_runs_give():
 
 
 def test_the_table_quotes_each_archived_number(tmp_path):
-    """A changed archive changes the table: EOPD's seed-0 final accuracy moved by one answer."""
+    """A changed archive changes the table: the default loss's seed-0 final accuracy moved by one answer
+    (Avg@8 on 64 problems: 1/512), and the teacher's evaluation must be the report's Avg@k."""
     e2e = json.loads(readme_table.E2E.read_text())
     initial = json.loads(readme_table.E2E_INITIAL.read_text())
     facts = readme_table.read_facts(sorted(p for p in readme_table.EXPERIMENT.iterdir()
                                            if p.name.startswith(("kd-s", "eopd-s0"))))
     before = readme_table.table(e2e, initial, facts)
-    assert "| **EOPD** (eopd, the default loss) | 0.355 (0.324–0.391) |" in before
-    e2e["summary"]["systems"]["eopd"]["final_avg"][0] += 1 / 256
+    label = dict(readme_table.E2E_ROWS)["eopd-rkl-full"]
+    assert f"| {label} | 0.467 (0.412–0.516) |" in before
+    e2e["summary"]["systems"]["eopd-rkl-full"]["final_avg"][0] += 1 / 512
     after = readme_table.table(e2e, initial, facts)
-    assert "| **EOPD** (eopd, the default loss) | 0.357 (0.328–0.391) |" in after
+    assert f"| {label} | 0.467 (0.414–0.516) |" in after
+    with pytest.raises(ValueError, match="answers per problem"):
+        readme_table.table({**e2e, "eval_n": 4}, initial, facts)
     doc = tmp_path / "README.md"
     doc.write_text(replace_block(README, readme_table.BLOCK, before, readme_table.COMMAND))
     assert sync(doc, {readme_table.BLOCK: after}, readme_table.COMMAND, check=True) == [readme_table.BLOCK]

@@ -91,3 +91,20 @@ def test_an_entry_is_checked_with_what_the_overrides_give(preset):
     with pytest.raises(ConfigError, match="must be a multiple"):
         load_config(preset)
     assert load_config(preset, ["train.batch_size=8", "loss.variant=opd"]).train.iterations == 3
+
+
+def test_the_default_preset_trains_its_measured_loss_and_keeps_the_others_as_they_were():
+    """configs/smollm2-cpu.yaml's default loss is EOPD with the exact full-vocabulary reverse KL
+    (issue 48 ask 5: chosen on the training split, docs/results.md); its support comes from
+    per_loss.eopd_rkl, so the paper's loss, the baselines and eopd's GKD keep theirs, and an override
+    still chooses another support."""
+    from tests.procs import ROOT
+
+    path = ROOT / "configs" / "smollm2-cpu.yaml"
+    cfg = load_config(path)
+    assert (cfg.loss.variant, cfg.loss.support, cfg.teacher.hidden_states) == ("eopd_rkl", "full", "bfloat16")
+    for variant in ("eopd", "opd", "gkd"):
+        other = load_config(path, [f"loss.variant={variant}"])
+        assert (other.loss.support, other.teacher.hidden_states) == ("teacher_topk", "none"), variant
+    chosen = load_config(path, ["loss.support=teacher_topk"])
+    assert (chosen.loss.variant, chosen.loss.support, chosen.teacher.hidden_states) == ("eopd_rkl", "teacher_topk", "none")

@@ -351,7 +351,9 @@ class RunConfig(Section):
             return self
         what = f"loss.support: full (loss.variant {self.loss.variant}) reads the teacher's full vocabulary"
         if self.teachers or self.route.mixture:
-            raise ValueError(f"teachers / route.mixture: {what}, served for the run's one teacher (`teacher:`) only")
+            raise ValueError(f"teachers / route.mixture: {what}, served for the run's one teacher (`teacher:`) only; with "
+                             "several teachers choose a top-k support (loss.support=teacher_topk) or the paper's loss "
+                             "(loss.variant=eopd)")
         if self.teacher.hidden_states != "none":
             return self
         if "hidden_states" in self.teacher.model_fields_set:
