@@ -108,8 +108,8 @@ def table(e2e: dict, initial_eval: dict, experiment: list[dict]) -> str:
              f"training-time-python--m-benchbench_e2e-issue-34), `python -m bench.bench_e2e`): the same task, "
              f"{settings['steps']} optimizer steps of {settings['batch_size']} responses for every system, each eopd "
              f"loss at its own default layout, {k} answers per problem. Its runs were timed on {len(machines)} machines "
-             f"({'; '.join(machines)}), so a time range mixes machines; the ratio divides each run's time by TRL GKDTrainer's of the same seed "
-             f"timed on the same machine.",
+             f"({'; '.join(machines)}), so a time range mixes machines; the ratio divides each run's time by TRL "
+             "GKDTrainer's of the same seed timed on the same machine.",
              f"² KD is not in the head-to-head: its row, and the variants cells marked ², come from the experiment of "
              f"[docs/results.md](docs/results.md) (24 iterations, {n} answers per problem, another day's machine).",
              ]
