@@ -62,6 +62,12 @@ def test_section_renders_times_numbers_and_memory():
     assert "| final | 0.350 | 0.300 | heldout: 60 s, variants: 40 s |" in text
     assert "**6.00 GiB** (at that instant: learner 2.00, teacher 1.00 GiB)" in text and "| learner | 3.00 | 2.00 | 1.00 | 0.00 |" in text
     assert text.index("| learner | 3.00") < text.index("| teacher | 1.00")  # largest first
+    # a labelled run with overrides says what it changed, in its title and its command (not "another machine")
+    labelled = section_text({"result": {**result, "overrides": ["loss.variant=eopd"]}, "label": "paper-loss",
+                             "machine": "Test CPU", "load_avg": "0.1 -> 2.0"})
+    assert labelled.startswith("## The main job end to end, a first run (paper-loss: `loss.variant=eopd`)")
+    assert "`python -m bench.bench_main_job --cold --label paper-loss loss.variant=eopd`" in labelled
+    assert "another machine" in section_text({"result": result, "label": "avx2", "machine": "Test CPU", "load_avg": "-"})
 
 
 def test_results_record_the_checkout_the_measurement_started_from(monkeypatch, tmp_path):
