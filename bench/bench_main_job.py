@@ -173,8 +173,11 @@ def section_text(data: dict) -> str:
     rest = r["total_s"] - (r["train_s"] or 0) - (r["eval_s"] or 0)
     label = data.get("label")
     overrides = " ".join(r.get("overrides") or ())
-    label_title = (f" ({label}: `{overrides}`)" if overrides else f" on another machine ({label})") if label else ""
-    command_tail = (" --cold" if r["cold"] else "") + (f" --label {label}" if label else "") + (f" {overrides}" if overrides else "")
+    label_title = ""  # a label names another machine, or, with overrides, what they changed
+    if label:
+        label_title = f" ({label}: `{overrides}`)" if overrides else f" on another machine ({label})"
+    command_tail = "".join((" --cold" if r["cold"] else "", f" --label {label}" if label else "",
+                            f" {overrides}" if overrides else ""))
     speed = f", fp32 1024^3 matmul {r['matmul_gflops']:.0f} GFLOP/s" if r.get("matmul_gflops") else ""
     head = (f"`python -m bench.bench_main_job{command_tail}` on {data.get('machine', 'this machine')}{speed} "
             f"(load average {data.get('load_avg', '?')}): the `{r['preset']}` preset, "
