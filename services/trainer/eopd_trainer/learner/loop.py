@@ -216,3 +216,7 @@ class LearnerLoop:
     def close(self) -> None:
         self.feed.close()
         self.trainer.weights_out.close()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # torchrun's ranks: a gloo group left to interpreter
+            dist.destroy_process_group()  # exit aborted a rank after training (test_two_process_zero2_run)
