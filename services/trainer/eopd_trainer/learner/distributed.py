@@ -187,6 +187,13 @@ def init_process_group(backend: str = "") -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def destroy_process_group() -> None:
+    """Ends the process group, if one was started: a gloo group left to interpreter exit aborted
+    torchrun's rank 1 after training ('terminate called without an active exception')."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()

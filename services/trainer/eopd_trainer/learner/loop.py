@@ -37,7 +37,7 @@ from ..config.stages import IterationPlan, plan_iteration
 from ..data import load_prompts
 from ..faults import Faults
 from ..queue.messages import decode_rollout
-from .distributed import broadcast_blobs, broadcast_int
+from .distributed import broadcast_blobs, broadcast_int, destroy_process_group
 from .feed import EXIT_LEASE_LOST, Collected, LearnerAbort, RolloutFeed
 from .alarms import stop_reason
 from .metrics import resumed_sink
@@ -216,7 +216,4 @@ class LearnerLoop:
     def close(self) -> None:
         self.feed.close()
         self.trainer.weights_out.close()
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():  # torchrun's ranks: a gloo group left to interpreter
-            dist.destroy_process_group()  # exit aborted a rank after training (test_two_process_zero2_run)
+        destroy_process_group()
