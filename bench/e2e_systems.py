@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.e2e_time_split import eopd_split, trl_split, worker_times
 from bench.report import ROOT
 
 # eopd's systems: their loss overrides. `eopd-gkd` is eopd's GKD at lambda 1 (forward KL over the teacher's
@@ -154,11 +155,13 @@ class Trained:
     teacher_start_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     layout: dict = field(default_factory=dict)  # eopd's: `eopd_layout` (TRL's is the matched settings')
+    time_split: dict = field(default_factory=dict)  # bench.e2e_time_split's phases (seconds), where measured
 
     def to_json(self) -> dict:
         return {"system": self.system, "seed": self.seed, "checkpoints": self.checkpoints, "memory": self.memory,
                 "wall_s": round(self.wall_s, 1), "teacher_start_s": round(self.teacher_start_s, 1), "notes": self.notes,
-                **({"layout": self.layout} if self.layout else {})}
+                **({"layout": self.layout} if self.layout else {}),
+                **({"time_split": self.time_split} if self.time_split else {})}
 
 
 def eopd_checkpoints(run_dir: Path, launched: float) -> list[dict]:
@@ -209,7 +212,14 @@ def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained
     memory = mem.stop()
     if rc != 0:
         raise RuntimeError(f"{system} seed {seed}: eopd run failed (exit {rc}); log {log}:\n{log.read_text()[-3000:]}")
-    return Trained(system, seed, eopd_checkpoints(run_dir, launched), memory, wall, layout=layout)
+    trained = Trained(system, seed, eopd_checkpoints(run_dir, launched), memory, wall, layout=layout)
+    try:
+        records = [json.loads(x) for x in (run_dir / "train_metrics.jsonl").read_text().splitlines() if x.strip()]
+        worker = [worker_times(p.read_text()) for p in sorted((run_dir / "logs").glob("rollout-*.log"))]
+        trained.time_split = eopd_split(records, launched, sum(w[0] for w in worker), sum(w[1] for w in worker))
+    except (OSError, ValueError) as exc:  # the run's curve stands without its split
+        trained.notes.append(f"no time split: {exc}")
+    return trained
 
 
 def trl_spec(system: str, seed: int, out: Path, settings: dict, teacher_url: str = "") -> dict:
@@ -275,7 +285,10 @@ def train_trl(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
     timeline = json.loads((run_dir / "timeline.json").read_text())
     checkpoints = [{"label": f"step{c['step']}", "step": c["step"], "train_s": c["time"] - launched - c["saved_s_before"],
                     "path": c["path"]} for c in timeline["checkpoints"]]
-    return Trained(system, seed, checkpoints, memory, wall, teacher_start, [f"TRL {timeline['trl_version']}"])
+    trained = Trained(system, seed, checkpoints, memory, wall, teacher_start, [f"TRL {timeline['trl_version']}"])
+    if system == "trl-gkd":
+        trained.time_split = trl_split(timeline, launched)
+    return trained
 
 
 def train(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:

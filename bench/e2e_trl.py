@@ -17,7 +17,10 @@ system, the model directories, the prompts already rendered as the student sees 
 - a callback saves the student (`save_pretrained`) every `save_every` optimizer steps and at the end,
   and writes `timeline.json`: per checkpoint the wall-clock time at which it was reached and the
   seconds spent saving before it (the benchmark takes saving off the training clock), the peak RSS
-  of this process, and TRL's log history.
+  of this process, and TRL's log history;
+- GKD's time split (`time_split`): the seconds in its on-policy generation (the trainer's
+  `generate_on_policy_outputs`, wrapped on the instance) and in the teacher's forward passes (a
+  forward pre-hook and hook on the teacher model), measured around TRL's calls without changing them.
 """
 
 from __future__ import annotations
@@ -60,6 +63,45 @@ def timeline_callback(out: Path, save_every: int, max_steps: int, tokenizer):
             self.saved_s += time.time() - reached
 
     return Timeline()
+
+
+class Stopwatch:
+    """Seconds spent inside wrapped calls, by name (`time_split` of timeline.json)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - self._started.pop(name)
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            self.start(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stop(name)
+        return timed
+
+    def time_module(self, name: str, module) -> None:
+        """Times every forward of `module` (a pre-hook starts the clock, a hook stops it)."""
+        module.register_forward_pre_hook(lambda *_: self.start(name))
+        module.register_forward_hook(lambda *_: self.stop(name))
+
+    def to_json(self) -> dict:
+        return {name: {"s": round(s, 3), "calls": self.calls[name]} for name, s in self.seconds.items()}
+
+
+def time_gkd(trainer, watch: Stopwatch) -> None:
+    """GKD's generation and teacher forwards timed on this trainer instance (TRL's code unchanged)."""
+    trainer.generate_on_policy_outputs = watch.wrap("generate", trainer.generate_on_policy_outputs)
+    watch.time_module("teacher_forward", trainer.teacher_model)
 
 
 def build_trainer(spec: dict, out: Path, callback):
@@ -113,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 
     callback = timeline_callback(out, spec["save_every"], spec["steps"], AutoTokenizer.from_pretrained(spec["student"]))
     trainer = build_trainer(spec, out, callback)
+    watch = Stopwatch()
+    if spec["system"] == "gkd":
+        time_gkd(trainer, watch)
     started = time.time()
     result = trainer.train()
     import trl
@@ -120,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "timeline.json").write_text(json.dumps({
         "system": spec["system"], "trl_version": trl.__version__, "train_started": started,
         "checkpoints": callback.checkpoints, "saved_s": callback.saved_s, "peak_rss_mb": peak_rss_mb(),
-        "global_step": result.global_step, "log_history": trainer.state.log_history}, indent=1))
+        "global_step": result.global_step, "time_split": watch.to_json(),
+        "log_history": trainer.state.log_history}, indent=1))
     return 0
 
 

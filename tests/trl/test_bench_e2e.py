@@ -36,6 +36,12 @@ def test_bench_e2e_quick_wires_every_system(tmp_path):
     assert [c["step"] for c in runs["trl-gkd"]["checkpoints"]] == [2, 4]
     assert runs["trl-server-vllm"]["teacher_start_s"] > 0 and "vllm.entrypoints.openai.api_server" in runs["trl-server-vllm"]["memory"]["per_process_peak_mb"]
     assert any("learner" in name or "eopd_trainer" in name for name in runs["eopd"]["memory"]["per_process_peak_mb"])
+    # where the time goes (bench.e2e_time_split): eopd's phases and TRL GKD's, measured in both runs
+    split, ref = runs["eopd"]["time_split"], runs["trl-gkd"]["time_split"]
+    assert split["learner_steps_s"] > 0 and split["sampling_s"] > 0 and split["weight_load_s"] > 0, split
+    assert split["iterations"] == 2 and split["optimizer_steps"] == 4 and split["start_s"] > 0, split
+    assert ref["generate_s"] > 0 and ref["teacher_forward_s"] > 0 and ref["student_step_s"] > 0, ref
+    assert ref["optimizer_steps"] == 4 and "time_split" not in runs["trl-server-eopd"]
     summary = data["summary"]
     assert set(summary["systems"]) == set(systems) and summary["target"] is not None
     assert len({m for s in summary["systems"].values() for m in s["machines"]}) == 1  # one machine: every ratio pairs

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.e2e_time_split import worker_times
 from eopd_trainer.config.sections import shm_weights_dir
 from eopd_trainer.job.weight_sync import release_shm
 from tests.procs import ROOT, free_port
@@ -123,6 +124,13 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     assert [r["iteration"] for r in iters if r.get("kind") == "iteration"] == [1, 2, 3, 4]
     # the tiny preset checkpoints every iteration; each record says how long its checkpoint took
     assert all(0 < r["iter/checkpoint_s"] < r["iter/iteration_s"] for r in iters if r.get("kind") == "iteration")
+    # ... and its time split (bench.e2e_time_split): the learner's steps inside the iteration, the
+    # worker's sampling and weight-load totals in its last line, read back as the benchmark reads them
+    assert all(0 < r["iter/steps_s"] < r["iter/iteration_s"] - r["iter/collect_s"] for r in iters
+               if r.get("kind") == "iteration")
+    worker_log = (run_dir / "logs" / "rollout-w0.log").read_text()
+    sampling_s, load_s = worker_times(worker_log)
+    assert sampling_s > 0 and load_s > 0, worker_log[-2000:]
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert "redis-server" in summary["queue"] and summary["train_s"] > 0
     # Weights went through one mapped buffer in shared memory (weight_sync auto on this Linux machine,

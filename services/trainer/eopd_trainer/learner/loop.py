@@ -113,6 +113,9 @@ class LearnerLoop:
                 break
             t_collect = time.monotonic() - t0
             steps = self.trainer.train_iteration(iteration, collected.rollouts, self.state.optimizer_steps, plan.loss)
+            # the iteration's forward, backward and optimizer steps (the rest of iteration_s: the collect,
+            # the weights' publish and a checkpoint's write)
+            stats = {**collected.stats, "steps_s": time.monotonic() - t0 - t_collect}
             self.state.optimizer_steps += len(steps)
             self.ledger.record(iteration, [r.rollout_id for r in collected.rollouts])
             self.state.iteration = self.state.policy_version = iteration
@@ -120,13 +123,13 @@ class LearnerLoop:
             unacked.extend(collected.entry_ids)
             checkpoint_s = 0.0
             if iteration % cfg.checkpoint.every == 0 or iteration == self.total_iterations:
-                checkpoint_s = self._commit(iteration, unacked, steps, collected.stats, t_collect, t0, plan.stage)
+                checkpoint_s = self._commit(iteration, unacked, steps, stats, t_collect, t0, plan.stage)
                 unacked = []
             else:
                 self.publish_weights(iteration)
             reason = None
             if records is not None:
-                alarms = records.log(iteration, steps, {**collected.stats, "checkpoint_s": checkpoint_s}, t_collect,
+                alarms = records.log(iteration, steps, {**stats, "checkpoint_s": checkpoint_s}, t_collect,
                                      time.monotonic() - t0,
                                      self.state.optimizer_steps, stage=plan.stage)
                 reason = stop_reason(alarms, cfg.train.stop_on, iteration)

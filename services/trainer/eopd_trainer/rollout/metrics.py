@@ -28,3 +28,15 @@ class WorkerMetrics:
                                         "Loading an announced policy version into the sampler (in place)")
         if port:
             start_http_server(port)
+
+    def time_summary(self) -> str:
+        """The worker's sampling and weight-load seconds so far, for its last log line (bench_e2e's
+        time split reads it: `sampling S s in N rounds, weight loads S s in N`)."""
+        (sample_s, rounds), (reload_s, loads) = _total(self.sample_seconds), _total(self.reload_seconds)
+        return f"sampling {sample_s:.2f} s in {rounds} rounds, weight loads {reload_s:.2f} s in {loads}"
+
+
+def _total(histogram: Histogram) -> tuple[float, int]:
+    """(sum of the observations, their count) of an unlabelled histogram."""
+    values = {s.name.rsplit("_", 1)[-1]: s.value for family in histogram.collect() for s in family.samples}
+    return values["sum"], int(values["count"])

@@ -149,7 +149,8 @@ class RolloutWorker:
             await producer
         finally:
             beat.cancel()
-        log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
+        log.info("worker %s done: %d rollouts published; %s", self.worker_id, self.published,
+                 self.metrics.time_summary())
         return 0
 
     async def _produce(self, links: dict[str, TeacherLink] | None) -> None:
@@ -237,7 +238,8 @@ class RolloutWorker:
                 await producer
             raise
         await producer  # re-raises what stopped the producer, if anything did
-        log.info("worker %s done: %d rollouts published", self.worker_id, self.published)
+        log.info("worker %s done: %d rollouts published; %s", self.worker_id, self.published,
+                 self.metrics.time_summary())
         return 0
 
     async def _stop_gracefully(self, consumer: asyncio.Future, producer: asyncio.Task, links: list[TeacherLink]) -> bool:

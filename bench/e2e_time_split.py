@@ -1,0 +1,163 @@
+"""Where a head-to-head run's training time goes (issue 48's goal: where a number falls short, say where
+the time goes, measured): eopd's seconds split by process and phase, TRL's GKDTrainer's by phase.
+
+Pure functions over what the runs write, and a `section` of docs/benchmarks.md from the runs that
+carry a split (`trained.json`'s `time_split`, written by `bench_e2e --phase train|retime` since
+this module exists):
+
+- eopd (`eopd_split`): the learner's per-iteration records (`train_metrics.jsonl`: `iter/iteration_s`,
+  `iter/collect_s`, `iter/steps_s`, `iter/checkpoint_s`) and the rollout worker's last log line
+  (`sampling S s in N rounds, weight loads S s in N`). Start-up is the launch of `eopd run` to the
+  learner's first iteration (teacher, Redis, worker and learner starting, models loading). The
+  learner's iteration is its wait for the batch (collect), its forward/backward/optimizer steps, and
+  the rest (publishing the new weights; a checkpoint's write is off the training clock, as in the
+  head-to-head). In sync mode the worker samples inside the learner's wait: the wait less the
+  worker's sampling and weight loads is the teacher's scoring and the hand-offs (queue, streams).
+- TRL (`trl_split`): `bench/e2e_trl.py`'s stopwatch around GKD's on-policy generation and its
+  teacher's forwards; the rest of the training loop is the student's forward, loss, backward and
+  optimizer step (and the trainer's own bookkeeping). Start-up is the runner's launch to `train()`.
+
+    .venv/bin/python -m bench.e2e_time_split --archive bench/results/e2e-avg8 [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from bench.report import markdown_table, write_section
+
+SECTION = "e2e_time_split"
+WORKER_TIMES = re.compile(r"sampling ([\d.]+) s in (\d+) rounds, weight loads ([\d.]+) s in (\d+)")
+
+
+def worker_times(log_text: str) -> tuple[float, float]:
+    """(sampling seconds, weight-load seconds) from a rollout worker's log: its last `done` line."""
+    found = WORKER_TIMES.findall(log_text)
+    if not found:
+        raise ValueError("no 'sampling S s in N rounds, weight loads S s in N' line in the rollout worker's log")
+    sample_s, _, load_s, _ = found[-1]
+    return float(sample_s), float(load_s)
+
+
+def eopd_split(records: list[dict], launched: float, sampling_s: float, weight_load_s: float) -> dict:
+    """Seconds of an `eopd run`'s training clock by phase (the module's docstring), from its metrics
+    records (`train_metrics.jsonl`, every kind), its launch time (unix s) and its worker's totals.
+    Phases sum to the training clock up to the last iteration (checkpoint writes left out)."""
+    its = [r for r in records if r.get("kind") == "iteration"]
+    if not its:
+        raise ValueError("no iteration records")
+    missing = [k for k in ("iter/iteration_s", "iter/collect_s", "iter/steps_s") if k not in its[0]]
+    if missing:
+        raise ValueError(f"iteration records without {missing} (a run from before the time split)")
+
+    def total(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in its)
+
+    collect, steps = total("iter/collect_s"), total("iter/steps_s")
+    rest = total("iter/iteration_s") - collect - steps - total("iter/checkpoint_s")
+    return {"system": "eopd", "optimizer_steps": int(its[-1]["step"]), "iterations": len(its),
+            "start_s": its[0]["time"] - its[0]["iter/iteration_s"] - launched,
+            "learner_steps_s": steps, "publish_s": rest, "collect_s": collect,
+            "sampling_s": sampling_s, "weight_load_s": weight_load_s,
+            "teacher_and_handoff_s": collect - sampling_s - weight_load_s}
+
+
+def trl_split(timeline: dict, launched: float) -> dict:
+    """Seconds of a TRL GKD run's training clock by phase, from `bench/e2e_trl.py`'s timeline.json
+    (its checkpoints, `train_started` and `time_split`) and the runner's launch time (unix s)."""
+    watch = timeline.get("time_split") or {}
+    if "generate" not in watch:
+        raise ValueError("timeline without GKD's time split (a run from before it, or not GKDTrainer)")
+    last = timeline["checkpoints"][-1]
+    train = last["time"] - last["saved_s_before"] - timeline["train_started"]
+    generate, teacher = watch["generate"]["s"], watch.get("teacher_forward", {}).get("s", 0.0)
+    return {"system": "trl", "optimizer_steps": int(timeline["global_step"]),
+            "start_s": timeline["train_started"] - launched, "generate_s": generate, "teacher_forward_s": teacher,
+            "student_step_s": train - generate - teacher}
+
+
+ROWS = [  # (label, eopd key, TRL key)
+    ("start-up (processes, model loads)", "start_s", "start_s"),
+    ("sampling the student's responses", "sampling_s", "generate_s"),
+    ("the teacher's scores, and eopd's hand-offs (queue, streams)", "teacher_and_handoff_s", "teacher_forward_s"),
+    ("the student's forward, loss, backward, optimizer step", "learner_steps_s", "student_step_s"),
+    ("publishing the new weights (learner) and loading them (sampler)", "publish_s+weight_load_s", None),
+]
+
+
+def _value(split: dict, key: str | None) -> float | None:
+    if key is None:
+        return None
+    return sum(split[k] for k in key.split("+"))
+
+
+def _total(split: dict) -> float:
+    keys = [k for _, e, t in ROWS for k in ((e if split["system"] == "eopd" else t) or "").split("+") if k]
+    return sum(split[k] for k in keys)
+
+
+def table(eopd: dict, trl: dict) -> str:
+    """Seconds per optimizer step of each phase, eopd beside TRL, and eopd's excess over TRL's."""
+    rows = []
+    for label, e_key, t_key in ROWS:
+        e = _value(eopd, e_key) / eopd["optimizer_steps"]
+        t = _value(trl, t_key)
+        t = None if t is None else t / trl["optimizer_steps"]
+        rows.append([label, f"{e:.2f}", "-" if t is None else f"{t:.2f}", f"{e - (t or 0.0):+.2f}"])
+    e_all, t_all = _total(eopd) / eopd["optimizer_steps"], _total(trl) / trl["optimizer_steps"]
+    rows.append(["**total**", f"**{e_all:.2f}**", f"**{t_all:.2f}**", f"**{e_all - t_all:+.2f}** ({e_all / t_all:.2f}x)"])
+    return markdown_table(["s per optimizer step", "eopd", "TRL GKDTrainer", "eopd - TRL"], rows)
+
+
+def split_of(run: dict) -> dict | None:
+    return run.get("time_split")
+
+
+def pairs(runs: list[dict], reference: str = "trl-gkd") -> list[tuple[dict, dict]]:
+    """(eopd run, TRL run) of the same seed and machine (boot id), both with a time split."""
+    def key(r):
+        return r["seed"], (r.get("machine") or {}).get("boot_id", "")[:8]
+    trl = {key(r): r for r in runs if r["system"] == reference and split_of(r)}
+    return [(r, trl[key(r)]) for r in runs if r["system"] != reference and split_of(r) and key(r) in trl]
+
+
+def section_text(runs: list[dict]) -> str:
+    lines = ["## Head to head: where the training time goes (`python -m bench.e2e_time_split`, issue 48)", "",
+             "Each eopd run of the head-to-head beside TRL's GKDTrainer of the same seed on the same machine, "
+             "its training clock split by phase (bench/e2e_time_split.py says how each phase is measured); "
+             "seconds per optimizer step. Both systems do the same work per step (sample 8 responses, "
+             "score them with the teacher, one optimizer step on the student); eopd does it in four processes "
+             "(teacher, rollout worker, Redis, learner) on the same two cores.", ""]
+    found = pairs(runs)
+    if not found:
+        return "\n".join(lines + ["No run pair with a time split yet."])
+    for run, ref in found:
+        m = run.get("machine") or {}
+        lines += [f"**{run['system']}**, seed {run['seed']}, on {m.get('cpu', '?')} (boot {m.get('boot_id', '?')[:8]}, "
+                  f"{m.get('matmul_gflops', '?')} GFLOP/s), {split_of(run)['iterations']} iterations:", "",
+                  table(split_of(run), split_of(ref)), ""]
+    return "\n".join(lines).rstrip()
+
+
+def load_runs(archive: Path) -> list[dict]:
+    """Every trained.json under `archive` (the runs and the re-timings)."""
+    return [json.loads(p.read_text()) for p in sorted(archive.rglob("trained.json"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--archive", type=Path, default=Path("bench/results/e2e-avg8"))
+    p.add_argument("--write", action="store_true", help=f"write the {SECTION} section of docs/benchmarks.md")
+    args = p.parse_args(argv)
+    text = section_text(load_runs(args.archive))
+    print(text)
+    if args.write:
+        write_section(SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
