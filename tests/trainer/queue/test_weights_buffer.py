@@ -16,7 +16,7 @@ import torch
 
 from eopd_trainer.queue.policy_load import load_policy
 from eopd_trainer.queue.weights import WeightsUnavailable
-from eopd_trainer.queue.weights_buffer import BufferWriter, buffer_holds, buffer_path, read_buffer
+from eopd_trainer.queue.weights_buffer import BufferWriter, WeightsTorn, buffer_holds, buffer_path, read_buffer
 
 
 class Small(torch.nn.Module):
@@ -133,3 +133,37 @@ def test_a_read_beside_a_writer_is_one_whole_version_or_refused(tmp_path):
         writer.join(60)
     assert writer.exitcode == 0 and len(versions) >= 2, (len(versions), refused)  # the writer progressed (4 seen under CI load)
     assert refused > 0  # reads did overlap writes (and were refused, not returned mixed)
+
+
+def test_a_load_straight_into_the_model_beside_a_writer_is_one_whole_version_or_refused(tmp_path):
+    """`load_policy` copies the mapped buffer straight into the model (no staging copy of the policy,
+    issue 50 ask 5): after every load that returns, the model holds one whole version; a copy that
+    overlapped a rewrite raises WeightsTorn (the model then holds no whole version: the worker samples
+    nothing until the next load, rollout/versions.py), a buffer being written WeightsUnavailable."""
+    model = Small(width=WIDTH)
+    pv0 = BufferWriter(tmp_path, filled(model, 0.0)).publish(model, 0, 0)
+    writer = multiprocessing.get_context("spawn").Process(target=_rewrite, args=(str(tmp_path), 3.0))
+    writer.start()
+    worker = Small(width=WIDTH)
+    versions, torn, refused = set(), 0, 0
+    try:
+        while writer.is_alive() or not versions:
+            header = open(pv0.uri, "rb").read(32)
+            seq, version = int.from_bytes(header[8:16], "little"), int.from_bytes(header[16:24], "little", signed=True)
+            if version <= 0 and writer.is_alive():
+                continue
+            try:
+                load_policy(worker, dataclasses.replace(pv0, version=version, sha256=f"seq:{seq}"))
+            except WeightsTorn:
+                torn += 1
+                continue
+            except WeightsUnavailable:
+                refused += 1
+                continue
+            values = torch.cat([t.flatten() for t in worker.state_dict().values()])
+            assert bool((values == float(version)).all()), f"version {version}: a mix of {values.unique()[:5].tolist()}"
+            versions.add(version)
+    finally:
+        writer.join(60)
+    assert writer.exitcode == 0 and len(versions) >= 2, (len(versions), torn, refused)
+    assert torn + refused > 0  # loads did overlap writes (and were refused, not kept mixed)

@@ -203,6 +203,13 @@ def load_weights(model: torch.nn.Module, pv: PolicyVersion, *, verify: bool = Tr
 def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Loads `tensors` (what export_state_dict exported) into `model` in place, dtypes converted;
     ValueError, the model untouched, when names or shapes are not the model's."""
+    check_tensors(model, tensors, where)
+    model.load_state_dict(tensors, strict=False)
+
+
+def check_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """ValueError unless `tensors` are exactly what export_state_dict exports of `model` (names and
+    shapes; dtypes may differ)."""
     own = set(model.state_dict())
     unexpected = sorted(set(tensors) - own)
     if unexpected:
@@ -214,7 +221,6 @@ def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where
     wrong = [f"{k} {tuple(t.shape)} (the model's {tuple(state[k].shape)})" for k, t in tensors.items() if t.shape != state[k].shape]
     if wrong:
         raise ValueError(f"weights {where}: size mismatch: {', '.join(wrong[:3])}")
-    model.load_state_dict(tensors, strict=False)
 
 
 def export_state_dict_names(model: torch.nn.Module) -> list[str]:

@@ -17,8 +17,12 @@ checks the sequence number, copies the tensors out into memory of its own, and u
 if the number is still the announced one and the copy's checksum is the learner's (`checksum`:
 the number alone is not enough, stores to a mapping may become visible out of order); otherwise the
 buffer was being (or has been) rewritten and the load is `WeightsUnavailable` (transient: re-read
-the announcement, retry), with the worker's model untouched. So a worker never samples from half-written weights, and the announcement
-(`PolicyVersion`, format `mapped`, `sha256` = "seq:<n>") names exactly one content of the buffer.
+the announcement, retry), with the worker's model untouched (`read_buffer`). The transformers
+sampler loads without that copy of the whole policy (`load_buffer_into`, issue 50 ask 5): the same
+checks, with the tensors copied straight into its model, so a torn copy has already written the model
+(`WeightsTorn`: the worker then samples nothing until a whole version loads). So a worker never
+samples from half-written weights, and the announcement (`PolicyVersion`, format `mapped`,
+`sha256` = "seq:<n>") names exactly one content of the buffer.
 
 Trust: the buffer is the run's user's (0600 in an 0700 directory); the checksum catches a torn copy,
 not a writer, and any process of that user can write both (docs/reliability.md, "The mapped weights
@@ -40,7 +44,7 @@ from pathlib import Path
 import torch
 
 from .messages import PolicyVersion, now_ns
-from .weights import WeightsUnavailable, export_state_dict_names
+from .weights import WeightsUnavailable, check_tensors, export_state_dict_names
 
 FORMAT = "mapped"
 BUFFER_NAME = "policy.buf"
@@ -200,6 +204,31 @@ def buffer_holds(pv: PolicyVersion) -> bool:
         mm.close()
 
 
+def _checked_layout(mm: mmap.mmap, pv: PolicyVersion, want: int) -> tuple[list[Entry], int, int]:
+    """(entries, data start, the learner's checksum) of a buffer that holds the announced sequence
+    number and a layout matching its header; WeightsUnavailable otherwise."""
+    magic, seq, version, _, layout, n, total = HEADER.unpack_from(mm, 0)
+    if magic != MAGIC or not 0 < n <= len(mm) - HEADER_BYTES:
+        raise WeightsUnavailable(f"weights buffer {pv.uri}: not an eopd weights buffer")
+    if seq != want or version != pv.version:
+        raise WeightsUnavailable(f"weights buffer {pv.uri}: holds sequence {seq} (version {version}), the "
+                                 f"announcement names {want} (version {pv.version}): rewritten since, or being written")
+    described = bytes(mm[HEADER_BYTES:HEADER_BYTES + n])
+    if hashlib.sha256(described).digest()[:16] != layout:
+        raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not match its header")
+    entries = parse_layout(described, pv.uri)
+    if entries and buffer_end(entries, n) != len(mm):
+        raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not span its {len(mm)} bytes")
+    return entries, data_start(n), total
+
+
+def _non_finite_refused(bad: list[str], pv: PolicyVersion) -> WeightsUnavailable:
+    """A diverged learner's weights, or a process of the run's user writing the buffer
+    (docs/reliability.md): refused before the model is touched."""
+    return WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): non-finite values (NaN or inf) in "
+                              f"{len(bad)} tensors ({', '.join(bad[:3])}): refused, the model keeps its weights")
+
+
 def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
     """The announced tensors (the learner's dtypes), copied out of the buffer into this process's
     memory in one copy and checked (module docstring): the sequence number before and after, and
@@ -208,19 +237,7 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
     want = announced_seq(pv)
     mm = _open(pv)
     try:
-        magic, seq, version, _, layout, n, total = HEADER.unpack_from(mm, 0)
-        if magic != MAGIC or not 0 < n <= len(mm) - HEADER_BYTES:
-            raise WeightsUnavailable(f"weights buffer {pv.uri}: not an eopd weights buffer")
-        if seq != want or version != pv.version:
-            raise WeightsUnavailable(f"weights buffer {pv.uri}: holds sequence {seq} (version {version}), the "
-                                     f"announcement names {want} (version {pv.version}): rewritten since, or being written")
-        described = bytes(mm[HEADER_BYTES:HEADER_BYTES + n])
-        if hashlib.sha256(described).digest()[:16] != layout:
-            raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not match its header")
-        entries = parse_layout(described, pv.uri)
-        start = data_start(n)
-        if entries and buffer_end(entries, n) != len(mm):
-            raise WeightsUnavailable(f"weights buffer {pv.uri}: its layout does not span its {len(mm)} bytes")
+        entries, start, total = _checked_layout(mm, pv, want)
         data = _data(mm, start).clone()
         if _seq(mm) != want or checksum(data) != total:
             raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): rewritten while it was read")
@@ -228,10 +245,79 @@ def read_buffer(pv: PolicyVersion) -> dict[str, torch.Tensor]:
         mm.close()
     tensors = tensor_views(data, entries, start)
     bad = non_finite(tensors)
-    if bad:  # a diverged learner, or a process of the run's user writing the buffer (docs/reliability.md)
-        raise WeightsUnavailable(f"weights buffer {pv.uri} (version {pv.version}): non-finite values (NaN or inf) in "
-                                 f"{len(bad)} tensors ({', '.join(bad[:3])}): refused, the model keeps its weights")
+    if bad:
+        raise _non_finite_refused(bad, pv)
     return tensors
+
+
+class WeightsTorn(WeightsUnavailable):
+    """`load_buffer_into` copied a version that was being rewritten: the model holds parts of two
+    versions. Transient like its parent (re-read the announcement, retry), but the model must not
+    be sampled from until a whole version loads."""
+
+
+def _word_sum(t: torch.Tensor) -> int:
+    """The sum of `t`'s bytes as 8-byte words, zero-padded to a whole word (`checksum` of its span
+    in the buffer, whose padding is zeros)."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    if b.numel() % 8:
+        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    return int(b.view(torch.int64).sum())
+
+
+def _copy_finite(mm: mmap.mmap, entries: list[Entry], start: int, state: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+    """(names of the non-finite tensors, 0) with nothing copied; else ([], the word sum of the bytes
+    copied into `state`'s tensors). Every view into the mapping is gone when it returns (the
+    mapping cannot close while one lives)."""
+    views = tensor_views(_data(mm, start), entries, start)
+    src = None
+    try:
+        bad = non_finite(views)
+        if bad:
+            return bad, 0
+        copied = 0
+        with torch.no_grad():
+            for name, src in views.items():
+                dst = state[name]
+                if dst.dtype == src.dtype and dst.is_contiguous():
+                    dst.copy_(src)
+                    copied += _word_sum(dst)
+                else:  # converted: the bytes read are the staged tensor's
+                    staged = src.clone()
+                    copied += _word_sum(staged)
+                    dst.copy_(staged)
+        return [], copied
+    finally:
+        views = src = None  # noqa: F841 (a traceback keeps this frame's locals)
+
+
+def load_buffer_into(model: torch.nn.Module, pv: PolicyVersion) -> None:
+    """The announced tensors copied straight from the buffer into `model`'s own tensors (dtypes
+    converted), without `read_buffer`'s copy of the whole policy: that copy, as large as the
+    model's weights (0.5 GiB for SmolLM2-135M), set the main job's peak memory (issue 50 ask 5).
+
+    What needs no copy is checked first and leaves the model untouched: the sequence number and the
+    layout (WeightsUnavailable), the names and shapes (ValueError), non-finite values (read in
+    place; WeightsUnavailable). Then each tensor is copied into the model (one tensor staged when
+    its dtype is converted) and the copy checked as `read_buffer` checks its own: the sequence
+    number after it, and the checksum of the bytes copied against the learner's. A copy torn by a
+    rewrite raises WeightsTorn: the model holds parts of two versions (the caller must not sample
+    from it until a whole version loads; rollout/versions.py)."""
+    want = announced_seq(pv)
+    mm = _open(pv)
+    try:
+        entries, start, total = _checked_layout(mm, pv, want)
+        check_tensors(model, {name: torch.empty(shape, dtype=dtype, device="meta")
+                              for name, dtype, shape, _, _ in entries}, pv.uri)
+        bad, copied = _copy_finite(mm, entries, start, model.state_dict())
+        torn = not bad and (_seq(mm) != want or (copied + 2**63) % 2**64 - 2**63 != total)
+    finally:
+        mm.close()
+    if bad:
+        raise _non_finite_refused(bad, pv)
+    if torn:
+        raise WeightsTorn(f"weights buffer {pv.uri} (version {pv.version}): rewritten while it was copied into the "
+                          "model; the model holds no whole version until the next load")
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:

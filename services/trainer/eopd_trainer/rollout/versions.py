@@ -14,6 +14,7 @@ import torch
 
 from ..queue.namespace import RunQueue
 from ..queue.weights import WeightsUnavailable, check_weights_location
+from ..queue.weights_buffer import WeightsTorn
 from ..queue.weights_broadcast import FORMAT as BROADCAST_FORMAT
 from ..queue.weights_broadcast import BroadcastReceiver, endpoint_of
 from .metrics import WorkerMetrics
@@ -46,6 +47,7 @@ class VersionTracker:
         self.receiver = receiver  # weight_sync: broadcast (queue/weights_broadcast.py)
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
+        self.torn = False  # a load copied a version being rewritten: no whole version until the next load
 
     def _maybe_reload(self) -> None:
         pv = self.queue.announcement()
@@ -62,8 +64,12 @@ class VersionTracker:
             else:
                 if self.weights_dir is not None:
                     check_weights_location(pv, self.weights_dir)  # before the sampler opens (and hashes) anything
-                self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
-            self.version, self._sha = pv.version, pv.sha256
+                try:
+                    self.sampler.load_weights(pv)  # in place, no restart (vLLM: reload_weights + prefix cache reset)
+                except WeightsTorn:
+                    self.torn = True
+                    raise
+            self.version, self._sha, self.torn = pv.version, pv.sha256, False
             self.metrics.version.set(pv.version)
             took = time.monotonic() - t0
             self.metrics.reload_seconds.observe(took)
@@ -86,11 +92,11 @@ class VersionTracker:
             except WeightsUnavailable as exc:
                 failed = True
                 self.metrics.reload_failures.inc()
-                keep = self.mode == "async" and max(self.version, 0) >= min_version
+                keep = self.mode == "async" and not self.torn and max(self.version, 0) >= min_version
                 log.warning("cannot load the announced weights: %s; %s", exc,
                             f"sampling with policy version {max(self.version, 0)} meanwhile" if keep
                             else f"retrying in {delay:.1f}s")
-            if max(self.version, 0) >= min_version and (not failed or self.mode == "async"):
+            if not self.torn and max(self.version, 0) >= min_version and (not failed or self.mode == "async"):
                 self.version = max(self.version, 0)  # nothing announced yet: the spec's weights are version 0
                 return True
             if await asyncio.to_thread(self.queue.is_done):
