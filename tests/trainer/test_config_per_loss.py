@@ -93,6 +93,20 @@ def test_an_entry_is_checked_with_what_the_overrides_give(preset):
     assert load_config(preset, ["train.batch_size=8", "loss.variant=opd"]).train.iterations == 3
 
 
+def test_overrides_for_the_runs_loss_need_not_suit_another_entry():
+    """bench_e2e's `eopd-trl-gkd` (gkd at TRL's layout, 64 iterations, a checkpoint every 16) was
+    refused by the default preset's *other* entry: eopd_rkl's batch of 16 x 16 iterations per
+    checkpoint is over the stream's backlog bound. Only the run's own loss must hold with them."""
+    from tests.procs import ROOT
+
+    path = ROOT / "configs" / "smollm2-cpu.yaml"
+    given = ["loss.variant=gkd", "checkpoint.every=16", "checkpoint.keep=64"]
+    cfg = load_config(path, given)
+    assert (cfg.loss.variant, cfg.train.batch_size, cfg.checkpoint.every) == ("gkd", 8, 16)
+    with pytest.raises(ConfigError, match="queue.max_backlog .* must be at least train.batch_size x checkpoint.every"):
+        load_config(path, ["checkpoint.every=16"])  # the default loss's own layout with them: refused
+
+
 def test_the_default_preset_trains_its_measured_loss_and_keeps_the_others_as_they_were():
     """configs/smollm2-cpu.yaml's default loss is EOPD with the exact full-vocabulary reverse KL
     (issue 48 ask 5: chosen on the training split, docs/results.md); its support comes from

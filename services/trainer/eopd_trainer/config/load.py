@@ -132,12 +132,16 @@ def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, 
     overrides) names it, over the file's values and under every override, so `loss.variant=gkd` brings
     gkd's layout and `loss.variant=gkd train.batch_size=16` still trains batches of 16. The section
     itself is not part of the result (the effective config a run writes is complete without it;
-    `per_loss={}` turns it off). Every entry must be a valid config over the file's, whichever loss runs."""
+    `per_loss={}` turns it off). Every entry must be a valid config whichever loss runs: the run's
+    own loss's over the file with the overrides; another's over the file with the overrides or over
+    the file alone (overrides meant for the run's loss, e.g. gkd's `checkpoint.every=16`, may not
+    suit another loss's layout)."""
     staged = apply_overrides(data, overrides)
     table = staged.pop(PER_LOSS, None) or {}
     if not isinstance(table, dict):
         raise ConfigError(f"{PER_LOSS}: a mapping of loss variant -> partial config, got {type(table).__name__}")
     base = {k: v for k, v in data.items() if k != PER_LOSS}
+    chosen = _variant(staged)
     for variant, partial in table.items():
         try:
             LossConfig(variant=variant)
@@ -148,14 +152,21 @@ def with_loss_defaults(data: dict[str, Any], overrides: list[str]) -> dict[str, 
             raise ConfigError(f"{PER_LOSS}.{variant}: a partial config (a mapping), got {type(partial).__name__}")
         if "loss" in partial and "variant" in (partial["loss"] or {}):
             raise ConfigError(f"{PER_LOSS}.{variant}: cannot set loss.variant")
-        try:  # over the file with the overrides (what else the run is given), under the entry
-            config_from_dict(deep_merge(deep_merge(staged, {"loss": {"variant": variant}}), partial))
-        except ConfigError as exc:
+        exc = _entry_error(staged, variant, partial)  # over the file with the overrides (what else the run is given)
+        if exc is not None and (variant == chosen or _entry_error(base, variant, partial) is not None):
             raise ConfigError(f"{PER_LOSS}.{variant}: {exc}") from None
-    variant = _variant(staged)
-    out = apply_overrides(deep_merge(base, table.get(variant) or {}), overrides)
+    out = apply_overrides(deep_merge(base, table.get(chosen) or {}), overrides)
     out.pop(PER_LOSS, None)
     return out
+
+
+def _entry_error(over: dict[str, Any], variant: str, partial: dict[str, Any]) -> ConfigError | None:
+    """The error of `per_loss.<variant>`'s entry applied over `over` (None: a valid config)."""
+    try:
+        config_from_dict(deep_merge(deep_merge(over, {"loss": {"variant": variant}}), partial))
+    except ConfigError as exc:
+        return exc
+    return None
 
 
 def _variant(data: dict[str, Any]) -> str:
