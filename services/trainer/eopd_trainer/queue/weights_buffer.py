@@ -260,8 +260,8 @@ def _word_sum(t: torch.Tensor) -> int:
     """The sum of `t`'s bytes as 8-byte words, zero-padded to a whole word (`checksum` of its span
     in the buffer, whose padding is zeros)."""
     b = t.detach().contiguous().view(-1).view(torch.uint8)
-    if b.numel() % 8:
-        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    if b.numel() % 8 or b.storage_offset() % 8:  # a view that does not start on a word: summed from a copy
+        b = torch.cat([b, b.new_zeros((8 - b.numel() % 8) % 8)])
     return int(b.view(torch.int64).sum())
 
 
