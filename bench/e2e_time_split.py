@@ -134,6 +134,17 @@ def section_text(runs: list[dict]) -> str:
     found = pairs(runs)
     if not found:
         return "\n".join(lines + ["No run pair with a time split yet."])
+    lines += ["What each phase holds, eopd against TRL (the code, not a measurement):", "",
+              "- sampling: eopd's rollout worker generates, then runs one more forward over every sampled "
+              "sequence for the old log-probs (the PPO ratio's denominator; `gkd` has no ratio and does not "
+              "use them); TRL's GKD generates only.",
+              "- the teacher: eopd's teacher server computes its statistics over the full vocabulary (exact "
+              "entropy, top-16, the token's log-prob) and, for a full-vocabulary loss, packs its final hidden "
+              "states; the rollout's bytes then cross gRPC, the worker and Redis to the learner. TRL's teacher "
+              "is one forward in the trainer's process.",
+              "- the student's step: eopd's learner rebuilds the teacher's log-probs over the full vocabulary "
+              "from those hidden states (the teacher's output projection, in chunks) inside its loss; in TRL "
+              "that projection is part of the teacher's forward. eopd runs the step through DeepSpeed.", ""]
     for run, ref in found:
         m = run.get("machine") or {}
         lines += [f"**{run['system']}**, seed {run['seed']}, on {m.get('cpu', '?')} (boot {m.get('boot_id', '?')[:8]}, "
