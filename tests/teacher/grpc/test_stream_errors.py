@@ -209,12 +209,22 @@ def test_stream_level_overload_ends_the_stream_announced_first(teacher):
     assert asyncio.run(go()) == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
 
 
-def _tokens_scored(http: str) -> float:
+def _metrics_text(http: str) -> str:
     import urllib.request
 
     with urllib.request.urlopen(f"{http}/metrics", timeout=5) as r:
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def _tokens_scored(http: str) -> float:
+    text = _metrics_text(http)
     return float(next(line for line in text.splitlines() if line.startswith("eopd_teacher_tokens_scored_total")).split()[-1])
+
+
+def _info_calls(http: str) -> float:
+    """GetModelInfo calls the replica answered (its requests counter)."""
+    return sum(float(line.split()[-1]) for line in _metrics_text(http).splitlines()
+               if line.startswith("eopd_teacher_requests_total") and "GetModelInfo" in line)
 
 
 def test_streams_spread_over_replicas(teacher, tiny_teacher):
@@ -226,9 +236,17 @@ def test_streams_spread_over_replicas(teacher, tiny_teacher):
     async def go():
         async with AsyncTeacherClient(target, load_balancing="round_robin") as c:
             # round_robin connects to every address; wait until unary calls have reached both, so
-            # that the two streams are placed over two READY subchannels.
-            for _ in range(20):
+            # that the two streams are placed over two READY subchannels (under load one subchannel
+            # was still connecting after 20 calls: the calls, then both streams, went to the other)
+            info_before = [_info_calls(p.http) for p in (teacher, tiny_teacher)]
+            reached = [False, False]
+            for _ in range(600):
                 await c.info()
+                reached = [_info_calls(p.http) > b for p, b in zip((teacher, tiny_teacher), info_before, strict=True)]
+                if all(reached):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(reached), f"round_robin never reached both replicas: {reached}"
             batches = [ScoreBatch(f"r{i}", [("x", [1 + i, 2, 3, 4, 5], 1)]) for i in range(24)]
             return {rid: res async for rid, res in c.score_stream(batches, max_in_flight=4, streams=2, on_error="yield")}
 
