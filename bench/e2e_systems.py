@@ -164,10 +164,14 @@ class Trained:
                 **({"time_split": self.time_split} if self.time_split else {})}
 
 
-def eopd_checkpoints(run_dir: Path, launched: float) -> list[dict]:
-    """Each committed checkpoint of an `eopd run`: its iteration's record time on the training clock,
-    less the checkpoint writes up to it (`iter/checkpoint_s`)."""
-    records = [json.loads(x) for x in (run_dir / "train_metrics.jsonl").read_text().splitlines() if x.strip()]
+def metrics_records(run_dir: Path) -> list[dict]:
+    """Every record of an `eopd run`'s train_metrics.jsonl."""
+    return [json.loads(x) for x in (run_dir / "train_metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def eopd_checkpoints(run_dir: Path, records: list[dict], launched: float) -> list[dict]:
+    """Each committed checkpoint of an `eopd run` (its metrics `records`): its iteration's record time
+    on the training clock, less the checkpoint writes up to it (`iter/checkpoint_s`)."""
     its = [r for r in records if r.get("kind") == "iteration"]
     out, written = [], 0.0
     for r in its:
@@ -212,9 +216,9 @@ def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained
     memory = mem.stop()
     if rc != 0:
         raise RuntimeError(f"{system} seed {seed}: eopd run failed (exit {rc}); log {log}:\n{log.read_text()[-3000:]}")
-    trained = Trained(system, seed, eopd_checkpoints(run_dir, launched), memory, wall, layout=layout)
+    records = metrics_records(run_dir)
+    trained = Trained(system, seed, eopd_checkpoints(run_dir, records, launched), memory, wall, layout=layout)
     try:
-        records = [json.loads(x) for x in (run_dir / "train_metrics.jsonl").read_text().splitlines() if x.strip()]
         worker = [worker_times(p.read_text()) for p in sorted((run_dir / "logs").glob("rollout-*.log"))]
         trained.time_split = eopd_split(records, launched, sum(w[0] for w in worker), sum(w[1] for w in worker))
     except (OSError, ValueError) as exc:  # the run's curve stands without its split

@@ -112,16 +112,12 @@ def table(eopd: dict, trl: dict) -> str:
     return markdown_table(["s per optimizer step", "eopd", "TRL GKDTrainer", "eopd - TRL"], rows)
 
 
-def split_of(run: dict) -> dict | None:
-    return run.get("time_split")
-
-
 def pairs(runs: list[dict], reference: str = "trl-gkd") -> list[tuple[dict, dict]]:
     """(eopd run, TRL run) of the same seed and machine (boot id), both with a time split."""
     def key(r):
         return r["seed"], (r.get("machine") or {}).get("boot_id", "")[:8]
-    trl = {key(r): r for r in runs if r["system"] == reference and split_of(r)}
-    return [(r, trl[key(r)]) for r in runs if r["system"] != reference and split_of(r) and key(r) in trl]
+    trl = {key(r): r for r in runs if r["system"] == reference and r.get("time_split")}
+    return [(r, trl[key(r)]) for r in runs if r["system"] != reference and r.get("time_split") and key(r) in trl]
 
 
 def section_text(runs: list[dict]) -> str:
@@ -148,8 +144,8 @@ def section_text(runs: list[dict]) -> str:
     for run, ref in found:
         m = run.get("machine") or {}
         lines += [f"**{run['system']}**, seed {run['seed']}, on {m.get('cpu', '?')} (boot {m.get('boot_id', '?')[:8]}, "
-                  f"{m.get('matmul_gflops', '?')} GFLOP/s), {split_of(run)['iterations']} iterations:", "",
-                  table(split_of(run), split_of(ref)), ""]
+                  f"{m.get('matmul_gflops', '?')} GFLOP/s), {run['time_split']['iterations']} iterations:", "",
+                  table(run["time_split"], ref["time_split"]), ""]
     return "\n".join(lines).rstrip()
 
 
