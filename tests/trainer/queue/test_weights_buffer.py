@@ -167,3 +167,27 @@ def test_a_load_straight_into_the_model_beside_a_writer_is_one_whole_version_or_
         writer.join(60)
     assert writer.exitcode == 0 and len(versions) >= 2, (len(versions), torn, refused)
     assert torn + refused > 0  # loads did overlap writes (and were refused, not kept mixed)
+
+
+def test_a_copy_that_does_not_sum_to_the_learners_checksum_is_torn_and_the_read_refused(tmp_path):
+    """The torn path itself, deterministically: bytes of a tensor changed in the buffer with the sequence
+    number left as announced (as a rewrite seen out of order would leave them). The direct load has
+    copied them into the model when the checksum refuses them: WeightsTorn; `read_buffer` refuses its
+    own copy with the model untouched."""
+    import mmap
+
+    model = filled(Small(), 1.0)
+    writer = BufferWriter(tmp_path, model)
+    pv = writer.publish(model, version=1, iteration=1)
+    worker = filled(Small(), 7.0)
+    load_policy(worker, pv)  # the genuine bytes load
+    with open(pv.uri, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        _, _, _, start, nbytes = next(e for e in writer.entries if e[0] == "scale")
+        offset = start + nbytes - 4  # the scale buffer's last float32
+        mm[offset:offset + 4] = torch.tensor([2.0]).numpy().tobytes()
+    with pytest.raises(WeightsTorn, match="rewritten while it was copied into the model"):
+        load_policy(worker, pv)
+    assert float(worker.state_dict()["scale"][-1]) == 2.0  # written: the tracker must not sample from it
+    with pytest.raises(WeightsUnavailable, match="rewritten while it was read"):
+        read_buffer(pv)
+    writer.close()
