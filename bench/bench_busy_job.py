@@ -1,14 +1,18 @@
 """A busy CPU, the whole job (issue 31, ask 7): `eopd run` of a preset alone and beside a CPU hog,
-for each OpenMP wait policy of its children (`threads.omp_wait_policy`), side by side in one run.
+for each thread setting of its children (`threads:`: the OpenMP wait policy, the rollout worker's
+thread count), side by side in one run.
 
 `bench_threads` measures one learner step and one sampler run per setting; this measures what a user
 sees: the training time of the job (`run_summary.json` `train_s`, the learner's wall time from its
 start to its last commit, so the teacher's load and the evaluation are left out) with the teacher,
 the rollout worker and the learner all running. The hog is `bench_threads`'s (a torch process doing
 float32 matmuls on every core, as a second training job would). A job that shared the machine fairly
-with it would take about 2x as long; the policies differ in how far above that they go.
+with it would take about 2x as long; the settings differ in how far above that they go. Alone, each
+job's time is also split: the worker's sampling seconds per round (its last log line) and the
+learner's forward/backward/optimizer seconds per iteration (`iter/steps_s`), so a setting that
+helps one process at another's cost shows it.
 
-    .venv/bin/python -m bench.bench_busy_job [--preset smollm2-cpu] [--iterations 6] [--rounds 1]
+    .venv/bin/python -m bench.bench_busy_job [--preset smollm2-cpu] [--iterations 6] [--rounds 1] [key=value ...]
     .venv/bin/python -m bench.bench_busy_job --quick      # the tiny preset, 2 iterations: checks the wiring
 
 Runs one job at a time (each uses the whole machine). Writes the `busy_job` section of
@@ -27,9 +31,16 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_threads import hog
+from bench.e2e_time_split import worker_times
 from bench.report import ROOT, markdown_table, measure_and_report
 
-POLICIES = ("inherit", "passive")
+#: setting -> `eopd run` overrides. `bench_threads` measured a greedy decode of 4 x 16 tokens 1.47x faster
+#: on one thread than on two with passive waits (small matrices: two threads mostly wait on each other).
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "inherit": ("threads.omp_wait_policy=inherit",),
+    "passive": ("threads.omp_wait_policy=passive",),
+    "passive, sampler 1 thread": ("threads.omp_wait_policy=passive", "threads.rollout=1"),
+}
 
 
 def run_job(preset: str, iterations: int, run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
@@ -46,53 +57,70 @@ def run_job(preset: str, iterations: int, run_dir: Path, overrides: tuple[str, .
         raise RuntimeError(f"eopd run {' '.join(overrides)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     summary = json.loads((run_dir / "run_summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "train_metrics.jsonl").read_text().splitlines() if line.strip()]
+    logs = sorted((run_dir / "logs").glob("rollout-*.log"))
+    sampling_s = sum(worker_times(p.read_text())[0] for p in logs)
+    its = [r for r in records if r.get("kind") == "iteration"]
     return {"train_s": summary["train_s"], "s_per_iteration": summary["train_s"] / iterations,
-            "total_s": summary["total_s"], "iterations": [r for r in records if r.get("kind") == "iteration"]}
+            "total_s": summary["total_s"], "iterations": its,
+            "sampling_s_per_iteration": sampling_s / iterations,
+            "steps_s_per_iteration": sum(r.get("iter/steps_s", 0.0) for r in its) / max(len(its), 1)}
 
 
 def _times(job: dict) -> dict:
-    return {k: job[k] for k in ("train_s", "s_per_iteration", "total_s")}
+    return {k: job[k] for k in ("train_s", "s_per_iteration", "total_s", "sampling_s_per_iteration",
+                                "steps_s_per_iteration")}
 
 
-def measure(preset: str, iterations: int, rounds: int) -> dict:
+def measure(preset: str, iterations: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
     cores = os.cpu_count() or 1
     per_round = []
     with tempfile.TemporaryDirectory(prefix="eopd-busy-job-") as tmp:
         for r in range(rounds):
             rec: dict = {}
-            for policy in POLICIES:
-                setting = (f"threads.omp_wait_policy={policy}",)
-                alone = run_job(preset, iterations, Path(tmp) / f"{policy}-alone", setting)
+            order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))  # interleaved: drift hits all alike
+            for i, name in enumerate(order):
+                alone = run_job(preset, iterations, Path(tmp) / f"s{i}-alone", SETTINGS[name] + overrides)
                 with hog(cores):
-                    beside = run_job(preset, iterations, Path(tmp) / f"{policy}-beside", setting)
-                rec[policy] = {"alone": _times(alone), "beside": _times(beside)}
+                    beside = run_job(preset, iterations, Path(tmp) / f"s{i}-beside", SETTINGS[name] + overrides)
+                rec[name] = {"alone": _times(alone), "beside": _times(beside)}
             per_round.append(rec)
             print(json.dumps({"round": r, **rec}), flush=True)
     med = statistics.median
-    summary = {}
-    for policy in POLICIES:
-        alone = [x[policy]["alone"]["s_per_iteration"] for x in per_round]
-        beside = [x[policy]["beside"]["s_per_iteration"] for x in per_round]
-        summary[f"{policy}_alone_s"], summary[f"{policy}_beside_s"] = med(alone), med(beside)
-        summary[f"{policy}_ratio"] = med([b / a for a, b in zip(alone, beside)])
-    return {"preset": preset, "iterations": iterations, "cores": cores, "rounds": per_round, **summary}
+    summary: dict = {}
+    for name in SETTINGS:
+        alone = [x[name]["alone"] for x in per_round]
+        beside = [x[name]["beside"] for x in per_round]
+        summary[name] = {
+            "alone_s": med(a["s_per_iteration"] for a in alone), "beside_s": med(b["s_per_iteration"] for b in beside),
+            "ratio": med(b["s_per_iteration"] / a["s_per_iteration"] for a, b in zip(alone, beside)),
+            "sampling_s": med(a["sampling_s_per_iteration"] for a in alone),
+            "steps_s": med(a["steps_s_per_iteration"] for a in alone)}
+    return {"preset": preset, "iterations": iterations, "overrides": list(overrides), "cores": cores,
+            "rounds": per_round, "settings": summary}
 
 
 def section_text(data: dict) -> str:
-    rows = [[p, f"{data[f'{p}_alone_s']:.1f}", f"{data[f'{p}_beside_s']:.1f}", f"{data[f'{p}_ratio']:.2f}x"]
-            for p in POLICIES]
-    base = data["inherit_alone_s"]
+    s = data["settings"]
+    rows = [[name, " ".join(SETTINGS[name]), f"{v['alone_s']:.1f}", f"{v['beside_s']:.1f}", f"{v['ratio']:.2f}x",
+             f"{v['sampling_s']:.2f}", f"{v['steps_s']:.2f}"] for name, v in s.items()]
+    base = s["passive"]
+    extra = " ".join(data.get("overrides", []))
     return "\n".join([
         "## A busy CPU: the whole job beside a CPU hog (`python -m bench.bench_busy_job`, issue 31 ask 7)", "",
         f"`eopd run --config configs/{data['preset']}.yaml train.iterations={data['iterations']} eval.enabled=false "
-        f"threads.omp_wait_policy=P`, {data['cores']} cores; seconds per iteration of training (run_summary's "
-        f"train_s / iterations: teacher load and evaluation left out), {len(data['rounds'])} round(s), policies "
+        f"{extra + ' ' if extra else ''}SETTING`, {data['cores']} cores; seconds per iteration of training (run_summary's "
+        f"train_s / iterations: teacher load and evaluation left out), {len(data['rounds'])} round(s), settings "
         f"interleaved; beside = while a hog (torch matmuls on {data['cores']} threads) runs. Fair sharing with the hog "
-        f"would make the job about 2x slower. Load average {data.get('load_avg', '?')} (1/5/15 min, start -> end).", "",
-        markdown_table(["omp_wait_policy", "alone s/iteration", "beside s/iteration", "beside/alone"], rows), "",
-        f"Alone, passive over inherit: {data['passive_alone_s'] / base:.2f}x; beside the hog: "
-        f"{data['passive_beside_s'] / data['inherit_beside_s']:.2f}x. inherit = OpenMP's default (spin, then sleep); "
-        "passive = `OMP_WAIT_POLICY=PASSIVE` in every child.", ""])
+        f"would make the job about 2x slower. Alone, the rollout worker's sampling seconds and the learner's "
+        f"forward/backward/optimizer seconds, per iteration. Load average {data.get('load_avg', '?')} "
+        "(1/5/15 min, start -> end).", "",
+        markdown_table(["setting", "overrides", "alone s/iteration", "beside s/iteration", "beside/alone",
+                        "alone: sampling s/iteration", "alone: learner steps s/iteration"], rows), "",
+        "Over `passive` (the default), alone / beside the hog: " + "; ".join(
+            f"{name} {v['alone_s'] / base['alone_s']:.2f}x / {v['beside_s'] / base['beside_s']:.2f}x"
+            for name, v in s.items() if name != "passive") + ". inherit = OpenMP's default (spin, then sleep); "
+        "passive = `OMP_WAIT_POLICY=PASSIVE` in every child; sampler 1 thread = the rollout worker on one torch "
+        "thread (`threads.rollout=1`).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="quick: write the results JSON here")
+    p.add_argument("overrides", nargs="*", help="more `eopd run` overrides for every job (key=value)")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.iterations, args.rounds = "tiny", 2, 1
-    return measure_and_report("busy_job", lambda: measure(args.preset, args.iterations, args.rounds), section_text,
+    return measure_and_report("busy_job", lambda: measure(args.preset, args.iterations, args.rounds,
+                                                          tuple(args.overrides)), section_text,
                               quick=args.quick, out=args.out)
 
 

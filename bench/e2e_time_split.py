@@ -131,9 +131,11 @@ def section_text(runs: list[dict]) -> str:
     if not found:
         return "\n".join(lines + ["No run pair with a time split yet."])
     lines += ["What each phase holds, eopd against TRL (the code, not a measurement):", "",
-              "- sampling: eopd's rollout worker generates, then runs one more forward over every sampled "
-              "sequence for the old log-probs (the PPO ratio's denominator; `gkd` has no ratio and does not "
-              "use them); TRL's GKD generates only.",
+              "- sampling: both generate with transformers' `generate`. eopd's rollout worker records the old "
+              "log-probs from generate's own logits while it samples (`rollout.old_logprobs: auto` on a CPU fp32 "
+              "student: no second forward pass; its log says so) and runs its torch threads with the run's "
+              "`threads:` settings (`OMP_WAIT_POLICY=PASSIVE` by default, chosen for a shared CPU); TRL's process "
+              "runs with OpenMP's default policy.",
               "- the teacher: eopd's teacher server computes its statistics over the full vocabulary (exact "
               "entropy, top-16, the token's log-prob) and, for a full-vocabulary loss, packs its final hidden "
               "states; the rollout's bytes then cross gRPC, the worker and Redis to the learner. TRL's teacher "
