@@ -40,6 +40,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "inherit": ("threads.omp_wait_policy=inherit",),
     "passive": ("threads.omp_wait_policy=passive",),
     "passive, sampler 1 thread": ("threads.omp_wait_policy=passive", "threads.rollout=1"),
+    # async: the worker samples the next batch while the learner steps (rollouts one version old at most)
+    "async, sampler 1 thread": ("mode=async", "threads.omp_wait_policy=passive", "threads.rollout=1"),
 }
 
 
@@ -120,7 +122,8 @@ def section_text(data: dict) -> str:
             f"{name} {v['alone_s'] / base['alone_s']:.2f}x / {v['beside_s'] / base['beside_s']:.2f}x"
             for name, v in s.items() if name != "passive") + ". inherit = OpenMP's default (spin, then sleep); "
         "passive = `OMP_WAIT_POLICY=PASSIVE` in every child; sampler 1 thread = the rollout worker on one torch "
-        "thread (`threads.rollout=1`).", ""])
+        "thread (`threads.rollout=1`); async = `mode=async` (the worker samples the next batch while the learner "
+        "steps; its rollouts at most one policy version old).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
