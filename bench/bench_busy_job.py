@@ -13,6 +13,7 @@ learner's forward/backward/optimizer seconds per iteration (`iter/steps_s`), so 
 helps one process at another's cost shows it.
 
     .venv/bin/python -m bench.bench_busy_job [--preset smollm2-cpu] [--iterations 6] [--rounds 1] [key=value ...]
+    .venv/bin/python -m bench.bench_busy_job --settings passive,"brief 1000","brief 10000" --label spin
     .venv/bin/python -m bench.bench_busy_job --quick      # the tiny preset, 2 iterations: checks the wiring
 
 Runs one job at a time (each uses the whole machine). Writes the `busy_job` section of
@@ -42,6 +43,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "passive, sampler 1 thread": ("threads.omp_wait_policy=passive", "threads.rollout=1"),
     # async: the worker samples the next batch while the learner steps (rollouts one version old at most)
     "async, sampler 1 thread": ("mode=async", "threads.omp_wait_policy=passive", "threads.rollout=1"),
+    # brief: waiting threads spin a bounded number of times, then sleep (OpenMP's default spins 300000)
+    "brief 1000": ("threads.omp_wait_policy=brief", "threads.spin_count=1000"),
+    "brief 10000": ("threads.omp_wait_policy=brief", "threads.spin_count=10000"),
 }
 
 
@@ -73,13 +77,14 @@ def _times(job: dict) -> dict:
                                 "steps_s_per_iteration")}
 
 
-def measure(preset: str, iterations: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict:
+def measure(preset: str, iterations: int, rounds: int, overrides: tuple[str, ...] = (),
+            names: tuple[str, ...] = tuple(SETTINGS)) -> dict:
     cores = os.cpu_count() or 1
     per_round = []
     with tempfile.TemporaryDirectory(prefix="eopd-busy-job-") as tmp:
         for r in range(rounds):
             rec: dict = {}
-            order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))  # interleaved: drift hits all alike
+            order = list(names) if r % 2 == 0 else list(reversed(names))  # interleaved: drift hits all alike
             for i, name in enumerate(order):
                 alone = run_job(preset, iterations, Path(tmp) / f"s{i}-alone", SETTINGS[name] + overrides)
                 with hog(cores):
@@ -89,26 +94,27 @@ def measure(preset: str, iterations: int, rounds: int, overrides: tuple[str, ...
             print(json.dumps({"round": r, **rec}), flush=True)
     med = statistics.median
     summary: dict = {}
-    for name in SETTINGS:
+    for name in names:
         alone = [x[name]["alone"] for x in per_round]
         beside = [x[name]["beside"] for x in per_round]
         summary[name] = {
             "alone_s": med(a["s_per_iteration"] for a in alone), "beside_s": med(b["s_per_iteration"] for b in beside),
             "ratio": med(b["s_per_iteration"] / a["s_per_iteration"] for a, b in zip(alone, beside)),
             "sampling_s": med(a["sampling_s_per_iteration"] for a in alone),
-            "steps_s": med(a["steps_s_per_iteration"] for a in alone)}
+            "steps_s": med(a["steps_s_per_iteration"] for a in alone), "overrides": list(SETTINGS[name])}
     return {"preset": preset, "iterations": iterations, "overrides": list(overrides), "cores": cores,
             "rounds": per_round, "settings": summary}
 
 
 def section_text(data: dict) -> str:
     s = data["settings"]
-    rows = [[name, " ".join(SETTINGS[name]), f"{v['alone_s']:.1f}", f"{v['beside_s']:.1f}", f"{v['ratio']:.2f}x",
-             f"{v['sampling_s']:.2f}", f"{v['steps_s']:.2f}"] for name, v in s.items()]
+    rows = [[name, " ".join(v.get("overrides") or SETTINGS[name]), f"{v['alone_s']:.1f}", f"{v['beside_s']:.1f}",
+             f"{v['ratio']:.2f}x", f"{v['sampling_s']:.2f}", f"{v['steps_s']:.2f}"] for name, v in s.items()]
     base = s["passive"]
     extra = " ".join(data.get("overrides", []))
     return "\n".join([
-        "## A busy CPU: the whole job beside a CPU hog (`python -m bench.bench_busy_job`, issue 31 ask 7)", "",
+        "## A busy CPU: the whole job beside a CPU hog (`python -m bench.bench_busy_job"
+        + (f" --label {data['label']}" if data.get("label") else "") + "`, issue 31 ask 7)", "",
         f"`eopd run --config configs/{data['preset']}.yaml train.iterations={data['iterations']} eval.enabled=false "
         f"{extra + ' ' if extra else ''}SETTING`, {data['cores']} cores; seconds per iteration of training (run_summary's "
         f"train_s / iterations: teacher load and evaluation left out), {len(data['rounds'])} round(s), settings "
@@ -122,7 +128,8 @@ def section_text(data: dict) -> str:
             f"{name} {v['alone_s'] / base['alone_s']:.2f}x / {v['beside_s'] / base['beside_s']:.2f}x"
             for name, v in s.items() if name != "passive") + ". inherit = OpenMP's default (spin, then sleep); "
         "passive = `OMP_WAIT_POLICY=PASSIVE` in every child; sampler 1 thread = the rollout worker on one torch "
-        "thread (`threads.rollout=1`); async = `mode=async` (the worker samples the next batch while the learner "
+        "thread (`threads.rollout=1`); brief N = `threads.omp_wait_policy=brief threads.spin_count=N` (GOMP_SPINCOUNT=N: "
+        "a waiting thread spins N times, then sleeps); async = `mode=async` (the worker samples the next batch while the learner "
         "steps; its rollouts at most one policy version old).", ""])
 
 
@@ -133,12 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="quick: write the results JSON here")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help=f"comma-separated, measured in this order (passive among them): {', '.join(SETTINGS)}")
+    p.add_argument("--label", default="", help="write section and results busy_job_LABEL (another set of settings)")
     p.add_argument("overrides", nargs="*", help="more `eopd run` overrides for every job (key=value)")
     args = p.parse_args(argv)
+    names = tuple(n.strip() for n in args.settings.split(","))
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or "passive" not in names:
+        p.error(f"--settings: unknown {unknown}" if unknown else "--settings must include passive (the reference)")
     if args.quick:
         args.preset, args.iterations, args.rounds = "tiny", 2, 1
-    return measure_and_report("busy_job", lambda: measure(args.preset, args.iterations, args.rounds,
-                                                          tuple(args.overrides)), section_text,
+    name = f"busy_job_{args.label}" if args.label else "busy_job"
+    return measure_and_report(name, lambda: {**measure(args.preset, args.iterations, args.rounds, tuple(args.overrides),
+                                                       names), "label": args.label}, section_text,
                               quick=args.quick, out=args.out)
 
 

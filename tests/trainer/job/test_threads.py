@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from eopd_common.cpu_threads import cpu_threads_note
 from eopd_trainer.config import ConfigError, ThreadsConfig, load_config
 from eopd_trainer.job.threads import thread_env
 from tests.procs import ROOT
@@ -52,3 +53,29 @@ def test_thread_counts_have_an_upper_bound_naming_the_field(role):
         load_config(ROOT / "configs" / "tiny.yaml", [f"threads.{role}={bound + 1}"])
     with pytest.raises(ConfigError, match=rf"threads\.{role}"):
         load_config(ROOT / "configs" / "tiny.yaml", [f"threads.{role}=1000000000"])
+
+
+def test_brief_sets_the_spin_count_and_leaves_the_policy_to_openmp():
+    """`brief`: OMP_WAIT_POLICY unset, GOMP_SPINCOUNT = threads.spin_count (libgomp spins that many
+    times, then sleeps); an OMP_WAIT_POLICY or GOMP_SPINCOUNT already in the environment wins."""
+    cfg = ThreadsConfig(rollout=1, omp_wait_policy="brief", spin_count=1000)
+    assert thread_env(cfg, "rollout", environ={}) == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "1000"}
+    assert thread_env(cfg, "learner", environ={}) == {"GOMP_SPINCOUNT": "1000"}
+    assert thread_env(cfg, "learner", environ={"OMP_WAIT_POLICY": "PASSIVE"}) == {}
+    assert thread_env(cfg, "learner", environ={"GOMP_SPINCOUNT": "5"}) == {}
+    assert thread_env(ThreadsConfig(omp_wait_policy="brief"), "teacher", environ={}) == {"GOMP_SPINCOUNT": "10000"}
+    loaded = load_config(ROOT / "configs" / "tiny.yaml", ["threads.omp_wait_policy=brief", "threads.spin_count=0"])
+    assert thread_env(loaded.threads, "teacher", environ={}) == {"GOMP_SPINCOUNT": "0"}
+    with pytest.raises(ConfigError, match="threads.spin_count"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["threads.spin_count=-1"])
+    with pytest.raises(ConfigError, match="threads.spin_count"):
+        load_config(ROOT / "configs" / "tiny.yaml", [f"threads.spin_count={ThreadsConfig.MAX_SPIN_COUNT + 1}"])
+
+
+def test_the_start_up_note_names_the_spin_count_where_set(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert cpu_threads_note().endswith("torch threads, OMP_WAIT_POLICY=PASSIVE")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert cpu_threads_note().endswith("torch threads, OMP_WAIT_POLICY=unset, GOMP_SPINCOUNT=1000")

@@ -239,12 +239,18 @@ class ThreadsConfig(Section):
     learner: int = Field(0, ge=0, le=MAX_THREADS, description="torch threads of the learner (0: every core the process may use; at most 1024).")
     rollout: int = Field(0, ge=0, le=MAX_THREADS, description="torch threads of each rollout worker (0: every core; at most 1024).")
     teacher: int = Field(0, ge=0, le=MAX_THREADS, description="torch threads of each teacher `eopd run` starts (0: every core; at most 1024).")
-    omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
-        "passive", description="OMP_WAIT_POLICY of the children: passive (a waiting OpenMP thread sleeps at once: a "
-        "process sharing the CPU with other work is not slowed by threads spinning for preempted ones; the default, "
-        "chosen by bench/bench_busy_job.py: the main job beside a CPU hog took 1.75x its time alone, against 3.27x "
-        "with OpenMP's default, at +4% alone), active (they spin), inherit (this process's environment: OpenMP's "
-        "default, spin then sleep). An OMP_WAIT_POLICY already set in the environment wins over the setting.")
+    MAX_SPIN_COUNT: ClassVar[int] = 10**9
+    omp_wait_policy: Literal["passive", "brief", "active", "inherit"] = Field(
+        "passive", description="How the children's waiting OpenMP threads wait: passive (OMP_WAIT_POLICY=PASSIVE: a "
+        "waiting thread sleeps at once, so a process sharing the CPU with other work is not slowed by threads spinning "
+        "for preempted ones; the default, chosen by bench/bench_busy_job.py: the main job beside a CPU hog 1.37x its "
+        "time alone against 4.81x with OpenMP's default; alone it cost 1.21x on a 2-core Xeon, 1.04x on an EPYC), "
+        "brief (OMP_WAIT_POLICY unset, GOMP_SPINCOUNT=spin_count: a waiting thread spins that many times, then "
+        "sleeps; libgomp's setting, the OpenMP runtime of torch's Linux wheels), active (they spin), inherit (this "
+        "process's environment: OpenMP's default, 300000 spins then sleep). An OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+        "already set in the environment wins over the setting.")
+    spin_count: int = Field(10_000, ge=0, le=MAX_SPIN_COUNT, description="omp_wait_policy brief: the spins of a "
+                            "waiting OpenMP thread before it sleeps (GOMP_SPINCOUNT; libgomp's default is 300000).")
 
 
 class WeightBroadcastConfig(Section):

@@ -22,8 +22,9 @@ ROLES = ("learner", "rollout", "teacher")
 def thread_env(cfg: ThreadsConfig, role: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables to set in a child of `role` (learner, rollout, teacher): OMP_NUM_THREADS when
     the role's thread count is set (> 0; else the child keeps this process's value or torch's
-    default, every core), OMP_WAIT_POLICY unless the policy is `inherit` or the variable is already
-    set in `environ` (this process's environment: the user's explicit choice wins)."""
+    default, every core); OMP_WAIT_POLICY for the policies passive and active unless it is already
+    set in `environ` (this process's environment: the user's explicit choice wins); GOMP_SPINCOUNT
+    for `brief` unless either variable is already set there; nothing for `inherit`."""
     if role not in ROLES:
         raise ValueError(f"thread_env: unknown role {role!r} (one of {', '.join(ROLES)})")
     environ = os.environ if environ is None else environ
@@ -31,6 +32,10 @@ def thread_env(cfg: ThreadsConfig, role: str, environ: Mapping[str, str] | None 
     count = getattr(cfg, role)
     if count:
         env["OMP_NUM_THREADS"] = str(count)
-    if cfg.omp_wait_policy != "inherit" and "OMP_WAIT_POLICY" not in environ:
+    chosen = "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ  # the user's explicit choice wins
+    if cfg.omp_wait_policy == "brief":
+        if not chosen:
+            env["GOMP_SPINCOUNT"] = str(cfg.spin_count)
+    elif cfg.omp_wait_policy != "inherit" and "OMP_WAIT_POLICY" not in environ:
         env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
     return env
