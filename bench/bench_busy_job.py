@@ -36,7 +36,8 @@ from bench.e2e_time_split import worker_times
 from bench.report import ROOT, markdown_table, measure_and_report
 
 #: setting -> `eopd run` overrides. `bench_threads` measured a greedy decode of 4 x 16 tokens 1.47x faster
-#: on one thread than on two with passive waits (small matrices: two threads mostly wait on each other).
+#: on one thread than on two with passive waits; the preset's own rounds (16 responses after ~90-token
+#: prompts) sampled more slowly on one (docs/benchmarks.md, *A busy CPU*: the prefill wants both cores).
 SETTINGS: dict[str, tuple[str, ...]] = {
     "inherit": ("threads.omp_wait_policy=inherit",),
     "passive": ("threads.omp_wait_policy=passive",),

@@ -1,6 +1,7 @@
 """What a process's CPU threading is, in one line for its start-up log (the teacher's and the
-trainer processes'): torch's intra-op thread count and OpenMP's wait policy (and libgomp's spin count where set), all fixed when the
-process started (`threads:` of the run config sets them for the processes `eopd run` starts)."""
+trainer processes'): torch's intra-op thread count, OpenMP's wait policy and, where set, libgomp's
+spin count, all fixed when the process started (`threads:` of the run config sets them for the
+processes `eopd run` starts)."""
 
 from __future__ import annotations
 
