@@ -67,12 +67,13 @@ def test_the_main_jobs_time_is_the_measured_one():
     for name, label in (("main_job_cold", "a first run"), ("main_job", "a second run"),
                         ("main_job_cold_paper-loss", "a first run"),
                         ("main_job_cold_avx2", "a first run"), ("main_job_cold_xeon", "a first run"),
-                        ("main_job_cold_epyc", "a first run")):
+                        ("main_job_cold_epyc", "a first run"), ("main_job_cold_xeon-amx", "a first run")):
         r = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())["result"]
         quoted = f"{r['total_s'] / 60:.1f} min {label} ({r['train_s']:.0f} s training + {r['eval_s']:.0f} s evaluation)"
         assert quoted in main_row, (quoted, main_row)
     paper = json.loads((ROOT / "bench" / "results" / "main_job_cold_paper-loss.json").read_text())["result"]
     assert paper["overrides"] == ["loss.variant=eopd"] and "the paper's loss (`loss.variant=eopd`)" in main_row
-    for name in ("main_job_cold", "main_job_cold_paper-loss", "main_job_cold_avx2", "main_job_cold_xeon", "main_job_cold_epyc"):
+    for name in ("main_job_cold", "main_job_cold_paper-loss", "main_job_cold_avx2", "main_job_cold_xeon", "main_job_cold_epyc",
+                 "main_job_cold_xeon-amx"):
         r = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())["result"]
         assert f"peaking at {r['memory']['peak_total_mib'] / 1024:.2f} GiB together" in main_row
