@@ -32,9 +32,8 @@ def thread_env(cfg: ThreadsConfig, role: str, environ: Mapping[str, str] | None 
     count = getattr(cfg, role)
     if count:
         env["OMP_NUM_THREADS"] = str(count)
-    chosen = "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ  # the user's explicit choice wins
     if cfg.omp_wait_policy == "brief":
-        if not chosen:
+        if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:  # the user's explicit choice wins
             env["GOMP_SPINCOUNT"] = str(cfg.spin_count)
     elif cfg.omp_wait_policy != "inherit" and "OMP_WAIT_POLICY" not in environ:
         env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
