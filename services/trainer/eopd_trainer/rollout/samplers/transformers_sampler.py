@@ -27,6 +27,7 @@ from ...batching import pack_sequences
 from ...queue.policy_load import load_policy
 from ...queue.weights import load_tensors
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
+from .shared_prefill import layout, prefill
 from .step_logprobs import StepLogprobs
 
 log = logging.getLogger(__name__)
@@ -35,27 +36,31 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature: float, top_p: float,
              max_new_tokens: int, seed: int, kv_cache: str = "dynamic", record_logprobs: bool = False,
-             top_k_ids: int = 0) -> list[Sample]:
+             top_k_ids: int = 0, share_prefill: bool = True) -> list[Sample]:
     """One sampled response per prompt (repeat a prompt for several samples). `kv_cache` "static":
     a KV cache preallocated to prompt + `max_new_tokens` (transformers then compiles the decode
     step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token.
-    `record_logprobs`: each Sample carries the log-prob at `temperature` of each response token
+    `share_prefill` (dynamic cache only): tokens the prompts share (a common prefix such as the chat
+    template, a prompt repeated for several samples) are prefilled once (`shared_prefill`; the same
+    logits up to float rounding). `record_logprobs`: each Sample carries the log-prob at `temperature` of each response token
     under the step's raw logits (`StepLogprobs`), and with `top_k_ids` > 0 the step's top-k ids."""
     device = next(model.parameters()).device
     pad = pad_token_id(tokenizer)
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), L), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding for generation
-        ids[i, L - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[i, L - len(p):] = 1
+    shared = prefill(model, prompts, pad, device) if kv_cache == "dynamic" and share_prefill else None
+    if shared is not None:
+        ids, mask, given = shared.input_ids, shared.attention_mask, {shared.cache_kwarg: shared.cache}
+    else:
+        ids, mask = layout(prompts, 0, pad)  # left padding for generation
+        ids, mask, given = ids.to(device), mask.to(device), {}
+    L = ids.shape[1]
     stop = stop_ids(model, tokenizer)
     rec = StepLogprobs(temperature, top_k_ids) if record_logprobs else None
     torch.manual_seed(seed)
     out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
         top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-        eos_token_id=sorted(stop) if stop else None, **({"cache_implementation": "static"} if kv_cache == "static" else {}),
+        eos_token_id=sorted(stop) if stop else None, **given,
+        **({"cache_implementation": "static"} if kv_cache == "static" else {}),
         **({"logits_processor": LogitsProcessorList([rec])} if rec is not None else {}),
     )
     if rec is not None:

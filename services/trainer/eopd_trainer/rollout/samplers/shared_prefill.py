@@ -1,0 +1,116 @@
+"""Prefill of prompts that share tokens, for `generate`: each shared token is run through the
+model once instead of once per row.
+
+A batch of prompts to sample from usually shares a lot: every prompt starts with the same chat
+template (the default preset's worked example is ~45 of its ~64 prompt tokens), and each prompt is
+repeated once per sample (an evaluation's 4 answers per problem, a rollout's 2). `prefill` runs
+
+1. the tokens every prompt starts with (`common_prefix_length`) once, as a batch of one row;
+2. the rest of each *distinct* prompt once, on top of that KV cache copied to each distinct prompt;
+
+and returns the KV cache copied to every row, over all but each row's last prompt token, for
+`model.generate` to continue from (it runs the last token and samples). Rows are laid out
+`[prefix | left padding | rest of the prompt]`, the attention mask zero on the padding, and the
+positions counted over the mask (0, 1, ... over each row's own tokens), as generate counts them: each
+token attends to exactly the tokens it attends to in the left-padded layout, at the same positions.
+So the logits are those of the plain prefill up to float rounding (~1e-6 in fp32: other matrix
+shapes), and generate draws the same random numbers.
+
+Shapes: prompts B rows, L columns after the layout, p the common prefix, U distinct prompts; the
+cache returned holds [B, heads, L - 1, head_dim] keys and values per layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prefilled:
+    """What `generate` continues from: the laid-out batch and its KV cache over `L - 1` columns."""
+
+    input_ids: torch.Tensor  # [B, L]: prefix | left padding | rest of each prompt
+    attention_mask: torch.Tensor  # [B, L]: 0 on the padding
+    cache: Any  # the model's KV cache over the first L - 1 columns, B rows
+    cache_kwarg: str  # the name the model's forward and generate take it by ("cache", "past_key_values")
+    prefix_tokens: int  # p: the tokens run once for the whole batch
+    distinct_prompts: int  # U: the rows the rest of the prompts ran on
+
+
+def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """The number of leading tokens every prompt has in common, at most the shortest prompt's
+    length minus one (each row keeps one token of its own for generate to run)."""
+    shortest = min(len(p) for p in prompts)
+    first = prompts[0]
+    n = 0
+    while n < shortest - 1 and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
+def layout(prompts: Sequence[Sequence[int]], prefix: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, L]` ids and attention mask: the first `prefix` tokens (shared), then each prompt's
+    remaining tokens left-padded to the longest, L = prefix + the longest remainder."""
+    rest = max(len(p) for p in prompts) - prefix
+    ids = torch.full((len(prompts), prefix + rest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, :prefix] = torch.tensor(list(p[:prefix]), dtype=torch.long)
+        mask[i, :prefix] = 1
+        tail = list(p[prefix:])
+        ids[i, prefix + rest - len(tail):] = torch.tensor(tail, dtype=torch.long)
+        mask[i, prefix + rest - len(tail):] = 1
+    return ids, mask
+
+
+def cache_kwarg(model) -> str | None:
+    """The keyword the model's forward takes its KV cache by, or None when it cannot be given one
+    with explicit positions (then nothing is shared)."""
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" not in params:
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position among its row's unmasked tokens, as generate computes them (padding: 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, device) -> Prefilled | None:
+    """The KV cache of `prompts` laid out as above (see the module docstring), or None when no token
+    is shared (no common prefix and every prompt distinct) or the model takes no cache by keyword."""
+    kw = cache_kwarg(model)
+    if kw is None:
+        return None
+    prefix = common_prefix_length(prompts)
+    keys = [tuple(p) for p in prompts]
+    distinct = list(dict.fromkeys(keys))
+    if prefix == 0 and len(distinct) == len(prompts):
+        return None
+    ids, mask = layout(prompts, prefix, pad_id)
+    end = ids.shape[1] - 1  # generate runs the last column
+    if end == 0:
+        return None
+    row_of = {k: i for i, k in enumerate(distinct)}
+    first_row = [keys.index(k) for k in distinct]
+    u_ids, u_mask = ids[first_row].to(device), mask[first_row].to(device)
+    u_pos = positions(u_mask)
+    cache = None
+    if prefix:
+        out = model(input_ids=u_ids[:1, :prefix], attention_mask=u_mask[:1, :prefix], position_ids=u_pos[:1, :prefix],
+                    use_cache=True)
+        cache = getattr(out, kw)
+        cache.batch_repeat_interleave(len(distinct))
+    if end > prefix:
+        out = model(input_ids=u_ids[:, prefix:end], attention_mask=u_mask[:, :end], position_ids=u_pos[:, prefix:end],
+                    use_cache=True, **({kw: cache} if cache is not None else {}))
+        cache = getattr(out, kw)
+    cache.batch_select_indices(torch.tensor([row_of[k] for k in keys], device=device))
+    return Prefilled(ids.to(device), mask.to(device), cache, kw, prefix, len(distinct))
