@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from eopd_trainer.rollout.samplers import transformers_sampler as ts
-from eopd_trainer.rollout.samplers.shared_prefill import common_prefix_length, layout, positions, prefill
+from eopd_trainer.rollout.samplers.shared_prefill import (
+    common_prefix_length, layout, positions, prefill, response_logits)
 from tests.trainer.rollout.test_step_logprobs import Tok
 from tests.trainer.test_pipeline_units import naive_sequence_logprobs, tiny_causal_lm
 
@@ -78,3 +79,20 @@ def test_nothing_shared_takes_the_plain_path():
     model = tiny_causal_lm("llama")
     assert prefill(model, [[5, 6], [7, 8, 9]], pad_id=0, device=torch.device("cpu")) is None
     assert prefill(model, [[5], [5]], pad_id=0, device=torch.device("cpu")) is None  # one token each: generate's
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:6] + [PROMPTS[-1]], [[5, 9, 14], [3, 1, 4, 1, 5]]],
+                         ids=["shared", "nothing-shared"])
+def test_response_logits_are_the_full_forward_pass_logits(kind, prompts):
+    """At every position predicting a response token (ragged responses, in response order): each
+    sequence's own full forward pass, 1e-4 in fp32."""
+    model = tiny_causal_lm(kind)
+    responses = [[11, 12, 2], [99], [8, 17, 250, 3, 41], [6, 7], [3], [9, 9, 9, 9], [4, 4]][: len(prompts)]
+    got = response_logits(model, prompts, responses, pad_id=0, device=torch.device("cpu"))
+    want = []
+    for p, r in zip(prompts, responses, strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(p) + list(r)])).logits[0]
+        want.append(logits[len(p) - 1 : len(p) - 1 + len(r)])
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-4, rtol=1e-4)

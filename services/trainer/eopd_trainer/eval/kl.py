@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from eopd_common.models import pad_token_id
 
-from ..batching import pack_sequences
 from ..rollout.samplers.base import Sample
+from ..rollout.samplers.shared_prefill import response_logits
 from ..rollout.samplers.transformers_sampler import generate
 
 
@@ -40,8 +40,9 @@ def position_log_probs(student, teacher, samples: Sequence[Sample], pad_id: int,
                        batch_size: int = 8) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per chunk of samples: the student's and the teacher's full next-token log-distributions at
     every response position, `(ls, lt)`, each [positions, V] float64 (response order kept)."""
-    for packed in _packed_chunks(samples, pad_id, batch_size):
-        yield _response_log_probs(student, packed, temperature), _response_log_probs(teacher, packed, temperature)
+    for chunk in _chunks(samples, batch_size):
+        yield (_response_log_probs(student, chunk, pad_id, temperature),
+               _response_log_probs(teacher, chunk, pad_id, temperature))
 
 
 @torch.no_grad()
@@ -52,24 +53,22 @@ def paired_log_probs(model, teacher, samples: Sequence[Sample], pad_id: int,
     if model is not teacher:
         yield from position_log_probs(model, teacher, samples, pad_id, temperature=1.0, batch_size=batch_size)
         return
-    for packed in _packed_chunks(samples, pad_id, batch_size):
-        ls = _response_log_probs(model, packed, 1.0)
+    for chunk in _chunks(samples, batch_size):
+        ls = _response_log_probs(model, chunk, pad_id, 1.0)
         yield ls, ls
 
 
-def _packed_chunks(samples: Sequence[Sample], pad_id: int, batch_size: int):
-    """The samples packed (prompt + response) in chunks of `batch_size`."""
+def _chunks(samples: Sequence[Sample], batch_size: int):
     for start in range(0, len(samples), batch_size):
-        chunk = samples[start : start + batch_size]
-        yield pack_sequences([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
+        yield samples[start : start + batch_size]
 
 
-def _response_log_probs(model, packed, temperature: float) -> torch.Tensor:
-    """The model's full next-token log-distribution at every response position of a packed batch,
-    [positions, V] float64."""
-    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-    flat = logits.reshape(-1, logits.shape[-1])[packed.positions].double() / temperature
-    return torch.log_softmax(flat, dim=-1)
+def _response_log_probs(model, chunk: Sequence[Sample], pad_id: int, temperature: float) -> torch.Tensor:
+    """The model's full next-token log-distribution at every response position of a chunk of
+    samples, [positions, V] float64 (the prompts' shared tokens run once: `response_logits`)."""
+    device = next(model.parameters()).device
+    logits = response_logits(model, [s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id, device)
+    return torch.log_softmax(logits.double() / temperature, dim=-1)
 
 
 @torch.no_grad()

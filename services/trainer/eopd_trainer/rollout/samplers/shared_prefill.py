@@ -9,7 +9,8 @@ repeated once per sample (an evaluation's 4 answers per problem, a rollout's 2).
 2. the rest of each *distinct* prompt once, on top of that KV cache copied to each distinct prompt;
 
 and returns the KV cache copied to every row, over all but each row's last prompt token, for
-`model.generate` to continue from (it runs the last token and samples). Rows are laid out
+`model.generate` to continue from (it runs the last token and samples), or for `response_logits`
+to run the responses on (the evaluation's entropies and KL). Rows are laid out
 `[prefix | left padding | rest of the prompt]`, the attention mask zero on the padding, and the
 positions counted over the mask (0, 1, ... over each row's own tokens), as generate counts them: each
 token attends to exactly the tokens it attends to in the left-padded layout, at the same positions.
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ...batching import pack_sequences
 
 
 @dataclass
@@ -114,3 +117,30 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, device) -> Pre
         cache = getattr(out, kw)
     cache.batch_select_indices(torch.tensor([row_of[k] for k in keys], device=device))
     return Prefilled(ids.to(device), mask.to(device), cache, kw, prefix, len(distinct))
+
+
+@torch.no_grad()
+def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                    device) -> torch.Tensor:
+    """The model's logits `[N, V]` at the positions predicting each response token (N = all response
+    tokens, in response order), as from one forward pass over the right-padded prompt + response,
+    but with the prompts' shared tokens run once (`prefill`) and the output projection applied to
+    the response positions only. Nothing shared: the plain forward pass."""
+    if any(len(r) < 1 for r in responses):
+        raise ValueError("response_logits needs every response to have at least one token")
+    done = prefill(model, prompts, pad_id, device)
+    if done is None:
+        packed = pack_sequences(prompts, responses, pad_id)
+        logits = model(input_ids=packed.input_ids.to(device), attention_mask=packed.attention_mask.to(device)).logits
+        return logits.reshape(-1, logits.shape[-1])[packed.positions.to(device)]
+    width = max(len(r) for r in responses)
+    cont = torch.full((len(responses), width), pad_id, dtype=torch.long)  # last prompt token + response[:-1]
+    cont_mask = torch.zeros_like(cont)
+    cont[:, 0], cont_mask[:, 0] = done.input_ids[:, -1].cpu(), 1
+    for i, r in enumerate(responses):
+        cont[i, 1 : len(r)] = torch.tensor(list(r[:-1]), dtype=torch.long)
+        cont_mask[i, : len(r)] = 1
+    mask = torch.cat([done.attention_mask[:, :-1], cont_mask.to(device)], dim=1)
+    out = model(input_ids=cont.to(device), attention_mask=mask, position_ids=positions(mask)[:, -width:],
+                use_cache=True, **{done.cache_kwarg: done.cache})
+    return out.logits[cont_mask.to(device).bool()]

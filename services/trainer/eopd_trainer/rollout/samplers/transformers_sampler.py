@@ -27,6 +27,7 @@ from ...batching import pack_sequences
 from ...queue.policy_load import load_policy
 from ...queue.weights import load_tensors
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
+from .nucleus import Nucleus
 from .shared_prefill import layout, prefill
 from .step_logprobs import StepLogprobs
 
@@ -42,8 +43,10 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token.
     `share_prefill` (dynamic cache only): tokens the prompts share (a common prefix such as the chat
     template, a prompt repeated for several samples) are prefilled once (`shared_prefill`; the same
-    logits up to float rounding). `record_logprobs`: each Sample carries the log-prob at `temperature` of each response token
-    under the step's raw logits (`StepLogprobs`), and with `top_k_ids` > 0 the step's top-k ids."""
+    logits up to float rounding). Temperature and top-p filter as transformers' warpers do, without
+    sorting the vocabulary (`nucleus.Nucleus`). `record_logprobs`: each Sample carries the log-prob at
+    `temperature` of each response token under the step's raw logits (`StepLogprobs`), and with
+    `top_k_ids` > 0 the step's top-k ids."""
     device = next(model.parameters()).device
     pad = pad_token_id(tokenizer)
     shared = prefill(model, prompts, pad, device) if kv_cache == "dynamic" and share_prefill else None
@@ -56,12 +59,11 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     stop = stop_ids(model, tokenizer)
     rec = StepLogprobs(temperature, top_k_ids) if record_logprobs else None
     torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-        top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-        eos_token_id=sorted(stop) if stop else None, **given,
-        **({"cache_implementation": "static"} if kv_cache == "static" else {}),
-        **({"logits_processor": LogitsProcessorList([rec])} if rec is not None else {}),
+    processors = LogitsProcessorList(([rec] if rec is not None else []) + [Nucleus(temperature, top_p)])
+    out = model.generate(  # temperature and top-p are the Nucleus processor's: transformers adds no warper
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(stop) if stop else None, **given,
+        **({"cache_implementation": "static"} if kv_cache == "static" else {}), logits_processor=processors,
     )
     if rec is not None:
         rec.finish(out)
