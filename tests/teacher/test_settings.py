@@ -51,12 +51,13 @@ def test_engine_settings_are_the_engines_part(tmp_path):
     from eopd_teacher.settings import EngineSettings
 
     s = TeacherSettings(model="tiny-random", dtype="bfloat16", device="cpu", cache_dir=tmp_path, threads=3, chunk_size=7,
-                        compile_statistics=False, fp32_projection=True, default_top_k=5, max_top_k=9,
+                        compile_statistics=False, fp32_projection=True, share_prefill=False, default_top_k=5, max_top_k=9,
                         vllm_kv_cache_gib=0.5, vllm_max_model_len=128, grpc_port=0)
     e = s.engine_settings()
     assert e == EngineSettings(
         model="tiny-random", engine="transformers", dtype="bfloat16", device="cpu", cache_dir=tmp_path, threads=3,
-        chunk_size=7, prefill_chunk_tokens=512, generate_step_ms=50.0, compile_statistics=False, fp32_projection=True, warmup_top_k=5,
+        chunk_size=7, prefill_chunk_tokens=512, generate_step_ms=50.0, compile_statistics=False, fp32_projection=True,
+        share_prefill=False, warmup_top_k=5,
         vllm_tensor_parallel_size=1,
         vllm_gpu_memory_utilization=0.85, vllm_kv_cache_gib=0.5, vllm_max_model_len=128,
         vllm_max_num_batched_tokens=None, vllm_enforce_eager=True,

@@ -62,6 +62,7 @@ class EngineSettings:
     generate_step_ms: float
     compile_statistics: bool
     fp32_projection: bool
+    share_prefill: bool
     warmup_top_k: int
     vllm_tensor_parallel_size: int
     vllm_gpu_memory_utilization: float
@@ -219,6 +220,10 @@ class TeacherSettings(ServiceSettings):
     chunk_size: int = Field(1024, ge=1, description="positions per output-projection chunk")
     compile_statistics: bool = Field(True, description="fuse the per-chunk statistics with torch.compile")
     fp32_projection: bool = Field(False, description="run the output projection in float32 for low-precision weights")
+    share_prefill: bool = Field(
+        True, description="transformers engine: the tokens a batch's sequences share before their scored positions (a "
+        "common prefix such as a chat template, a prompt repeated for several samples) run once "
+        "(`eopd_common.shared_prefill`); the same numbers to float rounding")
 
     # Generation (the Generate RPC; served only by engines that can generate)
     max_new_tokens: int = Field(1024, ge=1, description="largest GenerateRequest.max_new_tokens")

@@ -1,8 +1,9 @@
-"""Shared prefill (`samplers.shared_prefill`): tokens the prompts of a `generate` batch share (a common
-prefix, a prompt repeated for several samples) are run once, and generate samples the same tokens
-with the same recorded log-probs (fp32, ~1e-5) as with the plain left-padded prefill, on tiny random
-models (a Llama, a Gemma 2 with sliding-window layers and soft-capping). Checked against the naive
-reference (each sequence alone, full logits), and that the shared tokens really run once."""
+"""Shared prefill (`eopd_common.shared_prefill`): tokens the prompts of a batch share (a common prefix,
+a prompt repeated for several samples) are run once, and generate samples the same tokens with the
+same recorded log-probs (fp32, ~1e-5) as with the plain left-padded prefill, on tiny random models (a
+Llama, a Gemma 2 with sliding-window layers and soft-capping); `response_hidden` gives a full forward
+pass's final hidden states. Checked against the naive reference (each sequence alone, full logits),
+and that the shared tokens really run once."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from eopd_trainer.rollout.samplers import transformers_sampler as ts
-from eopd_trainer.rollout.samplers.shared_prefill import (
-    common_prefix_length, layout, positions, prefill, response_logits)
+from eopd_common.shared_prefill import (
+    common_prefix_length, layout, positions, prefill, response_hidden, work_tokens)
 from tests.trainer.rollout.test_step_logprobs import Tok
 from tests.trainer.test_pipeline_units import naive_sequence_logprobs, tiny_causal_lm
 
@@ -62,7 +63,7 @@ def test_the_shared_tokens_run_once():
     not 13 rows of the full width."""
     model = tiny_causal_lm("llama")
     rows_tokens: list[tuple[int, int]] = []
-    hook = model.register_forward_pre_hook(
+    hook = model.get_decoder().register_forward_pre_hook(
         lambda _m, _a, kwargs: rows_tokens.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         done = prefill(model, PROMPTS, pad_id=0, device=torch.device("cpu"))
@@ -79,20 +80,33 @@ def test_nothing_shared_takes_the_plain_path():
     model = tiny_causal_lm("llama")
     assert prefill(model, [[5, 6], [7, 8, 9]], pad_id=0, device=torch.device("cpu")) is None
     assert prefill(model, [[5], [5]], pad_id=0, device=torch.device("cpu")) is None  # one token each: generate's
+    assert prefill(model, [[5, 6, 7]], pad_id=0, device=torch.device("cpu")) is None  # one prompt shares nothing
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 @pytest.mark.parametrize("prompts", [PROMPTS[:6] + [PROMPTS[-1]], [[5, 9, 14], [3, 1, 4, 1, 5]]],
                          ids=["shared", "nothing-shared"])
-def test_response_logits_are_the_full_forward_pass_logits(kind, prompts):
+@pytest.mark.parametrize("share", [True, False])
+def test_response_hidden_is_the_full_forward_pass(kind, prompts, share):
     """At every position predicting a response token (ragged responses, in response order): each
-    sequence's own full forward pass, 1e-4 in fp32."""
+    sequence's own full forward pass's final hidden states, 1e-4 in fp32."""
     model = tiny_causal_lm(kind)
     responses = [[11, 12, 2], [99], [8, 17, 250, 3, 41], [6, 7], [3], [9, 9, 9, 9], [4, 4]][: len(prompts)]
-    got = response_logits(model, prompts, responses, pad_id=0, device=torch.device("cpu"))
+    got = response_hidden(model, prompts, responses, pad_id=0, device=torch.device("cpu"), share=share)
     want = []
     for p, r in zip(prompts, responses, strict=True):
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([list(p) + list(r)])).logits[0]
-        want.append(logits[len(p) - 1 : len(p) - 1 + len(r)])
+            hidden = model.get_decoder()(input_ids=torch.tensor([list(p) + list(r)])).last_hidden_state[0]
+        want.append(hidden[len(p) - 1 : len(p) - 1 + len(r)])
     torch.testing.assert_close(got, torch.cat(want), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="one response token"):
+        response_hidden(model, prompts, [[]] * len(prompts), pad_id=0, device=torch.device("cpu"))
+
+
+def test_work_tokens_counts_the_shared_tokens_once():
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 7]]
+    responses = [[5, 6], [5], [8, 9, 9]]
+    # plain: 3 rows x 6 columns; shared: prefix [1, 2] once, 2 distinct rests of width 4 - 2 - 1 = 1,
+    # 3 rows x (the last prompt token + 2 response columns) = 3 x 3
+    assert work_tokens(prompts, responses) == (18, 2 + 2 * 1 + 3 * 3)
+    assert work_tokens([[1, 2], [3, 4, 5]], [[6], [7]]) == (8, 8)  # nothing shared: the plain pass

@@ -2,7 +2,9 @@
 
 The decoder runs over right-padded sequences; only the hidden states at scored positions go
 through the output projection, in chunks (`stats.token_statistics`), so no `[batch, seq, vocab]`
-tensor is ever built. A logit scaling after the projection (Granite's `logits_scaling`, Cohere's
+tensor is ever built. The tokens a batch's sequences share before their scored positions (a chat
+template, a prompt sampled twice) run once (`share_prefill`, `eopd_common.shared_prefill`), and a
+batch whose shared work fits one chunked-prefill step runs in one. A logit scaling after the projection (Granite's `logits_scaling`, Cohere's
 `logit_scale`) is folded into the inverse temperature; soft-capping is refused at load
 (`eopd_common.logits.scoring_logit_factor`).
 
@@ -27,6 +29,7 @@ import torch
 from eopd_common.logits import scoring_logit_factor
 from eopd_common.models import LoadedModel, eos_token_ids, load_causal_lm, tokenizer_fingerprint
 from eopd_common.output_head import HeadInfo, OutputHead, dtype_name
+from eopd_common.shared_prefill import cache_kwarg, response_hidden, work_tokens
 
 from ..settings import EngineSettings
 from ..stats import ChunkStats
@@ -116,6 +119,12 @@ class TransformersEngine(ScoringEngine):
     def _score(self, items: list[ScoreItem]) -> PendingScores:
         model = self._lm.model
         dev = self._device
+        head = model.get_output_embeddings()
+        shared = self._shared(items)
+        if shared is not None:
+            h = response_hidden(model, *shared, 0, dev)
+            return pending_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings,
+                                       self._stats_fn, self._logit_factor, self._head.fingerprint)
         lengths = [it.num_tokens for it in items]
         width = max(lengths)
         pad_id = 0
@@ -132,16 +141,42 @@ class TransformersEngine(ScoringEngine):
         cols = torch.cat([torch.arange(it.score_from - 1, it.num_tokens - 1) for it in items])
         h = hidden[rows.to(dev), cols.to(dev)]
         del hidden
-        head = model.get_output_embeddings()
         return pending_from_hidden(items, h, head.weight, getattr(head, "bias", None), self.settings, self._stats_fn,
                                    self._logit_factor, self._head.fingerprint)
+
+    def _shared(self, items: list[ScoreItem]) -> tuple[list[list[int]], list[list[int]]] | None:
+        """The items' prompts (ids before `score_from`) and scored ids, when their shared tokens are
+        run once (`share_prefill`, every item scoring at least one position after at least one
+        token); None: the plain pass."""
+        if (not self.settings.share_prefill or any(it.score_from < 1 or it.num_scored < 1 for it in items)
+                or cache_kwarg(self._lm.model.get_decoder()) is None):
+            return None
+        return ([it.token_ids[: it.score_from].tolist() for it in items],
+                [it.token_ids[it.score_from :].tolist() for it in items])
+
+    def _fits_one_step(self, items: list[ScoreItem]) -> bool:
+        """Whether the batch runs as one step: no step size, or its work (with its shared tokens
+        run once, `shared_prefill.work_tokens`) within `prefill_chunk_tokens`."""
+        chunk = self.settings.prefill_chunk_tokens
+        if chunk <= 0:
+            return True
+        shared = self._shared(items)
+        if shared is None:
+            return max(it.num_tokens for it in items) * len(items) <= chunk
+        return work_tokens(*shared)[1] <= chunk
 
     @torch.inference_mode()
     def score_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:
         """`score` in steps of at most `prefill_chunk_tokens` padded tokens (chunked prefill,
         `chunked_prefill.score_in_steps`): each `next()` runs one step and yields None, the last
-        yields the scores. The batcher serves other clients' batches between the steps."""
+        yields the scores. The batcher serves other clients' batches between the steps. A batch
+        whose shared tokens run once fits one step (`_fits_one_step`): one step, shared."""
         assert self._lm is not None, "engine not loaded"
+        if self._fits_one_step(items):
+            with self._lock:
+                out = self._score(items).result()
+            yield out
+            return
         model = self._lm.model
         steps = score_in_steps(model.get_decoder(), model.get_output_embeddings(), items,
                                chunk_tokens=self.settings.prefill_chunk_tokens, settings=self.settings,
@@ -191,7 +226,7 @@ class TransformersEngine(ScoringEngine):
         """Scores `items` (under the caller's lock): in chunked-prefill steps when they exceed
         `prefill_chunk_tokens` padded tokens, else in one step."""
         chunk = self.settings.prefill_chunk_tokens
-        if chunk > 0 and max(it.num_tokens for it in items) * len(items) > chunk:
+        if not self._fits_one_step(items):
             model = self._lm.model
             yield from score_in_steps(model.get_decoder(), model.get_output_embeddings(), items, chunk_tokens=chunk,
                                       settings=self.settings, stats_fn=self._stats_fn, logit_factor=self._logit_factor,

@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from eopd_common.logits import final_logits
 from eopd_common.models import pad_token_id
+from eopd_common.shared_prefill import response_hidden
 
 from ..rollout.samplers.base import Sample
-from ..rollout.samplers.shared_prefill import response_logits
 from ..rollout.samplers.transformers_sampler import generate
 
 
@@ -65,9 +66,12 @@ def _chunks(samples: Sequence[Sample], batch_size: int):
 
 def _response_log_probs(model, chunk: Sequence[Sample], pad_id: int, temperature: float) -> torch.Tensor:
     """The model's full next-token log-distribution at every response position of a chunk of
-    samples, [positions, V] float64 (the prompts' shared tokens run once: `response_logits`)."""
+    samples, [positions, V] float64: its logits (`final_logits` of the output projection) from the
+    final hidden states at those positions only, the prompts' shared tokens run once (`response_hidden`)."""
     device = next(model.parameters()).device
-    logits = response_logits(model, [s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id, device)
+    h = response_hidden(model, [s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id, device)
+    head = model.get_output_embeddings()
+    logits = final_logits(model.config, torch.nn.functional.linear(h, head.weight, head.bias))
     return torch.log_softmax(logits.double() / temperature, dim=-1)
 
 

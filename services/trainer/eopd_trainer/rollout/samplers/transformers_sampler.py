@@ -22,13 +22,13 @@ from transformers import LogitsProcessorList
 
 from eopd_common.logits import LOGIT_TRANSFORMS, final_logits
 from eopd_common.models import load_causal_lm, pad_token_id
+from eopd_common.shared_prefill import layout, prefill
 
 from ...batching import pack_sequences
 from ...queue.policy_load import load_policy
 from ...queue.weights import load_tensors
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .nucleus import Nucleus
-from .shared_prefill import layout, prefill
 from .step_logprobs import StepLogprobs
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     a KV cache preallocated to prompt + `max_new_tokens` (transformers then compiles the decode
     step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token.
     `share_prefill` (dynamic cache only): tokens the prompts share (a common prefix such as the chat
-    template, a prompt repeated for several samples) are prefilled once (`shared_prefill`; the same
+    template, a prompt repeated for several samples) are prefilled once (`eopd_common.shared_prefill`; the same
     logits up to float rounding). Temperature and top-p filter as transformers' warpers do, without
     sorting the vocabulary (`nucleus.Nucleus`). `record_logprobs`: each Sample carries the log-prob at
     `temperature` of each response token under the step's raw logits (`StepLogprobs`), and with

@@ -1,5 +1,5 @@
-"""Prefill of prompts that share tokens, for `generate`: each shared token is run through the
-model once instead of once per row.
+"""Prefill of prompts that share tokens: each shared token runs through the model once instead of
+once per row (the student's `generate` and evaluation, the teacher's scoring).
 
 A batch of prompts to sample from usually shares a lot: every prompt starts with the same chat
 template (the default preset's worked example is ~45 of its ~64 prompt tokens), and each prompt is
@@ -9,8 +9,10 @@ repeated once per sample (an evaluation's 4 answers per problem, a rollout's 2).
 2. the rest of each *distinct* prompt once, on top of that KV cache copied to each distinct prompt;
 
 and returns the KV cache copied to every row, over all but each row's last prompt token, for
-`model.generate` to continue from (it runs the last token and samples), or for `response_logits`
-to run the responses on (the evaluation's entropies and KL). Rows are laid out
+`model.generate` to continue from (it runs the last token and samples), or for `response_hidden`
+to run the responses on (the final hidden states that predict each response token: the teacher's
+statistics, the evaluation's entropies and KL). Only the decoder runs (no output projection over
+prompt positions). Rows are laid out
 `[prefix | left padding | rest of the prompt]`, the attention mask zero on the padding, and the
 positions counted over the mask (0, 1, ... over each row's own tokens), as generate counts them: each
 token attends to exactly the tokens it attends to in the left-padded layout, at the same positions.
@@ -30,7 +32,6 @@ from typing import Any
 
 import torch
 
-from ...batching import pack_sequences
 
 
 @dataclass
@@ -71,10 +72,10 @@ def layout(prompts: Sequence[Sequence[int]], prefix: int, pad_id: int) -> tuple[
     return ids, mask
 
 
-def cache_kwarg(model) -> str | None:
-    """The keyword the model's forward takes its KV cache by, or None when it cannot be given one
+def cache_kwarg(decoder) -> str | None:
+    """The keyword the decoder's forward takes its KV cache by, or None when it cannot be given one
     with explicit positions (then nothing is shared)."""
-    params = inspect.signature(model.forward).parameters
+    params = inspect.signature(decoder.forward).parameters
     if "position_ids" not in params:
         return None
     return next((name for name in ("cache", "past_key_values") if name in params), None)
@@ -85,54 +86,84 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def shares(prompts: Sequence[Sequence[int]]) -> bool:
+    """Whether any token is shared: two or more prompts with a common prefix or a repeated prompt, at
+    least one of two or more tokens (each row's last token is not prefilled)."""
+    if len(prompts) < 2 or max(len(p) for p in prompts) < 2:
+        return False
+    return common_prefix_length(prompts) > 0 or len({tuple(p) for p in prompts}) < len(prompts)
+
+
 @torch.no_grad()
 def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, device) -> Prefilled | None:
     """The KV cache of `prompts` laid out as above (see the module docstring), or None when no token
     is shared (no common prefix and every prompt distinct) or the model takes no cache by keyword."""
-    kw = cache_kwarg(model)
+    decoder = model.get_decoder()
+    kw = cache_kwarg(decoder)
     if kw is None:
+        return None
+    if not shares(prompts):
         return None
     prefix = common_prefix_length(prompts)
     keys = [tuple(p) for p in prompts]
     distinct = list(dict.fromkeys(keys))
-    if prefix == 0 and len(distinct) == len(prompts):
-        return None
     ids, mask = layout(prompts, prefix, pad_id)
     end = ids.shape[1] - 1  # generate runs the last column
-    if end == 0:
-        return None
     row_of = {k: i for i, k in enumerate(distinct)}
     first_row = [keys.index(k) for k in distinct]
     u_ids, u_mask = ids[first_row].to(device), mask[first_row].to(device)
     u_pos = positions(u_mask)
     cache = None
     if prefix:
-        out = model(input_ids=u_ids[:1, :prefix], attention_mask=u_mask[:1, :prefix], position_ids=u_pos[:1, :prefix],
-                    use_cache=True)
+        out = decoder(input_ids=u_ids[:1, :prefix], attention_mask=u_mask[:1, :prefix],
+                      position_ids=u_pos[:1, :prefix], use_cache=True)
         cache = getattr(out, kw)
         cache.batch_repeat_interleave(len(distinct))
     if end > prefix:
-        out = model(input_ids=u_ids[:, prefix:end], attention_mask=u_mask[:, :end], position_ids=u_pos[:, prefix:end],
-                    use_cache=True, **({kw: cache} if cache is not None else {}))
+        out = decoder(input_ids=u_ids[:, prefix:end], attention_mask=u_mask[:, :end],
+                      position_ids=u_pos[:, prefix:end], use_cache=True, **({kw: cache} if cache is not None else {}))
         cache = getattr(out, kw)
     cache.batch_select_indices(torch.tensor([row_of[k] for k in keys], device=device))
     return Prefilled(ids.to(device), mask.to(device), cache, kw, prefix, len(distinct))
 
 
+def work_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The padded tokens one pass over prompt + response runs (`[B, W]`), and those `response_hidden`
+    runs: where any token is shared (`shares`), the prefix once, each distinct prompt's rest once,
+    each response with the last prompt token; else the same plain pass. Pure; what a scheduler
+    compares with its step size."""
+    plain = len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    if not shares(prompts):
+        return plain, plain
+    prefix = common_prefix_length(prompts)
+    distinct = {tuple(p) for p in prompts}
+    rest = max(len(p) for p in prompts) - prefix - 1
+    return plain, prefix + len(distinct) * rest + len(prompts) * max(len(r) for r in responses)
+
+
 @torch.no_grad()
-def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-                    device) -> torch.Tensor:
-    """The model's logits `[N, V]` at the positions predicting each response token (N = all response
-    tokens, in response order), as from one forward pass over the right-padded prompt + response,
-    but with the prompts' shared tokens run once (`prefill`) and the output projection applied to
-    the response positions only. Nothing shared: the plain forward pass."""
-    if any(len(r) < 1 for r in responses):
-        raise ValueError("response_logits needs every response to have at least one token")
-    done = prefill(model, prompts, pad_id, device)
+def response_hidden(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                    device, *, share: bool = True) -> torch.Tensor:
+    """The decoder's final hidden states `[N, D]` at the positions predicting each response token
+    (N = all response tokens, in response order: for each sequence, its last prompt token and every
+    response token but the last), as one forward pass over the right-padded prompt + response gives
+    them, with the prompts' shared tokens run once (`prefill`; `share` False, or nothing shared: that
+    one plain pass). Every prompt and response needs at least one token."""
+    if any(len(p) < 1 for p in prompts) or any(len(r) < 1 for r in responses):
+        raise ValueError("response_hidden needs at least one prompt token and one response token per sequence")
+    decoder = model.get_decoder()
+    done = prefill(model, prompts, pad_id, device) if share else None
     if done is None:
-        packed = pack_sequences(prompts, responses, pad_id)
-        logits = model(input_ids=packed.input_ids.to(device), attention_mask=packed.attention_mask.to(device)).logits
-        return logits.reshape(-1, logits.shape[-1])[packed.positions.to(device)]
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+            mask[i, : len(p) + len(r)] = 1
+        hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        rows = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(responses)])
+        cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(prompts, responses, strict=True)])
+        return hidden[rows.to(device), cols.to(device)]
     width = max(len(r) for r in responses)
     cont = torch.full((len(responses), width), pad_id, dtype=torch.long)  # last prompt token + response[:-1]
     cont_mask = torch.zeros_like(cont)
@@ -141,6 +172,6 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
         cont[i, 1 : len(r)] = torch.tensor(list(r[:-1]), dtype=torch.long)
         cont_mask[i, : len(r)] = 1
     mask = torch.cat([done.attention_mask[:, :-1], cont_mask.to(device)], dim=1)
-    out = model(input_ids=cont.to(device), attention_mask=mask, position_ids=positions(mask)[:, -width:],
-                use_cache=True, **{done.cache_kwarg: done.cache})
-    return out.logits[cont_mask.to(device).bool()]
+    out = decoder(input_ids=cont.to(device), attention_mask=mask, position_ids=positions(mask)[:, -width:],
+                  use_cache=True, **{done.cache_kwarg: done.cache})
+    return out.last_hidden_state[cont_mask.to(device).bool()]
