@@ -19,6 +19,10 @@ token attends to exactly the tokens it attends to in the left-padded layout, at 
 So the logits are those of the plain prefill up to float rounding (~1e-6 in fp32: other matrix
 shapes), and generate draws the same random numbers.
 
+Both functions run under the caller's grad mode: under `torch.no_grad` to sample and score, with
+autograd in the learner (the prefix's keys and values, computed once, get the gradient of every
+row that attends to them, as in the plain pass).
+
 Shapes: prompts B rows, L columns after the layout, p the common prefix, U distinct prompts; the
 cache returned holds [B, heads, L - 1, head_dim] keys and values per layer.
 """
@@ -94,7 +98,6 @@ def shares(prompts: Sequence[Sequence[int]]) -> bool:
     return common_prefix_length(prompts) > 0 or len({tuple(p) for p in prompts}) < len(prompts)
 
 
-@torch.no_grad()
 def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, device) -> Prefilled | None:
     """The KV cache of `prompts` laid out as above (see the module docstring), or None when no token
     is shared (no common prefix and every prompt distinct) or the model takes no cache by keyword."""
@@ -141,7 +144,6 @@ def work_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
     return plain, prefix + len(distinct) * rest + len(prompts) * max(len(r) for r in responses)
 
 
-@torch.no_grad()
 def response_hidden(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
                     device, *, share: bool = True) -> torch.Tensor:
     """The decoder's final hidden states `[N, D]` at the positions predicting each response token

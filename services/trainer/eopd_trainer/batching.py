@@ -53,6 +53,10 @@ class PackedBatch:
     # route.mixture: each other teacher's name and its scores as `LossInputs` fields (the four
     # teacher_* tensors, packed like the main teacher's), for `loss_inputs.replace(**fields)`.
     mixture: tuple[tuple[str, dict], ...] = ()
+    # Each row's prompt and response ids (what `eopd_common.shared_prefill.response_hidden` takes to run
+    # the rows' shared tokens once); empty when packed without them.
+    prompt_ids: tuple[list[int], ...] = ()
+    response_ids: tuple[list[int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +126,9 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int, *, max_top_k: int = 
         advantages=None if advantages is None else _broadcast_advantages(rollouts, advantages),
     )
     return PackedBatch(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, positions=seqs.positions,
-                       loss_inputs=loss_inputs, mixture=_pack_mixture(rollouts))
+                       loss_inputs=loss_inputs, mixture=_pack_mixture(rollouts),
+                       prompt_ids=tuple(list(map(int, r.prompt_ids)) for r in rollouts),
+                       response_ids=tuple(list(map(int, r.response_ids)) for r in rollouts))
 
 
 def _pack_mixture(rollouts: Sequence[Rollout]) -> tuple[tuple[str, dict], ...]:

@@ -110,3 +110,25 @@ def test_work_tokens_counts_the_shared_tokens_once():
     # 3 rows x (the last prompt token + 2 response columns) = 3 x 3
     assert work_tokens(prompts, responses) == (18, 2 + 2 * 1 + 3 * 3)
     assert work_tokens([[1, 2], [3, 4, 5]], [[6], [7]]) == (8, 8)  # nothing shared: the plain pass
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_response_hidden_gradients_are_the_plain_passes(kind):
+    """The learner's use (train.share_prefill): with autograd on, a loss over the response positions'
+    hidden states has the same value and the same gradient for every parameter with the shared
+    tokens run once (the prefix's keys and values receive every row's gradient) as with one plain pass."""
+    responses = [[11, 12, 2], [99, 98], [8, 17, 250, 3, 41], [6, 7], [3], [9, 9, 9, 9], [4, 4]]
+    prompts = PROMPTS[:6] + [PROMPTS[-1]]
+    results = []
+    for share in (True, False):
+        model = tiny_causal_lm(kind).train()
+        h = response_hidden(model, prompts, responses, pad_id=0, device=torch.device("cpu"), share=share)
+        weights = torch.linspace(-1.0, 1.0, h.numel()).reshape(h.shape)
+        loss = (h * weights).sum()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_shared, grads_shared), (loss_plain, grads_plain) = results
+    torch.testing.assert_close(loss_shared, loss_plain, atol=1e-4, rtol=1e-5)
+    assert grads_shared.keys() == grads_plain.keys() and len(grads_plain) > 5
+    for name, g in grads_plain.items():
+        torch.testing.assert_close(grads_shared[name], g, atol=1e-4, rtol=1e-4, msg=name)

@@ -175,6 +175,7 @@ class TrainConfig(Section):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision (bf16 keeps fp32 master weights).")
     loss_from_hidden: bool = Field(True, description="Use the fused hidden-state loss (no [N, V] logits); ZeRO-3, and students whose logits are transformed after the output projection (Gemma 2 soft-capping, Cohere, Granite), always use the logits.")
+    share_prefill: bool = Field(True, description="With the fused hidden-state loss: the tokens a micro-batch's rows share (the chat template every prompt starts with, a prompt sampled twice) run through the student once, their keys and values (and gradients) shared by every row that attends to them (eopd_common.shared_prefill); the same loss and gradients to float rounding. false: one forward pass over the padded rows.")
     recompute_mlp: bool = Field(True, description="Gated MLPs (Llama, Qwen, Mistral) keep gate(x) and up(x) for backward and recompute silu(gate) and the product there (learner/swiglu.py): a third of a forward's activations fewer, the same values and gradients. ZeRO-3 keeps the modules' own forward.")
     matmul_precision: Literal["highest", "high", "medium"] = Field(
         "high", description="torch.set_float32_matmul_precision in the learner on CUDA: \"high\" = TF32 matmuls "

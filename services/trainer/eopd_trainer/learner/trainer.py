@@ -14,6 +14,7 @@ import torch
 import transformers
 from eopd_common.logits import logit_transforms
 from eopd_common.models import load_causal_lm, pad_token_id
+from eopd_common.shared_prefill import response_hidden
 from huggingface_hub.utils import disable_progress_bars
 
 from ..batching import (
@@ -168,8 +169,11 @@ class PolicyTrainer:
         inputs = inputs.to(dev)
         module = self.engine.module
         if self.fused_loss:
-            hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
-            hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
+            if self.cfg.train.share_prefill and packed.prompt_ids:  # the rows' shared tokens run once
+                hidden = response_hidden(module, packed.prompt_ids, packed.response_ids, self.pad_id, dev)
+            else:
+                hidden = module.get_decoder()(input_ids=ids, attention_mask=am).last_hidden_state
+                hidden = hidden.reshape(-1, hidden.shape[-1])[pos]
             head = module.get_output_embeddings()
 
             def loss_of(x):
