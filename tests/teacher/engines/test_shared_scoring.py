@@ -2,8 +2,8 @@
 whose sequences share a chat template and repeat each prompt for two responses scores as without
 sharing, in float32, on tiny-random and SmolLM2-135M: top-k ids equal, log-probs, entropies,
 candidates and hidden states within max(1e-5, 3 x the unshared pass's own batch noise) (the CPU
-kernels' reduction order, as tests/teacher/engines/test_chunked_prefill.py); a batch whose shared
-work fits one chunked-prefill step runs in one, a larger one in steps, with the same numbers."""
+kernels' reduction order, as tests/teacher/engines/test_chunked_prefill.py); with a chunked-prefill
+step size the batch runs as groups whose shared work fits a step each, with the same numbers."""
 
 from __future__ import annotations
 
@@ -70,16 +70,26 @@ def test_shared_scoring_equals_unshared(model):
     _check_equal(shared.score(items), want, tol)
 
 
-def test_a_batch_whose_shared_work_fits_one_step_runs_in_one():
+def test_chunked_prefill_steps_are_groups_sharing_their_tokens():
+    """With a step size, the batch runs as consecutive groups whose shared work fits a step each: one
+    step when the whole batch's fits, several below it; the plain chunked steps when one item alone
+    exceeds a step. The same numbers every way."""
     items = _items(1000)
     prompts = [it.token_ids[: it.score_from].tolist() for it in items]
-    plain_tokens, shared_tokens = work_tokens(prompts, [it.token_ids[it.score_from :].tolist() for it in items])
+    responses = [it.token_ids[it.score_from :].tolist() for it in items]
+    plain_tokens, shared_tokens = work_tokens(prompts, responses)
     assert shared_tokens < plain_tokens
+    largest_alone = max(work_tokens([p], [r])[1] for p, r in zip(prompts, responses))
     want = _engine("tiny-random", share=False).score(items)
-    for chunk, steps_wanted in ((shared_tokens, 1), (shared_tokens - 1, None)):
+    for chunk, steps_wanted in ((shared_tokens, 1), (largest_alone + 20, "several"), (largest_alone - 1, None)):
         eng = _engine("tiny-random", share=True, chunk_tokens=chunk)
+        groups = eng._share_groups(items)
         steps, out = 0, None
         for out in eng.score_steps(items):
             steps += 1
-        assert steps == 1 if steps_wanted == 1 else steps > 1
+        if steps_wanted is None:  # the plain pass's chunked steps
+            assert groups is None and steps > 1
+        else:
+            assert steps == len(groups) and [i for g in groups for i in g] == list(range(len(items)))
+            assert steps == 1 if steps_wanted == 1 else 1 < steps < len(items)  # groups, not one item a step
         _check_equal(out, want, ATOL)

@@ -3,8 +3,9 @@
 The decoder runs over right-padded sequences; only the hidden states at scored positions go
 through the output projection, in chunks (`stats.token_statistics`), so no `[batch, seq, vocab]`
 tensor is ever built. The tokens a batch's sequences share before their scored positions (a chat
-template, a prompt sampled twice) run once (`share_prefill`, `eopd_common.shared_prefill`), and a
-batch whose shared work fits one chunked-prefill step runs in one. A logit scaling after the projection (Granite's `logits_scaling`, Cohere's
+template, a prompt sampled twice) run once (`share_prefill`, `eopd_common.shared_prefill`); with a
+chunked-prefill step size, a batch then runs as consecutive groups of items whose shared work fits
+one step each. A logit scaling after the projection (Granite's `logits_scaling`, Cohere's
 `logit_scale`) is folded into the inverse temperature; soft-capping is refused at load
 (`eopd_common.logits.scoring_logit_factor`).
 
@@ -19,6 +20,7 @@ into the same statistics (`eopd_common.output_head`), fingerprinted once at load
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -154,28 +156,54 @@ class TransformersEngine(ScoringEngine):
         return ([it.token_ids[: it.score_from].tolist() for it in items],
                 [it.token_ids[it.score_from :].tolist() for it in items])
 
-    def _fits_one_step(self, items: list[ScoreItem]) -> bool:
-        """Whether the batch runs as one step: no step size, or its work (with its shared tokens
-        run once, `shared_prefill.work_tokens`) within `prefill_chunk_tokens`."""
-        chunk = self.settings.prefill_chunk_tokens
-        if chunk <= 0:
-            return True
+    def _share_groups(self, items: list[ScoreItem]) -> list[list[int]] | None:
+        """The batch as consecutive groups of items (indices, in order) whose work with their shared
+        tokens run once (`shared_prefill.work_tokens`) fits one chunked-prefill step each; one group
+        without a step size. None: nothing shared (`_shared`), or one item alone over a step (the
+        chunked steps of the plain pass then bound the step)."""
         shared = self._shared(items)
         if shared is None:
-            return max(it.num_tokens for it in items) * len(items) <= chunk
-        return work_tokens(*shared)[1] <= chunk
+            return None
+        chunk = self.settings.prefill_chunk_tokens
+        if chunk <= 0:
+            return [list(range(len(items)))]
+        prompts, responses = shared
+
+        def work(group: list[int]) -> int:
+            return work_tokens([prompts[i] for i in group], [responses[i] for i in group])[1]
+
+        groups: list[list[int]] = [[]]
+        for i in range(len(items)):
+            if work(groups[-1] + [i]) <= chunk:
+                groups[-1].append(i)
+            elif work([i]) <= chunk and groups[-1]:
+                groups.append([i])
+            else:
+                return None
+        return groups
+
+    def _group_steps(self, items: list[ScoreItem], groups: list[list[int]], lock) -> Iterator[list[SequenceScores] | None]:
+        """Each group scored as one step under `lock` (`_score`: its shared tokens run once), None
+        between the steps, then every item's scores (the groups are consecutive: item order)."""
+        out: list[SequenceScores] = []
+        for n, group in enumerate(groups):
+            with lock:
+                out.extend(self._score([items[i] for i in group]).result())
+            if n < len(groups) - 1:
+                yield None
+        yield out
 
     @torch.inference_mode()
     def score_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:
         """`score` in steps of at most `prefill_chunk_tokens` padded tokens (chunked prefill,
         `chunked_prefill.score_in_steps`): each `next()` runs one step and yields None, the last
-        yields the scores. The batcher serves other clients' batches between the steps. A batch
-        whose shared tokens run once fits one step (`_fits_one_step`): one step, shared."""
+        yields the scores. The batcher serves other clients' batches between the steps. Where the
+        items share tokens, each step is instead a group of items scored with their shared tokens run
+        once (`_share_groups`)."""
         assert self._lm is not None, "engine not loaded"
-        if self._fits_one_step(items):
-            with self._lock:
-                out = self._score(items).result()
-            yield out
+        groups = self._share_groups(items)
+        if groups is not None:
+            yield from self._group_steps(items, groups, self._lock)
             return
         model = self._lm.model
         steps = score_in_steps(model.get_decoder(), model.get_output_embeddings(), items,
@@ -223,10 +251,14 @@ class TransformersEngine(ScoringEngine):
         return out
 
     def _scoring_steps(self, items: list[ScoreItem]) -> Iterator[list[SequenceScores] | None]:
-        """Scores `items` (under the caller's lock): in chunked-prefill steps when they exceed
-        `prefill_chunk_tokens` padded tokens, else in one step."""
+        """Scores `items` (under the caller's lock): in groups sharing their tokens (`_share_groups`),
+        else in chunked-prefill steps when they exceed `prefill_chunk_tokens` padded tokens, else in
+        one step."""
         chunk = self.settings.prefill_chunk_tokens
-        if not self._fits_one_step(items):
+        groups = self._share_groups(items)
+        if groups is not None:
+            yield from self._group_steps(items, groups, contextlib.nullcontext())
+        elif chunk > 0 and max(it.num_tokens for it in items) * len(items) > chunk:
             model = self._lm.model
             yield from score_in_steps(model.get_decoder(), model.get_output_embeddings(), items, chunk_tokens=chunk,
                                       settings=self.settings, stats_fn=self._stats_fn, logit_factor=self._logit_factor,
