@@ -4,7 +4,7 @@ side by side in one process, at the default preset's shapes (issue 50, ask 2).
     .venv/bin/python -m bench.bench_shared_prefill [--rounds 5] [--quick]
 
 Workload: the preset's (configs/smollm2-cpu.yaml) first 8 training prompts in its chat template
-(~45 of each prompt's ~64 tokens are the template), the student (the teacher minus one layer) and
+(their first 35 tokens, of 54-68, are shared), the student (the teacher minus one layer) and
 the teacher (SmolLM2-135M), fp32, on this CPU. Parts, each timed plain (`share_prefill` off) and
 shared (on), interleaved in every round; medians over the rounds, the ratio the median of the
 per-round ratios:
@@ -177,7 +177,7 @@ def section_text(d: dict) -> str:
     return "\n".join([
         "## Shared prefill: the main job's parts with shared tokens run once (`python -m bench.bench_shared_prefill`, issue 50 ask 2)", "",
         f"{d.get('machine', '?')}, load {d.get('load_avg', '?')} (1/5/15 min, start -> end). The default preset's first 8 "
-        f"training prompts ({min(d['prompt_tokens'])}-{max(d['prompt_tokens'])} tokens, the chat template's ~45 shared), "
+        f"training prompts ({min(d['prompt_tokens'])}-{max(d['prompt_tokens'])} tokens, the chat template's first ones shared), "
         "fp32; each part timed plain and shared in every round, interleaved; medians of "
         f"{d['rounds']} rounds, the ratio the median of the per-round ratios. Rollout sampling: 8 prompts x 2 samples, 16 "
         "new tokens, old log-probs recorded; teacher scoring: those 16 sequences, top-16 and bf16 hidden states, "

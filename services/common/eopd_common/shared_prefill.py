@@ -2,8 +2,8 @@
 once per row (the student's `generate` and evaluation, the teacher's scoring).
 
 A batch of prompts to sample from usually shares a lot: every prompt starts with the same chat
-template (the default preset's worked example is ~45 of its ~64 prompt tokens), and each prompt is
-repeated once per sample (an evaluation's 4 answers per problem, a rollout's 2). `prefill` runs
+template (the default preset's first 35 tokens, of 54-68), and each prompt is repeated once per
+sample (an evaluation's 4 answers per problem, a rollout's 2). `prefill` runs
 
 1. the tokens every prompt starts with (`common_prefix_length`) once, as a batch of one row;
 2. the rest of each *distinct* prompt once, on top of that KV cache copied to each distinct prompt;
@@ -12,10 +12,10 @@ and returns the KV cache copied to every row, over all but each row's last promp
 `model.generate` to continue from (it runs the last token and samples), or for `response_hidden`
 to run the responses on (the final hidden states that predict each response token: the teacher's
 statistics, the evaluation's entropies and KL). Only the decoder runs (no output projection over
-prompt positions). Rows are laid out
-`[prefix | left padding | rest of the prompt]`, the attention mask zero on the padding, and the
-positions counted over the mask (0, 1, ... over each row's own tokens), as generate counts them: each
-token attends to exactly the tokens it attends to in the left-padded layout, at the same positions.
+prompt positions). Rows are laid out `[prefix | left padding | rest of the prompt]`, the attention
+mask zero on the padding, and the positions counted over the mask (0, 1, ... over each row's own
+tokens), as generate counts them: each token attends to exactly the tokens it attends to in the
+left-padded layout, at the same positions.
 So the logits are those of the plain prefill up to float rounding (~1e-6 in fp32: other matrix
 shapes), and generate draws the same random numbers.
 
@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 
 
 @dataclass
