@@ -67,6 +67,7 @@ def test_shared_scoring_equals_unshared(model):
                 for a, alone in zip(want, (plain.score([it])[0] for it in items)))
     tol = ATOL if model == "tiny-random" else max(ATOL, 3 * noise)
     print(f"{model}: unshared alone vs batch {noise:.2e}, tolerance {tol:.2e}")
+    assert shared._share_groups(items) == [list(range(len(items)))]  # the shared path, one group
     _check_equal(shared.score(items), want, tol)
 
 
