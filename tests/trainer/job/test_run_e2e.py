@@ -140,6 +140,10 @@ def test_tiny_run_end_to_end_then_report(tmp_path):
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert learner_log.count("published policy version") == 5  # the initial weights, then one per iteration
     assert "loaded policy version 3" in (run_dir / "logs" / "rollout-w0.log").read_text()
+    # sync mode: while the learner trained, the worker held no weights (rollout.release_idle_weights,
+    # issue 50 ask 5), and loaded each next version in full
+    released = [int(v) for v in re.findall(r"released policy version (\d+)'s weights", worker_log)]
+    assert released[:4] == [0, 1, 2, 3], worker_log[-3000:]
     assert not (run_dir / "weights").exists() and not shm_weights_dir(run_dir).parent.exists()
     ev = json.loads((run_dir / "eval.json").read_text())
     assert set(ev["models"]) == {"teacher", "initial", "final"}
@@ -370,6 +374,7 @@ def test_tiny_run_with_the_weights_broadcast(tmp_path):
     assert "weight broadcast failed" not in learner_log
     worker_log = (run_dir / "logs" / "rollout-w0.log").read_text()
     assert "loaded policy version 3" in worker_log and "cannot load" not in worker_log
+    assert "released policy version" not in worker_log  # async: the worker samples while the learner trains
     # the learner's goodbye ended the receiver's thread before the worker exited (a thread left in
     # gloo's wait could abort the worker's exit: "terminate called without an active exception")
     assert "the learner finished its run; receiver ended" in worker_log, worker_log[-3000:]

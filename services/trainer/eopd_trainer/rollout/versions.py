@@ -36,7 +36,8 @@ class VersionTracker:
     one without its MAC is ignored, queue/announce.py)."""
 
     def __init__(self, sampler, queue: RunQueue, metrics: WorkerMetrics, *, mode: str, weights_poll_s: float,
-                 stop: asyncio.Event, weights_dir: Path | None = None, receiver: BroadcastReceiver | None = None):
+                 stop: asyncio.Event, weights_dir: Path | None = None, receiver: BroadcastReceiver | None = None,
+                 release_idle: bool = False):
         self.sampler = sampler
         self.queue = queue
         self.metrics = metrics
@@ -48,12 +49,14 @@ class VersionTracker:
         self.version = -1  # -1: the spec's weights, not loaded from an announcement
         self._sha = ""
         self.torn = False  # a load copied a version being rewritten: no whole version until the next load
+        self.release_idle = release_idle and mode == "sync"  # rollout.release_idle_weights
+        self.parked = False  # the sampler's weights are released (`release_while_waiting`) until the next load
 
     def _maybe_reload(self) -> None:
         pv = self.queue.announcement()
         # (version, sha256): after a learner rolls back to its last checkpoint, a version number
         # may be announced again with other weights.
-        if pv is not None and (pv.version, pv.sha256) != (self.version, self._sha):
+        if pv is not None and ((pv.version, pv.sha256) != (self.version, self._sha) or self.parked):
             t0 = time.monotonic()
             if pv.format == BROADCAST_FORMAT:
                 if self.receiver is None:
@@ -69,11 +72,25 @@ class VersionTracker:
                 except WeightsTorn:
                     self.torn = True
                     raise
-            self.version, self._sha, self.torn = pv.version, pv.sha256, False
+            self.version, self._sha, self.torn, self.parked = pv.version, pv.sha256, False, False
             self.metrics.version.set(pv.version)
             took = time.monotonic() - t0
             self.metrics.reload_seconds.observe(took)
             log.info("loaded policy version %d into %s in %.2fs", pv.version, self.sampler.engine, took)
+
+    def release_while_waiting(self) -> None:
+        """Sync mode with `rollout.release_idle_weights`: the worker has no task, so the learner is
+        training on its samples and the next tasks will ask for the version it publishes after that;
+        the sampler's weights are freed until then (`samplers/parked.py`: on the main job, 0.5 GiB
+        less at the moment the job's memory peaks). Only weights loaded from an announcement are
+        released (they can be loaded again); a sampler that cannot (vLLM) keeps them."""
+        if not self.release_idle or self.parked or self.torn or not self._sha:
+            return
+        release = getattr(self.sampler, "release_weights", None)
+        if release is not None and release():
+            self.parked = True
+            log.info("released policy version %d's weights while waiting for a task (loaded again before sampling)",
+                     self.version)
 
     async def ensure(self, min_version: int) -> bool:
         """Waits until the sampler holds a policy version >= `min_version` (False: the run is done
@@ -96,7 +113,7 @@ class VersionTracker:
                 log.warning("cannot load the announced weights: %s; %s", exc,
                             f"sampling with policy version {max(self.version, 0)} meanwhile" if keep
                             else f"retrying in {delay:.1f}s")
-            if not self.torn and max(self.version, 0) >= min_version and (not failed or self.mode == "async"):
+            if not (self.torn or self.parked) and max(self.version, 0) >= min_version and (not failed or self.mode == "async"):
                 self.version = max(self.version, 0)  # nothing announced yet: the spec's weights are version 0
                 return True
             if await asyncio.to_thread(self.queue.is_done):

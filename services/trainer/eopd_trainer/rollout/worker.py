@@ -93,7 +93,8 @@ class RolloutWorker:
         self.book = TaskBook(self.tasks, cfg, self.metrics, self.worker_id)
         self.versions = VersionTracker(self.sampler, self.queue, self.metrics, mode=cfg.mode,
                                        weights_poll_s=cfg.rollout.weights_poll_s, stop=self.stop,
-                                       weights_dir=cfg.weights_dir, receiver=self.receiver)
+                                       weights_dir=cfg.weights_dir, receiver=self.receiver,
+                                       release_idle=cfg.rollout.release_idle_weights)
         self.publisher = Publisher(self.rollouts, self.queue, cfg, self.faults, self.metrics, self.worker_id,
                                    self.stop)
         self.students = StudentSamples(cfg, self.sampler, self.prompts, self.faults, self.versions, self.publisher)
@@ -166,6 +167,7 @@ class RolloutWorker:
                 per_round = max(1, ro.generation_batch_size // ro.n_samples)
                 entries = await asyncio.to_thread(self.book.next_entries, per_round)
                 if not entries:
+                    self.versions.release_while_waiting()  # sync: the learner is training (versions.py)
                     if await asyncio.to_thread(self.queue.is_done):
                         log.info("the learner finished the run; stopping")
                         break

@@ -29,6 +29,7 @@ from ...queue.policy_load import load_policy
 from ...queue.weights import load_tensors
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .nucleus import Nucleus
+from .parked import Parked, park, unpark
 from .step_logprobs import StepLogprobs
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ class TransformersSampler:
         self.logprob_chunk_size = logprob_chunk_size
         self.candidates = candidates
         self._sampled_at: float | None = None
+        self._parked: Parked | None = None  # the weights released while the worker waits (release_weights)
         check_head_reproduces_logits(self.model)  # the old-log-prob pass projects hidden states itself
         self.old_logprobs_from = self._resolve_old_logprobs(old_logprobs)
 
@@ -213,6 +215,7 @@ class TransformersSampler:
         return "transformers"
 
     def sample(self, prompts, seeds, *, temperature, top_p, max_new_tokens) -> list[Sample]:
+        self._check_loaded()
         self._sampled_at = temperature  # the temperature of the log-probs recorded with these samples
         return generate(self.model, self.tokenizer, prompts, temperature=temperature, top_p=top_p,
                         max_new_tokens=max_new_tokens, seed=int(seeds[0]), kv_cache=self.kv_cache,
@@ -228,6 +231,7 @@ class TransformersSampler:
     def old_logprobs(self, samples, *, temperature) -> list[np.ndarray]:
         if self._recorded(samples, temperature):
             return [s.logprobs for s in samples]
+        self._check_loaded()
         return sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                  temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size)
 
@@ -236,6 +240,7 @@ class TransformersSampler:
         the same pass (recorded while sampling, or the forward pass)."""
         if self._recorded(samples, temperature, k):
             return [s.logprobs for s in samples], [s.top_ids for s in samples]
+        self._check_loaded()
         top: list[np.ndarray] = []
         lps = sequence_logprobs(self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                 temperature=temperature, pad_id=self.pad_id, chunk_size=self.logprob_chunk_size,
@@ -243,10 +248,34 @@ class TransformersSampler:
         return lps, top
 
     def load_weights(self, pv, *, verify: bool = True) -> None:
+        self._unpark()
         load_policy(self.model, pv, verify=verify)
 
     def load_state(self, pv, tensors: dict[str, torch.Tensor]) -> None:
+        self._unpark()
         load_tensors(self.model, tensors, pv.uri)
+
+    def release_weights(self) -> bool:
+        """Frees the policy's parameters until the next load (`parked.py`; the worker does this
+        while it waits in sync mode); sampling before a load is refused. True: released."""
+        if self._parked is None:
+            self._parked = park(self.model)
+        return True
+
+    @property
+    def holds_weights(self) -> bool:
+        return self._parked is None
+
+    def _unpark(self) -> None:
+        """The parameters allocated again for a load to fill (a failed load leaves them unusable:
+        the worker's VersionTracker samples nothing until a load succeeds)."""
+        if self._parked is not None:
+            unpark(self._parked)
+            self._parked = None
+
+    def _check_loaded(self) -> None:
+        if self._parked is not None:
+            raise RuntimeError("the sampler's weights are released (release_weights): load a policy version first")
 
     def close(self) -> None:
         pass
