@@ -44,6 +44,15 @@ ROLES = (("learner", "eopd_trainer.learner"), ("rollout", "eopd_trainer.rollout"
 STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
+def pss_mib(text: str) -> float | None:
+    """The `Pss:` line of a /proc/<pid>/smaps_rollup text in MiB (None when absent): the process's
+    resident pages with each shared page divided among the processes that map it."""
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024  # kB
+    return None
+
+
 def role_of(cmdline: str) -> str | None:
     """The job's role of a process from its command line (first match of ROLES), or None."""
     return next((role for role, needle in ROLES if needle in cmdline), None)
@@ -62,7 +71,14 @@ def status_mib(text: str) -> dict[str, float]:
 class JobMemory:
     """Samples the process tree under `root` every `period_s`: per role, the peak RSS and its split
     (anonymous, file, shared) at that peak; the peak of the sum over the tree, and each role's RSS at
-    that instant (`at_peak_total`: what the machine had to hold at once)."""
+    that instant (`at_peak_total`: what the machine had to hold at once).
+
+    The sum of RSS counts a page that several processes map once per process: the mapped weights
+    buffer while the worker reads it (the learner maps it too), the libraries every torch process
+    maps. The same peak taken over PSS (`peak_pss_total_mib`, `at_peak_pss`; /proc/<pid>/smaps_rollup,
+    each shared page divided among its processes) is the physical memory the job holds. Pages the
+    job shares with processes outside it (this benchmark's own torch libraries) are divided with
+    them too: a few MiB."""
 
     def __init__(self, root: int, period_s: float = 0.5, *, keep_series: bool = False):
         self.root, self.period_s = root, period_s
@@ -72,6 +88,8 @@ class JobMemory:
         self.peaks: dict[str, dict[str, float]] = {}
         self.peak_total_mib = 0.0
         self.at_peak_total: dict[str, float] = {}
+        self.peak_pss_total_mib = 0.0
+        self.at_peak_pss: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -99,22 +117,27 @@ class JobMemory:
         return sorted(tree)
 
     def sample(self) -> None:
-        total, split = 0.0, {}
+        total, split, pss = 0.0, {}, {}
         for pid in self._tree():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 mib = status_mib(Path(f"/proc/{pid}/status").read_text())
+                role = role_of(cmd)
+                proportional = pss_mib(Path(f"/proc/{pid}/smaps_rollup").read_text()) if role else None
             except OSError:
                 continue
-            role = role_of(cmd)
             if role is None or "VmRSS" not in mib:
                 continue
             total += mib["VmRSS"]
+            if proportional is not None:
+                pss[role] = pss.get(role, 0.0) + proportional
             split[role] = [a + mib.get(f, 0.0) for a, f in zip(split.get(role, [0.0] * 3), STATUS_FIELDS[1:], strict=True)]
             if mib["VmRSS"] > self.peaks.get(role, {}).get("VmRSS", 0.0):
                 self.peaks[role] = mib
         if total > self.peak_total_mib:
             self.peak_total_mib, self.at_peak_total = total, {r: sum(v) for r, v in split.items()}  # VmRSS = the three
+        if sum(pss.values()) > self.peak_pss_total_mib:
+            self.peak_pss_total_mib, self.at_peak_pss = sum(pss.values()), pss
         if self.series is not None:
             self.series.append({"t": round(time.monotonic() - self._t0, 2), **{r: [round(x, 1) for x in v] for r, v in split.items()}})
 
@@ -165,6 +188,7 @@ def run_job(preset: str, run_dir: Path, *, cold: bool, overrides: list[str], tra
     return {"preset": preset, "cold": cold, "overrides": overrides, "matmul_gflops": speed, "total_s": total_s, "run_s": run_s,
             "train_s": summary.get("train_s"), "eval_s": summary.get("eval_s"), "evals": evals,
             "memory": {"peak_total_mib": mem.peak_total_mib, "per_role": mem.peaks, "at_peak_total": mem.at_peak_total,
+                       "peak_pss_total_mib": mem.peak_pss_total_mib, "at_peak_pss": mem.at_peak_pss,
                        **({"series": mem.series} if trace else {})}}
 
 
@@ -200,8 +224,19 @@ def section_text(data: dict) -> str:
         + (" (at that instant: " + ", ".join(f"{role} {mib / 1024:.2f}" for role, mib in
                                             sorted(r["memory"]["at_peak_total"].items(), key=lambda kv: -kv[1])) + " GiB)"
            if r["memory"].get("at_peak_total") else "") + ". Each process "
-        "at its own peak (RSS = anonymous + file-backed + shared; file-backed pages are mapped files the kernel can drop):",
-        "", memory]) + "\n"
+        "at its own peak (RSS = anonymous + file-backed + shared; file-backed pages are mapped files: libraries, and the "
+        "teacher's weights):", "", memory, *_pss_lines(r["memory"])]) + "\n"
+
+
+def _pss_lines(memory: dict) -> list[str]:
+    """The peak of the summed PSS, where the run recorded it (runs before it did not)."""
+    if not memory.get("peak_pss_total_mib"):
+        return []
+    at = ", ".join(f"{role} {mib / 1024:.2f}" for role, mib in sorted(memory["at_peak_pss"].items(), key=lambda kv: -kv[1]))
+    return ["", f"The same peak in PSS, each page the processes share counted once (the mapped weights buffer, which "
+            f"the learner and the worker both map while the worker loads a version; the libraries every torch process "
+            f"maps), the physical memory the job held: **{memory['peak_pss_total_mib'] / 1024:.2f} GiB** "
+            f"(at that instant: {at} GiB)."]
 
 
 def _num(x) -> str:

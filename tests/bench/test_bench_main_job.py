@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bench.bench_main_job import JobMemory, role_of, section_text, status_mib
+from bench.bench_main_job import JobMemory, pss_mib, role_of, section_text, status_mib
 
 
 def test_roles_from_command_lines():
@@ -27,6 +27,11 @@ def test_status_fields_in_mib():
     assert status_mib(text) == {"VmRSS": 2048.0, "RssAnon": 1024.0, "RssFile": 1023.0, "RssShmem": 1.0}
 
 
+def test_pss_from_smaps_rollup():
+    text = "55d0-7ffd ---p 00000000 00:00 0 [rollup]\nRss:\t 2048 kB\nPss:\t 1024 kB\nPss_Anon:\t 512 kB\n"
+    assert pss_mib(text) == 1.0 and pss_mib("Rss: 1 kB\n") is None
+
+
 def test_the_sampler_sees_a_child_under_its_role():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "eopd_trainer.learner"])
     try:
@@ -38,6 +43,9 @@ def test_the_sampler_sees_a_child_under_its_role():
         assert mem.peaks["learner"]["VmRSS"] > 1 and mem.peak_total_mib >= mem.peaks["learner"]["VmRSS"]
         assert mem.at_peak_total["learner"] > 1
         assert sum(mem.at_peak_total.values()) == pytest.approx(mem.peak_total_mib)
+        # PSS: the child's pages shared with this process (the interpreter's libraries) divided between them
+        assert 0 < mem.at_peak_pss["learner"] <= mem.peaks["learner"]["VmRSS"] + 1
+        assert sum(mem.at_peak_pss.values()) == pytest.approx(mem.peak_pss_total_mib)
         assert len(mem.series) >= 1 and all(s["t"] >= 0 for s in mem.series)
         anon, file_backed, shared = mem.series[-1]["learner"]  # the child's split, which sums to its RSS
         assert anon > 0 and anon + file_backed + shared == pytest.approx(mem.peaks["learner"]["VmRSS"], abs=64)
@@ -62,6 +70,11 @@ def test_section_renders_times_numbers_and_memory():
     assert "| final | 0.350 | 0.300 | heldout: 60 s, variants: 40 s |" in text
     assert "**6.00 GiB** (at that instant: learner 2.00, teacher 1.00 GiB)" in text and "| learner | 3.00 | 2.00 | 1.00 | 0.00 |" in text
     assert text.index("| learner | 3.00") < text.index("| teacher | 1.00")  # largest first
+    assert "in PSS" not in text  # a run that recorded no PSS says nothing about it
+    with_pss = section_text({"result": {**result, "memory": {**result["memory"], "peak_pss_total_mib": 5120.0,
+                                                             "at_peak_pss": {"teacher": 1024.0, "learner": 4096.0}}},
+                             "machine": "Test CPU", "load_avg": "-"})
+    assert "the physical memory the job held: **5.00 GiB** (at that instant: learner 4.00, teacher 1.00 GiB)." in with_pss
     # a labelled run with overrides says what it changed, in its title and its command (not "another machine")
     labelled = section_text({"result": {**result, "overrides": ["loss.variant=eopd"]}, "label": "paper-loss",
                              "machine": "Test CPU", "load_avg": "0.1 -> 2.0"})
