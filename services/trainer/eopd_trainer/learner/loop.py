@@ -127,6 +127,10 @@ class LearnerLoop:
                 unacked = []
             else:
                 self.publish_weights(iteration)
+                # the step's activations, freed in small blocks glibc keeps (~0.5 GiB on the main job):
+                # back to the system before the learner waits for rollouts, when the worker loads
+                # this version and the job's memory would peak (issue 50 ask 5)
+                release_freed()
             reason = None
             if records is not None:
                 alarms = records.log(iteration, steps, {**stats, "checkpoint_s": checkpoint_s}, t_collect,
