@@ -4,8 +4,8 @@ of the policy until it loads the next version (rollout/samplers/parked.py, rollo
 Real parts: a tiny random Llama in the transformers sampler, the learner's weights through the real
 mapped buffer (`BufferWriter`), resident memory read from /proc. The tracker's decisions (what is
 released when, what is loaded again) with the sampler and the queue as stand-ins, as in
-test_versions_torn.py. End to end, the main job's worker releases its weights every iteration
-(tests/test_run_e2e.py)."""
+test_versions_torn.py. End to end, the tiny run's worker releases its weights after every version
+in sync mode and never in async mode (tests/trainer/job/test_run_e2e.py)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,12 @@ def test_a_released_sampler_refuses_to_sample_until_a_version_loads_and_then_sam
     for a, b in zip(after, before, strict=True):
         assert a.logprobs.tolist() == b.logprobs.tolist()
     writer.close()
+
+
+def test_a_sampler_off_the_cpu_keeps_its_weights():
+    sampler = ts.TransformersSampler("tiny", model=tiny_causal_lm("llama"), tokenizer=Tok(), old_logprobs="generate")
+    sampler.model = sampler.model.to("meta")  # a device other than the CPU (no GPU here)
+    assert not sampler.release_weights() and sampler.holds_weights
 
 
 class _ReleasingSampler:

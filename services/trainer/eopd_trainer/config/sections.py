@@ -106,7 +106,7 @@ class RolloutConfig(Section):
                                     "together (one [chunk, vocab] float32 block alive at a time, never [batch, seq, vocab]).")
     weights_poll_s: float = Field(0.2, gt=0, description="How often a worker polls for a newer policy version while it waits.")
     release_idle_weights: bool = Field(
-        True, description="Sync mode, transformers engine: a worker with no task frees its copy of the policy until it "
+        True, description="Sync mode, transformers engine on the CPU: a worker with no task frees its copy of the policy until it "
         "loads the next version (it would load it in full anyway): the learner trains meanwhile, and the job's memory "
         "peaks then (main job: 0.5 GiB less). vLLM keeps its weights.")
     claim_idle_ms: int = Field(30_000, ge=1, description="Tasks pending this long on another (dead) worker are reclaimed (XAUTOCLAIM).")

@@ -257,7 +257,11 @@ class TransformersSampler:
 
     def release_weights(self) -> bool:
         """Frees the policy's parameters until the next load (`parked.py`; the worker does this
-        while it waits in sync mode); sampling before a load is refused. True: released."""
+        while it waits in sync mode); sampling before a load is refused. True: released; False on
+        a GPU, where the weights stay (host memory is what the release saves; a compiled decode
+        step's reuse of new parameter storage is not measured there)."""
+        if next(self.model.parameters()).device.type != "cpu":
+            return False
         if self._parked is None:
             self._parked = park(self.model)
         return True
