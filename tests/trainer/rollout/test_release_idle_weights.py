@@ -19,13 +19,18 @@ from eopd_trainer.config import load_config
 from eopd_trainer.queue.messages import PolicyVersion
 from eopd_trainer.queue.weights_buffer import BufferWriter
 from eopd_trainer.rollout.samplers import transformers_sampler as ts
-from eopd_trainer.rollout.samplers.parked import park, parameter_bytes, unpark
+from eopd_trainer.rollout.samplers.parked import park, unpark
 from eopd_trainer.rollout.versions import VersionTracker
 
 from tests.procs import ROOT
 from tests.trainer.rollout.test_step_logprobs import PROMPTS, Tok
 from tests.trainer.rollout.test_versions_torn import _Metrics, _pv, _Queue
 from tests.trainer.test_pipeline_units import tiny_causal_lm
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes the parameters of `model` hold now (0 for a parked model)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def test_park_frees_every_parameter_and_unpark_gives_back_the_shapes():

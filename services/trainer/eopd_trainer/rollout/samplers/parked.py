@@ -34,8 +34,3 @@ def unpark(parked: Parked) -> None:
     """Each parked parameter allocated again at its shape, dtype and device, uninitialised."""
     for p, shape, dtype, device in parked:
         p.data = torch.empty(shape, dtype=dtype, device=device)
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """The bytes the parameters of `model` hold now (0 for a parked model)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
