@@ -97,3 +97,43 @@ def test_importing_needs_no_extras():
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_gguf_models_tokenizer_is_converted_once(tmp_path, monkeypatch):
+    """`materialise_gguf`: the tokenizer converted first (`load_tokenizer` does, before the model) is
+    kept when the model follows: transformers' GGUF tokenizer conversion (~5 s for SmolLM2) runs once
+    per directory. The conversions are stand-ins here (the real ones take ~30 s): this checks the
+    order of work, and that both markers and both outputs end in the target."""
+    import transformers
+
+    from eopd_common.models import materialise_gguf
+
+    calls = []
+
+    class Saved:
+        def __init__(self, what):
+            self.what = what
+
+        def save_pretrained(self, out, **_):
+            (out / f"{self.what}.json").write_text("{}")
+
+    class Model(Saved):
+        hf_quantizer, config = None, type("Config", (), {})()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append("tokenizer") or Saved("tokenizer"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: calls.append("model") or Model("model"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = tmp_path / "out"
+    materialise_gguf(gguf, target, tokenizer_only=True)
+    materialise_gguf(gguf, target, tokenizer_only=True)  # done: nothing again
+    materialise_gguf(gguf, target)
+    materialise_gguf(gguf, target)
+    assert calls == ["tokenizer", "model"]
+    assert {p.name for p in target.iterdir()} == {"tokenizer.json", "model.json", ".tokenizer-done", ".model-done"}
+    fresh = tmp_path / "fresh"
+    materialise_gguf(gguf, fresh)  # the model first: its tokenizer comes with it
+    assert calls == ["tokenizer", "model", "tokenizer", "model"]
+    assert (fresh / "tokenizer.json").is_file() and (fresh / ".model-done").is_file()

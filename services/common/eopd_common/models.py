@@ -88,7 +88,8 @@ def materialise_gguf(gguf: Path, target: Path, *, tokenizer_only: bool = False) 
     target.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    if not (target / ".tokenizer-done").exists():  # the model after its tokenizer: not converted twice (~5 s)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     if not tokenizer_only:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
         # The weights are already dequantised to fp32; drop the GGUF marker so they save as-is.
