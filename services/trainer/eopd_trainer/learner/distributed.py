@@ -206,8 +206,11 @@ def skip_shm_comm_build(deepspeed) -> None:
     collectives are torch.distributed's own. Its backend asks `deepspeed.ops.__compatible_ops__`
     whether to build (a dict DeepSpeed computes once per process and keeps, edits included); an op
     marked incompatible there is not built and the backend runs without it, as on a machine
-    without a compiler. Other accelerators have no such op: nothing changes there."""
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    without a compiler. Other accelerators (CUDA) have no such op: nothing is probed or changed there."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().get_op_builder("ShareMemCommBuilder") is not None:
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def destroy_process_group() -> None:
