@@ -22,7 +22,8 @@ class _Tok:
         return RESPONSES[ids[0]] if ids and ids[0] < len(RESPONSES) else f"prompt {ids}"
 
 
-def _scripted_generate(model, tokenizer, prompts, *, temperature, top_p, max_new_tokens, seed):
+def _scripted_generate(model, tokenizer, prompts, *, temperature, top_p, max_new_tokens, seed, keep_logits=()):
+    assert not keep_logits  # no teacher: no statistics, nothing recorded
     return [Sample(list(p), [seed + i], False) for i, p in enumerate(prompts)]  # response i decodes RESPONSES[i]
 
 
@@ -87,6 +88,8 @@ def test_the_teacher_evaluated_as_itself_runs_once_and_is_deterministic(monkeypa
         raise AssertionError("the teacher as its own teacher must take the one-model path")
 
     monkeypatch.setattr(eopd_trainer.eval.kl, "position_log_probs", two_models)
+    # fp32: its log-distributions are the logits recorded while sampling, no pass over its samples at all
+    monkeypatch.setattr(eopd_trainer.eval.kl, "_response_log_probs", two_models)
     r = evaluate_model(teacher.model, teacher.tokenizer, teacher.model, prompts, ["4", "9"], ecfg)
     assert r["forward_kl"] == 0.0 and r["reverse_kl"] == 0.0 and r["tokens"] > 0
     assert r["entropy_hist_student"] == r["entropy_hist_teacher"]
@@ -118,3 +121,67 @@ def test_evaluate_run_loads_the_teacher_once(tmp_path, monkeypatch):
     assert models["initial"]["reverse_kl"] > 0
     assert models["teacher"]["samples"][0]["prompt"] == "What is 10 + 38?"
     assert json.loads((tmp_path / "eval.json").read_text())["models"].keys() == models.keys()
+
+
+def test_statistics_from_the_recorded_logits_are_those_of_a_second_pass(monkeypatch):
+    """fp32: the model's log-distributions on its own samples come from the logits `generate`
+    recorded (only the teacher runs over the samples); every statistic equals the one computed
+    from a second forward pass of the model over the same samples (the path bf16 models take),
+    to float rounding, and the sampled responses are the same."""
+    import eopd_trainer.eval.evaluate
+    import eopd_trainer.eval.kl
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.data import render_prompt
+    from eopd_trainer.eval.evaluate import evaluate_model
+
+    student, teacher = load_causal_lm("tiny-random@1"), load_causal_lm("tiny-random@0")
+    questions = ("What is 2 + 2?", "What is 3 * 3?", "What is 10 - 7?")
+    prompts = [render_prompt(student.tokenizer, q) for q in questions]
+    ecfg = EvalConfig(n_samples=3, max_new_tokens=6, batch_size=4)  # firsts fall in every batch, at varying rows
+    passes = []
+    real = eopd_trainer.eval.kl._response_log_probs
+    monkeypatch.setattr(eopd_trainer.eval.kl, "_response_log_probs",
+                        lambda model, *a: passes.append(model) or real(model, *a))
+    got = evaluate_model(student.model, student.tokenizer, teacher.model, prompts, ["4", "9", "3"], ecfg)
+    assert passes and all(m is teacher.model for m in passes)  # the student is never run again
+    passes.clear()
+    monkeypatch.setattr(eopd_trainer.eval.evaluate, "records_logits", lambda model: False)
+    want = evaluate_model(student.model, student.tokenizer, teacher.model, prompts, ["4", "9", "3"], ecfg)
+    assert student.model in passes and teacher.model in passes
+    assert got["samples"] == want["samples"] and got["correct_per_prompt"] == want["correct_per_prompt"]
+    assert got["tokens"] == want["tokens"] > 0
+    assert got["entropy_hist_student"] == want["entropy_hist_student"]
+    assert got["entropy_hist_teacher"] == want["entropy_hist_teacher"]
+    for key in ("entropy_mean_student", "entropy_mean_teacher", "forward_kl", "reverse_kl", "fkl_high_entropy",
+                "high_entropy_share_student", "high_entropy_share_teacher"):
+        assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_generate_records_the_logits_of_the_kept_samples(monkeypatch):
+    """`generate(keep_logits=...)`: the kept samples carry their response positions' raw logits
+    [len(response), V], which a full forward pass over the sequence reproduces (fp32, ~1e-5); the
+    others carry none; `recorded_log_probs` refuses samples without them."""
+    import torch
+    from eopd_common.models import load_causal_lm
+    from eopd_trainer.data import render_prompt
+    from eopd_trainer.eval.kl import _response_log_probs, recorded_log_probs
+    from eopd_trainer.rollout.samplers.transformers_sampler import generate
+
+    lm = load_causal_lm("tiny-random@1")
+    prompts = [render_prompt(lm.tokenizer, q) for q in ("What is 2 + 2?", "What is 13 * 3?")]
+    batch = [prompts[0], prompts[0], prompts[1], prompts[1]]
+    samples = generate(lm.model, lm.tokenizer, batch, temperature=1.0, top_p=0.8, max_new_tokens=7, seed=3,
+                       keep_logits=[0, 3])
+    assert samples[1].logits is None and samples[2].logits is None
+    vocab = lm.model.get_output_embeddings().weight.shape[0]
+    for s in (samples[0], samples[3]):
+        assert s.logits.shape == (len(s.response_ids), vocab) and s.logits.dtype == torch.float32
+    kept = [samples[0], samples[3]]
+    (ls, lt), = recorded_log_probs(None, kept, lm.tokenizer.pad_token_id, 8)
+    assert lt is ls and ls.dtype == torch.float64
+    again = _response_log_probs(lm.model, kept, lm.tokenizer.pad_token_id, 1.0)
+    assert (ls - again).abs().max() < 1e-4
+    plain = generate(lm.model, lm.tokenizer, batch, temperature=1.0, top_p=0.8, max_new_tokens=7, seed=3)
+    assert [s.response_ids for s in plain] == [s.response_ids for s in samples]  # recording changes no sample
+    with pytest.raises(ValueError, match="every sample must carry the logits"):
+        next(recorded_log_probs(None, samples[:2], lm.tokenizer.pad_token_id, 8))

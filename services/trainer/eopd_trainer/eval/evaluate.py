@@ -20,8 +20,10 @@ lm-evaluation-harness's GSM8K flexible-extract).
   exact next-token entropies of the model and of the teacher (`kl.paired_log_probs`, full
   vocabulary): their histograms (paper fig. 3), the share of tokens with entropy >= 1.0, the
   forward KL(teacher || model) averaged over positions where the teacher's entropy >= tau
-  (`eval.high_entropy`), and the reverse/forward KL over all positions. When the model evaluated
-  is the teacher itself, its model object is reused and run once (KL 0, the same entropies).
+  (`eval.high_entropy`), and the reverse/forward KL over all positions. An fp32 model's
+  log-distributions come from the logits recorded while it sampled (`kl.recorded_log_probs`; a bf16
+  one is run again over its samples), the teacher's from its forward pass over them; when the model
+  evaluated is the teacher itself, its recorded logits serve as both (KL 0, the same entropies).
 
 Sampling is seeded (`seed + 1234`, per batch), so an evaluation is repeatable. Results are merged
 into `<run_dir>/eval.json` under the model's name.
@@ -39,7 +41,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +54,7 @@ from ..data import read_records, render_prompt
 from ..rollout.samplers.transformers_sampler import generate
 from ..problems.grading import avg_at_k, extract_last_number, grade, pass_at_k
 from .cache import EvalCache, code_fingerprint, eval_key, file_sha256, key_fields, model_fingerprint
-from .kl import paired_log_probs
+from .kl import paired_log_probs, recorded_log_probs
 
 #: The eval settings an evaluation's numbers depend on (the `sampling` field of its cache key).
 SAMPLING_SETTINGS = {"n_samples", "temperature", "top_p", "max_new_tokens", "max_prompts", "batch_size",
@@ -82,14 +84,23 @@ def _accuracy(correct: list[bool], n: int) -> dict:
 def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers: list[str], ecfg: EvalConfig, *,
                    seed: int = 1234, prompt_texts: list[str] | None = None) -> dict:
     """The evaluation of one model (see the module docstring). `teacher` may be None (no entropy
-    or KL statistics) or `model` itself (run once). `prompt_texts` label `samples` (default: the
+    or KL statistics) or `model` itself (no second pass). `prompt_texts` label `samples` (default: the
     decoded prompts)."""
     n = ecfg.n_samples
     flat = [p for p in prompts for _ in range(n)]
-    samples = []
+    recorded = teacher is not None and records_logits(model)
+    samples, pairs = [], []
     for start in range(0, len(flat), ecfg.batch_size):
-        samples.extend(generate(model, tokenizer, flat[start : start + ecfg.batch_size], temperature=ecfg.temperature,
-                                top_p=ecfg.top_p, max_new_tokens=ecfg.max_new_tokens, seed=seed + start))
+        batch = flat[start : start + ecfg.batch_size]
+        keep = [i for i in range(len(batch)) if (start + i) % n == 0] if recorded else ()
+        got = generate(model, tokenizer, batch, temperature=ecfg.temperature, top_p=ecfg.top_p,
+                       max_new_tokens=ecfg.max_new_tokens, seed=seed + start, keep_logits=keep)
+        if recorded:
+            firsts = [got[i] for i in keep]
+            pairs.extend(_entropies_and_kls(recorded_log_probs(None if teacher is model else teacher, firsts,
+                                                               pad_token_id(tokenizer), max(1, ecfg.batch_size // 2))))
+            got = [replace(sample, logits=None) for sample in got]  # [positions, V] each: not kept
+        samples.extend(got)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     grades = [grade(t, answers[i // n]) for i, t in enumerate(texts)]
     strict = _accuracy([g["strict"] for g in grades], n)
@@ -120,16 +131,10 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
     }
     if teacher is None:
         return out
-    firsts = samples[::n]
-    hs_all, ht_all, fkl_all, rkl_all = [], [], [], []
-    for ls, lt in paired_log_probs(model, teacher, firsts, pad_token_id(tokenizer), max(1, ecfg.batch_size // 2)):
-        ps, pt = ls.exp(), lt.exp()
-        hs_all.append(-(ps * ls).sum(-1))
-        ht_all.append(-(pt * lt).sum(-1))
-        fkl_all.append((pt * (lt - ls)).sum(-1))
-        rkl_all.append((ps * (ls - lt)).sum(-1))
-    hs, ht = torch.cat(hs_all).numpy(), torch.cat(ht_all).numpy()
-    fkl, rkl = torch.cat(fkl_all).numpy(), torch.cat(rkl_all).numpy()
+    if not recorded:
+        pairs = _entropies_and_kls(paired_log_probs(model, teacher, samples[::n], pad_token_id(tokenizer),
+                                                    max(1, ecfg.batch_size // 2)))
+    hs, ht, fkl, rkl = (torch.cat([p[i] for p in pairs]).numpy() for i in range(4))
     high = ht >= ecfg.high_entropy
     out.update({
         "tokens": int(hs.size),
@@ -144,6 +149,23 @@ def evaluate_model(model, tokenizer, teacher, prompts: list[list[int]], answers:
         "fkl_high_entropy": float(fkl[high].mean()) if high.any() else float("nan"),
         "forward_kl": float(fkl.mean()), "reverse_kl": float(rkl.mean()),
     })
+    return out
+
+
+def records_logits(model) -> bool:
+    """Whether the model's log-distributions on its own samples (the entropy and KL statistics) come
+    from the logits recorded while sampling (fp32: decode steps agree with a forward pass to ~1e-5),
+    used batch by batch, rather than from a second forward pass over the samples (bf16, fp16)."""
+    return next(model.parameters()).dtype == torch.float32
+
+
+def _entropies_and_kls(pairs) -> list[tuple[torch.Tensor, ...]]:
+    """Per `(ls, lt)` pair of log-distributions [positions, V]: the model's and the teacher's
+    entropies, the forward KL(teacher || model) and the reverse KL, each [positions]."""
+    out = []
+    for ls, lt in pairs:
+        ps, pt = ls.exp(), lt.exp()
+        out.append((-(ps * ls).sum(-1), -(pt * lt).sum(-1), (pt * (lt - ls)).sum(-1), (ps * (ls - lt)).sum(-1)))
     return out
 
 

@@ -10,7 +10,8 @@ averaged over positions:
   much less noisy on small evaluation sets).
 
 `position_log_probs` gives both models' log-distributions at those positions; `paired_log_probs`
-(for `eopd eval`) runs a model that is its own teacher once.
+(for `eopd eval`) runs a model that is its own teacher once; `recorded_log_probs` takes the model's
+from the logits `generate` recorded while sampling (fp32 models: no second pass over its samples).
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ def paired_log_probs(model, teacher, samples: Sequence[Sample], pad_id: int,
     for chunk in _chunks(samples, batch_size):
         ls = _response_log_probs(model, chunk, pad_id, 1.0)
         yield ls, ls
+
+
+@torch.no_grad()
+def recorded_log_probs(teacher, samples: Sequence[Sample], pad_id: int,
+                       batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`paired_log_probs` for samples that carry their model's logits recorded while sampling
+    (`Sample.logits`, `generate(keep_logits=...)`): the model's log-distributions at temperature 1.0
+    from those, the teacher's from its forward pass; `teacher` None: the model is its own teacher
+    (no forward pass at all). Each `(ls, lt)` is [positions, V] float64, response order kept."""
+    for chunk in _chunks(samples, batch_size):
+        if any(s.logits is None or s.logits.shape[0] != len(s.response_ids) for s in chunk):
+            raise ValueError("recorded_log_probs: every sample must carry the logits of each response position")
+        ls = torch.log_softmax(torch.cat([s.logits for s in chunk]).double(), dim=-1)
+        yield ls, (ls if teacher is None else _response_log_probs(teacher, chunk, pad_id, 1.0))
 
 
 def _chunks(samples: Sequence[Sample], batch_size: int):

@@ -27,6 +27,9 @@ class Sample:
     # The policy's top-k ids [n, k] at each response token, recorded while sampling (transformers with
     # rollout.old_logprobs generate and a loss with per-position candidates); None otherwise.
     top_ids: np.ndarray | None = None
+    # The model's raw next-token logits at each response position [n, V] float32, recorded while
+    # sampling for the rows `generate` was asked to keep (`keep_logits`, eopd eval); None otherwise.
+    logits: torch.Tensor | None = None
 
 
 def stop_ids(model, tokenizer) -> set[int]:

@@ -30,6 +30,7 @@ from ...queue.weights import load_tensors
 from .base import Sample, SamplerUnavailable, cut_response, stop_ids
 from .nucleus import Nucleus
 from .parked import Parked, park, unpark
+from .step_logits import StepLogits
 from .step_logprobs import StepLogprobs
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature: float, top_p: float,
              max_new_tokens: int, seed: int, kv_cache: str = "dynamic", record_logprobs: bool = False,
-             top_k_ids: int = 0, share_prefill: bool = True) -> list[Sample]:
+             top_k_ids: int = 0, share_prefill: bool = True, keep_logits: Sequence[int] = ()) -> list[Sample]:
     """One sampled response per prompt (repeat a prompt for several samples). `kv_cache` "static":
     a KV cache preallocated to prompt + `max_new_tokens` (transformers then compiles the decode
     step on CUDA: one graph per step instead of Python per layer), "dynamic": grown per token.
@@ -47,7 +48,9 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     logits up to float rounding). Temperature and top-p filter as transformers' warpers do, without
     sorting the vocabulary (`nucleus.Nucleus`). `record_logprobs`: each Sample carries the log-prob at
     `temperature` of each response token under the step's raw logits (`StepLogprobs`), and with
-    `top_k_ids` > 0 the step's top-k ids."""
+    `top_k_ids` > 0 the step's top-k ids. `keep_logits`: the samples of these prompt indices carry
+    the raw logits of every response position (`Sample.logits`, `StepLogits`; decode-step values,
+    ~1e-5 from a full forward pass in fp32)."""
     device = next(model.parameters()).device
     pad = pad_token_id(tokenizer)
     shared = prefill(model, prompts, pad, device) if kv_cache == "dynamic" and share_prefill else None
@@ -60,7 +63,8 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
     stop = stop_ids(model, tokenizer)
     rec = StepLogprobs(temperature, top_k_ids) if record_logprobs else None
     torch.manual_seed(seed)
-    processors = LogitsProcessorList(([rec] if rec is not None else []) + [Nucleus(temperature, top_p)])
+    kept = StepLogits(keep_logits) if keep_logits else None
+    processors = LogitsProcessorList([p for p in (rec, kept) if p is not None] + [Nucleus(temperature, top_p)])
     out = model.generate(  # temperature and top-p are the Nucleus processor's: transformers adds no warper
         input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
         max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(stop) if stop else None, **given,
@@ -77,7 +81,8 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
         if rec is not None:
             lp = rec.logprobs[i, : len(response)].copy()
             top = rec.top_ids[i, : len(response)].copy() if top_k_ids else None
-        samples.append(Sample(list(map(int, p)), response, truncated, lp, top))
+        logits = kept.of(kept.rows.index(i), len(response)) if kept is not None and i in kept.rows else None
+        samples.append(Sample(list(map(int, p)), response, truncated, lp, top, logits))
     return samples
 
 
