@@ -59,25 +59,28 @@ def test_the_first_screen_gives_both_commands_and_the_main_jobs_preset_facts():
     assert len(re.findall(r"first install", README)) == 1
 
 
+FIRST_RUNS = ("main_job_cold", "main_job_cold_epyc", "main_job_cold_avx2")  # one per machine class
+
+
 def test_the_main_jobs_time_is_the_measured_one():
     """The main job's times in the first screen are bench/bench_main_job.py's archived runs
-    (bench/results/main_job_cold.json and main_job_cold_epyc.json: an empty eval cache; main_job.json:
-    the cache as a second run has it), in minutes to one decimal, with their training and evaluation
+    (FIRST_RUNS in bench/results/: an empty eval cache, one per machine class; main_job.json: the
+    cache as a second run has it), in minutes to one decimal, with their training and evaluation
     seconds, the commit and fp32 matmul rate of the newest, and the peak memory of the first runs
     (summed RSS; the summed PSS where the run recorded it)."""
     main_row = next(line for line in README.splitlines() if line.startswith("| `bash scripts/main.sh`"))
     runs = {name: json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())
-            for name in ("main_job_cold", "main_job_cold_epyc", "main_job")}
+            for name in (*FIRST_RUNS, "main_job")}
     where = {}
-    for name, label in (("main_job_cold", "a first run"), ("main_job_cold_epyc", "a first run"), ("main_job", "a second run")):
+    for name, label in [*((name, "a first run") for name in FIRST_RUNS), ("main_job", "a second run")]:
         r = runs[name]["result"]
         quoted = f"{r['total_s'] / 60:.1f} min {label} ({r['train_s']:.0f} s training + {r['eval_s']:.0f} s evaluation)"
         assert quoted in main_row, (quoted, main_row)
         where[name] = main_row.index(quoted)
-    newest = max(("main_job_cold", "main_job_cold_epyc"), key=lambda name: runs[name]["time"])
+    newest = max(FIRST_RUNS, key=lambda name: runs[name]["time"])
     assert where[newest] == min(where.values()), "the README leads with the newest first run"
     assert f"(fp32 matmul {runs[newest]['result']['matmul_gflops']:.0f} GFLOP/s at its start) at {runs[newest]['describe']}," in main_row
-    for name in ("main_job_cold", "main_job_cold_epyc"):
+    for name in FIRST_RUNS:
         memory = runs[name]["result"]["memory"]
         assert f"peaking at {memory['peak_total_mib'] / 1024:.2f} GiB together" in main_row
         if memory.get("peak_pss_total_mib"):
