@@ -431,7 +431,7 @@ LAZY_ANYWHERE = (
 )
 # Allowed only in modules that must import without the extras (a client-only install).
 LAZY_IN = {
-    "eopd_common": ("torch", "transformers", "safetensors"),
+    "eopd_common": ("torch", "transformers", "safetensors", "gguf"),
     "eopd_teacher.settings": ("torch",),
     "eopd_teacher.engines": ("eopd_teacher.engines.transformers_engine", "eopd_teacher.engines.vllm_engine"),
     # `eopd-teacher info/score` must work on a client-only install; `serve` needs the teacher extra

@@ -43,6 +43,8 @@ CODE_FILES = (
     _PACKAGE / "eval" / "kl.py",
     _PACKAGE / "problems" / "grading.py",
     _PACKAGE / "rollout" / "samplers" / "transformers_sampler.py",
+    _PACKAGE / "rollout" / "samplers" / "nucleus.py",  # top-p: which tokens are sampled
+    _PACKAGE / "rollout" / "samplers" / "step_logits.py",  # the model's distributions of the statistics
     _PACKAGE / "data.py",
 )
 _LIBRARIES = ("torch", "transformers", "math-verify")
