@@ -23,13 +23,15 @@ class StepLogits(LogitsProcessor):
     """Records the raw logits of rows `rows` of every decode step.
 
     Use: pass it in `generate(logits_processor=LogitsProcessorList([rec, ...]))`; after generation
-    `rec.of(j, n)` is row `rows[j]`'s logits at its first `n` steps, `[n, V]` float32."""
+    `rec.of(row, n)` is batch row `row`'s logits at its first `n` steps, `[n, V]` float32 (None for a
+    row not kept)."""
 
     def __init__(self, rows: Sequence[int]):
         self.rows = [int(r) for r in rows]
         if len(set(self.rows)) != len(self.rows) or any(r < 0 for r in self.rows):
             raise ValueError(f"rows must be distinct indices >= 0, got {list(rows)}")
         self._index = torch.tensor(self.rows, dtype=torch.long)
+        self._slot = {row: j for j, row in enumerate(self.rows)}  # batch row -> its place in a step's block
         self._steps: list[torch.Tensor] = []  # [len(rows), V] per step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -37,14 +39,12 @@ class StepLogits(LogitsProcessor):
             self._steps.append(scores.detach().index_select(0, self._index.to(scores.device)).float().cpu())
         return scores
 
-    @property
-    def steps(self) -> int:
-        return len(self._steps)
-
-    def of(self, j: int, n: int) -> torch.Tensor:
-        """The logits of the j-th kept row at its first `n` steps, `[n, V]` float32."""
+    def of(self, row: int, n: int) -> torch.Tensor | None:
+        """The logits of batch row `row` at its first `n` steps, `[n, V]` float32; None when the row
+        was not kept."""
+        if row not in self._slot:
+            return None
         if not 0 <= n <= len(self._steps):
             raise ValueError(f"asked for {n} steps of {len(self._steps)} recorded")
-        if n == 0:
-            return torch.zeros((0, self._steps[0].shape[-1] if self._steps else 0), dtype=torch.float32)
-        return torch.stack([s[j] for s in self._steps[:n]])
+        j = self._slot[row]
+        return torch.stack([s[j] for s in self._steps[:n]]) if n else torch.zeros((0, 0), dtype=torch.float32)

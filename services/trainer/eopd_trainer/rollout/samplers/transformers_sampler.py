@@ -81,7 +81,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, temperature:
         if rec is not None:
             lp = rec.logprobs[i, : len(response)].copy()
             top = rec.top_ids[i, : len(response)].copy() if top_k_ids else None
-        logits = kept.of(kept.rows.index(i), len(response)) if kept is not None and i in kept.rows else None
+        logits = kept.of(i, len(response)) if kept is not None else None
         samples.append(Sample(list(map(int, p)), response, truncated, lp, top, logits))
     return samples
 
