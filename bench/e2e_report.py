@@ -127,8 +127,10 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimin
 
     `retimings`: runs of `runs` timed again on other machines (`e2e_timing.retimed`: the same
     accuracies, another machine's seconds). They add machines to pair on (`timed`: per seed, each
-    machine's seconds, the run's own machine first); a seed's ratio takes the first machine, in that
-    order, on which the reference was timed too. Every other number is the runs' own."""
+    machine's seconds, newest timing first: `timed_at` of the run's machine, see `newest_first`); a
+    seed's ratio takes the first machine, in that order, on which the reference was timed too: the
+    newest pairing measures the newest code (the archive is re-timed when the code changes). Every
+    other number is the runs' own."""
     by_system: dict[str, list[dict]] = {}
     for r in runs:
         by_system.setdefault(r["system"], []).append(r)
@@ -153,7 +155,7 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimin
             "peak_mb": [r["memory"].get("peak_total_mb", 0.0) for r in rs],
         }
     timed: dict[tuple[str, int], dict[str, dict]] = {}
-    for r in [*runs, *retimings]:  # the runs' own machines first
+    for r in newest_first([*runs, *retimings]):
         if r["checkpoints"]:
             timed.setdefault((r["system"], r["seed"]), {}).setdefault(
                 machine_of(r), {"train_s": r["checkpoints"][-1]["train_s"], **_times(r, initial, target, seed_target)})
@@ -170,6 +172,12 @@ def summarise(runs: list[dict], initial: float, reference: str = "eopd", retimin
         s["own_ratios"] = _paired_ratios(s, "own_s", ref_timed)
         s["train_ratios"] = _paired_ratios(s, "train_s", ref_timed)
     return out
+
+
+def newest_first(runs: list[dict]) -> list[dict]:
+    """`runs` by when they were timed (`machine.timed_at`, UTC ISO), newest first; those without a
+    time (timed before it was recorded) after them, in their order."""
+    return sorted(runs, key=lambda r: r.get("machine", {}).get("timed_at") or "", reverse=True)
 
 
 def _times(run: dict, initial: float, target: float | None, seed_target: dict) -> dict:
@@ -189,7 +197,7 @@ def _count_and_mean(times: list[float | None]) -> tuple[str, float | None]:
 
 def _paired_ratios(s: dict, key: str, ref_timed: dict) -> list[float]:
     """Per seed, a system's `key` seconds over the reference's in that seed on the first machine
-    (`timed`: the run's own first, then its re-timings) that timed both; a seed with no such machine,
+    (`timed`: newest timing first, `newest_first`) that timed both; a seed with no such machine,
     or where either did not reach the target, gives no ratio."""
     out = []
     for seed, machines in s["timed"].items():

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,9 +88,11 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 def timing_machine() -> dict:
     """The machine a timing is recorded on, measured now (call it on the quiet machine, just before
     the timed run): CPU model, cores, memory, the kernel's boot id (tells apart machines of one CPU
-    name) and the matmul probe (how far apart they are). Stored beside every training time that will
-    be compared across machines (the head-to-head's runs, the layout grid's cells)."""
-    return machine_facts() | {"matmul_gflops": matmul_gflops()}
+    name), the matmul probe (how far apart they are) and when (`timed_at`, UTC: the head-to-head pairs
+    a seed's systems on the machine that timed both most recently). Stored beside every training time
+    that will be compared across machines (the head-to-head's runs, the layout grid's cells)."""
+    return machine_facts() | {"matmul_gflops": matmul_gflops(),
+                              "timed_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def machine_facts() -> dict:

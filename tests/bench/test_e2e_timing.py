@@ -68,15 +68,32 @@ def test_a_seed_timed_on_two_machines_pairs_through_the_retiming():
     assert list(e["timed"][0]) == ["AMD EPYC (boot 1c7ce55b)", "Intel(R) Xeon(R) Processor (boot ce0d4cf8)"]
 
 
-def test_a_systems_own_machine_comes_before_its_retimings():
-    """TRL timed on both machines, eopd on both: the ratio uses TRL's own run's machine."""
+def test_a_seed_pairs_on_the_machine_that_timed_both_most_recently():
+    """TRL and eopd timed on three machines: the ratio uses the newest re-timing (`timed_at`: it measures
+    the newest code), then older ones; the runs' own timings, recorded before `timed_at` was, come last."""
     eopd = _run("eopd", 0, [100, 200], [0.2, 0.4])
     trl = _run("trl-gkd", 0, [60, 150], [0.4, 0.45])
     xeon = "Intel(R) Xeon(R) Processor"
-    again = retimed_runs([eopd, trl], [_run("trl-gkd", 0, [10, 20], boot=NEW, cpu=xeon),
-                                       _run("eopd", 0, [40, 80], boot=NEW, cpu=xeon)])
-    t = summarise([eopd, trl], initial=0.1, retimings=again)["systems"]["trl-gkd"]
-    assert t["train_ratios"] == pytest.approx([150 / 200])
+
+    def at(run, when):
+        run["machine"]["timed_at"] = when
+        return run
+
+    old = [at(_run("trl-gkd", 0, [10, 20], boot=NEW, cpu=xeon), "2026-12-05T10:00:00+00:00"),
+           at(_run("eopd", 0, [40, 80], boot=NEW, cpu=xeon), "2026-12-05T11:00:00+00:00")]
+    t = summarise([eopd, trl], initial=0.1, retimings=retimed_runs([eopd, trl], old))["systems"]["trl-gkd"]
+    assert t["train_ratios"] == pytest.approx([20 / 80])  # the re-timing before the runs' own machine
+    newer = "2c0ffee0-0000-4000-8000-000000000000"
+    new = [at(_run("eopd", 0, [50, 90], boot=newer), "2026-12-06T16:00:00+00:00"),
+           at(_run("trl-gkd", 0, [30, 60], boot=newer), "2026-12-06T15:00:00+00:00")]
+    s = summarise([eopd, trl], initial=0.1, retimings=retimed_runs([eopd, trl], old + new))["systems"]
+    assert s["trl-gkd"]["train_ratios"] == pytest.approx([60 / 90])
+    assert list(s["trl-gkd"]["timed"][0]) == ["AMD EPYC (boot 2c0ffee0)", f"{xeon} (boot ce0d4cf8)",
+                                              "AMD EPYC (boot 1c7ce55b)"]
+    # A machine that timed only one of the two is passed over for the newest that timed both.
+    only_trl = [at(_run("trl-gkd", 0, [1, 2], boot="3badbeef-0000-4000-8000-000000000000"), "2026-12-07T00:00:00+00:00")]
+    s = summarise([eopd, trl], initial=0.1, retimings=retimed_runs([eopd, trl], old + new + only_trl))["systems"]
+    assert s["trl-gkd"]["train_ratios"] == pytest.approx([60 / 90])
 
 
 def test_retiming_names_load_and_the_reports_words(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -131,12 +132,13 @@ def test_targets_and_projection_from_json(tmp_path):
 
 def test_a_timing_names_its_machine_and_how_fast_it_is():
     """One record, used by the head-to-head's runs and the layout grid's cells: the machine's name,
-    its boot (two machines share a CPU name) and its measured speed."""
+    its boot (two machines share a CPU name), its measured speed and when."""
     from bench.report import timing_machine
 
     m = timing_machine()
-    assert set(m) == {"cpu", "cores", "mem_gib", "boot_id", "matmul_gflops"}
+    assert set(m) == {"cpu", "cores", "mem_gib", "boot_id", "matmul_gflops", "timed_at"}
     assert m["cpu"] and m["cores"] >= 1 and m["mem_gib"] >= 1 and m["boot_id"] and m["matmul_gflops"] > 0
+    assert datetime.fromisoformat(m["timed_at"]).tzinfo is not None  # UTC, comparable across machines
 
 
 def test_provenance_ignores_the_benchmarks_own_outputs(tmp_path, monkeypatch):
