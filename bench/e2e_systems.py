@@ -41,10 +41,15 @@ from bench.report import ROOT
 # costs or gains beside `trl-gkd`; `eopd-topk-rkl` the student-top-k reverse KL with its tail bucket;
 # `eopd-rkl-full` EOPD's family member with the exact reverse KL over the full vocabulary (the teacher's hidden
 # states) in place of the one-sample estimate, plus the gated forward KL: the family's best on the training
-# split (scripts/layout_ablation.py's family rows, docs/results.md).
+# split (scripts/layout_ablation.py's family rows, docs/results.md). `eopd-trl-gkd-sum` is `eopd-trl-gkd` at
+# TRL GKDTrainer's loss scale as well: the summed per-token divergence over a constant (`loss.aggregation=
+# token-sum`), the `num_items_in_batch` transformers counts from the dataset's labels before the completions
+# are generated: the empty assistant turn's 2 tokens for each of the step's 8 examples, 16.
 EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
                 "eopd-trl-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full"),
+                "eopd-trl-gkd-sum": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full",
+                                     "loss.aggregation=token-sum", "loss.sum_divisor=16"),
                 "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
                 "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}

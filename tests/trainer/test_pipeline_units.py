@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from eopd_trainer.batching import (
+    aggregation_units,
     gradient_accumulation_steps,
     pack_rollouts,
     pack_sequences,
@@ -279,6 +280,18 @@ def test_minibatch_split_and_shuffle_deterministic():
     assert a == b and sorted(a) == sorted(r.rollout_id for r in rs)
     assert [len(m) for m in split(rs, 3)] == [3, 3, 2]
     assert shard(list(range(5)), 1, 2) == [1, 3]
+
+
+def test_aggregation_units_per_mode():
+    """The whole mini-batch's normaliser: its tokens, its sequences, or the configured constant
+    (token-sum: TRL GKDTrainer's num_items_in_batch), whatever the tokens."""
+    from eopd_trainer.objective import LossConfig
+
+    mini = [make_rollout("t0-s0", n=2), make_rollout("t1-s0", n=5, seed=1)]
+    assert aggregation_units(LossConfig(), mini) == 7.0
+    assert aggregation_units(LossConfig(aggregation="seq-mean-token-mean"), mini) == 2.0
+    assert aggregation_units(LossConfig(aggregation="token-sum", sum_divisor=16), mini) == 16.0
+    assert aggregation_units(LossConfig(aggregation="token-sum"), mini[:1]) == 1.0
 
 
 def test_cut_response():

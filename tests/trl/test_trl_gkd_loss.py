@@ -70,3 +70,27 @@ def test_gkd_variant_at_full_support_is_trls_loss(beta, masked):
     (g_ours,) = torch.autograd.grad(loss, student)
     torch.testing.assert_close(g_ours, g_trl, atol=1e-12, rtol=0)
     assert metrics["divergence_loss"] == pytest.approx(float(trl), abs=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_token_sum_aggregation_is_trls_num_items_in_batch_scale(beta):
+    """`loss.aggregation=token-sum loss.sum_divisor=N` is GKDTrainer's loss when its Trainer passes
+    `num_items_in_batch=N` (what `compute_loss` receives: transformers counts it from the dataset's
+    labels before the completions are generated, so it is a constant of the data, not the scored
+    tokens): the summed per-token divergence over N, value and gradient."""
+    student, teacher, labels = batch(seed=200 + int(beta * 10))
+    num_items = 16
+    trl = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, num_items_in_batch=num_items)
+    t_logp = torch.log_softmax(teacher, -1)
+    sampled = labels.clamp(min=0)
+    top = t_logp.topk(4, -1)
+    inputs = LossInputs(sampled, teacher_logprobs=t_logp.gather(-1, sampled[..., None]).squeeze(-1),
+                        teacher_entropies=-(t_logp.exp() * t_logp).sum(-1), teacher_topk_ids=top.indices,
+                        teacher_topk_logprobs=top.values, mask=labels != -100, teacher_logits=teacher)
+    cfg = LossConfig(variant="gkd", gkd_lambda=1.0, gkd_beta=beta, support="full", chunk_size=4,
+                     aggregation="token-sum", sum_divisor=num_items)
+    loss, _ = compute_loss(student, inputs, cfg)
+    torch.testing.assert_close(loss, trl, atol=1e-12, rtol=0)
+    (g_trl,) = torch.autograd.grad(trl, student)
+    (g_ours,) = torch.autograd.grad(loss, student)
+    torch.testing.assert_close(g_ours, g_trl, atol=1e-12, rtol=0)

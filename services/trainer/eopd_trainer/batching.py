@@ -231,3 +231,14 @@ def gradient_accumulation_steps(mini_batch_size: int, micro_batch_size: int, wor
             f"({micro_batch_size}) x the number of processes ({world_size})"
         )
     return mini_batch_size // (micro_batch_size * world_size)
+
+
+def aggregation_units(loss_cfg, mini_batch: Sequence[Rollout]) -> float:
+    """The normaliser of a whole mini-batch's loss under `loss_cfg.aggregation`: its response tokens
+    ("token-mean"), its sequences ("seq-mean-token-mean") or the constant `loss_cfg.sum_divisor`
+    ("token-sum"). Divided by the micro-batches and ranks, it is `compute_loss`'s `denominator`."""
+    if loss_cfg.aggregation == "seq-mean-token-mean":
+        return float(len(mini_batch))
+    if loss_cfg.aggregation == "token-sum":
+        return float(loss_cfg.sum_divisor)
+    return float(sum(r.num_response_tokens for r in mini_batch))

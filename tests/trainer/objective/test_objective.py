@@ -81,6 +81,8 @@ def reference_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg: L
     per = torch.where(valid, per, 0.0)
     if cfg.aggregation == "token-mean":
         return per.sum() / valid.sum()
+    if cfg.aggregation == "token-sum":
+        return per.sum() / cfg.sum_divisor
     seq_means = []
     for s in torch.unique(seq_index[valid]):
         in_s = valid & (seq_index == s)
@@ -109,14 +111,14 @@ def grads_of(loss, *tensors):
 
 
 # --------------------------------------------------------------------------------------------
-# Every variant against the reference, values and gradients, both aggregations.
+# Every variant against the reference, values and gradients, every aggregation.
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "token-sum"])
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_variant_matches_reference(variant, aggregation):
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq = make_inputs(seed=ALL_VARIANTS.index(variant))
     cfg = LossConfig(variant=variant, aggregation=aggregation, chunk_size=4, temperature=0.7,
-                     entropy_coef=0.05, random_fraction=0.3)
+                     entropy_coef=0.05, random_fraction=0.3, sum_divisor=3.0)
     loss, metrics = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=seq), cfg)
     ref = reference_loss(logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, cfg, seq_index=seq)
     assert loss.dtype == torch.float64
@@ -303,7 +305,7 @@ def test_batched_form_equals_flat_form_with_seq_index():
     b, t = 3, 5
     logits, sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, _ = make_inputs(n=b * t)
     seq = torch.arange(b).repeat_interleave(t)
-    for agg in ("token-mean", "seq-mean-token-mean"):
+    for agg in ("token-mean", "seq-mean-token-mean", "token-sum"):
         cfg = LossConfig(aggregation=agg, chunk_size=4)
         flat, mf = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=seq), cfg)
         batched, mb = compute_loss(logits.view(b, t, -1), LossInputs(sampled.view(b, t), old.view(b, t), t_lp.view(b, t), t_ent.view(b, t), t_ids.view(b, t, -1), t_tlp.view(b, t, -1), mask.view(b, t)), cfg)
@@ -405,7 +407,7 @@ def test_all_masked_gives_zero_loss_with_gradient_and_no_nan():
     t_tlp = torch.full_like(t_tlp, -torch.inf)
     sampled = torch.full_like(sampled, -100)
     for variant in ALL_VARIANTS:
-        for agg in ("token-mean", "seq-mean-token-mean"):
+        for agg in ("token-mean", "seq-mean-token-mean", "token-sum"):
             cfg = LossConfig(variant=variant, aggregation=agg)
             loss, m = compute_loss(logits, LossInputs(sampled, old, t_lp, t_ent, t_ids, t_tlp, mask, seq_index=torch.zeros(6, dtype=torch.long)), cfg)
             assert loss.item() == 0.0 and loss.requires_grad
@@ -799,6 +801,12 @@ def test_aggregation_weights_by_hand():
     torch.testing.assert_close(w, torch.tensor([1 / 6, 1 / 6, 1 / 6, 1 / 2], dtype=torch.float64))
     w = aggregation_weights("token-mean", 4, None, 8, device="cpu", dtype=torch.float64)
     torch.testing.assert_close(w, torch.full((4,), 1 / 8, dtype=torch.float64))
+    # token-sum: a constant whatever the tokens (TRL GKDTrainer's num_items_in_batch), unless a
+    # micro-batch's share of it is given
+    w = aggregation_weights("token-sum", 3, None, None, device="cpu", dtype=torch.float64, sum_divisor=16.0)
+    torch.testing.assert_close(w, torch.full((3,), 1 / 16, dtype=torch.float64))
+    w = aggregation_weights("token-sum", 3, None, 4.0, device="cpu", dtype=torch.float64, sum_divisor=16.0)
+    torch.testing.assert_close(w, torch.full((3,), 1 / 4, dtype=torch.float64))
 
 
 # --------------------------------------------------------------------------------------------
@@ -812,7 +820,7 @@ def test_config_defaults_are_the_papers():
 
 
 @pytest.mark.parametrize("bad", [{"variant": "nope"}, {"tau": -1}, {"clip_low": 1.0}, {"temperature": 0},
-                                 {"gate": ">="}, {"aggregation": "sum"}, {"shaping_kappa": 1.0},
+                                 {"gate": ">="}, {"aggregation": "sum"}, {"sum_divisor": 0}, {"shaping_kappa": 1.0},
                                  {"chunk_size": 0}, {"typo_field": 1}])
 def test_config_is_validated(bad):
     with pytest.raises(ValidationError):

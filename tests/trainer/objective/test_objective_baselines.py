@@ -68,6 +68,8 @@ def reference(logits, sampled, old, adv, t_ids, t_tlp, mask, seq, cfg: LossConfi
         seq_of.append(int(seq[t]))
     if cfg.aggregation == "token-mean":
         return torch.stack(per).sum() / len(per)
+    if cfg.aggregation == "token-sum":
+        return torch.stack(per).sum() / cfg.sum_divisor
     means = []
     for s in sorted(set(seq_of)):
         terms = [p for p, q in zip(per, seq_of) if q == s]
@@ -141,7 +143,7 @@ def reference_and_grads(form, x, cfg):
 
 
 FORMS = ["logits-flat", "logits-batched", "hidden-flat", "hidden-batched"]
-AGGS = ["token-mean", "seq-mean-token-mean"]
+AGGS = ["token-mean", "seq-mean-token-mean", "token-sum"]
 CONFIGS = {
     "kd": dict(ce_weight=0.3, kl_weight=0.9),
     "gkd": dict(gkd_lambda=0.8),

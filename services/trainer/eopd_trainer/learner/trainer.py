@@ -19,6 +19,7 @@ from huggingface_hub.utils import disable_progress_bars
 
 from ..batching import (
     PackedBatch,
+    aggregation_units,
     gradient_accumulation_steps,
     pack_rollouts,
     rollout_advantages,
@@ -203,7 +204,6 @@ class PolicyTrainer:
         its iteration)."""
         cfg = self.cfg
         loss_cfg = loss_cfg or cfg.loss
-        seq_mean = loss_cfg.aggregation == "seq-mean-token-mean"
         advantages = None
         if loss_cfg.advantages_given:
             advantages = rollout_advantages(rollouts, loss_cfg.grpo_eps)
@@ -211,7 +211,7 @@ class PolicyTrainer:
         steps = []
         for step, mini in enumerate(split(ordered, cfg.train.mini_batch_size), 1):
             local = shard(mini, self.rank, self.world)
-            units = len(mini) if seq_mean else sum(r.num_response_tokens for r in mini)
+            units = aggregation_units(loss_cfg, mini)
             # engine.backward divides by gas and the all-reduce averages over ranks: this makes the
             # sum over every micro-batch of every rank the loss over the whole mini-batch.
             denominator = units / (self.gas * self.world)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .variants import VARIANTS, Support  # the registry dict itself: variants registered later are seen too
 
 Gate = Literal["ge", "gt"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum"]
 
 
 class LossConfig(BaseModel):
@@ -39,7 +39,13 @@ class LossConfig(BaseModel):
     aggregation: Aggregation = Field(
         "token-mean",
         description='"token-mean": sum over all valid tokens / their number (Algorithm 1); '
-        '"seq-mean-token-mean": mean over each sequence\'s valid tokens, then over sequences.',
+        '"seq-mean-token-mean": mean over each sequence\'s valid tokens, then over sequences; '
+        '"token-sum": sum over all valid tokens / loss.sum_divisor, a constant (TRL GKDTrainer\'s scale: '
+        'its summed per-token divergence over num_items_in_batch, which transformers counts from the '
+        'dataset\'s labels before the completions exist).',
+    )
+    sum_divisor: float = Field(
+        1.0, gt=0.0, description='"token-sum": the constant the summed loss is divided by (1: the plain sum).',
     )
     random_fraction: float = Field(
         0.2, ge=0.0, le=1.0, description="random_fkl: share of valid tokens that receive the FKL."

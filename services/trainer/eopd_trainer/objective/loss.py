@@ -332,7 +332,7 @@ def _objective(tokens: LossInputs, cfg: LossConfig, source: dict, vocab: int, dt
     plan = _plan(v, p, cfg, need_entropy, vocab)
     w = aggregation_weights(
         cfg.aggregation, v.m, None if tokens.seq_index is None else tokens.seq_index[v.rows],
-        denominator, device=v.rows.device, dtype=dtype,
+        denominator, device=v.rows.device, dtype=dtype, sum_divisor=cfg.sum_divisor,
     )
     adv = _advantages(v, variant)
     # a divergence over the full vocabulary is its own chunked pass (dense.py), outside the fused loop
@@ -390,8 +390,8 @@ def compute_loss(
             the flat form (implied by the batched form).
         config: a `LossConfig`.
         denominator: overrides the normaliser of the aggregation (tokens for "token-mean",
-            sequences for "seq-mean-token-mean"), e.g. the whole mini-batch's count when the loss
-            is computed per micro-batch and the gradients accumulated.
+            sequences for "seq-mean-token-mean", `sum_divisor` for "token-sum"), e.g. the whole
+            mini-batch's count when the loss is computed per micro-batch and the gradients accumulated.
         generator: a CPU torch.Generator for random_fkl's draw. Without it a fresh generator is
             seeded with config.random_seed on every call, so the draw is a deterministic function
             of (random_seed, number of valid tokens): equal token counts give the same positions.

@@ -80,7 +80,8 @@ def shaped_advantages(advantages: Tensor, entropy: Tensor, alpha: float, kappa: 
 
 
 def aggregation_weights(
-    mode: str, num_tokens: int, seq_index: Tensor | None, denominator: float | None, *, device, dtype
+    mode: str, num_tokens: int, seq_index: Tensor | None, denominator: float | None, *, device, dtype,
+    sum_divisor: float = 1.0,
 ) -> Tensor:
     """Weights `w [M]` such that the aggregated loss is `sum_t w_t * loss_t` over valid tokens.
 
@@ -89,6 +90,8 @@ def aggregation_weights(
     * "seq-mean-token-mean": `w_t = 1 / (n_tokens(seq(t)) * S)`: mean over each sequence's valid
       tokens, then mean over the S sequences that have at least one valid token (S = `denominator`
       if given, for micro-batching). Needs `seq_index [M]`, the sequence of each valid token.
+    * "token-sum": `w_t = 1 / sum_divisor`, a constant whatever the token count (`denominator`, if
+      given, replaces it: the divisor scaled for micro-batching).
 
     With no valid token the weights are empty (the loss is then an exact, gradient-carrying 0).
     """
@@ -96,6 +99,9 @@ def aggregation_weights(
         return torch.zeros(0, device=device, dtype=dtype)
     if mode == "token-mean":
         n = float(denominator) if denominator is not None else float(num_tokens)
+        return torch.full((num_tokens,), 1.0 / n, device=device, dtype=dtype)
+    if mode == "token-sum":
+        n = float(denominator) if denominator is not None else float(sum_divisor)
         return torch.full((num_tokens,), 1.0 / n, device=device, dtype=dtype)
     if mode == "seq-mean-token-mean":
         if seq_index is None:
