@@ -12,6 +12,14 @@ samples iteration i's tasks with the weights after i - 1; the learner's order, i
 its optimizer state are restored); `train_metrics.jsonl` holds each step once; the evaluation ran
 once (each model evaluated in exactly one invocation).
 
+Every run here sends each round's samples to the teacher as one request (`ONE_REQUEST`): the
+teacher's fp32 scores depend on which sequences it batches together (its shared prefill and the CPU
+kernels' reduction order: up to 4e-6 in a log-prob on tiny-random, measured), and two requests in
+flight are batched together or apart as their arrival times fall. Two requests per round made the
+weights of two runs differ by ~1e-5 when a loaded machine split a round that the other run batched
+whole (a rehearsal under two pytest workers, 2026-12-06); that is a property of any two runs, resumed
+or not, and not what these tests check.
+
 The chains are long (each invocation starts a teacher, a worker and a learner); they share one
 uninterrupted reference run. The pieces they rely on are tested first, without processes: which
 config changes a resume accepts, the metrics trimmed to the committed iteration, the queue rebuilt
@@ -37,6 +45,7 @@ TINY = ROOT / "configs" / "tiny.yaml"
 ITERATIONS = 5
 BATCH = 8  # configs/tiny.yaml train.batch_size
 WEIGHTS_ATOL = 0.0  # measured: the resumed runs' weights are bitwise those of the uninterrupted run
+ONE_REQUEST = f"teacher.sequences_per_request={BATCH}"  # a round's samples in one request (module docstring)
 
 
 # Without processes --------------------------------------------------------------------------------
@@ -229,7 +238,7 @@ class Run:
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(config), f"run_dir={run_dir}",
-                 *args], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                 ONE_REQUEST, *args], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
 
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")
@@ -371,7 +380,7 @@ def test_sigkilled_at_every_point_then_resumed_on_redis_server(tmp_path, referen
 
     # Without --resume the trained run is refused, naming both options.
     res = subprocess.run([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
-                          f"run_dir={run_dir}", f"train.iterations={ITERATIONS}", evals], cwd=ROOT, env=env(),
+                          f"run_dir={run_dir}", ONE_REQUEST, f"train.iterations={ITERATIONS}", evals], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "already holds a trained run" in res.stderr, res.stderr[-2000:]
     assert "--resume" in res.stderr and "--overwrite" in res.stderr
@@ -419,7 +428,8 @@ def test_sigkilled_at_every_point_then_resumed_on_redis_server(tmp_path, referen
 
     # A changed loss variant is refused, naming it; nothing is started.
     res = subprocess.run([sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(TINY),
-                          f"run_dir={run_dir}", f"train.iterations={ITERATIONS}", evals, "loss.variant=opd", "--resume"],
+                          f"run_dir={run_dir}", ONE_REQUEST, f"train.iterations={ITERATIONS}", evals, "loss.variant=opd",
+                          "--resume"],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "the config differs from the run's (run.requested.yaml) in loss.variant" in res.stderr
