@@ -21,14 +21,17 @@ os.environ.setdefault("EOPD_TEACHER_COMPILE_STATISTICS", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules holding a `slow` test run first (stable otherwise): with two xdist workers and
-    `--dist loadfile` (scripts/test.sh), the longest files last would leave one worker idle while the
-    other finishes them (longest-first scheduling)."""
+    """Longest file first (`tests.ordering.file_rank`, from the seconds in tests/durations.json): with
+    two xdist workers and `--dist loadfile` (scripts/test.sh) taking files in turn, a long file handed
+    out last leaves one worker idle while the other finishes it. Tests keep their order within a file."""
+    from tests.ordering import file_rank, measured_seconds
+
     def file_of(item):
         return item.nodeid.split("::")[0]
 
     slow_files = {file_of(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: file_of(item) not in slow_files)
+    seconds = measured_seconds(Path(__file__).with_name("durations.json"))
+    items.sort(key=lambda item: file_rank(file_of(item), slow_files, seconds))
 
 def pytest_runtest_logreport(report):
     """With EOPD_TEST_DURATIONS=DIR, every test phase's seconds are appended to DIR/<pid>.tsv

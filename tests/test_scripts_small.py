@@ -97,3 +97,29 @@ def test_machine_letters_follow_when_each_machine_first_ran_a_cell(tmp_path):
     _cell(tmp_path, "eopd", "trl", 0, 0.5, 100.0, cpu="Xeon", boot_id="b4")  # no time: after the others
     legend = layout_ablation.machine_legend([layout_ablation.read_cell(p) for p in sorted(tmp_path.glob("*-s*"))])
     assert legend == {("Xeon", "b1"): "A", ("EPYC", "b2"): "B", ("EPYC", "b3"): "C", ("Xeon", "b4"): "D"}
+
+
+def test_the_suite_runs_its_longest_files_first():
+    """tests/conftest.py's order: unmeasured files with a slow test, then measured files longest
+    first, then the other unmeasured files; the kept seconds read back, a missing file read as none."""
+    from scripts.test_durations import order_file
+    from tests.ordering import file_rank
+
+    seconds = {"tests/long.py": 200.0, "tests/short.py": 3.0, "tests/mid.py": 50.0}
+    files = ["tests/new_unit.py", "tests/short.py", "tests/new_slow.py", "tests/long.py", "tests/mid.py"]
+    ordered = sorted(files, key=lambda f: file_rank(f, {"tests/new_slow.py", "tests/short.py"}, seconds))
+    assert ordered == ["tests/new_slow.py", "tests/long.py", "tests/mid.py", "tests/short.py", "tests/new_unit.py"]
+    kept = order_file([("tests/a.py", 4.04, "t1", 3.5), ("tests/b.py", 3.0, "t", 3.0)], "here")
+    assert kept == {"measured": "here", "seconds": {"tests/a.py": 4.0, "tests/b.py": 3.0}}
+
+
+def test_the_kept_durations_are_read_and_a_bad_file_orders_nothing(tmp_path):
+    from pathlib import Path
+
+    from tests.ordering import measured_seconds
+
+    assert measured_seconds(tmp_path / "absent.json") == {}
+    (tmp_path / "bad.json").write_text("{not json")
+    assert measured_seconds(tmp_path / "bad.json") == {}
+    kept = measured_seconds(Path(__file__).with_name("durations.json"))  # the committed one
+    assert kept and all(f.startswith("tests/") and f.endswith(".py") and s >= 0 for f, s in kept.items())
