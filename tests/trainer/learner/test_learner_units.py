@@ -385,3 +385,20 @@ def test_the_learner_start_builds_no_deepspeed_op(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
     assert not ext.exists() or not any(ext.rglob("*.so")), sorted(ext.rglob("*"))
+
+
+def test_gradient_norm_is_what_clip_grad_norm_measures_without_clipping():
+    """The step's `grad_norm` metric at ZeRO stage 0, where DeepSpeed keeps none: the gradients' L2
+    norm taken together, before `train.grad_clip`; parameters without a gradient left out."""
+    from eopd_trainer.learner.trainer import gradient_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    model[2].requires_grad_(False)
+    (model(torch.randn(4, 7)) ** 2).sum().backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    got = gradient_norm(model.parameters())
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, (p for p in model.parameters() if p.grad is not None)))
+    want = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm=1e-3)
+    assert got == pytest.approx(float(want), rel=1e-6) and got > 1e-3
+    assert gradient_norm(torch.nn.Linear(2, 2).parameters()) == 0.0  # no gradient yet

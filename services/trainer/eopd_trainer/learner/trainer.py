@@ -72,6 +72,13 @@ def fused_loss_path(train_cfg, model) -> tuple[bool, str]:
     return True, ""
 
 
+def gradient_norm(parameters) -> float:
+    """The L2 norm of the parameters' gradients taken together (those without one left out): what
+    `torch.nn.utils.clip_grad_norm_` measures before it clips, without clipping."""
+    norms = [p.grad.detach().float().norm() for p in parameters if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
 def skip_lone_allreduce(world: int, zero_stage: int) -> bool:
     """Whether the engine's gradient all-reduce is switched off: one process without ZeRO has
     nothing to reduce, yet DeepSpeed 0.19 (`buffered_allreduce_fallback`) would still copy every
@@ -218,7 +225,9 @@ class PolicyTrainer:
             rows = []
             loss_sum = {k: 0.0 for k in LOSS_TERMS}
             lr_used = float(self.scheduler.get_last_lr()[0])  # in the param groups until this step is taken
-            for micro_index, micro in enumerate(split(local, cfg.train.micro_batch_size)):
+            micros = split(local, cfg.train.micro_batch_size)
+            own_norm = None
+            for micro_index, micro in enumerate(micros):
                 packed = pack_rollouts(micro, self.pad_id, advantages=advantages)
                 if self.full_vocab_teacher is not None and loss_cfg.needs_teacher_logits:
                     packed = dataclasses.replace(packed, loss_inputs=self.full_vocab_teacher.attach(
@@ -228,6 +237,9 @@ class PolicyTrainer:
                 gen = step_generator(loss_cfg.random_seed, iteration, opt_step, self.rank, micro_index)
                 loss, m = self.micro_loss(packed, denominator, gen, loss_cfg)
                 self.engine.backward(loss)
+                if micro_index == len(micros) - 1 and cfg.train.zero_stage == 0:
+                    # the step's gradients, all-reduced, before the clip (DeepSpeed keeps no norm at stage 0)
+                    own_norm = gradient_norm(self.engine.module.parameters())
                 self.engine.step()
                 rows.append(({k: v for k, v in m.items() if k not in LOSS_TERMS}, packed.num_tokens))
                 for k in LOSS_TERMS:
@@ -236,8 +248,9 @@ class PolicyTrainer:
             # Over every rank's micro-batches (one all-reduce), not rank 0's share only.
             metrics = {**all_reduce_step_metrics(rows, loss_sum, self.step_keys, LOSS_TERMS), "lr": lr_used}
             grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = own_norm if grad_norm is None else grad_norm
             if grad_norm is not None:
-                metrics["grad_norm"] = float(grad_norm)
+                metrics["grad_norm"] = float(grad_norm)  # before train.grad_clip
             steps.append(metrics)
             self.faults.hit("learner.after_step", iteration=iteration, step=step)
         return steps
