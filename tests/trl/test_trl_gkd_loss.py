@@ -34,6 +34,17 @@ def batch(seed: int, masked: bool = True):
     return student, teacher, labels
 
 
+def gkd_inputs(teacher, labels) -> LossInputs:
+    """The loss core's inputs for `labels` (-100: not scored) with the teacher's full logits: its
+    per-token scores and top-4 derived from them."""
+    t_logp = torch.log_softmax(teacher, -1)
+    sampled = labels.clamp(min=0)
+    top = t_logp.topk(4, -1)
+    return LossInputs(sampled, teacher_logprobs=t_logp.gather(-1, sampled[..., None]).squeeze(-1),
+                      teacher_entropies=-(t_logp.exp() * t_logp).sum(-1), teacher_topk_ids=top.indices,
+                      teacher_topk_logprobs=top.values, mask=labels != -100, teacher_logits=teacher)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("beta", BETAS)
 def test_full_vocab_divergence_equals_trls_generalized_jsd_loss(beta, temperature):
@@ -57,12 +68,7 @@ def test_gkd_variant_at_full_support_is_trls_loss(beta, masked):
     beta 0 and 1 take the student's gradient written out by hand (objective.dense._DenseKL)."""
     student, teacher, labels = batch(seed=100 + int(beta * 10), masked=masked)
     trl = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, reduction="batchmean")
-    t_logp = torch.log_softmax(teacher, -1)
-    sampled = labels.clamp(min=0)
-    top = t_logp.topk(4, -1)
-    inputs = LossInputs(sampled, teacher_logprobs=t_logp.gather(-1, sampled[..., None]).squeeze(-1),
-                        teacher_entropies=-(t_logp.exp() * t_logp).sum(-1), teacher_topk_ids=top.indices,
-                        teacher_topk_logprobs=top.values, mask=labels != -100, teacher_logits=teacher)
+    inputs = gkd_inputs(teacher, labels)
     cfg = LossConfig(variant="gkd", gkd_lambda=1.0, gkd_beta=beta, support="full", chunk_size=4)
     loss, metrics = compute_loss(student, inputs, cfg)
     torch.testing.assert_close(loss, trl, atol=1e-12, rtol=0)
@@ -81,12 +87,7 @@ def test_token_sum_aggregation_is_trls_num_items_in_batch_scale(beta):
     student, teacher, labels = batch(seed=200 + int(beta * 10))
     num_items = 16
     trl = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, num_items_in_batch=num_items)
-    t_logp = torch.log_softmax(teacher, -1)
-    sampled = labels.clamp(min=0)
-    top = t_logp.topk(4, -1)
-    inputs = LossInputs(sampled, teacher_logprobs=t_logp.gather(-1, sampled[..., None]).squeeze(-1),
-                        teacher_entropies=-(t_logp.exp() * t_logp).sum(-1), teacher_topk_ids=top.indices,
-                        teacher_topk_logprobs=top.values, mask=labels != -100, teacher_logits=teacher)
+    inputs = gkd_inputs(teacher, labels)
     cfg = LossConfig(variant="gkd", gkd_lambda=1.0, gkd_beta=beta, support="full", chunk_size=4,
                      aggregation="token-sum", sum_divisor=num_items)
     loss, _ = compute_loss(student, inputs, cfg)
