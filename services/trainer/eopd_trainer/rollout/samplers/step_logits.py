@@ -47,4 +47,6 @@ class StepLogits(LogitsProcessor):
         if not 0 <= n <= len(self._steps):
             raise ValueError(f"asked for {n} steps of {len(self._steps)} recorded")
         j = self._slot[row]
-        return torch.stack([s[j] for s in self._steps[:n]]) if n else torch.zeros((0, 0), dtype=torch.float32)
+        if n == 0:  # [0, V]: concatenates with other samples' rows
+            return torch.zeros((0, self._steps[0].shape[-1] if self._steps else 0), dtype=torch.float32)
+        return torch.stack([s[j] for s in self._steps[:n]])
