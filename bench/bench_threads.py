@@ -116,14 +116,16 @@ def hog(threads: int):
         proc.wait()
 
 
-def measure(model: str, rounds: int, steps: int, batch: int, seq: int, new_tokens: int) -> dict:
+def measure(model: str, rounds: int, steps: int, batch: int, seq: int, new_tokens: int,
+            hog_threads: int | None = None) -> dict:
+    """`hog_threads` (default: every core) is the hog's thread count."""
     cores = os.cpu_count() or 1
     per_round = []
     for r in range(rounds):
         rec: dict = {}
         for setting in SETTINGS:
             alone = run_child(setting, model, steps, batch, seq, new_tokens)
-            with hog(cores):
+            with hog(hog_threads or cores):
                 beside = run_child(setting, model, steps, batch, seq, new_tokens)
             rec[setting] = {"alone": alone, "beside": beside}
         per_round.append(rec)
@@ -137,7 +139,7 @@ def measure(model: str, rounds: int, steps: int, batch: int, seq: int, new_token
             summary[f"{setting}_{work}_alone_s"] = med(alone)
             summary[f"{setting}_{work}_beside_s"] = med(beside)
             summary[f"{setting}_{work}_ratio"] = med([b / a for a, b in zip(alone, beside)])
-    return {"model": model, "cores": cores, "rounds": per_round, "steps": steps, "batch": batch, "seq": seq,
+    return {"model": model, "cores": cores, "hog_threads": hog_threads or cores, "rounds": per_round, "steps": steps, "batch": batch, "seq": seq,
             "new_tokens": new_tokens, **summary}
 
 
@@ -155,7 +157,7 @@ def section_text(data: dict) -> str:
         f"{data['model']}, {data['cores']} cores; learner step = forward + backward of {data['batch']} x {data['seq']} "
         f"tokens; sampler = greedy `generate` of {data['batch']} x {data['new_tokens']} tokens after 16-token prompts; "
         f"medians of {data['steps']} after a warm-up, each setting a fresh process, {len(data['rounds'])} rounds "
-        f"interleaved; beside = while a hog (torch matmuls on {data['cores']} threads) runs. Fair sharing with the hog "
+        f"interleaved; beside = while a hog (torch matmuls on {data.get('hog_threads', data['cores'])} threads) runs. Fair sharing with the hog "
         f"would make a process about 2x slower. Load average {data.get('load_avg', '?')} (1/5/15 min, start -> end).", "",
         markdown_table(["setting", "learner alone s", "learner beside s", "learner beside/alone",
                         "sampler alone s", "sampler beside s", "sampler beside/alone"], rows), "",
@@ -175,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(*json.loads(args.child))))
         return 0
-    batch, seq, new_tokens = 4, 64, 16
-    if args.quick:
-        args.model, args.rounds, args.steps, batch, seq, new_tokens = "tiny-random", 1, 1, 2, 16, 4
-    return measure_and_report("threads", lambda: measure(args.model, args.rounds, args.steps, batch, seq, new_tokens), section_text, quick=args.quick, out=args.out)
+    batch, seq, new_tokens, hog_threads = 4, 64, 16, None
+    if args.quick:  # a one-thread hog: the smoke checks the wiring, and CI's other tests share the cores
+        args.model, args.rounds, args.steps, batch, seq, new_tokens, hog_threads = "tiny-random", 1, 1, 2, 16, 4, 1
+    return measure_and_report("threads", lambda: measure(args.model, args.rounds, args.steps, batch, seq, new_tokens,
+                                                         hog_threads), section_text, quick=args.quick, out=args.out)
 
 
 if __name__ == "__main__":

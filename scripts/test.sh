@@ -7,9 +7,16 @@
 # Without arguments the main suite runs in two pytest-xdist workers (most tests wait on servers,
 # sockets and subprocesses: one process used about one of the two cores), then the `serial` tests
 # (latencies measured against the same request alone) one at a time, then the vLLM and TRL tier in its
-# own venv (two workers as well), which is installed in the background while the main suite runs.
+# own venv (two workers as well), which is installed in the background from the start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -eq 0 ]; then
+  # The vLLM and TRL tier's venv installs from the start, beside .venv's (each pip uses about one core:
+  # one core stood idle through the main venv's install), and goes on while the main suite runs.
+  vllm_log="$(mktemp -t eopd-vllm-setup.XXXXXX)"
+  bash scripts/vllm_env.sh --install-only >"$vllm_log" 2>&1 &
+  vllm_setup=$!
+fi
 source scripts/bootstrap.sh
 # Offline validators for deploy/ (compose, kubectl/kustomize, kubernetes-validate, hadolint).
 bash scripts/deploy_tools.sh
@@ -20,9 +27,6 @@ fi
 # wait for a preempted sibling made a sampler 16x slower beside another torch process, 1.4x with
 # passive waits (docs/benchmarks.md, *A busy CPU*).
 wait_policy="${OMP_WAIT_POLICY:-PASSIVE}"
-vllm_log="$(mktemp -t eopd-vllm-setup.XXXXXX)"
-bash scripts/vllm_env.sh --install-only >"$vllm_log" 2>&1 &
-vllm_setup=$!
 status=0
 # --no-loadscope-reorder: files are handed out in collection order (tests/conftest.py puts the files
 # with slow tests first); xdist's default reorders them by test count, which put the single-test
@@ -33,6 +37,11 @@ OMP_WAIT_POLICY="$wait_policy" python -m pytest -m serial || status=$?
 setup_status=0
 wait "$vllm_setup" || setup_status=$?
 cat "$vllm_log"
+if [ "$setup_status" != 0 ]; then  # e.g. a Debian without venv, which bootstrap.sh installed meanwhile
+  echo "[test] the vLLM environment's setup failed (exit $setup_status); once more, now that .venv is set up" >&2
+  setup_status=0
+  bash scripts/vllm_env.sh --install-only || setup_status=$?
+fi
 rm -f "$vllm_log"
 if [ "$setup_status" != 0 ]; then
   echo "[test] the vLLM environment's setup failed (exit $setup_status)" >&2

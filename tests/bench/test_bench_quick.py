@@ -76,6 +76,7 @@ def test_threads_quick(tmp_path):
     data = json.loads(out.read_text())
     (rec,) = data["rounds"]
     assert set(rec) == set(SETTINGS)
+    assert data["hog_threads"] == 1  # quick: a one-thread hog (the full run: one per core)
     assert rec["one"]["alone"]["torch_threads"] == 1 and rec["cores"]["alone"]["torch_threads"] >= 1
     for setting in SETTINGS:
         for work in ("learner", "sampler"):

@@ -137,3 +137,35 @@ def test_a_gguf_models_tokenizer_is_converted_once(tmp_path, monkeypatch):
     materialise_gguf(gguf, fresh)  # the model first: its tokenizer comes with it
     assert calls == ["tokenizer", "model", "tokenizer", "model"]
     assert (fresh / "tokenizer.json").is_file() and (fresh / ".model-done").is_file()
+
+
+def test_conversions_started_together_convert_once(tmp_path, monkeypatch):
+    """`materialise_gguf` from several threads at once on an empty target (what two test workers or
+    a run's processes do on a fresh cache): one converts under the target's lock, the others wait
+    and find it done. Stand-in conversions, as above; each open of the lock file is its own flock."""
+    import threading
+    import time
+
+    import transformers
+
+    from eopd_common.models import materialise_gguf
+
+    calls = []
+
+    class Saved:
+        def save_pretrained(self, out, **_):
+            time.sleep(0.3)  # long enough for the other threads to arrive while it converts
+            (out / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append("tokenizer") or Saved())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = tmp_path / "out"
+    threads = [threading.Thread(target=materialise_gguf, args=(gguf, target), kwargs={"tokenizer_only": True})
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["tokenizer"]
+    assert {p.name for p in target.iterdir()} == {"tokenizer.json", ".tokenizer-done"}

@@ -15,6 +15,7 @@ Nothing is ever downloaded: every spec must resolve to files on this machine.
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -82,12 +83,24 @@ def smollm2_gguf_path() -> Path:
 
 def materialise_gguf(gguf: Path, target: Path, *, tokenizer_only: bool = False) -> Path:
     """Converts a GGUF model (or only its tokenizer) into a Hugging Face directory, atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     done = target / (".tokenizer-done" if tokenizer_only else ".model-done")
     if done.exists() or (target / ".model-done").exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time per target: processes started together on an empty cache (two test
+    # workers, a user's teacher beside a run) wait for the first instead of each converting (~12 s
+    # for SmolLM2's tokenizer, ~10 s more for its weights), then find it done.
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists() or (target / ".model-done").exists():
+            return target
+        return _convert_gguf(gguf, target, done, tokenizer_only=tokenizer_only)
+
+
+def _convert_gguf(gguf: Path, target: Path, done: Path, *, tokenizer_only: bool) -> Path:
+    """`materialise_gguf`'s conversion, under its lock."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     with reads_once():  # the file parsed once for tokenizer, config and weights (~10 s less)
