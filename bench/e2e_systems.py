@@ -45,11 +45,17 @@ from bench.report import ROOT
 # TRL GKDTrainer's loss scale as well: the summed per-token divergence over a constant (`loss.aggregation=
 # token-sum`), the `num_items_in_batch` transformers counts from the dataset's labels before the completions
 # are generated: the empty assistant turn's 2 tokens for each of the step's 8 examples, 16.
+# `eopd-trl-gkd-inherit` is `eopd-trl-gkd` with OpenMP's default wait policy in its processes (spin, then
+# sleep), which TRL's process has (`threads.omp_wait_policy=inherit`; eopd's default, passive, is what
+# keeps a job fast beside other work: docs/benchmarks.md, *A busy CPU*): the same arithmetic, the threads
+# scheduled as TRL's are.
 EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
                 "eopd-trl-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full"),
                 "eopd-trl-gkd-sum": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full",
                                      "loss.aggregation=token-sum", "loss.sum_divisor=16"),
+                "eopd-trl-gkd-inherit": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full",
+                                         "threads.omp_wait_policy=inherit"),
                 "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
                 "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
