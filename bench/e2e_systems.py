@@ -196,15 +196,23 @@ def eopd_checkpoints(run_dir: Path, records: list[dict], launched: float) -> lis
 
 def eopd_layout(system: str, settings: dict) -> dict:
     """The data layout `eopd run` trains `system` at: the preset with the system's loss (its `per_loss`
-    entry included) and the run's layout overrides; iterations and checkpoints as given to bench_e2e,
-    else the config's iterations, a checkpoint every quarter."""
+    entry included) and the run's layout overrides. Iterations given to bench_e2e count the preset's
+    iterations: the system trains the same optimizer steps (`settings["steps"]`) at its own steps per
+    iteration, checkpointed every `settings["save_every_steps"]` steps (a loss at TRL's layout, one step
+    per iteration, runs twice the iterations); else the config's iterations, a checkpoint every quarter."""
     from eopd_trainer.config import load_config
 
     cfg = load_config(settings["preset_path"], [*EOPD_SYSTEMS[system], *settings.get("eopd_overrides", ())])
-    iterations = settings.get("iterations_given") or cfg.train.iterations
+    steps_per_iteration = cfg.train.batch_size // cfg.train.mini_batch_size
+    if settings.get("iterations_given"):
+        iterations = max(1, settings["steps"] // steps_per_iteration)
+        save_every = max(1, settings["save_every_steps"] // steps_per_iteration)
+    else:
+        iterations = cfg.train.iterations
+        save_every = settings.get("save_every_given") or max(1, iterations // 4)
     return {"samples_per_prompt": cfg.rollout.n_samples, "prompts_per_iteration": cfg.train.batch_size // cfg.rollout.n_samples,
-            "steps_per_iteration": cfg.train.batch_size // cfg.train.mini_batch_size, "batch_size": cfg.train.mini_batch_size,
-            "iterations": iterations, "save_every": settings.get("save_every_given") or max(1, iterations // 4)}
+            "steps_per_iteration": steps_per_iteration, "batch_size": cfg.train.mini_batch_size,
+            "iterations": iterations, "save_every": save_every}
 
 
 def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
@@ -213,9 +221,9 @@ def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained
     layout = eopd_layout(system, settings)
     args = [sys.executable, "-m", "eopd_trainer.cli", "run", "--config", str(settings["preset_path"]), f"run_dir={run_dir}",
             f"seed={seed}", *EOPD_SYSTEMS[system], f"student.model={settings['student']}",
+            *settings.get("eopd_overrides", ()),  # before the layout's iterations, which they would override
             f"train.iterations={layout['iterations']}", f"checkpoint.every={layout['save_every']}",
-            f"checkpoint.keep={layout['iterations']}", "eval.enabled=false", "logging.progress=false",
-            *settings.get("eopd_overrides", ()), "--overwrite"]
+            f"checkpoint.keep={layout['iterations']}", "eval.enabled=false", "logging.progress=false", "--overwrite"]
     mem = TreeMemory()
     launched = time.time()
     log = run_dir.with_suffix(".log")
