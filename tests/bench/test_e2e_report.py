@@ -193,8 +193,13 @@ def test_each_eopd_system_trains_at_its_losss_own_layout(tmp_path):
                    "iterations": 64, "save_every": 16}
     general = eopd_layout("eopd", settings)
     assert (general["samples_per_prompt"], general["iterations"]) == (data["rollout"]["n_samples"], data["train"]["iterations"])
-    quick = eopd_layout("eopd-gkd", {**settings, "iterations_given": 2, "save_every_given": 1})
-    assert (quick["iterations"], quick["save_every"]) == (2, 1)
+    # given iterations count the preset's (2 steps each here: 4 steps, a checkpoint every 2): at its own
+    # layout, one step per iteration, the system trains those 4 steps in 4 iterations
+    quick = eopd_layout("eopd-gkd", {**settings, "iterations_given": 2, "save_every_given": 1, "steps": 4,
+                                     "save_every_steps": 2})
+    assert (quick["iterations"], quick["save_every"]) == (4, 2)
+    assert eopd_layout("eopd", {**settings, "iterations_given": 2, "save_every_given": 1, "steps": 4,
+                                "save_every_steps": 2}) == general | {"iterations": 2, "save_every": 1}
 
 
 def test_the_published_reading_is_the_reports_own_archives(tmp_path):
