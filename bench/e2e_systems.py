@@ -204,12 +204,12 @@ def eopd_layout(system: str, settings: dict) -> dict:
 
     cfg = load_config(settings["preset_path"], [*EOPD_SYSTEMS[system], *settings.get("eopd_overrides", ())])
     steps_per_iteration = cfg.train.batch_size // cfg.train.mini_batch_size
-    if settings.get("iterations_given"):
-        iterations = max(1, settings["steps"] // steps_per_iteration)
+    given = settings.get("iterations_given")
+    iterations = max(1, settings["steps"] // steps_per_iteration) if given else cfg.train.iterations
+    if given or settings.get("save_every_given"):  # given spacing counts steps too
         save_every = max(1, settings["save_every_steps"] // steps_per_iteration)
     else:
-        iterations = cfg.train.iterations
-        save_every = settings.get("save_every_given") or max(1, iterations // 4)
+        save_every = max(1, iterations // 4)
     return {"samples_per_prompt": cfg.rollout.n_samples, "prompts_per_iteration": cfg.train.batch_size // cfg.rollout.n_samples,
             "steps_per_iteration": steps_per_iteration, "batch_size": cfg.train.mini_batch_size,
             "iterations": iterations, "save_every": save_every}
