@@ -60,11 +60,15 @@ def process_group():
     subprocesses other tests start."""
     import deepspeed
 
+    from eopd_trainer.learner.distributed import skip_shm_comm_build
     from tests.procs import free_port
 
     with pytest.MonkeyPatch.context() as mp:
         for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                      "MASTER_PORT": str(free_port())}.items():
             mp.setenv(k, v)
+        # as the learner does: DeepSpeed would JIT-compile its CPU shared-memory comm op here (38-49 s
+        # of C++ on a fresh 2-core machine, for inference_all_reduce, which no test calls)
+        skip_shm_comm_build(deepspeed)
         deepspeed.init_distributed(dist_backend="gloo")
         yield
