@@ -25,6 +25,8 @@ every module.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache
@@ -334,6 +336,21 @@ def test_learner_feed_is_torch_free():
     assert not bad, _report(bad)
 
 
+def test_the_run_supervisor_and_the_cli_import_without_torch():
+    """`eopd run`'s supervisor (job/run.py), `eopd report`, `eopd prepare` and the CLI's config loading
+    never import torch (1.5 s and ~300 MB a process; the supervisor imports it only to evaluate,
+    job/run.py `_evaluate`), checked in a fresh interpreter as those processes start."""
+    code = ("import sys, eopd_trainer.cli, eopd_trainer.job.run, eopd_trainer.job.prepare, eopd_trainer.eval.report\n"
+            "from eopd_trainer.config import load_config\n"
+            "for preset in ('configs/tiny.yaml', 'configs/smollm2-cpu.yaml', 'configs/qwen3-paper.yaml', 'configs/smollm2-far.yaml'):\n"
+            "    cfg = load_config(preset, [])\n"
+            "    cfg.loss.needs_teacher_scores, cfg.loss.teacher_share\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers'))))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
 def test_learner_trainer_is_redis_free():
     """learner/trainer.py (DeepSpeed) never imports Redis or the queue's Redis modules."""
     bad = _direct_imports("eopd_trainer.learner.trainer", (
@@ -437,6 +454,12 @@ LAZY_IN = {
     # `eopd-teacher info/score` must work on a client-only install; `serve` needs the teacher extra
     # (fastapi, uvicorn, prometheus-client), which the server module imports at its top.
     "eopd_teacher.cli.main": ("eopd_teacher.server",),
+    # `eopd run`'s supervisor, `eopd report` and `eopd --help` load a run's config and never compute a
+    # loss: the variants' registry and the data path's seeds import without torch (1.5 s and ~300 MB
+    # each), and the supervisor imports the evaluation (models: torch, transformers) when it evaluates.
+    "eopd_trainer.objective.variants": ("torch", "eopd_trainer.objective.loss_terms"),
+    "eopd_trainer.objective.rng": ("torch",),
+    "eopd_trainer.job.run": ("eopd_trainer.eval.evaluate",),
 }
 
 

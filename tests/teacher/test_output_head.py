@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eopd_common.hidden_wire import WIRE_DTYPE_BYTES, hidden_bytes_per_token
 from eopd_common.output_head import (
+    WIRE_DTYPES,
     HeadInfo,
     OutputHead,
     head_statistics,
@@ -130,3 +132,11 @@ def test_a_wrong_head_description_is_named():
         HeadInfo("m", 10, 4, "float32", False, logit_factor=0.0).check()
     with pytest.raises(ValueError, match="dtype"):
         HeadInfo("m", 10, 4, "int8", False).check()
+
+
+def test_the_torch_free_byte_sizes_are_torchs():
+    """hidden_wire's sizes (no torch: the queue's and the validation's byte bounds) are the element
+    sizes of the torch dtypes the tensors travel in, and a packed row is that many bytes."""
+    assert {n: torch.empty((), dtype=d).element_size() for n, d in WIRE_DTYPES.items()} == WIRE_DTYPE_BYTES
+    for dtype in ("bfloat16", "float32"):
+        assert len(pack_hidden(torch.randn(3, 12), dtype)) == 3 * hidden_bytes_per_token(12, dtype)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from eopd_common.output_head import head_statistics, hidden_bytes_per_token
+from eopd_common.hidden_wire import hidden_bytes_per_token
+from eopd_common.output_head import head_statistics
 from eopd_teacher.client import TeacherClient
 from eopd_trainer.config import TeacherConfig
 from eopd_trainer.config.load import load_config

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .hidden_wire import HIDDEN_DTYPES, bytes_per_value
+
 # Wire names of the hidden-state and head dtypes -> torch dtypes.
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HIDDEN_DTYPES = ("bfloat16", "float32")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -44,10 +45,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         if d == dtype:
             return name
     raise ValueError(f"dtype {dtype} has no wire name (one of {sorted(WIRE_DTYPES)})")
-
-
-def _bytes_per_value(dtype: str) -> int:
-    return torch.empty((), dtype=WIRE_DTYPES[dtype]).element_size()
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,7 @@ class HeadInfo:
     @property
     def num_bytes(self) -> int:
         """Bytes of the payload: the weight `[V, d]` and the bias `[V]` when there is one."""
-        return (self.vocab_size * self.hidden_size + (self.vocab_size if self.has_bias else 0)) * _bytes_per_value(self.dtype)
+        return (self.vocab_size * self.hidden_size + (self.vocab_size if self.has_bias else 0)) * bytes_per_value(self.dtype)
 
     def check(self) -> None:
         """ValueError naming the field that is wrong."""
@@ -157,18 +154,13 @@ def unpack_hidden(data: bytes, hidden_size: int, dtype: str, rows: int | None = 
     is wrong when the size does not fit (`rows`: the n expected, when known)."""
     if dtype not in HIDDEN_DTYPES:
         raise ValueError(f"hidden states dtype: {dtype!r} is not one of {list(HIDDEN_DTYPES)}")
-    width = hidden_size * _bytes_per_value(dtype)
+    width = hidden_size * bytes_per_value(dtype)
     if hidden_size < 1 or len(data) % width:
         raise ValueError(f"hidden states: {len(data)} bytes are not rows of hidden_size {hidden_size} {dtype}")
     n = len(data) // width
     if rows is not None and n != rows:
         raise ValueError(f"hidden states: {n} rows, expected {rows}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(WIRE_DTYPES[dtype]).view(n, hidden_size)
-
-
-def hidden_bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Bytes of one position's packed hidden state."""
-    return hidden_size * _bytes_per_value(dtype)
 
 
 # The distribution ------------------------------------------------------------------------------

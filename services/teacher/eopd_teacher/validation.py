@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from eopd_common.output_head import HIDDEN_DTYPES, hidden_bytes_per_token
+from eopd_common.hidden_wire import HIDDEN_DTYPES, hidden_bytes_per_token
 
 from .types import GenerateItem, GenerateRequest, ModelInfo, ScoreItem, ScoreRequest, ScoreSequence
 

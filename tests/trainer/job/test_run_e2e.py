@@ -246,6 +246,8 @@ def test_run_stops_every_process_on_sigterm(tmp_path, backend, sync):
             assert time.monotonic() < deadline, "no iteration within 180 s"
             time.sleep(0.5)
         check_a_stranger_is_kept_out(run_dir, proc.pid, backend, sync)
+        # the supervisor loads no torch while the run trains (it imports it only to evaluate)
+        assert "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     finally:

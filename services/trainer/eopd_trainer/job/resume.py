@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, RunConfig, config_from_dict
-from ..learner.checkpoint import read_state
+from ..learner.committed import read_state
 from ..learner.state import LearnerState
 from ..queue.namespace import RunQueue
 from .prepare import CONFIG_NAME, write_atomic

@@ -44,7 +44,7 @@ from eopd_common.memory import release_freed
 from ..config import ConfigError, RunConfig, dump_config, load_config, loss_defaults_note
 from ..config.stages import run_needs_teacher
 from ..data import load_prompts
-from ..eval.evaluate import EvalSet, RunEvaluator, eval_path, resolve_model, summary_line
+from ..eval.runs import EvalSet, eval_path, resolve_model, summary_line
 from ..faults import Faults
 from ..learner.metrics import trim_records
 from .local_queue import QueueChoice, choose_queue, run_key_file
@@ -393,6 +393,10 @@ def _evaluate(run_dir: Path, cfg: RunConfig, record: RunRecord) -> dict:
     sets = [EvalSet(None, tuple(Path(f) for f in cfg.data.eval_files))]
     if gen is not None and gen.variants and cfg.eval.variants:  # the same family written differently
         sets.append(EvalSet("variants", (run_dir / "data" / VARIANTS_FILE,)))
+    # imported here: the evaluation loads models (torch, transformers); the supervisor imports them only
+    # when it evaluates, and holds neither while the run trains
+    from ..eval.evaluate import RunEvaluator
+
     evaluator = RunEvaluator(run_dir) if todo else None
     for i, name in enumerate(todo):
         faults.hit("run.evaluate", count=i)  # fault point: before the i-th model (tests interrupt the evaluation)

@@ -29,7 +29,6 @@ learner on its own disk (they never cross a trust boundary).
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import json
 import logging
@@ -43,32 +42,10 @@ import numpy as np
 import torch
 
 from ..faults import InjectedFault
+from .committed import POINTER, STATE_FILE, atomic_write, committed_tag, read_state, tag_for
 from .state import LearnerState
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = "trainer_state.json"
-POINTER = "COMMITTED"
-
-
-def tag_for(iteration: int) -> str:
-    return f"iter{iteration:06d}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
 
 def rng_state() -> dict[str, Any]:
     """This process's random generators as JSON-able data (no pickle)."""
@@ -98,22 +75,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def rng_file(ckpt_dir: Path, tag: str, rank: int) -> Path:
     return Path(ckpt_dir) / tag / f"rng_state_rank{rank}.json"
-
-
-def committed_tag(ckpt_dir: Path) -> str | None:
-    p = Path(ckpt_dir) / POINTER
-    if not p.is_file():
-        return None
-    tag = p.read_text().strip()
-    return tag or None
-
-
-def read_state(ckpt_dir: Path, tag: str | None = None) -> LearnerState | None:
-    """The trainer state of the committed (or given) checkpoint, or None if there is none."""
-    tag = tag or committed_tag(ckpt_dir)
-    if tag is None:
-        return None
-    return LearnerState.from_json(json.loads((Path(ckpt_dir) / tag / STATE_FILE).read_text()))
 
 
 class CheckpointError(RuntimeError):
@@ -163,7 +124,7 @@ class CheckpointManager:
         self.barrier()
         try:
             engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
-            _atomic_write(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
+            atomic_write(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
             if self.faults is not None:  # fault point: the disk fills up with the shards half written
                 try:
                     self.faults.hit("checkpoint.write", iteration=iteration)
@@ -176,8 +137,8 @@ class CheckpointManager:
         self.barrier()
         if self.rank == 0:
             try:
-                _atomic_write(target / STATE_FILE, json.dumps(state.to_json(), indent=1, sort_keys=True))
-                _atomic_write(self.dir / POINTER, tag + "\n")
+                atomic_write(target / STATE_FILE, json.dumps(state.to_json(), indent=1, sort_keys=True))
+                atomic_write(self.dir / POINTER, tag + "\n")
             except OSError as exc:
                 self._failed(target, exc)
             self._prune(keep_tag=tag)

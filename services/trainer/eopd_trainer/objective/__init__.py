@@ -71,20 +71,42 @@ gradient (of zeros); -inf teacher top-k log-probs get zero mass (a row of only -
 k = 1 makes p~ one-hot; `eopd` with alpha = 0 builds exactly the `opd` graph.
 """
 
+import importlib
+
 from .config import LossConfig
-from .dense import full_vocab_divergence, generalized_jsd, support_divergence
-from .inputs import LossInputs
-from .loss import METRIC_KEYS, compute_loss, compute_loss_from_hidden
-from .rng import step_generator, step_seed
-from .terms import (
-    aggregation_weights,
-    clipped_pg_loss,
-    group_advantages,
-    shaped_advantages,
-    topk_forward_kl,
-)
 from .variants import VARIANTS, PositionContext, Variant, get_variant, register_variant
-from .vocab import VocabPlan, vocab_stats
+
+# The tensor functions are imported on first use (PEP 562): the configuration and the variants'
+# registry above import without torch, so a process that only loads a run's config (`eopd run`'s
+# supervisor, `eopd report`) does not pay torch's import. `from eopd_trainer.objective import
+# compute_loss` works as before.
+_LAZY = {
+    "LossInputs": "inputs",
+    "compute_loss": "loss",
+    "compute_loss_from_hidden": "loss",
+    "METRIC_KEYS": "loss",
+    "full_vocab_divergence": "dense",
+    "generalized_jsd": "dense",
+    "support_divergence": "dense",
+    "step_generator": "rng",
+    "step_seed": "rng",
+    "aggregation_weights": "terms",
+    "clipped_pg_loss": "terms",
+    "group_advantages": "terms",
+    "shaped_advantages": "terms",
+    "topk_forward_kl": "terms",
+    "VocabPlan": "vocab",
+    "vocab_stats": "vocab",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LossConfig",

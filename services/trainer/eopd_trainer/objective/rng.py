@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _PERSON = b"eopd-step-gen-v1"  # domain separation of the hash (16 bytes, blake2b's maximum)
 
@@ -45,7 +47,10 @@ def step_seed(seed: int, *keys: int) -> int:
 
 
 def step_generator(seed: int, *keys: int) -> torch.Generator:
-    """A CPU `torch.Generator` seeded by `step_seed(seed, *keys)`: same arguments, same draws."""
+    """A CPU `torch.Generator` seeded by `step_seed(seed, *keys)`: same arguments, same draws.
+    (torch is imported here: `step_seed` serves the data path's config, which loads without torch.)"""
+    import torch
+
     gen = torch.Generator(device="cpu")
     gen.manual_seed(step_seed(seed, *keys))
     return gen

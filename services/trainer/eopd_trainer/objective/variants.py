@@ -44,13 +44,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
-import torch
-from torch import Tensor
-
-from .loss_terms import CrossEntropy, Divergence, ForwardKL, LossTerm, PolicyGradient, StudentEntropy
 from .params import LossParams
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from .loss_terms import LossTerm
+
+# The registry imports without torch: `LossConfig` validates a variant's name and asks it what it
+# needs (teacher scores, candidates, logits, teacher-generated responses), and the run's config is
+# loaded by processes that never compute a loss (`eopd run`'s supervisor, `eopd report`, `eopd
+# --help`: 1.5 s of torch import each, and ~300 MB resident). The tensor code below imports torch and
+# the loss terms when it runs.
 
 Support = Literal["teacher_topk", "student_topk", "full"]
 SUPPORTS: tuple[str, ...] = ("teacher_topk", "student_topk", "full")
@@ -84,6 +92,8 @@ def gated(ctx: PositionContext) -> Tensor:
 
 def everywhere(ctx: PositionContext) -> Tensor:
     """FKL at every valid token."""
+    import torch
+
     return torch.ones_like(ctx.gate)
 
 
@@ -92,6 +102,8 @@ def random_share(ctx: PositionContext) -> Tensor:
     (`torch.randperm(M, generator=ctx.generator)[:n]`). The draw is a deterministic function of the
     generator's state and M: without a caller generator (a fresh one seeded with random_seed per
     call) every call with the same M picks the same positions; pass `step_generator(...)`."""
+    import torch
+
     m = ctx.gate.numel()
     n = int(math.floor(ctx.config.random_fraction * m + 0.5))
     picked = torch.randperm(m, generator=ctx.generator)[:n].to(ctx.gate.device)
@@ -189,6 +201,8 @@ class Variant:
         """The variant's loss under `cfg`: `(weight, term)` pairs, in the order they are added up
         (pg, divergence over a support, FKL, entropy, CE). A term whose weight `cfg` makes 0 is left
         out (e.g. eopd with alpha = 0 is exactly opd)."""
+        from .loss_terms import CrossEntropy, Divergence, ForwardKL, PolicyGradient, StudentEntropy
+
         d = self.divergence(cfg)
         pairs = (
             (1.0 if self.pg else 0.0, PolicyGradient()),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from eopd.v1 import rollout_pb2 as pb
-from eopd_common.output_head import hidden_bytes_per_token
+from eopd_common.hidden_wire import hidden_bytes_per_token
 from google.protobuf.message import DecodeError
 
 from .mixture import MIN_LOGPROB, TeacherPart, decode_parts, encode_parts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from eopd.v1 import rollout_pb2 as pb
-from eopd_common.output_head import HIDDEN_DTYPES, hidden_bytes_per_token
+from eopd_common.hidden_wire import HIDDEN_DTYPES, hidden_bytes_per_token
 
 from .mixture import MIN_LOGPROB
 
