@@ -17,6 +17,7 @@ LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, la
           "eopd-trl-gkd": "eopd (TRL's objective: GKD lambda 1, beta 1, full vocabulary)",
           "eopd-trl-gkd-sum": "eopd (TRL's objective at TRL's loss scale: summed over tokens / 16)",
           "eopd-trl-gkd-inherit": "eopd (TRL's objective, OpenMP's default wait policy as in TRL's process)",
+          "eopd-trl-gkd-async": "eopd (TRL's objective, async: sampling overlaps training, one version of lag)",
           "eopd-topk-rkl": "eopd (reverse KL over the student's top-16, tail bucket)",
           "eopd-rkl-full": "eopd (EOPD with the exact full-vocabulary reverse KL)", "trl-gkd": "TRL GKDTrainer (in-process teacher)",
           "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}

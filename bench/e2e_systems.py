@@ -48,7 +48,11 @@ from bench.report import ROOT
 # `eopd-trl-gkd-inherit` is `eopd-trl-gkd` with OpenMP's default wait policy in its processes (spin, then
 # sleep), which TRL's process has (`threads.omp_wait_policy=inherit`; eopd's default, passive, is what
 # keeps a job fast beside other work: docs/benchmarks.md, *A busy CPU*): the same arithmetic, the threads
-# scheduled as TRL's are.
+# scheduled as TRL's are. `eopd-trl-gkd-async` is `eopd-trl-gkd` in async mode (`mode=async`): the worker
+# samples the next step's responses while the learner trains on these, so the per-iteration costs that
+# TRL's layout pays at every optimizer step (a sampling round, the teacher's round trip, a weight publish)
+# overlap the training instead of adding to it, at the price of one policy version of lag (GKD has no
+# importance ratio to correct it).
 EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0"),
                 "eopd-trl-gkd": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full"),
@@ -56,6 +60,8 @@ EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                                      "loss.aggregation=token-sum", "loss.sum_divisor=16"),
                 "eopd-trl-gkd-inherit": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full",
                                          "threads.omp_wait_policy=inherit"),
+                "eopd-trl-gkd-async": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full",
+                                       "mode=async"),
                 "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
                 "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}

@@ -22,8 +22,11 @@ def test_every_eopd_system_is_a_valid_configuration(system, layout):
     cfg = load_config(ROOT / "configs" / "smollm2-cpu.yaml", [*EOPD_SYSTEMS[system], *LAYOUTS[layout]])
     for item in EOPD_SYSTEMS[system]:
         key, value = item.split("=", 1)
-        section, field = key.split(".")
-        assert str(getattr(getattr(cfg, section), field)) == str(type(getattr(getattr(cfg, section), field))(value))
+        *sections, field = key.split(".")
+        owner = cfg
+        for section in sections:
+            owner = getattr(owner, section)
+        assert str(getattr(owner, field)) == str(type(getattr(owner, field))(value))
 
 
 def test_the_inherit_system_is_trl_gkd_with_openmps_default_wait_policy():
@@ -56,3 +59,10 @@ def test_given_iterations_train_every_system_for_the_same_optimizer_steps():
     # nothing given: each system's own configuration (64 one-step iterations for gkd, 32 two-step for eopd)
     assert eopd_layout("eopd-trl-gkd", _settings())["iterations"] == 64
     assert eopd_layout("eopd", _settings())["iterations"] == 32
+
+
+def test_the_async_system_is_trl_gkd_in_async_mode():
+    base = load_config(ROOT / "configs" / "smollm2-cpu.yaml", list(EOPD_SYSTEMS["eopd-trl-gkd"]))
+    overlapped = load_config(ROOT / "configs" / "smollm2-cpu.yaml", list(EOPD_SYSTEMS["eopd-trl-gkd-async"]))
+    assert base.mode == "sync" and overlapped.mode == "async"
+    assert base.model_copy(update={"mode": "async"}) == overlapped
