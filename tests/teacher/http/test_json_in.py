@@ -92,6 +92,7 @@ def test_large_bodies_that_yajl_refuses_are_refused_with_its_message():
         json_in.loads(raw)
 
 
+@pytest.mark.serial  # a time bound: beside the other worker's processes the watching thread can be descheduled
 def test_a_large_body_never_holds_the_gil_for_long():
     rng = random.Random(0)
     ids = [rng.randrange(49152) for _ in range(1_000_000)]
