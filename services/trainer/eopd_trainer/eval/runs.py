@@ -14,6 +14,7 @@ from pathlib import Path
 from eopd_common.models import materialise_spec
 
 from ..config import ConfigError, RunConfig, load_config
+from ..learner.committed import POINTER, committed_tag
 
 
 def summary_line(name: str, r: dict) -> str:
@@ -34,7 +35,10 @@ def summary_line(name: str, r: dict) -> str:
 
 
 def committed_export(run_dir: Path) -> Path:
-    tag = (run_dir / "checkpoints" / "COMMITTED").read_text().strip()
+    """The Hugging Face export of the run's committed checkpoint (the learner's commit pointer)."""
+    tag = committed_tag(run_dir / "checkpoints")
+    if tag is None:
+        raise FileNotFoundError(f"{run_dir / 'checkpoints' / POINTER}: the run has no committed checkpoint")
     return run_dir / "checkpoints" / tag / "hf"
 
 
