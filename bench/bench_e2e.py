@@ -29,7 +29,9 @@ Phases, each resumable (a run whose files are in --out or --archive is not done 
 `train` (timed, one run at a time: needs an otherwise idle machine), `eval` (`eopd eval` of every
 checkpoint on the held-out set, the last also on the variants set; the time does not matter, the
 checkpoints are deleted afterwards unless --keep-checkpoints), `report` (docs/benchmarks.md section
-`e2e_trl` and docs/figures/e2e_trl.png). `--phase all` does the three. `retime` (timed, like
+`e2e_trl` and docs/figures/e2e_trl.png). `--phase all` does the three, but writes the section only
+when it holds every system the published one holds: `--phase all --systems NEW` adds a system's runs
+without replacing the section. `retime` (timed, like
 `train`) trains archived runs again on this machine for their seconds alone, so that systems timed
 on a later machine still pair with them (bench/e2e_timing.py).
 """
@@ -46,7 +48,7 @@ from pathlib import Path
 from bench import e2e_report as rep
 from bench import e2e_timing
 from bench.e2e_systems import DEFAULT_SYSTEMS, EOPD_SYSTEMS, LAYOUTS, SYSTEMS, base_system, system_key, train, trl_python
-from bench.report import ROOT, machine_description, provenance, timing_machine, write_results, write_section
+from bench.report import ROOT, machine_description, provenance, results_dir, timing_machine, write_results, write_section
 
 SECTION = "e2e_trl"
 FIGURE = ROOT / "docs" / "figures" / "e2e_trl.png"
@@ -357,8 +359,19 @@ def archive_reading(archive: Path | None) -> str | None:
     return path.read_text().strip() if path is not None and path.is_file() else None
 
 
+def dropped_systems(published: dict | None, runs: list[dict]) -> list[str]:
+    """The systems of the published results (`published`: the JSON the section was rendered from) that
+    `runs` lacks, sorted: a report of fewer systems (`--phase all --systems ONE` to add one system)
+    must not replace the section of every system."""
+    have = {r["system"] for r in runs}
+    return sorted({r["system"] for r in (published or {}).get("runs", [])} - have)
+
+
 def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool, json_out: Path | None,
-           archive: Path | None = ARCHIVE, reference: str = "eopd") -> dict:
+           archive: Path | None = ARCHIVE, reference: str = "eopd", keep_fuller: bool = False) -> dict:
+    """The summary of `runs`; with `write`, the published section, its JSON and figure, unless
+    `keep_fuller` (`--phase all`) and the published JSON holds systems `runs` lacks (`dropped_systems`);
+    `--phase report` always writes."""
     initial = json.loads(initial_eval.read_text())["models"]["initial"]["avg_at_k"]
     retimings = e2e_timing.retimed_runs(runs, e2e_timing.load_timings(archive))
     summary = rep.summarise(runs, initial, reference=reference, retimings=retimings)
@@ -372,7 +385,13 @@ def report(runs: list[dict], settings: dict, initial_eval: Path, *, write: bool,
     print(rep.summary_table(summary, data["eval_n"]))
     if json_out is not None:
         json_out.write_text(json.dumps(data, indent=1))
-    if write and runs:
+    published = results_dir() / f"{SECTION}.json"
+    dropped = (dropped_systems(json.loads(published.read_text()) if published.is_file() else None, runs)
+               if write and keep_fuller else [])
+    if write and dropped:
+        print(f"[e2e] not writing the published section ({published}, docs/benchmarks.md, the figure): it has "
+              f"{', '.join(dropped)}, which this report lacks (render it with --phase report and every system)", flush=True)
+    elif write and runs:
         FIGURE.parent.mkdir(parents=True, exist_ok=True)
         rep.figure(runs, initial, summary["target"], FIGURE, data["eval_n"], reference=reference)
         path = write_results(SECTION, data)
@@ -435,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.archive / "initial").mkdir(parents=True, exist_ok=True)
             shutil.copy(initial, args.archive / "initial" / "eval.json")
         report(runs, settings, initial, write=not args.quick and args.phase in ("all", "report"), json_out=args.out,
-               archive=args.archive, reference=args.reference)
+               archive=args.archive, reference=args.reference, keep_fuller=args.phase == "all")
     if args.quick:
         shutil.rmtree(args.runs, ignore_errors=True)
     return 0

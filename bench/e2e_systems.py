@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from bench.e2e_time_split import eopd_split, trl_split, worker_times
 from bench.report import ROOT
 
@@ -245,7 +247,8 @@ def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained
     trained = Trained(system, seed, eopd_checkpoints(run_dir, records, launched), memory, wall, layout=layout)
     try:
         worker = [worker_times(p.read_text()) for p in sorted((run_dir / "logs").glob("rollout-*.log"))]
-        trained.time_split = eopd_split(records, launched, sum(w[0] for w in worker), sum(w[1] for w in worker))
+        mode = yaml.safe_load((run_dir / "run.yaml").read_text())["mode"]
+        trained.time_split = eopd_split(records, launched, sum(w[0] for w in worker), sum(w[1] for w in worker), mode)
     except (OSError, ValueError) as exc:  # the run's curve stands without its split
         trained.notes.append(f"no time split: {exc}")
     return trained

@@ -12,7 +12,10 @@ this module exists):
   learner's iteration is its wait for the batch (collect), its forward/backward/optimizer steps, and
   the rest (publishing the new weights; a checkpoint's write is off the training clock, as in the
   head-to-head). In sync mode the worker samples inside the learner's wait: the wait less the
-  worker's sampling and weight loads is the teacher's scoring and the hand-offs (queue, streams).
+  worker's sampling and weight loads is the teacher's scoring and the hand-offs (queue, streams). In
+  async mode the worker samples and loads weights beside the learner's steps: those seconds are not
+  on the training clock, and the learner's wait is what the overlap left of sampling, scoring and
+  hand-offs together (the split says `mode`; the table shows the overlapped seconds apart).
 - TRL (`trl_split`): `bench/e2e_trl.py`'s stopwatch around GKD's on-policy generation and its
   teacher's forwards; the rest of the training loop is the student's forward, loss, backward and
   optimizer step (and the trainer's own bookkeeping). Start-up is the runner's launch to `train()`.
@@ -42,10 +45,15 @@ def worker_times(log_text: str) -> tuple[float, float]:
     return float(sample_s), float(load_s)
 
 
-def eopd_split(records: list[dict], launched: float, sampling_s: float, weight_load_s: float) -> dict:
+def eopd_split(records: list[dict], launched: float, sampling_s: float, weight_load_s: float,
+               mode: str = "sync") -> dict:
     """Seconds of an `eopd run`'s training clock by phase (the module's docstring), from its metrics
-    records (`train_metrics.jsonl`, every kind), its launch time (unix s) and its worker's totals.
-    Phases sum to the training clock up to the last iteration (checkpoint writes left out)."""
+    records (`train_metrics.jsonl`, every kind), its launch time (unix s), its worker's totals and
+    the run's `mode`. Phases sum to the training clock up to the last iteration (checkpoint writes
+    left out); in async mode the worker's sampling and weight loads are beside that clock, and its
+    teacher-and-hand-off share is not separable from the learner's wait (None)."""
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be sync or async, got {mode!r}")
     its = [r for r in records if r.get("kind") == "iteration"]
     if not its:
         raise ValueError("no iteration records")
@@ -61,8 +69,8 @@ def eopd_split(records: list[dict], launched: float, sampling_s: float, weight_l
     return {"system": "eopd", "optimizer_steps": int(its[-1]["step"]), "iterations": len(its),
             "start_s": its[0]["time"] - its[0]["iter/iteration_s"] - launched,
             "learner_steps_s": steps, "publish_s": rest, "collect_s": collect,
-            "sampling_s": sampling_s, "weight_load_s": weight_load_s,
-            "teacher_and_handoff_s": collect - sampling_s - weight_load_s}
+            "sampling_s": sampling_s, "weight_load_s": weight_load_s, "mode": mode,
+            "teacher_and_handoff_s": collect - sampling_s - weight_load_s if mode == "sync" else None}
 
 
 def trl_split(timeline: dict, launched: float) -> dict:
@@ -86,6 +94,23 @@ ROWS = [  # (label, eopd key, TRL key)
     ("the student's forward, loss, backward, optimizer step", "learner_steps_s", "student_step_s"),
     ("publishing the new weights (learner) and loading them (sampler)", "publish_s+weight_load_s", None),
 ]
+# async mode: the worker's sampling and weight loads run beside the learner's steps (shown in brackets,
+# not on the clock); the learner's wait for a scored batch is what the overlap left of all three.
+ROWS_ASYNC = [  # (label, eopd key on the clock, eopd key beside it, TRL key)
+    ("start-up (processes, model loads)", "start_s", None, "start_s"),
+    ("sampling the student's responses", None, "sampling_s", "generate_s"),
+    ("the teacher's scores, and eopd's hand-offs (queue, streams); async: the learner's wait for a scored "
+     "batch, what the overlap left of sampling, scores and hand-offs", "collect_s", None, "teacher_forward_s"),
+    ("the student's forward, loss, backward, optimizer step", "learner_steps_s", None, "student_step_s"),
+    ("publishing the new weights (learner) and loading them (sampler)", "publish_s", "weight_load_s", None),
+]
+
+
+def _rows(split: dict) -> list[tuple[str, str | None, str | None, str | None]]:
+    """(label, eopd key on the clock, eopd key beside it, TRL key) for `split`'s mode."""
+    if split.get("mode") == "async":
+        return ROWS_ASYNC
+    return [(label, e, None, t) for label, e, t in ROWS]
 
 
 def _value(split: dict, key: str | None) -> float | None:
@@ -95,18 +120,23 @@ def _value(split: dict, key: str | None) -> float | None:
 
 
 def _total(split: dict) -> float:
-    keys = [k for _, e, t in ROWS for k in ((e if split["system"] == "eopd" else t) or "").split("+") if k]
+    keys = [k for _, e, _, t in _rows(split) for k in ((e if split["system"] == "eopd" else t) or "").split("+") if k]
     return sum(split[k] for k in keys)
 
 
 def table(eopd: dict, trl: dict) -> str:
-    """Seconds per optimizer step of each phase, eopd beside TRL, and eopd's excess over TRL's."""
+    """Seconds per optimizer step of each phase, eopd beside TRL, and eopd's excess over TRL's; in
+    async mode eopd's seconds beside the training clock in brackets, not in the total."""
     rows = []
-    for label, e_key, t_key in ROWS:
-        e = _value(eopd, e_key) / eopd["optimizer_steps"]
+    for label, e_key, beside_key, t_key in _rows(eopd):
+        e = _value(eopd, e_key)
+        e = None if e is None else e / eopd["optimizer_steps"]
+        beside = _value(eopd, beside_key)
         t = _value(trl, t_key)
         t = None if t is None else t / trl["optimizer_steps"]
-        rows.append([label, f"{e:.2f}", "-" if t is None else f"{t:.2f}", f"{e - (t or 0.0):+.2f}"])
+        shown = " ".join(x for x in ("" if e is None else f"{e:.2f}",
+                                     "" if beside is None else f"({beside / eopd['optimizer_steps']:.2f} beside)") if x)
+        rows.append([label, shown, "-" if t is None else f"{t:.2f}", f"{(e or 0.0) - (t or 0.0):+.2f}"])
     e_all, t_all = _total(eopd) / eopd["optimizer_steps"], _total(trl) / trl["optimizer_steps"]
     rows.append(["**total**", f"**{e_all:.2f}**", f"**{t_all:.2f}**", f"**{e_all - t_all:+.2f}** ({e_all / t_all:.2f}x)"])
     return markdown_table(["s per optimizer step", "eopd", "TRL GKDTrainer", "eopd - TRL"], rows)
@@ -145,8 +175,9 @@ def section_text(runs: list[dict]) -> str:
               "that projection is part of the teacher's forward. eopd runs the step through DeepSpeed.", ""]
     for run, ref in found:
         m = run.get("machine") or {}
+        mode = run["time_split"].get("mode", "sync")
         lines += [f"**{run['system']}**, seed {run['seed']}, on {m.get('cpu', '?')} (boot {m.get('boot_id', '?')[:8]}, "
-                  f"{m.get('matmul_gflops', '?')} GFLOP/s), {run['time_split']['iterations']} iterations:", "",
+                  f"{m.get('matmul_gflops', '?')} GFLOP/s), {run['time_split']['iterations']} iterations, {mode} mode:", "",
                   table(run["time_split"], ref["time_split"]), ""]
     return "\n".join(lines).rstrip()
 

@@ -3,6 +3,8 @@ the per-system summary and its ratio to eopd, against values worked out by hand.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.e2e_report import curve, machines_line, summarise, summary_table, time_to_reach, time_to_stay
@@ -214,3 +216,36 @@ def test_the_published_reading_is_the_reports_own_archives(tmp_path):
     assert archive_reading(avg8) == "**Reading.** Avg@8 runs, three seeds."
     if (ARCHIVE / "reading.md").is_file():
         assert archive_reading(avg8) != archive_reading(ARCHIVE)
+
+
+def test_a_report_of_fewer_systems_never_replaces_the_published_one(tmp_path, monkeypatch, capsys):
+    """`--phase all --systems ONE` (one new system trained and graded) once rewrote docs/benchmarks.md's
+    head-to-head, its JSON and figure with that one system: `--phase all` writes the published section
+    only when it holds every system the section holds; `--phase report` writes what it is given."""
+    from bench import bench_e2e
+
+    published = {"runs": [{"system": "trl-gkd"}, {"system": "eopd-gkd"}, {"system": "eopd-gkd"}]}
+    assert bench_e2e.dropped_systems(published, [{"system": "eopd-trl-gkd-async"}]) == ["eopd-gkd", "trl-gkd"]
+    assert bench_e2e.dropped_systems(published, [{"system": "trl-gkd"}, {"system": "eopd-gkd"}, {"system": "x"}]) == []
+    assert bench_e2e.dropped_systems(None, [{"system": "x"}]) == []
+
+    monkeypatch.setenv("EOPD_BENCH_RESULTS", str(tmp_path))
+    (tmp_path / f"{bench_e2e.SECTION}.json").write_text(json.dumps(published))
+    figure = tmp_path / "fig.png"
+    monkeypatch.setattr(bench_e2e, "FIGURE", figure)
+    monkeypatch.setattr(bench_e2e, "write_section", lambda *a: pytest.fail("the section was written"))
+    initial = tmp_path / "initial.json"
+    initial.write_text(json.dumps({"models": {"initial": {"avg_at_k": 0.15}}}))
+    run = _run("eopd-trl-gkd-async", 0, [(100.0, 0.3), (200.0, 0.4)])
+    bench_e2e.report([run], {"eval_n": 8}, initial, write=True, json_out=None, archive=None,
+                     reference="eopd-trl-gkd-async", keep_fuller=True)  # --phase all
+    assert "not writing the published section" in capsys.readouterr().out
+    assert json.loads((tmp_path / f"{bench_e2e.SECTION}.json").read_text()) == published and not figure.exists()
+    written = []  # --phase report writes what it is given
+    monkeypatch.setattr(bench_e2e, "write_section", lambda *a: written.append(a))
+    monkeypatch.setattr(bench_e2e, "section_text", lambda data: "the section")
+    bench_e2e.report([run], {"eval_n": 8}, initial, write=True, json_out=None, archive=None,
+                     reference="eopd-trl-gkd-async")
+    assert written and figure.exists()
+    assert {r["system"] for r in json.loads((tmp_path / f"{bench_e2e.SECTION}.json").read_text())["runs"]} == {
+        "eopd-trl-gkd-async"}

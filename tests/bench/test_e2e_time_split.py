@@ -67,3 +67,27 @@ def test_section_pairs_by_seed_and_machine():
     text = ts.section_text(runs)
     assert "**eopd-trl-gkd**, seed 0" in text and "eopd-gkd" not in text
     assert ts.section_text(runs[1:]).endswith("No run pair with a time split yet.")
+
+
+def test_an_async_run_keeps_the_overlapped_seconds_off_its_clock():
+    """mode: async (the worker samples while the learner steps): the wait less the sampling once gave
+    eopd-trl-gkd-async's seed 0 a teacher share of -320 s; now the sampling and the weight loads are
+    beside the clock, the learner's wait stands on the teacher's row, and the total is still the clock."""
+    launched = 1000.0
+    records = [_iteration(1, 1020.0, 10.0, 1.0, 8.0), _iteration(2, 1030.0, 10.0, 0.5, 9.0)]
+    split = ts.eopd_split(records, launched, sampling_s=15.0, weight_load_s=2.0, mode="async")
+    assert split["mode"] == "async" and split["teacher_and_handoff_s"] is None
+    assert ts._total(split) == pytest.approx(1030.0 - launched)  # start 10 + wait 1.5 + steps 17 + publish 1.5
+    trl = {"system": "trl", "optimizer_steps": 2, "start_s": 5.0, "generate_s": 8.0, "teacher_forward_s": 4.0,
+           "student_step_s": 12.0}
+    text = ts.table(split, trl)
+    assert "| sampling the student's responses | (7.50 beside) | 4.00 | -4.00 |" in text
+    assert "async: the learner's wait for a scored batch" in text and "| 0.75 | 2.00 | -1.25 |" in text
+    assert "| publishing the new weights (learner) and loading them (sampler) | 0.75 (1.00 beside) | - | +0.75 |" in text
+    assert "| **total** | **15.00** | **14.50** | **+0.50** (1.03x) |" in text
+    assert ts.eopd_split(records, launched, 15.0, 2.0)["teacher_and_handoff_s"] == pytest.approx(1.5 - 17.0)  # sync
+    with pytest.raises(ValueError, match="mode must be"):
+        ts.eopd_split(records, launched, 15.0, 2.0, mode="overlap")
+    runs = [{"system": s, "seed": 0, "machine": {"boot_id": "aaaaaaaa", "cpu": "X"}, "time_split": x}
+            for s, x in (("trl-gkd", trl), ("eopd-trl-gkd-async", split))]
+    assert "**eopd-trl-gkd-async**, seed 0, on X (boot aaaaaaaa, ? GFLOP/s), 2 iterations, async mode:" in ts.section_text(runs)
