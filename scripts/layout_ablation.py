@@ -14,6 +14,7 @@ learning rate, so a difference between two layouts is the layout, not the comput
     p2x4            2 x 4                1                64          128               trl / p4x2 / p2x4: responses per prompt
     p16x1           16 x 1               2                32          512               trl vs p16x1: policy lag at 1 response
     preset-async    8 x 2, mode async    2                32          256               per-iteration costs hidden
+    trl-async       8 x 1, mode async    1                64          512               trl vs trl-async: the same, at 1 step
 
 A cell's small files (run.yaml, run_summary.json, train_metrics.jsonl, eval-<probe>.json) are archived
 to ARCHIVE/<loss>-<layout>-s<seed>/ and a cell archived there is never run again, so the grid can be
@@ -70,6 +71,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "p2x4": ("rollout.n_samples=4", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
     "p16x1": ("rollout.n_samples=1", "train.batch_size=16", "train.mini_batch_size=8", "train.iterations=32"),
     "preset-async": ("mode=async",),
+    "trl-async": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64",
+                  "mode=async"),
 }
 PROBE = 128  # the first this many training problems
 PROBE_SET = f"train{PROBE}"
