@@ -38,6 +38,7 @@ E2E_ROWS = (("eopd-rkl-full", "**EOPD with the exact reverse KL** (eopd's defaul
             ("eopd", "EOPD, the paper's loss (eopd, `loss.variant=eopd`)"),
             ("opd", "OPD (eopd)"), ("eopd-gkd", "GKD, λ 1 (eopd; forward KL over the teacher's top-16)"),
             ("eopd-trl-gkd", "TRL's objective in eopd (GKD, λ 1, β 1, `loss.support=full`)"),
+            ("eopd-trl-gkd-async", "the same, `mode=async` (sampling beside training, one version of policy lag)"),
             ("trl-gkd", "TRL's GKDTrainer (λ 1, β 1)"))
 
 
