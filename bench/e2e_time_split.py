@@ -87,16 +87,16 @@ def trl_split(timeline: dict, launched: float) -> dict:
             "student_step_s": train - generate - teacher}
 
 
-ROWS = [  # (label, eopd key, TRL key)
-    ("start-up (processes, model loads)", "start_s", "start_s"),
-    ("sampling the student's responses", "sampling_s", "generate_s"),
-    ("the teacher's scores, and eopd's hand-offs (queue, streams)", "teacher_and_handoff_s", "teacher_forward_s"),
-    ("the student's forward, loss, backward, optimizer step", "learner_steps_s", "student_step_s"),
-    ("publishing the new weights (learner) and loading them (sampler)", "publish_s+weight_load_s", None),
+ROWS = [  # (label, eopd key on the clock, eopd key beside it, TRL key)
+    ("start-up (processes, model loads)", "start_s", None, "start_s"),
+    ("sampling the student's responses", "sampling_s", None, "generate_s"),
+    ("the teacher's scores, and eopd's hand-offs (queue, streams)", "teacher_and_handoff_s", None, "teacher_forward_s"),
+    ("the student's forward, loss, backward, optimizer step", "learner_steps_s", None, "student_step_s"),
+    ("publishing the new weights (learner) and loading them (sampler)", "publish_s+weight_load_s", None, None),
 ]
 # async mode: the worker's sampling and weight loads run beside the learner's steps (shown in brackets,
 # not on the clock); the learner's wait for a scored batch is what the overlap left of all three.
-ROWS_ASYNC = [  # (label, eopd key on the clock, eopd key beside it, TRL key)
+ROWS_ASYNC = [  # as ROWS
     ("start-up (processes, model loads)", "start_s", None, "start_s"),
     ("sampling the student's responses", None, "sampling_s", "generate_s"),
     ("the teacher's scores, and eopd's hand-offs (queue, streams); async: the learner's wait for a scored "
@@ -107,10 +107,8 @@ ROWS_ASYNC = [  # (label, eopd key on the clock, eopd key beside it, TRL key)
 
 
 def _rows(split: dict) -> list[tuple[str, str | None, str | None, str | None]]:
-    """(label, eopd key on the clock, eopd key beside it, TRL key) for `split`'s mode."""
-    if split.get("mode") == "async":
-        return ROWS_ASYNC
-    return [(label, e, None, t) for label, e, t in ROWS]
+    """ROWS or ROWS_ASYNC, for `split`'s mode."""
+    return ROWS_ASYNC if split.get("mode") == "async" else ROWS
 
 
 def _value(split: dict, key: str | None) -> float | None:
