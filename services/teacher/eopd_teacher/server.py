@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
+from eopd_common.atomic_files import write_atomic
 from eopd_common.cpu_threads import cpu_threads_note
 from eopd_common.private_files import write_token_file
 
@@ -153,12 +154,10 @@ def write_ports_file(path: Path, grpc_port: int, http_port: int, http_scheme: st
     supervisor that started this teacher on port 0 never reads half of it. `http_scheme` is "https"
     when the HTTP side serves TLS."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     doc = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid(), "http_scheme": http_scheme}
     if probe_port is not None:
         doc["probe_port"] = probe_port
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc) + "\n")
 
 
 class _UvicornServer(uvicorn.Server):

@@ -25,11 +25,11 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import time
 from pathlib import Path
 
 from eopd_common import models as common_models
+from eopd_common.atomic_files import write_atomic
 from eopd_common.models import default_cache_dir, resolve_spec, smollm2_dir, smollm2_gguf_path
 
 #: Bump when grading or the meaning of an evaluation's numbers changes without its code changing
@@ -127,7 +127,5 @@ class EvalCache:
         entry = {"key": key, "fields": fields, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "result": result}
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.path(key).with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry))
-        os.replace(tmp, self.path(key))
+        write_atomic(self.path(key), json.dumps(entry))
         return entry

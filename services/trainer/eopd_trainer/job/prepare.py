@@ -38,6 +38,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from eopd_common.atomic_files import write_atomic
 from eopd_common.models import materialise_spec, materialise_spec_apart, parse_layer_subset, resolve_spec
 
 from ..config import ConfigError, RunConfig, dump_config, load_config
@@ -123,23 +124,6 @@ def locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600: other users' pods read it too
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _generate_data(cfg: RunConfig, data_dir: Path) -> tuple[Path, Path]:

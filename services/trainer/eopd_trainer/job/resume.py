@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from eopd_common.atomic_files import write_atomic
 
 from ..config import ConfigError, RunConfig, config_from_dict
 from ..learner.committed import read_state
 from ..learner.state import LearnerState
 from ..queue.namespace import RunQueue
-from .prepare import CONFIG_NAME, write_atomic
+from .prepare import CONFIG_NAME
 
 REQUESTED_NAME = "run.requested.yaml"
 LOCK_NAME = ".run.lock"

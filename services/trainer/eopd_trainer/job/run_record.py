@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .prepare import write_atomic
+from eopd_common.atomic_files import write_atomic
 
 SUMMARY_NAME = "run_summary.json"
 SUMMED = ("train_s", "eval_s", "total_s", "supervisor_cpu_s")

@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from eopd_common.atomic_files import write_atomic
 
 from ..faults import InjectedFault
-from .committed import POINTER, STATE_FILE, atomic_write, committed_tag, read_state, tag_for
+from .committed import POINTER, STATE_FILE, committed_tag, read_state, tag_for
 from .state import LearnerState
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class CheckpointManager:
         self.barrier()
         try:
             engine.save_checkpoint(str(self.dir), tag=tag, save_latest=False)
-            atomic_write(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
+            write_atomic(rng_file(self.dir, tag, self.rank), json.dumps(rng_state()))
             if self.faults is not None:  # fault point: the disk fills up with the shards half written
                 try:
                     self.faults.hit("checkpoint.write", iteration=iteration)
@@ -137,8 +138,8 @@ class CheckpointManager:
         self.barrier()
         if self.rank == 0:
             try:
-                atomic_write(target / STATE_FILE, json.dumps(state.to_json(), indent=1, sort_keys=True))
-                atomic_write(self.dir / POINTER, tag + "\n")
+                write_atomic(target / STATE_FILE, json.dumps(state.to_json(), indent=1, sort_keys=True))
+                write_atomic(self.dir / POINTER, tag + "\n")
             except OSError as exc:
                 self._failed(target, exc)
             self._prune(keep_tag=tag)

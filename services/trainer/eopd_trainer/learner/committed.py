@@ -5,9 +5,7 @@ imports torch for it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 
 from .state import LearnerState
@@ -18,21 +16,6 @@ POINTER = "COMMITTED"
 
 def tag_for(iteration: int) -> str:
     return f"iter{iteration:06d}"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def committed_tag(ckpt_dir: Path) -> str | None:

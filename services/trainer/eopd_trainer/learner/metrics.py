@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import time
 from pathlib import Path
 
+from eopd_common.atomic_files import write_atomic
 from prometheus_client import Gauge, start_http_server
 
 from .state import LearnerState
@@ -101,9 +101,7 @@ def trim_records(path: Path, iteration: int) -> bool:
             continue
         has = has or (rec.get("kind") == "iteration" and int(rec.get("iteration", 0)) == iteration)
         keep.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(keep))
     return has
 
 

@@ -23,6 +23,7 @@ import stat
 from pathlib import Path
 
 import torch
+from eopd_common.atomic_files import fsync_dir
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -49,15 +50,6 @@ def file_sha256(path: Path, limit: int | None = None) -> str:
             if left is not None:
                 left -= len(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,7 +96,7 @@ def save_weights(model: torch.nn.Module, weights_dir: Path, version: int, iterat
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, final)
-    _fsync_dir(weights_dir)
+    fsync_dir(weights_dir)
     return PolicyVersion(version=version, uri=str(final.resolve()), sha256=file_sha256(final),
                          num_bytes=final.stat().st_size, iteration=iteration, created_unix_ns=now_ns())
 
