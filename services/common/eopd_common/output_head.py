@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .hidden_wire import HIDDEN_DTYPES, bytes_per_value
+from .hidden_wire import HIDDEN_DTYPES, WIRE_DTYPE_BYTES, bytes_per_value
 
-# Wire names of the hidden-state and head dtypes -> torch dtypes.
-WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Wire names of the hidden-state and head dtypes -> torch dtypes (the names are hidden_wire's, each
+# the torch attribute of that name).
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPE_BYTES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
