@@ -52,6 +52,7 @@ BENCHES = [
     Bench("teacher", "bench.bench_teacher"),
     Bench("loss", "bench.bench_loss"),
     Bench("dense_loss", "bench.bench_dense", quick_out=True),
+    Bench("hidden_precision", "bench.bench_hidden_precision", quick_out=True),
     Bench("vllm", "bench.bench_vllm", python=VLLM_PY),
     Bench("teacher_vllm", "bench.bench_teacher", ["--engine", "vllm"], ["--quick", "--engine", "vllm"], python=VLLM_PY),
     Bench("load", "bench.load_test", [], ["--clients", "16", "--seconds", "10", "--overload-seconds", "5"]),
