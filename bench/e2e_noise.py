@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 
 from bench.e2e_report import label, newest_first
-from bench.report import ROOT, markdown_table, write_section
+from bench.report import ROOT, markdown_table, print_section
 
 SECTION = "e2e_noise"
 RESULTS = ROOT / "bench" / "results" / "e2e_trl.json"
@@ -184,10 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = system_noise(runs, args.archive, k)
     problems = next((len(c) for r in runs if (c := final_counts(args.archive, r))), 0)
     text = section_text(rows(noise, args.reference), args.reference, k, problems)
-    print(text)
-    if args.write:
-        write_section(SECTION, text)
-    return 0
+    return print_section(SECTION, text, write=args.write)
 
 
 if __name__ == "__main__":

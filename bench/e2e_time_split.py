@@ -30,7 +30,7 @@ import json
 import re
 from pathlib import Path
 
-from bench.report import markdown_table, write_section
+from bench.report import markdown_table, print_section
 
 SECTION = "e2e_time_split"
 WORKER_TIMES = re.compile(r"sampling ([\d.]+) s in (\d+) rounds, weight loads ([\d.]+) s in (\d+)")
@@ -191,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help=f"write the {SECTION} section of docs/benchmarks.md")
     args = p.parse_args(argv)
     text = section_text(load_runs(args.archive))
-    print(text)
-    if args.write:
-        write_section(SECTION, text)
-    return 0
+    return print_section(SECTION, text, write=args.write)
 
 
 if __name__ == "__main__":

@@ -237,6 +237,15 @@ def read_section(name: str) -> str | None:
     return m.group(1) if m else None
 
 
+def print_section(name: str, markdown: str, *, write: bool) -> int:
+    """Prints a section computed from archived results; with `write`, also replaces the `name`
+    section of the document with it (the `--write` of the report-only commands). Returns 0."""
+    print(markdown)
+    if write:
+        write_section(name, markdown)
+    return 0
+
+
 def write_section(name: str, markdown: str) -> Path:
     """Replaces (or appends) the `name` section of the document with `markdown`."""
     path = doc_path()
