@@ -351,6 +351,18 @@ def test_the_run_supervisor_and_the_cli_import_without_torch():
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
 
 
+def test_the_teacher_client_and_its_cli_import_without_torch():
+    """A client-only install (`pip install eopd`: numpy, grpcio, protobuf, pydantic, pyyaml) scores
+    over gRPC: the clients, `eopd-teacher info/score` and the request validation import no torch,
+    transformers or the server's extras, checked in a fresh interpreter."""
+    code = ("import sys, eopd_teacher.client, eopd_teacher.cli.main, eopd_teacher.convert\n"
+            "print(sorted(m for m in sys.modules if m in ('torch', 'transformers', 'safetensors', 'fastapi', 'uvicorn')"
+            " or m.startswith(('torch.', 'transformers.'))))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
 def test_learner_trainer_is_redis_free():
     """learner/trainer.py (DeepSpeed) never imports Redis or the queue's Redis modules."""
     bad = _direct_imports("eopd_trainer.learner.trainer", (
@@ -454,6 +466,9 @@ LAZY_IN = {
     # `eopd-teacher info/score` must work on a client-only install; `serve` needs the teacher extra
     # (fastapi, uvicorn, prometheus-client), which the server module imports at its top.
     "eopd_teacher.cli.main": ("eopd_teacher.server",),
+    # The client (convert.py is shared by both ends) imports without torch: only fetching the
+    # output head (`head_from_pb`, `TeacherClient.output_head`) builds its tensors.
+    "eopd_teacher.convert": ("eopd_common.output_head",),
     # `eopd run`'s supervisor, `eopd report` and `eopd --help` load a run's config and never compute a
     # loss: the variants' registry and the data path's seeds import without torch (1.5 s and ~300 MB
     # each), and the supervisor imports the evaluation (models: torch, transformers) when it evaluates.

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from eopd.v1 import teacher_pb2 as pb
-from eopd_common.output_head import HeadInfo, OutputHead
 
 from .types import (
     GeneratePrompt,
@@ -25,6 +25,9 @@ from .types import (
     ScoreSequence,
     SequenceScores,
 )
+
+if TYPE_CHECKING:  # the head's tensors need torch: a client-only install imports this module without it
+    from eopd_common.output_head import OutputHead
 
 # Trailing metadata on a RESOURCE_EXHAUSTED that retrying cannot cure (the request itself is over a
 # per-request limit): `eopd-retryable: 0`.
@@ -144,6 +147,8 @@ def head_from_pb(chunks: Iterable[pb.OutputHeadChunk]) -> OutputHead:
         payload += chunk.data
     if info_pb is None:
         raise ValueError("GetOutputHead: the answer carries no chunk")
+    from eopd_common.output_head import HeadInfo, OutputHead  # torch: only a caller that fetches a head needs it
+
     info = HeadInfo(model=info_pb.model, vocab_size=info_pb.vocab_size, hidden_size=info_pb.hidden_size, dtype=info_pb.dtype,
                     has_bias=info_pb.has_bias, logit_factor=info_pb.logit_factor,
                     final_logit_softcapping=info_pb.final_logit_softcapping, valid_vocab_size=info_pb.valid_vocab_size)

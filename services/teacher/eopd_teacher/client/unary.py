@@ -8,13 +8,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from eopd.v1 import teacher_pb2 as pb
 from eopd.v1 import teacher_pb2_grpc as pb_grpc
-
-from eopd_common.output_head import OutputHead
 
 from ..convert import generation_from_pb, head_from_pb, info_from_pb, scores_from_pb
 from ..types import Generation, ModelInfo, SequenceScores
@@ -22,6 +21,9 @@ from . import stream, sync_stream
 from .channel import CallPlan, ChannelClient, StreamTransport
 from .requests import RequestFailed, ScoreBatch, build_generate_request, build_request
 from .stream import StallReport
+
+if TYPE_CHECKING:  # torch: a client-only install imports the client without it (only output_head() needs it)
+    from eopd_common.output_head import OutputHead
 
 
 def _in_request_order(request: pb.GenerateRequest, answers: list[pb.GenerateResponse]) -> list[Generation]:
