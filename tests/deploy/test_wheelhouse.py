@@ -3,7 +3,8 @@ machine's interpreter (torch left out, as a cluster that ships its own; kept in 
 between runs, so a warm run downloads nothing), installed into a fresh venv
 with the network refused, beside a host-provided torch and transformers (from this checkout's .venv,
 on the venv's path the way `--system-site-packages` puts a system's), which pip must keep; then eopd
-imports and its two CLIs answer. The plan's pure part (what the host's packages take with them) is
+imports and its two CLIs answer; and a client-only install (`eopd`, no extras) from the same
+wheelhouse into a second venv, whose clients and `eopd-teacher info` need no torch. The plan's pure part (what the host's packages take with them) is
 tested on a small report."""
 
 from __future__ import annotations
@@ -148,5 +149,19 @@ def test_offline_install_beside_a_host_torch(tmp_path):
     for cli, says in (("eopd-teacher", "serve"), ("eopd", "run")):
         helped = _offline([str(venv / "bin" / cli), "--help"], env)
         assert helped.returncode == 0 and says in helped.stdout, helped.stderr[-2000:]
+
+    # A client-only install (no extras: no torch, transformers or server extras) from the same
+    # wheelhouse: the clients and `eopd-teacher info/score` import and run without them.
+    client = tmp_path / "client-venv"
+    subprocess.run([str(base), "-m", "venv", str(client)], check=True, timeout=120)
+    bare = _offline([str(client / "bin" / "pip"), "install", "--no-index", "--find-links", str(house), "eopd"], env)
+    assert bare.returncode == 0, bare.stdout[-3000:] + bare.stderr[-3000:]
+    probe = ("import importlib.util, sys; from eopd_teacher.client import AsyncTeacherClient, TeacherClient; "
+             "import eopd_teacher.cli.main; "
+             "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if importlib.util.find_spec(m) or m in sys.modules))")
+    ran = _offline([str(client / "bin" / "python"), "-c", probe], env)
+    assert ran.returncode == 0 and ran.stdout.strip().splitlines()[-1] == "[]", ran.stdout[-2000:] + ran.stderr[-3000:]
+    helped = _offline([str(client / "bin" / "eopd-teacher"), "info", "--help"], env)
+    assert helped.returncode == 0 and "--target" in helped.stdout, helped.stdout[-2000:] + helped.stderr[-2000:]
     print(f"wheelhouse: {len(wheels)} wheels built in {build_s:.0f} s; offline install {install_s:.0f} s; "
           f"total {time.monotonic() - t0:.0f} s")
