@@ -24,8 +24,13 @@ PINS=(
 )
 stamp="$TOOLS/.eopd-deploy-tools"
 want="$(printf '%s\n' "${PINS[@]}" | sha256sum | cut -c1-16)"
+# One install at a time: the tests' two workers may both find the tools missing on a fresh checkout
+# and run this at once (the second saw a half-made venv: "bin/pip: No such file or directory");
+# the second waits here, then finds the stamp and installs nothing.
+mkdir -p "$(dirname "$TOOLS")"
+exec 9>"$TOOLS.lock"
+flock 9
 if [ ! -x "$TOOLS/bin/python" ]; then
-  mkdir -p "$(dirname "$TOOLS")"
   "$PYTHON_BIN" -m venv "$TOOLS"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
