@@ -84,9 +84,8 @@ def system_noise(runs: list[dict], archive: Path, k: int) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for _, r in sorted(newest.items(), key=lambda kv: kv[0][1]):
         acc = [c["heldout"]["avg_at_k"] for c in r["checkpoints"] if "heldout" in c]
-        s = out.setdefault(r["system"], {"seeds": [], "final": [], "previous": [], "last2": [], "swing": [],
-                                         "grading_se": []})
-        s["seeds"].append(r["seed"])
+        s = out.setdefault(r["system"], {"final": [], "previous": [], "last2": [], "swing": [], "grading_se": [],
+                                         "problems": 0})
         s["final"].append(acc[-1])
         s["previous"].append(acc[-2] if len(acc) >= 2 else acc[-1])
         s["last2"].append(statistics.mean(acc[-2:]))
@@ -95,6 +94,7 @@ def system_noise(runs: list[dict], archive: Path, k: int) -> dict[str, dict]:
         counts = final_counts(archive, r)
         if counts:
             s["grading_se"].append(grading_se(counts, k))
+            s["problems"] = len(counts)
     for s in out.values():
         s["sd"] = statistics.stdev(s["final"]) if len(s["final"]) > 1 else None
     return out
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs, k = load_runs(args.results)
     noise = system_noise(runs, args.archive, k)
-    problems = next((len(c) for r in runs if (c := final_counts(args.archive, r))), 0)
+    problems = max((s["problems"] for s in noise.values()), default=0)
     text = section_text(rows(noise, args.reference), args.reference, k, problems)
     return print_section(SECTION, text, write=args.write)
 
