@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench import e2e_report as rep
 from bench import e2e_timing
-from bench.e2e_systems import DEFAULT_SYSTEMS, EOPD_SYSTEMS, LAYOUTS, SYSTEMS, base_system, system_key, train, trl_python
+from bench.e2e_systems import DEFAULT_SYSTEMS, EOPD_SYSTEMS, HEAD_TO_HEAD_LAYOUTS, LAYOUTS, SYSTEMS, base_system, system_key, train, trl_python
 from bench.report import ROOT, machine_description, provenance, results_dir, timing_machine, write_results, write_section
 
 SECTION = "e2e_trl"
@@ -277,20 +277,25 @@ def layout_text(runs: list[dict], st: dict) -> str:
         if base_system(r["system"])[0] not in EOPD_SYSTEMS:
             continue
         rs = r.get("layout") or r.get("settings") or st
-        key = (rs["samples_per_prompt"], rs["prompts_per_iteration"], rs["steps_per_iteration"], rs["batch_size"])
+        key = (rs["samples_per_prompt"], rs["prompts_per_iteration"], rs["steps_per_iteration"], rs["batch_size"],
+               rs.get("mode", "sync"))  # runs archived before the mode was recorded were all sync
         if rep.label(r["system"]) not in groups.setdefault(key, []):
             groups[key].append(rep.label(r["system"]))
     out = []
-    for (n, p, spi, bs), systems in groups.items():
+    for (n, p, spi, bs, mode), systems in groups.items():
         who = "; ".join(systems)
+        lag = (" In async mode: the worker samples the next step's responses while the learner trains on these, so "
+               "each step trains on samples of the policy one version behind (TRL samples with the current one)."
+               if mode == "async" else "")
         if n == 1 and spi == 1:
+            fresh = "a fresh sample for every step" + ("" if mode == "async" else ", as TRL")
             out.append(f"Data layout, matched for {who}: 1 response for each of {p} prompts per optimizer step, one step "
-                       "per iteration, a fresh sample for every step, as TRL.")
+                       f"per iteration, {fresh}.{lag}")
         else:
             out.append(f"Data layout, not matched for {who}: {n} responses for each of {p} prompts per iteration (TRL: 1 "
                        f"response for each of {bs} prompts per step, so TRL sees {n}x as many distinct prompts), "
                        f"{'the second' if spi == 2 else f'the last {spi - 1}'} of its {spi} mini-batches per iteration "
-                       "trained on samples of an older policy (TRL samples afresh for every step).")
+                       f"trained on samples of an older policy (TRL samples afresh for every step).{lag}")
     return " ".join(out)
 
 
@@ -421,9 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint every this many eopd iterations (TRL: the same share); default a quarter of the run")
     p.add_argument("--eval-samples", type=int, default=None,
                    help="responses per held-out problem when grading (Avg@k; default the preset's eval.n_samples)")
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="preset",
-                   help="eopd's data layout (issue 47): the preset's, or TRL's (8 prompts x 1 response per step); its "
-                        "runs are kept as SYSTEM@LAYOUT beside the preset's, TRL's runs are shared")
+    p.add_argument("--layout", choices=HEAD_TO_HEAD_LAYOUTS, default="preset",
+                   help="eopd's data layout (issue 47, e2e_systems.LAYOUTS): the preset's, TRL's (`trl`: 8 prompts x 1 "
+                        "response per step), `trl-async` (the same in async mode), ...; its runs are kept as "
+                        "SYSTEM@LAYOUT beside the preset's, TRL's runs are shared")
     p.add_argument("--phase", choices=("all", "train", "eval", "report", "retime"), default="all",
                    help="retime: train again on this machine for the ratios only, kept in <archive>/timing/")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "e2e", help="the runs' directories (checkpoints: GBs)")

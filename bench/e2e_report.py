@@ -23,7 +23,8 @@ LABELS = {"eopd": "eopd (EOPD)", "opd": "eopd (OPD)", "eopd-gkd": "eopd (GKD, la
           "trl-server-eopd": "TRL ServerDistillationTrainer -> eopd-teacher", "trl-server-vllm": "TRL ServerDistillationTrainer -> vLLM"}
 
 
-LAYOUT_LABELS = {"trl": "at TRL's layout (8 prompts x 1 response per step)"}
+LAYOUT_LABELS = {"trl": "at TRL's layout (8 prompts x 1 response per step)",
+                 "trl-async": "at TRL's layout in async mode (8 prompts x 1 response per step, one step of lag)"}
 
 # How the report names its reference (`summarise(reference=...)`: the system whose final accuracy is
 # the target and whose seconds the ratios divide by): short, and with its loss.

@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from bench.e2e_time_split import eopd_split, trl_split, worker_times
 from bench.report import ROOT
@@ -67,11 +66,28 @@ EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
                 "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
-# eopd's data layouts (issue 47): the preset's own (8 prompts x 2 responses, 2 optimizer steps per
-# iteration, 32 iterations) and TRL's (8 distinct prompts x 1 response per optimizer step, one step per
-# iteration, 64 iterations): the same 512 responses in 64 steps of 8. TRL's runs are the same at both.
-LAYOUTS = {"preset": (), "trl": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8",
-                                 "train.iterations=64")}
+# eopd's data layouts (issue 47): each a set of `eopd run` overrides, the same 512 responses in 64 optimizer
+# steps of 8 at every layout (scripts/layout_ablation.py's table says what each separates). `preset` is
+# the preset's own (8 prompts x 2 responses, 2 optimizer steps per iteration, 32 iterations), `trl` is
+# TRL's (8 distinct prompts x 1 response per optimizer step, one step per iteration, 64 iterations), the
+# `-async` ones the same in async mode (the worker samples the next iteration's responses while the
+# learner trains: one policy version of lag). TRL's runs are the same at every layout. One source for
+# the training-split grid and the head-to-head.
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "preset": (),
+    "p4x2": ("rollout.n_samples=2", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
+    "trl": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
+    "trl-256": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64",
+                "data.generate.train=256"),
+    "p2x4": ("rollout.n_samples=4", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
+    "p16x1": ("rollout.n_samples=1", "train.batch_size=16", "train.mini_batch_size=8", "train.iterations=32"),
+    "preset-async": ("mode=async",),
+    "trl-async": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64",
+                  "mode=async"),
+}
+# The layouts the head-to-head can train eopd at: those that keep its training problems (TRL trains on
+# the preset's 512; a layout that changes the data would compare two tasks).
+HEAD_TO_HEAD_LAYOUTS = tuple(name for name, overrides in LAYOUTS.items() if not any(o.startswith("data.") for o in overrides))
 
 
 def system_key(system: str, layout: str) -> str:
@@ -220,7 +236,7 @@ def eopd_layout(system: str, settings: dict) -> dict:
         save_every = max(1, iterations // 4)
     return {"samples_per_prompt": cfg.rollout.n_samples, "prompts_per_iteration": cfg.train.batch_size // cfg.rollout.n_samples,
             "steps_per_iteration": steps_per_iteration, "batch_size": cfg.train.mini_batch_size,
-            "iterations": iterations, "save_every": save_every}
+            "iterations": iterations, "save_every": save_every, "mode": cfg.mode}
 
 
 def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained:
@@ -247,8 +263,8 @@ def train_eopd(system: str, seed: int, run_dir: Path, settings: dict) -> Trained
     trained = Trained(system, seed, eopd_checkpoints(run_dir, records, launched), memory, wall, layout=layout)
     try:
         worker = [worker_times(p.read_text()) for p in sorted((run_dir / "logs").glob("rollout-*.log"))]
-        mode = yaml.safe_load((run_dir / "run.yaml").read_text())["mode"]
-        trained.time_split = eopd_split(records, launched, sum(w[0] for w in worker), sum(w[1] for w in worker), mode)
+        trained.time_split = eopd_split(records, launched, sum(w[0] for w in worker), sum(w[1] for w in worker),
+                                        layout["mode"])
     except (OSError, ValueError) as exc:  # the run's curve stands without its split
         trained.notes.append(f"no time split: {exc}")
     return trained

@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 
 from bench.bench_divergences import MEMBERS
-from bench.e2e_systems import EOPD_SYSTEMS
+from bench.e2e_systems import EOPD_SYSTEMS, LAYOUTS  # LAYOUTS: the module docstring's table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,19 +60,6 @@ LOSSES: dict[str, tuple[str, ...]] = {
     "eopd-rkl-full": EOPD_SYSTEMS["eopd-rkl-full"],
     "eopd-rkl-ttopk": MEMBERS["eopd_rkl_teacher"],
     "eopd-topk-rkl": EOPD_SYSTEMS["eopd-topk-rkl"],
-}
-#: layout name -> `eopd run` overrides (see the module docstring's table).
-LAYOUTS: dict[str, tuple[str, ...]] = {
-    "preset": (),
-    "p4x2": ("rollout.n_samples=2", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
-    "trl": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
-    "trl-256": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64",
-                "data.generate.train=256"),
-    "p2x4": ("rollout.n_samples=4", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64"),
-    "p16x1": ("rollout.n_samples=1", "train.batch_size=16", "train.mini_batch_size=8", "train.iterations=32"),
-    "preset-async": ("mode=async",),
-    "trl-async": ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64",
-                  "mode=async"),
 }
 PROBE = 128  # the first this many training problems
 PROBE_SET = f"train{PROBE}"

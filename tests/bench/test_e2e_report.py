@@ -116,7 +116,7 @@ def test_an_eopd_system_at_another_layout_is_kept_and_labelled_apart():
     """`bench_e2e --layout trl` (issue 47/48): eopd's systems at TRL's layout are runs of their own
     (`eopd-gkd@trl`) beside the preset's; TRL's systems have one layout and keep their names."""
     from bench.e2e_report import label
-    from bench.e2e_systems import LAYOUTS, base_system, system_key
+    from bench.e2e_systems import HEAD_TO_HEAD_LAYOUTS, LAYOUTS, base_system, system_key
 
     assert system_key("eopd-gkd", "trl") == "eopd-gkd@trl" and base_system("eopd-gkd@trl") == ("eopd-gkd", "trl")
     assert system_key("eopd-gkd", "preset") == "eopd-gkd" and base_system("eopd-gkd") == ("eopd-gkd", "preset")
@@ -125,9 +125,14 @@ def test_an_eopd_system_at_another_layout_is_kept_and_labelled_apart():
     assert label("eopd-gkd") == "eopd (GKD, lambda 1)"
     # the same 512 responses in 64 optimizer steps of 8 as the preset's 32 iterations x 16
     assert LAYOUTS["trl"] == ("rollout.n_samples=1", "train.batch_size=8", "train.mini_batch_size=8", "train.iterations=64")
-    from scripts.layout_ablation import LAYOUTS as ABLATION_LAYOUTS  # the training-split grid's cell of that name
+    assert LAYOUTS["trl-async"] == (*LAYOUTS["trl"], "mode=async")
+    from scripts.layout_ablation import LAYOUTS as ABLATION_LAYOUTS  # the training-split grid's cells: one source
 
-    assert ABLATION_LAYOUTS["trl"] == LAYOUTS["trl"]
+    assert ABLATION_LAYOUTS is LAYOUTS
+    # the head-to-head trains on TRL's 512 problems at every layout: none that changes the data
+    assert "trl-async" in HEAD_TO_HEAD_LAYOUTS and "trl-256" not in HEAD_TO_HEAD_LAYOUTS
+    assert label("eopd-rkl-full@trl-async").endswith("at TRL's layout in async mode (8 prompts x 1 response per step, "
+                                                    "one step of lag)")
     runs = [_run("eopd-gkd", 0, [(100, 0.3), (200, 0.4)]), _run("eopd-gkd@trl", 0, [(120, 0.4), (240, 0.5)])]
     summary = summarise(runs, initial=0.2, reference="eopd-gkd")
     assert set(summary["systems"]) == {"eopd-gkd", "eopd-gkd@trl"}
@@ -170,6 +175,10 @@ def test_the_section_says_each_eopd_layout_and_refuses_another_avg_at_k(tmp_path
     assert ("Data layout, matched for eopd (GKD, lambda 1); eopd (GKD, lambda 1) at TRL's layout (8 prompts x 1 response "
             "per step): 1 response for each of 8 prompts per optimizer step") in text
     assert layout_text(runs[2:3], preset) == ""  # TRL's runs alone: nothing to say of eopd's
+    lagged = layout_text([{"system": "eopd-gkd@trl-async", "layout": {**trl, "mode": "async"}}], preset)
+    assert lagged.startswith("Data layout, matched for eopd (GKD, lambda 1) at TRL's layout in async mode")
+    assert "a fresh sample for every step." in lagged and "as TRL" not in lagged
+    assert "the policy one version behind" in lagged and "async" not in text  # sync runs say nothing of it
     graded = tmp_path / "eval.json"
     graded.write_text(json.dumps({"models": {"it8": {"n_samples": 4}, "it16": {"n_samples": 4}}}))
     check_graded_at(graded, 4)
@@ -192,7 +201,7 @@ def test_each_eopd_system_trains_at_its_losss_own_layout(tmp_path):
     settings = {"preset_path": str(preset), "eopd_overrides": []}
     own = eopd_layout("eopd-gkd", settings)
     assert own == {"samples_per_prompt": 1, "prompts_per_iteration": 8, "steps_per_iteration": 1, "batch_size": 8,
-                   "iterations": 64, "save_every": 16}
+                   "iterations": 64, "save_every": 16, "mode": "sync"}
     general = eopd_layout("eopd", settings)
     assert (general["samples_per_prompt"], general["iterations"]) == (data["rollout"]["n_samples"], data["train"]["iterations"])
     # given iterations count the preset's (2 steps each here: 4 steps, a checkpoint every 2): at its own

@@ -51,11 +51,14 @@ def test_given_iterations_train_every_system_for_the_same_optimizer_steps():
     # gkd's own default layout is TRL's (one step per iteration): twice the iterations, the same 16 steps
     assert eopd_layout("eopd-trl-gkd", _settings(iterations=8, save_every=4)) == {
         "samples_per_prompt": 1, "prompts_per_iteration": 8, "steps_per_iteration": 1, "batch_size": 8,
-        "iterations": 16, "save_every": 8}
+        "iterations": 16, "save_every": 8, "mode": "sync"}
     eopd = eopd_layout("eopd", _settings(iterations=8, save_every=4))
     assert (eopd["steps_per_iteration"], eopd["iterations"], eopd["save_every"]) == (2, 8, 4)
     trl = eopd_layout("eopd", _settings(iterations=8, save_every=4, overrides=LAYOUTS["trl"]))
     assert (trl["steps_per_iteration"], trl["iterations"], trl["save_every"]) == (1, 16, 8)
+    # the mode is the run's own record (the time split and the section's text read it there)
+    lagged = eopd_layout("eopd", _settings(iterations=8, save_every=4, overrides=LAYOUTS["trl-async"]))
+    assert lagged == trl | {"mode": "async"} and trl["mode"] == "sync"
     # nothing given: each system's own configuration (64 one-step iterations for gkd, 32 two-step for eopd)
     assert eopd_layout("eopd-trl-gkd", _settings())["iterations"] == 64
     assert eopd_layout("eopd", _settings())["iterations"] == 32
