@@ -186,7 +186,7 @@ def retime_all(args, settings: dict) -> None:
         raise SystemExit("bench_e2e: --phase retime keeps its runs in --archive (timing/); give one")
     for seed in args.seeds:
         for system in args.systems:
-            name = f"{system_key(system, settings['layout'])}-s{seed}"
+            name = f"{run_key(system, settings['layout'])}-s{seed}"
             machine = timing_machine()  # before the run, on the quiet machine
             dest = args.archive / e2e_timing.TIMING_DIR / e2e_timing.timing_name(name, machine)
             if (dest / "trained.json").is_file():
@@ -210,7 +210,7 @@ def run_all(args, settings: dict) -> list[dict]:
     runs = []
     for seed in args.seeds:
         for system in args.systems:
-            name = f"{system_key(system, settings['layout'])}-s{seed}"
+            name = f"{run_key(system, settings['layout'])}-s{seed}"
             run_dir = out / name
             found = _find(f"{name}/trained.json", out, archive)
             if found is None and args.phase in ("all", "train"):
@@ -243,6 +243,24 @@ def run_all(args, settings: dict) -> list[dict]:
             if evaluated is not None:
                 runs.append(_with_accuracy(trained, evaluated))
     return runs
+
+
+def run_key(system: str, layout: str) -> str:
+    """The name a `--systems` entry's runs are kept under: `SYSTEM@LAYOUT` as given (a report of runs
+    trained at several layouts), else the system at `--layout` (e2e_systems.system_key)."""
+    return system if "@" in system else system_key(system, layout)
+
+
+def system_entry(text: str) -> str:
+    """argparse type of a `--systems` entry: a system (SYSTEMS) or an eopd system at a head-to-head
+    layout, `SYSTEM@LAYOUT` (e.g. `eopd-gkd@trl-async`); anything else a clear error."""
+    system, layout = base_system(text)
+    if system not in SYSTEMS:
+        raise argparse.ArgumentTypeError(f"unknown system {system!r}; systems: {', '.join(SYSTEMS)}")
+    if "@" in text and (system not in EOPD_SYSTEMS or layout not in HEAD_TO_HEAD_LAYOUTS or layout == "preset"):
+        raise argparse.ArgumentTypeError(f"{text!r}: SYSTEM@LAYOUT takes one of eopd's systems and a layout other than "
+                                         f"the preset's, one of {', '.join(HEAD_TO_HEAD_LAYOUTS[1:])}")
+    return text
 
 
 def _complete(evaluated: Path, trained: dict) -> bool:
@@ -418,7 +436,9 @@ def warm_up(systems: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny preset, 2 iterations, seed 0: the wiring; writes no docs")
-    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), type=system_entry, metavar="SYSTEM[@LAYOUT]",
+                   help=f"systems: {', '.join(SYSTEMS)}; with --phase report also SYSTEM@LAYOUT, an eopd system's "
+                        "runs at another layout (trained with --layout LAYOUT), to report runs of several layouts")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--preset", default="smollm2-cpu")
     p.add_argument("--iterations", type=int, default=None, help="default: the preset's")
@@ -440,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny run of each system before the timed ones")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here too (with --quick: only here)")
     args = p.parse_args(argv)
+    keyed = [x for x in args.systems if "@" in x]
+    if keyed and args.phase != "report":
+        p.error(f"--systems {' '.join(keyed)}: SYSTEM@LAYOUT only reports runs (--phase report); train and evaluate "
+                "them with --layout LAYOUT")
     if args.quick:
         args.preset, args.iterations, args.save_every, args.seeds = "tiny", 2, 1, args.seeds[:1]
         args.runs, args.archive = Path(tempfile.mkdtemp(prefix="eopd-e2e-")), None

@@ -258,3 +258,23 @@ def test_a_report_of_fewer_systems_never_replaces_the_published_one(tmp_path, mo
     assert written and figure.exists()
     assert {r["system"] for r in json.loads((tmp_path / f"{bench_e2e.SECTION}.json").read_text())["runs"]} == {
         "eopd-trl-gkd-async"}
+
+
+def test_a_report_names_runs_of_several_layouts_and_nothing_else_takes_them():
+    """`--systems eopd-gkd@trl-async` reports the runs `--layout trl-async` trained beside the preset's
+    systems (one section for several layouts); training or evaluating such an entry is refused (its
+    layout is `--layout`'s), and a system or layout that does not exist is a clear error."""
+    import argparse
+
+    from bench.bench_e2e import main, run_key, system_entry
+
+    assert run_key("eopd-gkd@trl-async", "preset") == "eopd-gkd@trl-async"
+    assert run_key("eopd-gkd", "trl-async") == "eopd-gkd@trl-async" and run_key("trl-gkd", "trl-async") == "trl-gkd"
+    assert system_entry("eopd-rkl-full@trl-async") == "eopd-rkl-full@trl-async" and system_entry("opd") == "opd"
+    for bad, says in (("eopd-gkd@nowhere", "layout"), ("trl-gkd@trl", "eopd's systems"), ("eopd-gkd@trl-256", "layout"),
+                      ("eopd-gkd@preset", "other than the preset's"), ("gkd", "unknown system 'gkd'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            system_entry(bad)
+    with pytest.raises(SystemExit) as exc:
+        main(["--systems", "eopd-gkd@trl-async", "--phase", "train", "--seeds", "0"])
+    assert exc.value.code == 2
