@@ -35,8 +35,11 @@ COMMAND = "python -m scripts.readme_table"
 BLOCK = "results-table"
 #: The head-to-head's systems in the table, in order, with the README's names.
 E2E_ROWS = (("eopd-rkl-full", "**EOPD with the exact reverse KL** (eopd's default loss: `eopd_rkl`, full vocabulary)"),
+            ("eopd-rkl-full@trl-async", "the same at TRL's layout in `mode=async` (8 prompts x 1 response per step, one "
+                                        "version of policy lag)"),
             ("eopd", "EOPD, the paper's loss (eopd, `loss.variant=eopd`)"),
             ("opd", "OPD (eopd)"), ("eopd-gkd", "GKD, λ 1 (eopd; forward KL over the teacher's top-16)"),
+            ("eopd-gkd@trl-async", "the same, `mode=async`"),
             ("eopd-trl-gkd", "TRL's objective in eopd (GKD, λ 1, β 1, `loss.support=full`)"),
             ("eopd-trl-gkd-async", "the same, `mode=async` (sampling beside training, one version of policy lag)"),
             ("trl-gkd", "TRL's GKDTrainer (λ 1, β 1)"))
