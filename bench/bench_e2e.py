@@ -286,6 +286,13 @@ def _with_accuracy(trained: dict, evaluated: Path) -> dict:
     return run
 
 
+def _mode_of(key: str) -> str:
+    """The mode a run of `key` trained in, from its system's and layout's overrides: for runs archived
+    before a run recorded its mode (`eopd_layout`)."""
+    system, layout = base_system(key)
+    return "async" if "mode=async" in (*EOPD_SYSTEMS[system], *LAYOUTS[layout]) else "sync"
+
+
 def layout_text(runs: list[dict], st: dict) -> str:
     """What the head-to-head says of eopd's data layout, per layout its systems were trained at (each
     run's own record: `--layout` and a preset's `per_loss` change it; TRL: 1 response to each of 8
@@ -296,7 +303,7 @@ def layout_text(runs: list[dict], st: dict) -> str:
             continue
         rs = r.get("layout") or r.get("settings") or st
         key = (rs["samples_per_prompt"], rs["prompts_per_iteration"], rs["steps_per_iteration"], rs["batch_size"],
-               rs.get("mode", "sync"))  # runs archived before the mode was recorded were all sync
+               rs.get("mode") or _mode_of(r["system"]))
         if rep.label(r["system"]) not in groups.setdefault(key, []):
             groups[key].append(rep.label(r["system"]))
     out = []

@@ -179,6 +179,9 @@ def test_the_section_says_each_eopd_layout_and_refuses_another_avg_at_k(tmp_path
     assert lagged.startswith("Data layout, matched for eopd (GKD, lambda 1) at TRL's layout in async mode")
     assert "a fresh sample for every step." in lagged and "as TRL" not in lagged
     assert "the policy one version behind" in lagged and "async" not in text  # sync runs say nothing of it
+    # a run archived before runs recorded their mode: its system's overrides say it
+    older = layout_text([{"system": "eopd-trl-gkd-async", "layout": trl}, {"system": "eopd-gkd", "layout": trl}], preset)
+    assert older.count("Data layout, matched") == 2 and "the policy one version behind" in older
     graded = tmp_path / "eval.json"
     graded.write_text(json.dumps({"models": {"it8": {"n_samples": 4}, "it16": {"n_samples": 4}}}))
     check_graded_at(graded, 4)
