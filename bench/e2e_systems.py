@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from bench.e2e_time_split import eopd_split, trl_split, worker_times
 from bench.report import ROOT
 
