@@ -93,13 +93,17 @@ def test_an_entry_is_checked_with_what_the_overrides_give(preset):
     assert load_config(preset, ["train.batch_size=8", "loss.variant=opd"]).train.iterations == 3
 
 
-def test_overrides_for_the_runs_loss_need_not_suit_another_entry():
+def test_overrides_for_the_runs_loss_need_not_suit_another_entry(tmp_path):
     """bench_e2e's `eopd-trl-gkd` (gkd at TRL's layout, 64 iterations, a checkpoint every 16) was
     refused by the default preset's *other* entry: eopd_rkl's batch of 16 x 16 iterations per
-    checkpoint is over the stream's backlog bound. Only the run's own loss must hold with them."""
+    checkpoint was over the stream's backlog bound (the preset's eopd_rkl entry as it was before it
+    took TRL's layout too). Only the run's own loss must hold with them."""
     from tests.procs import ROOT
 
-    path = ROOT / "configs" / "smollm2-cpu.yaml"
+    data = yaml.safe_load((ROOT / "configs" / "smollm2-cpu.yaml").read_text())
+    data["per_loss"]["eopd_rkl"] = {"loss": {"support": "full"}}  # the preset's layout: 16 responses an iteration
+    path = tmp_path / "preset.yaml"
+    path.write_text(yaml.safe_dump(data))
     given = ["loss.variant=gkd", "checkpoint.every=16", "checkpoint.keep=64"]
     cfg = load_config(path, given)
     assert (cfg.loss.variant, cfg.train.batch_size, cfg.checkpoint.every) == ("gkd", 8, 16)
@@ -117,6 +121,13 @@ def test_the_default_preset_trains_its_measured_loss_and_keeps_the_others_as_the
     path = ROOT / "configs" / "smollm2-cpu.yaml"
     cfg = load_config(path)
     assert (cfg.loss.variant, cfg.loss.support, cfg.teacher.hidden_states) == ("eopd_rkl", "full", "bfloat16")
+    # ... at its measured layout (issue 47): TRL's, in async mode; the others keep the file's
+    layout = lambda c: (c.mode, c.rollout.n_samples, c.train.batch_size, c.train.mini_batch_size, c.train.iterations)  # noqa: E731
+    assert layout(cfg) == ("async", 1, 8, 8, 64)
+    assert layout(load_config(path, ["loss.variant=gkd"])) == ("sync", 1, 8, 8, 64)
+    for variant in ("eopd", "opd", "kd"):
+        assert layout(load_config(path, [f"loss.variant={variant}"])) == ("sync", 2, 16, 8, 32), variant
+    assert layout(load_config(path, ["mode=sync"])) == ("sync", 1, 8, 8, 64)  # an override still wins
     for variant in ("eopd", "opd", "gkd"):
         other = load_config(path, [f"loss.variant={variant}"])
         assert (other.loss.support, other.teacher.hidden_states) == ("teacher_topk", "none"), variant

@@ -11,8 +11,8 @@
   killed during iteration 2 (committed: 1), resumed, evaluated; the weights are those of the
   uninterrupted run (the tiny preset's kill points: test_run_resume.py).
 
-Two iterations of half the preset's batch (4 prompts x 2 samples, still two optimizer steps per
-iteration), committed one by one. The compiled statistics path on SmolLM2 is the README's serve
+Two iterations of 8 responses (the default loss's 8 prompts x 1 sample), two optimizer steps per
+iteration, in sync mode, committed one by one. The compiled statistics path on SmolLM2 is the README's serve
 commands' test (tests/teacher/cli/test_cli.py)."""
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 PRESET = ROOT / "configs" / "smollm2-cpu.yaml"
 # No variants set: the generated training split then excludes the held-out problems only, the same in every run.
+# mode=sync: bitwise equality is sync mode's claim; the preset's default loss runs async, whose
+# rollouts sample with whatever policy version a worker holds when it gets to them (docs/run.md).
 COMMON = ("train.iterations=2", "checkpoint.every=1", "train.batch_size=8", "train.mini_batch_size=4",
-          "train.micro_batch_size=4", "data.generate.variants=0")
+          "train.micro_batch_size=4", "data.generate.variants=0", "mode=sync")
 # The resume claim's models: SmolLM2's tokenizer (every preset model shares it), the student pruned
 # from its spec into student-init as the preset's is (tiny-random has 2 layers: one dropped).
 TINY_MODELS = ("teacher.model=tiny-random@0", "student.model=tiny-random@1[drop=1]")
