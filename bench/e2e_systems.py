@@ -63,7 +63,10 @@ EOPD_SYSTEMS = {"eopd": ("loss.variant=eopd",), "opd": ("loss.variant=opd",),
                 "eopd-trl-gkd-async": ("loss.variant=gkd", "loss.gkd_lambda=1.0", "loss.gkd_beta=1.0", "loss.support=full",
                                        "mode=async"),
                 "eopd-topk-rkl": ("loss.variant=eopd_topk_rkl",),
-                "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full")}
+                # per_loss={}: the preset's general layout (8 prompts x 2 responses, 2 steps per iteration,
+                # sync), which its archived runs trained at; the preset's own default for this loss since
+                # 2026-12-07 (per_loss.eopd_rkl) is TRL's layout in async mode, `eopd-rkl-full@trl-async`
+                "eopd-rkl-full": ("loss.variant=eopd_rkl", "loss.support=full", "per_loss={}")}
 TRL_SYSTEMS = {"trl-gkd": "gkd", "trl-server-eopd": "server", "trl-server-vllm": "server"}
 # eopd's data layouts (issue 47): each a set of `eopd run` overrides, the same 512 responses in 64 optimizer
 # steps of 8 at every layout (scripts/layout_ablation.py's table says what each separates). `preset` is

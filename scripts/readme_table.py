@@ -34,9 +34,8 @@ EXPERIMENT = ROOT / "docs" / "results" / "runs"
 COMMAND = "python -m scripts.readme_table"
 BLOCK = "results-table"
 #: The head-to-head's systems in the table, in order, with the README's names.
-E2E_ROWS = (("eopd-rkl-full", "**EOPD with the exact reverse KL** (eopd's default loss: `eopd_rkl`, full vocabulary)"),
-            ("eopd-rkl-full@trl-async", "the same at TRL's layout in `mode=async` (8 prompts x 1 response per step, one "
-                                        "version of policy lag)"),
+E2E_ROWS = (("eopd-rkl-full@trl-async", "**EOPD with the exact reverse KL** (eopd's default: `eopd_rkl` over the full "
+                                        "vocabulary, at TRL's layout in `mode=async`)"),
             ("eopd", "EOPD, the paper's loss (eopd, `loss.variant=eopd`)"),
             ("opd", "OPD (eopd)"), ("eopd-gkd", "GKD, λ 1 (eopd; forward KL over the teacher's top-16)"),
             ("eopd-gkd@trl-async", "the same, `mode=async`"),
@@ -111,7 +110,7 @@ def table(e2e: dict, initial_eval: dict, experiment: list[dict]) -> str:
              f"¹ The head-to-head ([docs/benchmarks.md](docs/benchmarks.md#head-to-head-with-trl-accuracy-against-"
              f"training-time-python--m-benchbench_e2e-issue-34), `python -m bench.bench_e2e`): the same task, "
              f"{settings['steps']} optimizer steps of {settings['batch_size']} responses for every system, each eopd "
-             f"loss at its own default layout, {k} answers per problem. Its runs were timed on {len(machines)} machines "
+             f"loss at its own default layout (GKD's async row at the default loss's), {k} answers per problem. Its runs were timed on {len(machines)} machines "
              f"({'; '.join(machines)}), so a time range mixes machines; the ratio divides each run's time by TRL "
              "GKDTrainer's of the same seed timed on the same machine.",
              f"² KD is not in the head-to-head: its row, and the variants cells marked ², come from the experiment of "
