@@ -186,7 +186,7 @@ def retime_all(args, settings: dict) -> None:
         raise SystemExit("bench_e2e: --phase retime keeps its runs in --archive (timing/); give one")
     for seed in args.seeds:
         for system in args.systems:
-            name = f"{run_key(system, settings['layout'])}-s{seed}"
+            name = f"{system_key(system, settings['layout'])}-s{seed}"
             machine = timing_machine()  # before the run, on the quiet machine
             dest = args.archive / e2e_timing.TIMING_DIR / e2e_timing.timing_name(name, machine)
             if (dest / "trained.json").is_file():
@@ -210,7 +210,7 @@ def run_all(args, settings: dict) -> list[dict]:
     runs = []
     for seed in args.seeds:
         for system in args.systems:
-            name = f"{run_key(system, settings['layout'])}-s{seed}"
+            name = f"{system_key(system, settings['layout'])}-s{seed}"
             run_dir = out / name
             found = _find(f"{name}/trained.json", out, archive)
             if found is None and args.phase in ("all", "train"):
@@ -243,12 +243,6 @@ def run_all(args, settings: dict) -> list[dict]:
             if evaluated is not None:
                 runs.append(_with_accuracy(trained, evaluated))
     return runs
-
-
-def run_key(system: str, layout: str) -> str:
-    """The name a `--systems` entry's runs are kept under: `SYSTEM@LAYOUT` as given (a report of runs
-    trained at several layouts), else the system at `--layout` (e2e_systems.system_key)."""
-    return system if "@" in system else system_key(system, layout)
 
 
 def system_entry(text: str) -> str:

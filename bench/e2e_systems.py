@@ -94,7 +94,10 @@ HEAD_TO_HEAD_LAYOUTS = tuple(name for name, overrides in LAYOUTS.items() if not 
 
 def system_key(system: str, layout: str) -> str:
     """The name a run is kept under: an eopd system at a layout other than the preset's carries it
-    (`eopd-gkd@trl`); TRL's systems have one layout."""
+    (`eopd-gkd@trl`); TRL's systems have one layout; a `--systems` entry that names its layout
+    (`SYSTEM@LAYOUT`, a report of runs trained at several) keeps it whatever `layout` says."""
+    if "@" in system:
+        return system
     return f"{system}@{layout}" if layout != "preset" and system in EOPD_SYSTEMS else system
 
 

@@ -269,10 +269,11 @@ def test_a_report_names_runs_of_several_layouts_and_nothing_else_takes_them():
     layout is `--layout`'s), and a system or layout that does not exist is a clear error."""
     import argparse
 
-    from bench.bench_e2e import main, run_key, system_entry
+    from bench.bench_e2e import main, system_entry
+    from bench.e2e_systems import system_key
 
-    assert run_key("eopd-gkd@trl-async", "preset") == "eopd-gkd@trl-async"
-    assert run_key("eopd-gkd", "trl-async") == "eopd-gkd@trl-async" and run_key("trl-gkd", "trl-async") == "trl-gkd"
+    assert system_key("eopd-gkd@trl-async", "preset") == "eopd-gkd@trl-async"
+    assert system_key("eopd-gkd", "trl-async") == "eopd-gkd@trl-async" and system_key("trl-gkd", "trl-async") == "trl-gkd"
     assert system_entry("eopd-rkl-full@trl-async") == "eopd-rkl-full@trl-async" and system_entry("opd") == "opd"
     for bad, says in (("eopd-gkd@nowhere", "layout"), ("trl-gkd@trl", "eopd's systems"), ("eopd-gkd@trl-256", "layout"),
                       ("eopd-gkd@preset", "other than the preset's"), ("gkd", "unknown system 'gkd'")):
