@@ -110,7 +110,7 @@ def table(e2e: dict, initial_eval: dict, experiment: list[dict]) -> str:
              f"¹ The head-to-head ([docs/benchmarks.md](docs/benchmarks.md#head-to-head-with-trl-accuracy-against-"
              f"training-time-python--m-benchbench_e2e-issue-34), `python -m bench.bench_e2e`): the same task, "
              f"{settings['steps']} optimizer steps of {settings['batch_size']} responses for every system, each eopd "
-             f"loss at its own default layout (GKD's async row at the default loss's), {k} answers per problem. Its runs were timed on {len(machines)} machines "
+             f"loss at its own default layout unless its row names another, {k} answers per problem. Its runs were timed on {len(machines)} machines "
              f"({'; '.join(machines)}), so a time range mixes machines; the ratio divides each run's time by TRL "
              "GKDTrainer's of the same seed timed on the same machine.",
              f"² KD is not in the head-to-head: its row, and the variants cells marked ², come from the experiment of "

@@ -34,10 +34,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 PRESET = ROOT / "configs" / "smollm2-cpu.yaml"
 # No variants set: the generated training split then excludes the held-out problems only, the same in every run.
+SHORT = ("train.iterations=2", "checkpoint.every=1", "data.generate.variants=0")
 # mode=sync: bitwise equality is sync mode's claim; the preset's default loss runs async, whose
 # rollouts sample with whatever policy version a worker holds when it gets to them (docs/run.md).
-COMMON = ("train.iterations=2", "checkpoint.every=1", "train.batch_size=8", "train.mini_batch_size=4",
-          "train.micro_batch_size=4", "data.generate.variants=0", "mode=sync")
+COMMON = (*SHORT, "train.batch_size=8", "train.mini_batch_size=4", "train.micro_batch_size=4", "mode=sync")
 # The resume claim's models: SmolLM2's tokenizer (every preset model shares it), the student pruned
 # from its spec into student-init as the preset's is (tiny-random has 2 layers: one dropped).
 TINY_MODELS = ("teacher.model=tiny-random@0", "student.model=tiny-random@1[drop=1]")
@@ -117,8 +117,7 @@ def test_smollm2_cpu_default_async_mode_sigkilled_then_resumed(tmp_path):
     than one policy version old. Not bitwise equal to an uninterrupted run: in async mode the version
     a rollout is sampled with depends on timing (the sync test above holds that claim)."""
     evals = ("eval.models=[final]", "eval.max_prompts=4", "eval.n_samples=2")
-    given = (*(o for o in COMMON if o not in ("mode=sync", "train.mini_batch_size=4", "train.micro_batch_size=4")),
-             *TINY_MODELS, *evals)
+    given = (*SHORT, *TINY_MODELS, *evals)  # the preset's own layout and mode for its default loss
     run_dir = tmp_path / "run"
     r = Run(run_dir, *given, "faults=[{point: learner.after_step, iteration: 2, step: 1, action: hang}]", name="1",
             config=PRESET)
