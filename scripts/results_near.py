@@ -149,8 +149,14 @@ def teacher_metrics(facts: list[dict]) -> str:
 
 
 #: Runs whose times were not a measurement (they shared the machine, as the text under their table says):
-#: their seconds are shown apart, not in the range.
-SHARED_RUNS = frozenset({"gkd0.5-s0"})
+#: their seconds are shown apart, not in the range. Named by archive and run directory.
+SHARED_RUNS = frozenset({"runs/gkd0.5-s0"})
+
+
+def run_name(fact: dict) -> str:
+    """A run's archive and directory, e.g. "runs/gkd0.5-s0" (run names repeat across archives)."""
+    path = Path(fact["run"])
+    return f"{path.parent.name}/{path.name}"
 
 
 #: What the document adds to a loss's teacher-generated share.
@@ -199,13 +205,44 @@ def variants_table(facts: list[dict], names: dict[str, str], *, models: bool, te
                      else f"{min(values):.0%}–{max(values):.0%}").replace("%–", "–") + SHARE_NOTES.get(variant, "") + " |"
 
         def took(key: str) -> str:
-            timed = [f[key] for f in runs if Path(f["run"]).name not in SHARED_RUNS]
-            apart = [f[key] for f in runs if Path(f["run"]).name in SHARED_RUNS]
+            timed = [f[key] for f in runs if run_name(f) not in SHARED_RUNS]
+            apart = [f[key] for f in runs if run_name(f) in SHARED_RUNS]
             return f"{min(timed):.0f}–{max(timed):.0f}" + "".join(f" ({s:.0f} shared)" for s in apart)
         lines.append(f"| {f'**{label}**' if top else label} | {f'**{exact_mean(avg):.3f}**' if top else f'{exact_mean(avg):.3f}'} "
                      f"({min(avg):.3f}–{max(avg):.3f}) | {' / '.join(f'{a:.3f}' for a in avg)} | {pass_text} "
                      f"| {min(final_of(f)[f'pass@{n}'] for f in runs):.3f}–{max(final_of(f)[f'pass@{n}'] for f in runs):.3f} "
                      f"| {signed(paired)} |{' ' + share if share else ''} {took('train_s')} | {took('total_s')} |")
+    return "\n".join(lines) + "\n"
+
+
+def gkd_layouts(facts: list[dict], lambdas: tuple[str, ...], suffix: str) -> str:
+    """GKD at each lambda under two data layouts, paired by seed: the runs of `gkd<lambda><suffix>`
+    (TRL's layout) against those of `gkd<lambda>` (the preset's), held-out Avg@n and Pass@n means,
+    the difference in points (range over seeds; bold: ahead in every seed) and the training seconds
+    (range over seeds, runs that shared the machine apart)."""
+    n = answers_per_problem(facts)
+    key = f"pass@{n}"
+    lines = [f"| λ | Avg@{n}: TRL's layout / the preset's | difference, Avg@{n} (per seed) | Pass@{n}: TRL's / the preset's "
+             f"| difference, Pass@{n} | training s: TRL's / the preset's |", "|---|---|---|---|---|---|"]
+
+    def seconds(runs: dict) -> str:
+        timed = [f["train_s"] for f in runs.values() if run_name(f) not in SHARED_RUNS]
+        apart = [f["train_s"] for f in runs.values() if run_name(f) in SHARED_RUNS]
+        span = f"{min(timed):.0f}" if f"{min(timed):.0f}" == f"{max(timed):.0f}" else f"{min(timed):.0f}–{max(timed):.0f}"
+        return span + "".join(f" ({s:.0f} shared)" for s in apart)
+
+    for lam in lambdas:
+        new, old = runs_by_seed(facts, f"gkd{lam}{suffix}"), runs_by_seed(facts, f"gkd{lam}")
+        seeds = [s for s in new if s in old]
+        cells = []
+        for k in ("avg", key):
+            d = [final_of(new[s])[k] - final_of(old[s])[k] for s in seeds]
+            text = f"{points(exact_mean(d))} ({', '.join(points(x) for x in d)})"
+            cells.append((f"{exact_mean([final_of(new[s])[k] for s in seeds]):.3f} / "
+                          f"{exact_mean([final_of(old[s])[k] for s in seeds]):.3f}",
+                          f"**{text}**" if all(x > 0 for x in d) else text))
+        lines.append(f"| {lam} | {cells[0][0]} | {cells[0][1]} | {cells[1][0]} | {cells[1][1]} "
+                     f"| {seconds({s: new[s] for s in seeds})} / {seconds({s: old[s] for s in seeds})} |")
     return "\n".join(lines) + "\n"
 
 

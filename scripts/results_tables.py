@@ -21,15 +21,20 @@ from eopd_trainer.eval.experiment_table import read_facts
 
 from scripts import doc_blocks, layout_ablation
 from scripts.results_far import far_choice, far_initial, far_means, far_paired, far_per_run, far_training
-from scripts.results_near import (default_run, eopd_vs_opd, fkl_ablations, samples, teacher_metrics, teachers,
-                                  variants_table, warmup)
+from scripts.results_near import (default_run, eopd_vs_opd, fkl_ablations, gkd_layouts, samples, teacher_metrics,
+                                  teachers, variants_table, warmup)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"
 RUNS = ROOT / "docs" / "results" / "runs"
 RUNS_FAR = ROOT / "docs" / "results" / "runs-far"
+#: GKD's runs at its own layout (TRL's: 8 prompts x 1 response per step, configs/smollm2-cpu.yaml's per_loss.gkd),
+#: the same 384 responses as the runs of RUNS; their losses are named with LAYOUT_SUFFIX in the tables.
+RUNS_GKD = ROOT / "docs" / "results" / "runs-gkd-trl"
+LAYOUT_SUFFIX = "@trl"
 FAR_CHOICE = ROOT / "docs" / "results" / "far-student" / "choice.json"
 COMMAND = "python -m scripts.results_tables"
+GKD_LAMBDAS = ("0.5", "0.8", "1.0")
 
 
 def blocks() -> dict[str, str]:
@@ -40,11 +45,16 @@ def blocks() -> dict[str, str]:
     near = read_facts(sorted(RUNS.iterdir()))
     if near is None:
         raise FileNotFoundError(f"{RUNS}: a run directory without run.yaml")
+    gkd = read_facts(sorted(RUNS_GKD.iterdir()))
+    if gkd is None:
+        raise FileNotFoundError(f"{RUNS_GKD}: a run directory without run.yaml")
+    both = near + [{**f, "variant": f["variant"] + LAYOUT_SUFFIX} for f in gkd]
     return {"eopd-vs-opd": eopd_vs_opd(near), "fkl-ablations": fkl_ablations(near),
             "table-2": variants_table(near, {"kd": "KD", "grpo": "GRPO", "opd": "OPD", "eopd": "EOPD"},
                                       models=True, teacher_share=False),
-            "gkd": variants_table(near, {"gkd0.5": "GKD λ = 0.5", "gkd0.8": "GKD λ = 0.8", "gkd1.0": "GKD λ = 1.0",
-                                         "kd": "KD", "eopd": "EOPD", "opd": "OPD"}, models=False, teacher_share=True),
+            "gkd": variants_table(both, {f"gkd{lam}{LAYOUT_SUFFIX}": f"GKD λ = {lam}" for lam in GKD_LAMBDAS}
+                                  | {"kd": "KD", "eopd": "EOPD", "opd": "OPD"}, models=False, teacher_share=True),
+            "gkd-layouts": gkd_layouts(both, GKD_LAMBDAS, LAYOUT_SUFFIX),
             "warmup": warmup(near), "teachers": teachers(near), "teacher-metrics": teacher_metrics(near),
             "default-run": default_run(near), "samples": samples(near),
             "far-choice": far_choice(json.loads(FAR_CHOICE.read_text())),
