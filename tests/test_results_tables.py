@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from scripts import results_far, results_layout, results_tables
+from scripts import results_far, results_layout, results_near, results_tables
 from scripts.doc_blocks import read_block, sync
 
 
@@ -30,3 +30,18 @@ def test_paired_differences_are_bold_only_when_ahead_in_every_seed():
 
 def test_a_mean_exact_in_counts_prints_as_its_exact_value():
     assert results_layout.mean_range([1 / 320, 6 / 320, 5 / 320]) == "0.013 (0.003-0.019)"
+
+
+def test_gkd_layout_differences_are_paired_by_seed_and_bold_only_when_ahead_in_every_seed():
+    near = results_tables.read_facts(sorted(results_tables.RUNS.iterdir()))
+    trl = results_tables.read_facts(sorted(results_tables.RUNS_GKD.iterdir()))
+    both = near + [{**f, "variant": f["variant"] + "@trl"} for f in trl]
+    rows = {r.split(" | ")[0]: r.split(" | ") for r in results_near.gkd_layouts(both, ("0.5", "1.0"), "@trl").splitlines()}
+    assert rows["| 1.0"][2] == "**+6.1 (+8.8, +2.0, +7.4)**"  # ahead in every seed
+    assert rows["| 0.5"][2] == "−2.1 (−10.9, −2.0, +6.6)"
+    moved = copy.deepcopy(both)
+    for f in moved:
+        if f["variant"] == "gkd0.5@trl" and f["seed"] in (0, 1):
+            f["sets"]["held-out"]["final"]["avg"] += 0.2  # now ahead in every seed
+    row = next(r for r in results_near.gkd_layouts(moved, ("0.5",), "@trl").splitlines() if r.startswith("| 0.5"))
+    assert row.split(" | ")[2].startswith("**+11.2 (")
