@@ -159,6 +159,15 @@ def run_name(fact: dict) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+def seconds_span(runs: list[dict], key: str) -> str:
+    """The runs' `key` seconds as "min–max" (one number when they round alike), the runs of SHARED_RUNS
+    apart: "(N shared)"."""
+    timed = [f[key] for f in runs if run_name(f) not in SHARED_RUNS]
+    apart = [f[key] for f in runs if run_name(f) in SHARED_RUNS]
+    lo, hi = f"{min(timed):.0f}", f"{max(timed):.0f}"
+    return (lo if lo == hi else f"{lo}–{hi}") + "".join(f" ({s:.0f} shared)" for s in apart)
+
+
 #: What the document adds to a loss's teacher-generated share.
 SHARE_NOTES = {"gkd1.0": " (all on-policy)"}
 
@@ -204,14 +213,10 @@ def variants_table(facts: list[dict], names: dict[str, str], *, models: bool, te
             share = (f"{min(values):.0%}" if f"{min(values):.0%}" == f"{max(values):.0%}"
                      else f"{min(values):.0%}–{max(values):.0%}").replace("%–", "–") + SHARE_NOTES.get(variant, "") + " |"
 
-        def took(key: str) -> str:
-            timed = [f[key] for f in runs if run_name(f) not in SHARED_RUNS]
-            apart = [f[key] for f in runs if run_name(f) in SHARED_RUNS]
-            return f"{min(timed):.0f}–{max(timed):.0f}" + "".join(f" ({s:.0f} shared)" for s in apart)
         lines.append(f"| {f'**{label}**' if top else label} | {f'**{exact_mean(avg):.3f}**' if top else f'{exact_mean(avg):.3f}'} "
                      f"({min(avg):.3f}–{max(avg):.3f}) | {' / '.join(f'{a:.3f}' for a in avg)} | {pass_text} "
                      f"| {min(final_of(f)[f'pass@{n}'] for f in runs):.3f}–{max(final_of(f)[f'pass@{n}'] for f in runs):.3f} "
-                     f"| {signed(paired)} |{' ' + share if share else ''} {took('train_s')} | {took('total_s')} |")
+                     f"| {signed(paired)} |{' ' + share if share else ''} {seconds_span(runs, 'train_s')} | {seconds_span(runs, 'total_s')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,12 +230,6 @@ def gkd_layouts(facts: list[dict], lambdas: tuple[str, ...], suffix: str) -> str
     lines = [f"| λ | Avg@{n}: TRL's layout / the preset's | difference, Avg@{n} (per seed) | Pass@{n}: TRL's / the preset's "
              f"| difference, Pass@{n} | training s: TRL's / the preset's |", "|---|---|---|---|---|---|"]
 
-    def seconds(runs: dict) -> str:
-        timed = [f["train_s"] for f in runs.values() if run_name(f) not in SHARED_RUNS]
-        apart = [f["train_s"] for f in runs.values() if run_name(f) in SHARED_RUNS]
-        span = f"{min(timed):.0f}" if f"{min(timed):.0f}" == f"{max(timed):.0f}" else f"{min(timed):.0f}–{max(timed):.0f}"
-        return span + "".join(f" ({s:.0f} shared)" for s in apart)
-
     for lam in lambdas:
         new, old = runs_by_seed(facts, f"gkd{lam}{suffix}"), runs_by_seed(facts, f"gkd{lam}")
         seeds = [s for s in new if s in old]
@@ -242,7 +241,7 @@ def gkd_layouts(facts: list[dict], lambdas: tuple[str, ...], suffix: str) -> str
                           f"{exact_mean([final_of(old[s])[k] for s in seeds]):.3f}",
                           f"**{text}**" if all(x > 0 for x in d) else text))
         lines.append(f"| {lam} | {cells[0][0]} | {cells[0][1]} | {cells[1][0]} | {cells[1][1]} "
-                     f"| {seconds({s: new[s] for s in seeds})} / {seconds({s: old[s] for s in seeds})} |")
+                     f"| {seconds_span([new[s] for s in seeds], 'train_s')} / {seconds_span([old[s] for s in seeds], 'train_s')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,14 @@ COMMAND = "python -m scripts.results_tables"
 GKD_LAMBDAS = ("0.5", "0.8", "1.0")
 
 
+def with_gkd_layout(near: list[dict]) -> list[dict]:
+    """`near` and the facts of RUNS_GKD, whose losses are named with LAYOUT_SUFFIX (gkd1.0@trl)."""
+    gkd = read_facts(sorted(RUNS_GKD.iterdir()))
+    if gkd is None:
+        raise FileNotFoundError(f"{RUNS_GKD}: a run directory without run.yaml")
+    return near + [{**f, "variant": f["variant"] + LAYOUT_SUFFIX} for f in gkd]
+
+
 def blocks() -> dict[str, str]:
     """Every generated block of docs/results.md, by name, from the archived runs."""
     far = read_facts(sorted(RUNS_FAR.iterdir()))
@@ -45,10 +53,7 @@ def blocks() -> dict[str, str]:
     near = read_facts(sorted(RUNS.iterdir()))
     if near is None:
         raise FileNotFoundError(f"{RUNS}: a run directory without run.yaml")
-    gkd = read_facts(sorted(RUNS_GKD.iterdir()))
-    if gkd is None:
-        raise FileNotFoundError(f"{RUNS_GKD}: a run directory without run.yaml")
-    both = near + [{**f, "variant": f["variant"] + LAYOUT_SUFFIX} for f in gkd]
+    both = with_gkd_layout(near)
     return {"eopd-vs-opd": eopd_vs_opd(near), "fkl-ablations": fkl_ablations(near),
             "table-2": variants_table(near, {"kd": "KD", "grpo": "GRPO", "opd": "OPD", "eopd": "EOPD"},
                                       models=True, teacher_share=False),

@@ -33,9 +33,7 @@ def test_a_mean_exact_in_counts_prints_as_its_exact_value():
 
 
 def test_gkd_layout_differences_are_paired_by_seed_and_bold_only_when_ahead_in_every_seed():
-    near = results_tables.read_facts(sorted(results_tables.RUNS.iterdir()))
-    trl = results_tables.read_facts(sorted(results_tables.RUNS_GKD.iterdir()))
-    both = near + [{**f, "variant": f["variant"] + "@trl"} for f in trl]
+    both = results_tables.with_gkd_layout(results_tables.read_facts(sorted(results_tables.RUNS.iterdir())))
     rows = {r.split(" | ")[0]: r.split(" | ") for r in results_near.gkd_layouts(both, ("0.5", "1.0"), "@trl").splitlines()}
     assert rows["| 1.0"][2] == "**+6.1 (+8.8, +2.0, +7.4)**"  # ahead in every seed
     assert rows["| 0.5"][2] == "−2.1 (−10.9, −2.0, +6.6)"
