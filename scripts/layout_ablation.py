@@ -67,6 +67,8 @@ LOSSES: dict[str, tuple[str, ...]] = {
 PROBE = 128  # the first this many training problems
 PROBE_SET = f"train{PROBE}"
 ARCHIVE = ROOT / "docs" / "results" / "layout"
+#: the far-student preset's cells (`--preset configs/smollm2-far.yaml --archive docs/results/layout-far`)
+ARCHIVE_FAR = ROOT / "docs" / "results" / "layout-far"
 SMALL_FILES = ("run.yaml", "run_summary.json", "train_metrics.jsonl", f"eval-{PROBE_SET}.json")
 
 
@@ -197,6 +199,36 @@ def seen_table(archive: Path) -> str:
     return "\n".join(["Avg@4 on the probe problems each run trained on and on those it never sampled (problem counts "
                       "in brackets):", "", "| loss | layout | seed | Avg@4 (all) | trained on | never sampled |",
                       "|---|---|---|---|---|---|", *rows]) + "\n"
+
+
+def distance_table(archive: Path) -> str:
+    """Per loss x layout, the final student's distance to the teacher on its own answers to the probe
+    problems (reverse KL, and forward KL at positions where the teacher's entropy is >= tau), mean over
+    the seeds archived and per seed, beside the initial student's: where Avg@4 barely moves (a student
+    far from its teacher), this is what the layout changes."""
+    def distances(path: Path, model: str) -> tuple[float, float]:
+        m = json.loads((path / f"eval-{PROBE_SET}.json").read_text())["models"][model]
+        return m["reverse_kl"], m["fkl_high_entropy"]
+
+    initial = {int(p.name.rsplit("-s", 1)[1]): distances(p, "initial") for p in sorted(archive.glob("initial-s*"))}
+    rows = [c | {"path": p} for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
+    if not rows:
+        return ""
+    f = lambda pairs: f"{statistics.fmean(v for v, _ in pairs):.3f} / {statistics.fmean(w for _, w in pairs):.3f}"  # noqa: E731
+    lines = ["The final student's distance to the teacher on its own answers to the probe problems: reverse KL / "
+             "forward KL at positions where the teacher's entropy is >= tau (nats; lower is closer):", "",
+             "| loss | layout | seeds | mean | per seed |", "|---|---|---|---|---|"]
+    if initial:
+        lines.append(f"| initial student | - | {len(initial)} | {f(list(initial.values()))} | "
+                     + ", ".join(f"s{s} {v:.3f} / {w:.3f}" for s, (v, w) in sorted(initial.items())) + " |")
+    for loss in LOSSES:
+        for layout in LAYOUTS:
+            got = sorted((r for r in rows if r["loss"] == loss and r["layout"] == layout), key=lambda r: r["seed"])
+            if got:
+                pairs = [distances(r["path"], "final") for r in got]
+                lines.append(f"| {loss} | {layout} | {len(got)} | {f(pairs)} | "
+                             + ", ".join(f"s{r['seed']} {v:.3f} / {w:.3f}" for r, (v, w) in zip(got, pairs)) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def machine_of(cell: dict) -> tuple[str, str]:

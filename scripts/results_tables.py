@@ -66,8 +66,14 @@ def blocks() -> dict[str, str]:
             "far-initial": far_initial(*(f for f in near + far if f["variant"] == "eopd" and f["seed"] == 0
                                          and "initial" in f["sets"]["held-out"])),
             "far-per-run": far_per_run(far), "far-means": far_means(far), "far-paired": far_paired(far),
-            "far-training": far_training(far), "layout-ablation": "\n".join(x for x in (layout_ablation.table(layout_ablation.ARCHIVE),
-                                                        layout_ablation.seen_table(layout_ablation.ARCHIVE)) if x)}
+            "far-training": far_training(far), "layout-ablation": layout_tables(layout_ablation.ARCHIVE),
+            "layout-far": "\n".join((layout_tables(layout_ablation.ARCHIVE_FAR),
+                                      layout_ablation.distance_table(layout_ablation.ARCHIVE_FAR)))}
+
+
+def layout_tables(archive: Path) -> str:
+    """The layout ablation's table of one archive and its seen/unseen split (scripts/layout_ablation.py)."""
+    return "\n".join(x for x in (layout_ablation.table(archive), layout_ablation.seen_table(archive)) if x)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,22 @@ def test_layout_table_means_over_seeds_and_gains_over_the_initial_student(tmp_pa
     assert layout_ablation.read_cell(tmp_path / "nothing") is None
 
 
+def test_distance_table_means_each_layouts_kl_to_the_teacher_beside_the_initial_students(tmp_path):
+    """The far student's Avg@4 barely moves, so its block also reads the evaluations' distances to the
+    teacher (reverse KL / FKL at H >= tau of the final student), per seed and averaged."""
+    for seed, (rkl, fkl) in ((0, (1.0, 0.9)), (1, (1.2, 0.7))):
+        _cell(tmp_path, "eopd", "preset", seed, 0.1, 10.0, cpu="EPYC", boot_id="b")
+        path = tmp_path / layout_ablation.cell_name("eopd", "preset", seed) / f"eval-{layout_ablation.PROBE_SET}.json"
+        path.write_text(json.dumps({"models": {"final": {"avg_at_k": 0.1, "reverse_kl": rkl, "fkl_high_entropy": fkl}}}))
+    (tmp_path / "initial-s0").mkdir()
+    (tmp_path / "initial-s0" / f"eval-{layout_ablation.PROBE_SET}.json").write_text(
+        json.dumps({"models": {"initial": {"avg_at_k": 0.0, "reverse_kl": 2.0, "fkl_high_entropy": 1.5}}}))
+    text = layout_ablation.distance_table(tmp_path)
+    assert "| initial student | - | 1 | 2.000 / 1.500 | s0 2.000 / 1.500 |" in text
+    assert "| eopd | preset | 2 | 1.100 / 0.800 | s0 1.000 / 0.900, s1 1.200 / 0.700 |" in text
+    assert layout_ablation.distance_table(tmp_path / "empty") == ""
+
+
 def test_a_cell_splits_the_probe_into_problems_its_run_trained_on_and_the_others(tmp_path):
     """The probe is the first 128 training problems: the trl layout samples all 512 problems once,
     the preset's a seeded half of them twice, so each cell's per-prompt results split into the
