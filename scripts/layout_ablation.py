@@ -201,16 +201,33 @@ def seen_table(archive: Path) -> str:
                       "|---|---|---|---|---|---|", *rows]) + "\n"
 
 
+def initial_models(archive: Path) -> dict[int, dict]:
+    """Seed -> the initial student's evaluation on the probe (the archive's `initial-s<seed>` cells)."""
+    return {int(p.name.rsplit("-s", 1)[1]): json.loads((p / f"eval-{PROBE_SET}.json").read_text())["models"]["initial"]
+            for p in sorted(archive.glob("initial-s*"))}
+
+
+def by_loss_and_layout(rows: list[dict]):
+    """(loss, layout, that pair's cells by seed) in LOSSES' and LAYOUTS' order, pairs without cells left out."""
+    for loss in LOSSES:
+        for layout in LAYOUTS:
+            got = sorted((r for r in rows if r["loss"] == loss and r["layout"] == layout), key=lambda r: r["seed"])
+            if got:
+                yield loss, layout, got
+
+
 def distance_table(archive: Path) -> str:
     """Per loss x layout, the final student's distance to the teacher on its own answers to the probe
     problems (reverse KL, and forward KL at positions where the teacher's entropy is >= tau), mean over
     the seeds archived and per seed, beside the initial student's: where Avg@4 barely moves (a student
     far from its teacher), this is what the layout changes."""
-    def distances(path: Path, model: str) -> tuple[float, float]:
-        m = json.loads((path / f"eval-{PROBE_SET}.json").read_text())["models"][model]
+    def distances(m: dict) -> tuple[float, float]:
         return m["reverse_kl"], m["fkl_high_entropy"]
 
-    initial = {int(p.name.rsplit("-s", 1)[1]): distances(p, "initial") for p in sorted(archive.glob("initial-s*"))}
+    def final(path: Path) -> dict:
+        return json.loads((path / f"eval-{PROBE_SET}.json").read_text())["models"]["final"]
+
+    initial = {seed: distances(m) for seed, m in initial_models(archive).items()}
     rows = [c | {"path": p} for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
     if not rows:
         return ""
@@ -221,13 +238,10 @@ def distance_table(archive: Path) -> str:
     if initial:
         lines.append(f"| initial student | - | {len(initial)} | {f(list(initial.values()))} | "
                      + ", ".join(f"s{s} {v:.3f} / {w:.3f}" for s, (v, w) in sorted(initial.items())) + " |")
-    for loss in LOSSES:
-        for layout in LAYOUTS:
-            got = sorted((r for r in rows if r["loss"] == loss and r["layout"] == layout), key=lambda r: r["seed"])
-            if got:
-                pairs = [distances(r["path"], "final") for r in got]
-                lines.append(f"| {loss} | {layout} | {len(got)} | {f(pairs)} | "
-                             + ", ".join(f"s{r['seed']} {v:.3f} / {w:.3f}" for r, (v, w) in zip(got, pairs)) + " |")
+    for loss, layout, got in by_loss_and_layout(rows):
+        pairs = [distances(final(r["path"])) for r in got]
+        lines.append(f"| {loss} | {layout} | {len(got)} | {f(pairs)} | "
+                     + ", ".join(f"s{r['seed']} {v:.3f} / {w:.3f}" for r, (v, w) in zip(got, pairs)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -273,9 +287,7 @@ def table(archive: Path) -> str:
     """The results block: per loss x layout, mean Avg@4 on the probe set over the seeds archived,
     every seed's value, and each seed's training seconds with the letter of the machine it ran on."""
     rows = [c for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
-    initial = {}
-    for p in sorted(archive.glob("initial-s*")):
-        initial[int(p.name.rsplit("-s", 1)[1])] = json.loads((p / f"eval-{PROBE_SET}.json").read_text())["models"]["initial"]["avg_at_k"]
+    initial = {seed: m["avg_at_k"] for seed, m in initial_models(archive).items()}
     if not rows:
         return "No cell has been measured yet.\n"
     machines = machine_legend(rows)
@@ -285,18 +297,14 @@ def table(archive: Path) -> str:
              "the cell ran on (the grid runs in parts, on several 2-core machines): compare seconds within one machine.",
              "", "| loss | layout | seeds | Avg@4 mean | per seed | gain over initial (mean) | train s per seed (machine) |",
              "|---|---|---|---|---|---|---|"]
-    for loss in LOSSES:
-        for layout in LAYOUTS:
-            got = sorted((r for r in rows if r["loss"] == loss and r["layout"] == layout), key=lambda r: r["seed"])
-            if not got:
-                continue
-            avgs = [r["avg"] for r in got]
-            gains = [r["avg"] - initial[r["seed"]] for r in got if r["seed"] in initial]
-            per_seed = ", ".join(f"s{r['seed']} {r['avg']:.3f}" for r in got)
-            seconds = ", ".join(f"s{r['seed']} {r['train_s']:.0f}{'*' if r.get('beside') else ''} ({machines[machine_of(r)]})"
-                                for r in got)
-            gain = f"{statistics.fmean(gains):+.3f}" if gains else "-"
-            lines.append(f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | {gain} | {seconds} |")
+    for loss, layout, got in by_loss_and_layout(rows):
+        avgs = [r["avg"] for r in got]
+        gains = [r["avg"] - initial[r["seed"]] for r in got if r["seed"] in initial]
+        per_seed = ", ".join(f"s{r['seed']} {r['avg']:.3f}" for r in got)
+        seconds = ", ".join(f"s{r['seed']} {r['train_s']:.0f}{'*' if r.get('beside') else ''} ({machines[machine_of(r)]})"
+                            for r in got)
+        gain = f"{statistics.fmean(gains):+.3f}" if gains else "-"
+        lines.append(f"| {loss} | {layout} | {len(got)} | {statistics.fmean(avgs):.3f} | {per_seed} | {gain} | {seconds} |")
     lines += ["", "Machines: " + "; ".join(f"{letter} = {machine_text(rows, key)}" for key, letter in machines.items()) + "."]
     if any(r.get("beside") for r in rows):
         lines.append("\\* Other work ran beside this cell's training (its cell.json says what): its seconds are not comparable.")
