@@ -149,8 +149,8 @@ def read_cell(path: Path) -> dict | None:
     iters = [json.loads(x) for x in (path / "train_metrics.jsonl").read_text().splitlines()]
     iters = [r for r in iters if r.get("kind") == "iteration"]
     started = next((r["time"] for r in iters if "time" in r), None)  # when the cell's run trained
-    return {**cell, "avg": model["avg_at_k"], "train_s": summary.get("train_s"), "iterations": len(iters),
-            "started": started}
+    return {**cell, "avg": model["avg_at_k"], "final": model, "train_s": summary.get("train_s"),
+            "iterations": len(iters), "started": started}
 
 
 def trained_prompts(config: dict) -> set[int] | None:
@@ -224,11 +224,8 @@ def distance_table(archive: Path) -> str:
     def distances(m: dict) -> tuple[float, float]:
         return m["reverse_kl"], m["fkl_high_entropy"]
 
-    def final(path: Path) -> dict:
-        return json.loads((path / f"eval-{PROBE_SET}.json").read_text())["models"]["final"]
-
     initial = {seed: distances(m) for seed, m in initial_models(archive).items()}
-    rows = [c | {"path": p} for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
+    rows = [c for p in sorted(archive.glob("*-s*")) if (c := read_cell(p))]
     if not rows:
         return ""
     f = lambda pairs: f"{statistics.fmean(v for v, _ in pairs):.3f} / {statistics.fmean(w for _, w in pairs):.3f}"  # noqa: E731
@@ -239,7 +236,7 @@ def distance_table(archive: Path) -> str:
         lines.append(f"| initial student | - | {len(initial)} | {f(list(initial.values()))} | "
                      + ", ".join(f"s{s} {v:.3f} / {w:.3f}" for s, (v, w) in sorted(initial.items())) + " |")
     for loss, layout, got in by_loss_and_layout(rows):
-        pairs = [distances(final(r["path"])) for r in got]
+        pairs = [distances(r["final"]) for r in got]
         lines.append(f"| {loss} | {layout} | {len(got)} | {f(pairs)} | "
                      + ", ".join(f"s{r['seed']} {v:.3f} / {w:.3f}" for r, (v, w) in zip(got, pairs)) + " |")
     return "\n".join(lines) + "\n"
